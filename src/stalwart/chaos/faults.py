@@ -1,0 +1,94 @@
+"""Faults injected by (rank, step, restart) from one environment variable, so any script can be tested.
+
+    STALWART_FAULTS="kill@rank=1,step=37;kill@rank=0,step=80,restart=1;kill_in_save@rank=1,step=40"
+
+Kinds:
+  kill          the rank sends itself a signal (default SIGKILL) just before starting `step`
+  kill_in_save  the rank is killed while saving the checkpoint of `step`, at `phase`:
+                'shard_half_written' (default: half its shard is on disk) or 'before_commit'
+                (every shard is durable, the manifest is not yet written)
+`restart` (default 0) is the launcher's TORCHELASTIC_RESTART_COUNT at which the fault fires, so a fault
+fires once and the restarted job runs on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from stalwart.errors import ConfigError
+
+FAULTS_ENV = "STALWART_FAULTS"
+_KINDS = ("kill", "kill_in_save")
+_PHASES = ("shard_half_written", "before_commit")
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+    restart: int = 0
+    phase: str = "shard_half_written"
+    signal: str = "SIGKILL"
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (part.strip() for part in spec.split(";"))):
+        kind, _, params = item.partition("@")
+        if kind not in _KINDS:
+            raise ConfigError(f"{FAULTS_ENV}: unknown fault kind {kind!r} (known: {', '.join(_KINDS)})")
+        fields: dict[str, str] = {}
+        for pair in filter(None, params.split(",")):
+            key, eq, value = pair.partition("=")
+            if not eq:
+                raise ConfigError(f"{FAULTS_ENV}: expected key=value in {item!r}")
+            fields[key.strip()] = value.strip()
+        try:
+            fault = Fault(
+                kind=kind,
+                rank=int(fields.pop("rank")),
+                step=int(fields.pop("step")),
+                restart=int(fields.pop("restart", "0")),
+                phase=fields.pop("phase", "shard_half_written"),
+                signal=fields.pop("signal", "SIGKILL"),
+            )
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(f"{FAULTS_ENV}: {item!r} needs integer rank= and step= ({exc})") from exc
+        if fields:
+            raise ConfigError(f"{FAULTS_ENV}: unknown keys {sorted(fields)} in {item!r}")
+        if fault.phase not in _PHASES or not hasattr(signal, fault.signal):
+            raise ConfigError(f"{FAULTS_ENV}: bad phase or signal in {item!r}")
+        faults.append(fault)
+    return faults
+
+
+class FaultInjector:
+    """Fires this rank's faults at the matching step/phase; before dying it calls `announce`."""
+
+    def __init__(
+        self, faults: list[Fault], rank: int, restart: int, announce: Callable[[Fault], None] | None = None
+    ) -> None:
+        self._faults = [f for f in faults if f.rank == rank and f.restart == restart]
+        self._announce = announce or (lambda fault: None)
+
+    @classmethod
+    def from_env(cls, rank: int, restart: int, announce: Callable[[Fault], None] | None = None) -> FaultInjector:
+        return cls(parse_faults(os.environ.get(FAULTS_ENV, "")), rank, restart, announce)
+
+    def at_step(self, step: int) -> None:
+        for f in self._faults:
+            if f.kind == "kill" and f.step == step:
+                self._fire(f)
+
+    def in_save(self, step: int, phase: str) -> None:
+        for f in self._faults:
+            if f.kind == "kill_in_save" and f.step == step and f.phase == phase:
+                self._fire(f)
+
+    def _fire(self, fault: Fault) -> None:
+        self._announce(fault)
+        os.kill(os.getpid(), getattr(signal, fault.signal))

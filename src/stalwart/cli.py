@@ -1,0 +1,66 @@
+"""The `stalwart` command: one subcommand per job a user has (run, demo)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from stalwart.errors import EXIT_USER_ERROR, ConfigError, StalwartError
+
+USAGE = """usage: stalwart <command> [options]
+
+commands:
+  run      launch a training script with torchrun's flags; restart workers on failure
+  demo     train a small GPT on 2 CPU ranks, kill a worker, recover, and compare with a clean run
+  version  print stalwart's version
+
+'stalwart <command> --help' describes each command."""
+
+
+def _version(argv: list[str]) -> int:
+    from importlib.metadata import version
+
+    print(f"stalwart {version('stalwart')}")
+    return 0
+
+
+def _run(argv: list[str]) -> int:
+    from stalwart.supervisor.cli import main
+
+    return main(argv)
+
+
+def _demo(argv: list[str]) -> int:
+    from stalwart.demo.cli import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"run": _run, "demo": _demo, "version": _version}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    command = COMMANDS.get(name)
+    if command is None:
+        print(f"stalwart: error: unknown command {name!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    try:
+        return command(rest)
+    except ConfigError as exc:
+        print(f"stalwart {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except StalwartError as exc:
+        print(f"stalwart {name}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"stalwart {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

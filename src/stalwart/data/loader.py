@@ -1,0 +1,126 @@
+"""ResumableLoader: a DataLoader whose position is part of the training state.
+
+The position counts batches handed to the training loop, not batches fetched: DataLoader worker processes
+prefetch ahead, and those prefetched batches are simply fetched again after a resume. The DataLoader gets its own
+seeded generator, so creating an iterator never draws from torch's global RNG (which would break bitwise resume).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from stalwart.data import order
+from stalwart.errors import ConfigError
+from stalwart.job.dist import Placement
+
+
+class _LocalBatches(Sampler[list[int]]):
+    """Endless stream of this rank's index lists, starting at a global position."""
+
+    def __init__(self, loader: ResumableLoader, epoch: int, batch: int) -> None:
+        self._loader = loader
+        self._start = (epoch, batch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        ld = self._loader
+        epoch, batch = self._start
+        while ld.max_epochs is None or epoch < ld.max_epochs:
+            perm = order.epoch_permutation(ld.num_samples, ld.seed, epoch, shuffle=ld.shuffle)
+            for b in range(batch, ld.batches_per_epoch):
+                g = perm[b * ld.global_batch_size : (b + 1) * ld.global_batch_size]
+                yield order.local_slice(g, ld.rank, ld.world_size).tolist()
+            epoch, batch = epoch + 1, 0
+
+
+class ResumableLoader:
+    """Iterates this rank's batches forever (or for `max_epochs`); `state_dict()` is the global position.
+
+    Use it like a DataLoader; register it with `job.track(data=loader)` so its position is checkpointed.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any] | Sequence[Any],
+        *,
+        global_batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        max_epochs: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        pin_memory: bool = False,
+    ) -> None:
+        placement = Placement.from_env()
+        self.rank = placement.rank if rank is None else rank
+        self.world_size = placement.world_size if world_size is None else world_size
+        self.dataset = dataset
+        self.num_samples = len(dataset)  # type: ignore[arg-type]
+        order.check_sizes(self.num_samples, global_batch_size, self.world_size)
+        if num_workers < 0:
+            raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.max_epochs = max_epochs
+        self.batches_per_epoch = order.batches_per_epoch(self.num_samples, global_batch_size)
+        self._num_workers = num_workers
+        self._collate_fn = collate_fn
+        self._pin_memory = pin_memory
+        self.epoch = 0
+        self.batch = 0  # next global batch within the epoch
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.global_batch_size // self.world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        start = (self.epoch, self.batch)
+        g = torch.Generator()
+        g.manual_seed(self.seed)  # seeds worker processes; never touches the global generator
+        dl = DataLoader(
+            self.dataset,  # type: ignore[arg-type]
+            batch_sampler=_LocalBatches(self, *start),
+            num_workers=self._num_workers,
+            collate_fn=self._collate_fn,
+            generator=g,
+            pin_memory=self._pin_memory,
+        )
+        for item in dl:
+            if (self.epoch, self.batch) != start:
+                # load_state_dict moved the position under us: this iterator is stale.
+                return
+            self.batch += 1
+            if self.batch == self.batches_per_epoch:
+                self.epoch, self.batch = self.epoch + 1, 0
+            start = (self.epoch, self.batch)
+            yield item
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "global_batch_size": self.global_batch_size,
+            "shuffle": int(self.shuffle),
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key, mine in (
+            ("seed", self.seed),
+            ("num_samples", self.num_samples),
+            ("global_batch_size", self.global_batch_size),
+            ("shuffle", int(self.shuffle)),
+        ):
+            if state[key] != mine:
+                raise ConfigError(
+                    f"the checkpoint's data order has {key}={state[key]} but this loader has {mine}; "
+                    "resuming would repeat or skip samples, so keep the loader's settings"
+                )
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])

@@ -1,0 +1,51 @@
+"""The one exception tree of stalwart.
+
+    StalwartError
+     ├── ConfigError            bad flags, paths or settings: the user must change something
+     │    └── PeerError              another rank found the problem and reported it (printed there, once)
+     ├── CheckpointError        a checkpoint cannot be written or used
+     │    ├── CheckpointCorruptError   a shard is missing, truncated or fails its checksum
+     │    └── CheckpointMismatchError  the checkpoint does not fit this job (shape, world size, format)
+     └── LaunchError            `stalwart run` could not start or keep its workers
+
+User errors (ConfigError, CheckpointMismatchError) are not retried by `stalwart run`: a worker that dies of one
+exits with EXIT_USER_ERROR and the launcher stops instead of burning its restarts on the same mistake.
+"""
+
+from __future__ import annotations
+
+EXIT_USER_ERROR = 78
+"""Exit status of a worker or command that failed on bad input (sysexits' EX_CONFIG)."""
+
+
+class StalwartError(Exception):
+    """Base of every error stalwart raises on purpose."""
+
+
+class ConfigError(StalwartError, ValueError):
+    """A flag, path or setting is wrong; the message says what to change."""
+
+
+class PeerError(ConfigError):
+    """Another rank (rank 0) found a user error and printed it; this rank exits quietly with the same status."""
+
+
+class CheckpointError(StalwartError):
+    """A checkpoint cannot be written or used."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's shard is missing, truncated or fails its checksum."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint is valid but does not fit this job (model shape, world size, foreign format)."""
+
+
+class LaunchError(StalwartError):
+    """`stalwart run` could not start or keep its workers."""
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """True for errors that a restart cannot fix."""
+    return isinstance(exc, ConfigError | CheckpointMismatchError)

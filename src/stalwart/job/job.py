@@ -1,0 +1,242 @@
+"""The training-loop integration: what the user's loop calls, and what "full training state" is.
+
+    job = stalwart.Job(checkpoint_dir="runs/gpt/ckpt")
+    job.track(model=model, optim=optim, sched=sched, data=loader)
+    for step, batch in job.steps(loader, max_steps=10_000):
+        loss = train_step(model, optim, batch)
+        job.report(loss=loss)
+
+Full training state = every tracked object's state_dict, the step, and every RNG (python, numpy, torch CPU,
+CUDA). `steps()` resumes from the newest checkpoint that verifies on every rank, checkpoints every
+`checkpoint_every` steps and at the end, and logs events. The same loop runs as one process, under
+`stalwart run` and under `torchrun`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import Enum
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from stalwart.chaos.faults import Fault, FaultInjector
+from stalwart.checkpoint.manager import Checkpointer
+from stalwart.errors import CheckpointMismatchError, ConfigError
+from stalwart.job import lifecycle
+from stalwart.job.dist import Comm, Placement, init_process_group
+from stalwart.job.rng import capture_rng, restore_rng
+from stalwart.telemetry.events import EventLog
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any, /) -> Any: ...
+
+
+class JobState(Enum):
+    CREATED = "created"  # tracking objects; nothing loaded yet
+    RUNNING = "running"  # resumed (or started fresh) and iterating steps
+    FINISHED = "finished"  # reached max_steps and wrote the final checkpoint
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    checkpoint_dir: str | os.PathLike[str]
+    """Directory of the job's checkpoints; created on first use. Must be empty or made by stalwart."""
+    checkpoint_every: int = 100
+    """Save a checkpoint after every this many steps (and after the last step)."""
+    keep_last: int = 3
+    """Committed checkpoints kept on disk; older ones are removed after each commit."""
+    log_every: int = 50
+    """Write a `step_done` event every this many steps (the first step after a start is always logged)."""
+    collective_timeout_s: float = 300.0
+    """Timeout of stalwart's own collectives and of a process group the job creates."""
+    allow_world_size_change: bool = False
+    """Resume a checkpoint written at another world size: rank r loads shard r mod the old world size (state
+    must be replicated, as under DDP); the data position is global, so no sample is lost or repeated."""
+
+    def __post_init__(self) -> None:
+        for name in ("checkpoint_every", "keep_last", "log_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError(f"collective_timeout_s must be positive, got {self.collective_timeout_s}")
+        if not str(self.checkpoint_dir):
+            raise ConfigError("checkpoint_dir must not be empty")
+
+
+class Job:
+    """A training job that checkpoints, resumes and reports; see the module docstring for the loop."""
+
+    def __init__(self, checkpoint_dir: str | os.PathLike[str], **options: Any) -> None:
+        lifecycle.install_worker_safety_nets()
+        try:
+            self.config = JobConfig(checkpoint_dir=checkpoint_dir, **options)
+        except TypeError as exc:
+            raise ConfigError(f"stalwart.Job: {exc}") from exc
+        self.placement = Placement.from_env()
+        timeout = timedelta(seconds=self.config.collective_timeout_s)
+        init_process_group(self.placement, timeout)
+        self.comm = Comm(self.placement, timeout)
+        self.events = EventLog.from_env(rank=self.placement.rank, restart=self.placement.restart_count)
+        token = self.comm.broadcast_int(secrets.randbits(48) if self.rank == 0 else 0)
+        self._faults = FaultInjector.from_env(self.rank, self.placement.restart_count, self._announce)
+        self.checkpointer = Checkpointer(
+            Path(self.config.checkpoint_dir),
+            self.comm,
+            self.events,
+            keep_last=self.config.keep_last,
+            token=f"{self.placement.restart_count}x{token:012x}",
+            fault_hook=self._fault_in_save,
+        )
+        self.state = JobState.CREATED
+        self.step = 0
+        self.resumed_from: int | None = None
+        self._objects: dict[str, Stateful] = {}
+        self._metrics: dict[str, Any] = {}
+        self._saving_step: int | None = None
+        self.events.emit("worker_started", world_size=self.world_size, local_rank=self.placement.local_rank)
+
+    @property
+    def rank(self) -> int:
+        return self.placement.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.placement.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that prints and writes shared outputs."""
+        return self.rank == 0
+
+    def track(self, **objects: Any) -> None:
+        """Register objects with state_dict/load_state_dict (model, optimizer, scheduler, loader, your own)."""
+        if self.state is not JobState.CREATED:
+            raise ConfigError("track() must be called before steps() or resume()")
+        for name, obj in objects.items():
+            if not isinstance(obj, Stateful):
+                raise ConfigError(f"track({name}=...) needs an object with state_dict() and load_state_dict()")
+            if name in self._objects:
+                raise ConfigError(f"track(): {name!r} is already tracked")
+            self._objects[name] = obj
+
+    def resume(self) -> int:
+        """Load the newest valid checkpoint into the tracked objects; returns the step to continue from."""
+        if self.state is not JobState.CREATED:
+            return self.step
+        started = time.monotonic()
+        restored = self.checkpointer.load_latest(allow_world_size_change=self.config.allow_world_size_change)
+        self.state = JobState.RUNNING
+        if restored is None:
+            self.events.emit("fresh_start")
+            return 0
+        objects = restored.state["objects"]
+        missing = sorted(set(self._objects) - set(objects))
+        extra = sorted(set(objects) - set(self._objects))
+        if missing or extra:
+            raise CheckpointMismatchError(
+                f"checkpoint {restored.source} holds state for {sorted(objects)} but this job tracks "
+                f"{sorted(self._objects)}; track the same names or use a new checkpoint_dir"
+            )
+        for name, obj in self._objects.items():
+            _check_shapes(name, obj, objects[name], restored.source)
+        for name, obj in self._objects.items():
+            try:
+                obj.load_state_dict(objects[name])
+            except (RuntimeError, ValueError, KeyError) as exc:
+                raise CheckpointMismatchError(
+                    f"checkpoint {restored.source} does not fit tracked object {name!r}: {_first_line(exc)}"
+                ) from exc
+        if restored.world_size == self.world_size:
+            restore_rng(restored.state["rng"])
+        self.step = self.resumed_from = restored.step
+        self.events.emit("resumed", step=restored.step, source=restored.source, seconds=time.monotonic() - started)
+        return self.step
+
+    def steps(self, loader: Iterable[Any] | None = None, *, max_steps: int) -> Iterator[tuple[int, Any]]:
+        """Yield (step, batch) from the resumed step up to `max_steps`, checkpointing as configured.
+
+        `step` counts completed steps before this one, so a fresh job yields 0 first. A step is complete
+        when the loop body returns; a failure inside it means the step is redone after recovery.
+        """
+        if max_steps < 0:
+            raise ConfigError(f"max_steps must be >= 0, got {max_steps}")
+        self.resume()
+        iterator = iter(loader) if loader is not None and self.step < max_steps else None
+        first = True
+        while self.step < max_steps:
+            self._faults.at_step(self.step)
+            started = time.monotonic()
+            batch = next(iterator, None) if iterator is not None else None
+            if iterator is not None and batch is None:
+                self.events.emit("data_exhausted", step=self.step)
+                break
+            yield self.step, batch
+            self.step += 1
+            if first or self.step % self.config.log_every == 0:
+                self._log_step(time.monotonic() - started)
+                first = False
+            if self.step % self.config.checkpoint_every == 0 or self.step == max_steps:
+                self.save()
+        if self.step >= max_steps and self.state is not JobState.FINISHED:
+            self.state = JobState.FINISHED
+            if self.is_main:
+                self.events.emit("job_finished", step=self.step)
+
+    def report(self, **metrics: Any) -> None:
+        """Record metrics for the current step (e.g. loss). Tensors are read only when logged, which keeps
+        the device from synchronising every step."""
+        self._metrics = metrics
+
+    def save(self) -> bool:
+        """Checkpoint the full training state now; returns whether it was committed."""
+        state = {
+            "step": self.step,
+            "objects": {name: obj.state_dict() for name, obj in self._objects.items()},
+            "rng": capture_rng(),
+            "world_size": self.world_size,
+        }
+        self._saving_step = self.step
+        try:
+            return self.checkpointer.save(self.step, state)
+        finally:
+            self._saving_step = None
+
+    def _log_step(self, step_s: float) -> None:
+        metrics = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in self._metrics.items()}
+        self.events.emit("step_done", step=self.step, step_s=step_s, **metrics)
+
+    def _announce(self, fault: Fault) -> None:
+        self.events.emit("fault_injected", fault=fault.kind, step=self.step, phase=fault.phase)
+
+    def _fault_in_save(self, phase: str) -> None:
+        if self._saving_step is not None:
+            self._faults.in_save(self._saving_step, phase)
+
+
+def _check_shapes(name: str, obj: Stateful, saved: Any, source: str) -> None:
+    """Refuse a checkpoint whose tensors differ in shape from a module's, before loading anything."""
+    if not isinstance(obj, torch.nn.Module) or not isinstance(saved, dict):
+        return
+    for key, current in obj.state_dict().items():
+        old = saved.get(key)
+        if isinstance(old, torch.Tensor) and old.shape != current.shape:
+            raise CheckpointMismatchError(
+                f"checkpoint {source} does not fit tracked object {name!r}: {key} has shape "
+                f"{tuple(old.shape)} in the checkpoint and {tuple(current.shape)} in the model"
+            )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,80 @@
+"""Process-level safety nets a worker installs when it joins a job.
+
+- Under `stalwart run`, a worker dies with its launcher (Linux parent-death signal), so a launcher killed even
+  with SIGKILL leaves no orphaned workers holding ports and GPU memory.
+- A user error (bad path, foreign or mismatched checkpoint) ends the process with one line on stderr and
+  EXIT_USER_ERROR, which tells `stalwart run` not to spend its restarts on it.
+- Under `stalwart run`, a collective that fails because a peer died prints one line instead of a traceback:
+  the launcher reports the root cause and restarts the group, so the survivor's traceback is only noise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from types import TracebackType
+
+import torch.distributed as dist
+
+from stalwart.errors import EXIT_USER_ERROR, PeerError, is_user_error
+
+AGENT_PID_ENV = "STALWART_AGENT_PID"
+"""PID of the `stalwart run` process that started this worker."""
+
+_PR_SET_PDEATHSIG = 1
+_installed = False
+
+
+def install_worker_safety_nets() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    agent_pid = os.environ.get(AGENT_PID_ENV)
+    _install_error_hook(under_agent=bool(agent_pid))
+    if agent_pid and agent_pid.isdigit() and sys.platform == "linux":
+        _die_with_parent(int(agent_pid))
+
+
+def _install_error_hook(*, under_agent: bool) -> None:
+    previous = sys.excepthook
+
+    def hook(tp: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if is_user_error(exc):
+            _exit_with_line(None if isinstance(exc, PeerError) else f"stalwart: error: {exc}", EXIT_USER_ERROR)
+        if under_agent and _is_peer_failure(exc):
+            rank = os.environ.get("RANK", "?")
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            _exit_with_line(f"stalwart: rank {rank}: a collective failed, a peer is likely gone: {first}", 1)
+        previous(tp, exc, tb)
+
+    sys.excepthook = hook
+
+
+def _exit_with_line(line: str | None, status: int) -> None:
+    sys.stdout.flush()
+    if line:
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("gloo" in text or "Connection reset by peer" in text)
+
+
+def _die_with_parent(agent_pid: int) -> None:
+    if os.getppid() != agent_pid:
+        return  # started through a wrapper (--no-python, a shell): its parent is not the agent
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != agent_pid:  # the agent died before prctl took effect
+        os._exit(1)

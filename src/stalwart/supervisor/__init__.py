@@ -1,0 +1,1 @@
+"""`stalwart run`: the per-node agent on torch.distributed.elastic."""

@@ -1,0 +1,18 @@
+"""Entry of `stalwart run`: parse, launch, map errors to one line and an exit status."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from stalwart.supervisor import launcher
+
+
+def say(message: str) -> None:
+    sys.stderr.write(f"[stalwart run {time.strftime('%H:%M:%S')}] {message}\n")
+    sys.stderr.flush()
+
+
+def main(argv: list[str]) -> int:
+    args = launcher.parse(argv)
+    return launcher.launch(args, say)

@@ -1,0 +1,215 @@
+"""`stalwart run`: torchrun's flags and worker environment, on torch.distributed.elastic, with safer defaults.
+
+What differs from torchrun, and why:
+- The rendezvous backend defaults to c10d; on one node without --rdzv-endpoint it behaves like --standalone
+  (a free port on localhost), so nothing collides on a fixed port.
+- Workers get a fresh TCPStore for each restart (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). With the shared agent
+  store, torch 2.13's restarted workers read gloo addresses left by the dead round and hang or fail in
+  connectFullMesh; measured, stock torchrun recovered from one SIGKILL in only 10 of 21 runs.
+- Bad input (missing script, --nproc-per-node 0, unknown flags) ends in one line and exit 2 before anything
+  starts; a worker's own bad-input exit (EXIT_USER_ERROR) stops the job instead of restarting it.
+- Starts, failures and restarts go to a JSONL event log (--event-log), shared with the workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, NoReturn
+
+from stalwart.errors import EXIT_USER_ERROR, ConfigError
+from stalwart.job.lifecycle import AGENT_PID_ENV
+from stalwart.telemetry.events import EVENT_LOG_ENV, EventLog
+
+DEFAULT_EVENT_LOG = "stalwart-logs/events.jsonl"
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+EXIT_BAD_USAGE = 2
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see 'stalwart run --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's own parser (so every flag and PET_* variable behaves the same) with stalwart's additions."""
+    from torch.distributed.run import get_args_parser
+
+    torch_parser = get_args_parser()
+    parser = _OneLineParser(
+        prog="stalwart run",
+        description="Launch a training script on this node with torchrun's flags; restart workers on failure.",
+        parents=[torch_parser],
+        add_help=False,
+        formatter_class=torch_parser.formatter_class,
+    )
+    parser.add_argument(
+        "--event-log",
+        default=os.environ.get(EVENT_LOG_ENV, DEFAULT_EVENT_LOG),
+        help=f"JSONL event log shared with the workers (default: ${EVENT_LOG_ENV} or {DEFAULT_EVENT_LOG})",
+    )
+    parser.set_defaults(rdzv_backend="c10d")
+    return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    _validate(args)
+    return args
+
+
+def _validate(args: argparse.Namespace) -> None:
+    nproc = str(args.nproc_per_node)
+    if nproc.lstrip("-").isdigit() and int(nproc) < 1:
+        raise ConfigError(f"--nproc-per-node must be at least 1, got {nproc}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    min_nodes, max_nodes = _parse_nnodes(args.nnodes)
+    if not 0 < min_nodes <= max_nodes:
+        raise ConfigError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {args.nnodes}")
+    if max_nodes > 1 and args.rdzv_backend != "static" and not args.rdzv_endpoint and not args.standalone:
+        raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
+    script = args.training_script
+    if args.module:
+        try:
+            found = importlib.util.find_spec(script) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ConfigError(f"module {script!r} cannot be found by this Python ({sys.executable})")
+    elif args.no_python:
+        if not (shutil.which(script) or os.access(script, os.X_OK)):
+            raise ConfigError(f"program {script!r} does not exist or is not executable")
+    elif not Path(script).is_file():
+        raise ConfigError(f"training script {script!r} does not exist")
+
+
+def _parse_nnodes(text: str) -> tuple[int, int]:
+    try:
+        parts = [int(p) for p in str(text).split(":")]
+    except ValueError as exc:
+        raise ConfigError(f"--nnodes must be N or MIN:MAX, got {text}") from exc
+    if len(parts) == 1:
+        return parts[0], parts[0]
+    if len(parts) == 2:
+        return parts[0], parts[1]
+    raise ConfigError(f"--nnodes must be N or MIN:MAX, got {text}")
+
+
+def _supported(target: Any, **kwargs: Any) -> dict[str, Any]:
+    """Keep the keyword arguments `target` accepts: WorkerSpec and the agent grew fields across torch 2.4+."""
+    import inspect
+
+    params = inspect.signature(target).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def launch(args: argparse.Namespace, say: Any) -> int:
+    """Run the agent until the workers succeed or fail for good; returns the process exit status."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.run import config_from_args
+
+    from stalwart.supervisor.agent import StalwartAgent
+
+    if "LOGLEVEL" not in os.environ:
+        # torch elastic logs each failure at length; the agent reports them as one line and an event.
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+
+    if args.standalone or (args.rdzv_backend == "c10d" and not args.rdzv_endpoint):
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_id = args.rdzv_id if args.rdzv_id != "none" else str(uuid.uuid4())
+    if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's rule, without its banner
+    os.environ.setdefault(SHARE_STORE_ENV, "1")
+    event_log = Path(args.event_log).absolute()
+    try:
+        events = EventLog(event_log, role="agent")
+    except OSError as exc:
+        raise ConfigError(f"cannot write the event log {event_log}: {exc.strerror or exc}") from exc
+    os.environ[EVENT_LOG_ENV] = str(event_log)
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+
+    config, cmd, cmd_args = config_from_args(args)
+    if not config.run_id or config.run_id == "none":
+        config.run_id = str(uuid.uuid4())
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = getattr(config, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    rdzv_parameters = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = None, None
+    if config.rdzv_backend == "static":
+        from torch.distributed.launcher.api import _get_addr_and_port
+
+        master_addr, master_port = _get_addr_and_port(rdzv_parameters)
+    events.emit(
+        "launcher_started",
+        argv=sys.argv,
+        run_id=config.run_id,
+        nproc_per_node=config.nproc_per_node,
+        nnodes=f"{config.min_nodes}:{config.max_nodes}",
+        max_restarts=config.max_restarts,
+    )
+    spec = WorkerSpec(
+        **_supported(
+            WorkerSpec,
+            role=config.role,
+            local_world_size=config.nproc_per_node,
+            entrypoint=cmd,
+            args=tuple(cmd_args),
+            rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
+            max_restarts=config.max_restarts,
+            monitor_interval=config.monitor_interval,
+            master_addr=master_addr,
+            master_port=master_port,
+            local_addr=config.local_addr,
+            event_log_handler=getattr(config, "event_log_handler", "null"),
+            numa_options=getattr(config, "numa_options", None),
+            duplicate_stdout_filters=getattr(config, "duplicate_stdout_filters", None),
+            duplicate_stderr_filters=getattr(config, "duplicate_stderr_filters", None),
+            virtual_local_rank=getattr(config, "virtual_local_rank", False),
+        )
+    )
+    agent = StalwartAgent(
+        events=events,
+        say=say,
+        **_supported(
+            StalwartAgent.__mro__[1],
+            spec=spec,
+            logs_specs=config.logs_specs,
+            start_method=config.start_method,
+            log_line_prefix_template=config.log_line_prefix_template,
+            shutdown_timeout=getattr(config, "shutdown_timeout", 30),
+        ),
+    )
+    shutdown_rdzv = True
+    try:
+        result = agent.run()
+    except SignalException as exc:
+        shutdown_rdzv = False  # other nodes may still re-form without us
+        events.emit("launcher_exit", reason=f"signal {exc.sigval.name}", exitcode=128 + int(exc.sigval))
+        say(f"received {exc.sigval.name}; workers stopped")
+        return 128 + int(exc.sigval)
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
+    if result is None or not result.is_failed():
+        events.emit("launcher_exit", reason="succeeded", exitcode=0, restarts=agent.restart_count)
+        return 0
+    status = EXIT_USER_ERROR if agent.user_error else 1
+    events.emit("launcher_exit", reason="failed", exitcode=status, restarts=agent.restart_count)
+    return status
