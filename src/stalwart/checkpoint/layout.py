@@ -4,7 +4,8 @@
     <root>/step_00000120/rank00000.<tok>.pt  one shard per rank, <tok> unique to one save attempt
     <root>/step_00000120/manifest.json       written last, atomically: its presence is the commit
 
-A step directory without a manifest is an interrupted save and is never loaded. A save repeated at the same step
+A step directory without a manifest is an interrupted save and is never loaded; one whose shards fail verification
+is renamed `step_XXXXXXXX.invalid-<time>` and kept. A save repeated at the same step
 (after a restart) writes shards under a new token, so the previous manifest keeps pointing at whole files until
 the new manifest replaces it in one rename.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,6 +168,15 @@ def read_manifest(root: Path, step: int) -> Manifest:
     if manifest.step != step:
         raise CheckpointCorruptError(f"{path} says step {manifest.step}, its directory says {step}")
     return manifest
+
+
+def quarantine(root: Path, step: int) -> Path:
+    """Rename a checkpoint that failed verification out of the step namespace; returns its new path."""
+    src = root / step_dir_name(step)
+    dst = root / f"{step_dir_name(step)}.invalid-{int(time.time())}"
+    os.replace(src, dst)
+    fsync_dir(root)
+    return dst
 
 
 def remove_tree(path: Path) -> None:

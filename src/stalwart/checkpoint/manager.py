@@ -6,7 +6,8 @@ checkpoint becomes visible. A crash at any earlier instant leaves the previous c
 
 Loading walks committed steps newest first; every rank verifies its own shard (size and CRC) and the ranks
 agree on the newest step that verified everywhere, so a corrupt or truncated shard makes all ranks fall back
-together to the next older checkpoint, with an event.
+together to the next older checkpoint, with an event. The invalid checkpoint is moved to
+`step_XXXXXXXX.invalid-<time>` for inspection, never deleted.
 """
 
 from __future__ import annotations
@@ -128,9 +129,12 @@ class Checkpointer:
                 assert restored is not None
                 return restored
             if problem:
-                self._events.emit("checkpoint_invalid", step=step, rank=self._comm.rank, error=str(problem))
-            elif self._comm.rank == 0:
-                self._events.emit("checkpoint_invalid", step=step, rank=None, error="invalid on another rank")
+                self._events.emit("checkpoint_invalid", step=step, error=str(problem))
+            if self._comm.rank == 0:
+                # Every rank is done reading it (the vote above); move it aside so a later save of the same
+                # step cannot overwrite the evidence, and keep it out of retention.
+                moved = layout.quarantine(self.root, step)
+                self._events.emit("checkpoint_quarantined", step=step, path=str(moved))
         return None
 
     def _try_load(self, step: int, allow_resize: bool) -> tuple[Restored | None, CheckpointError | None]:

@@ -53,6 +53,12 @@ class Comm:
             # A second group costs one store round-trip at start; it keeps checkpoint traffic off NCCL.
             self._group = dist.new_group(backend="gloo", timeout=timeout)
 
+    def close(self) -> None:
+        """Destroy stalwart's group; a gloo group left alive at interpreter exit can abort the process."""
+        if self._group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group = None
+
     def barrier(self) -> None:
         if self._group is not None:
             dist.barrier(group=self._group)

@@ -14,6 +14,7 @@ CUDA). `steps()` resumes from the newest checkpoint that verifies on every rank,
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 from stalwart.chaos.faults import Fault, FaultInjector
 from stalwart.checkpoint.manager import Checkpointer
@@ -85,8 +87,9 @@ class Job:
             raise ConfigError(f"stalwart.Job: {exc}") from exc
         self.placement = Placement.from_env()
         timeout = timedelta(seconds=self.config.collective_timeout_s)
-        init_process_group(self.placement, timeout)
+        self._owns_process_group = init_process_group(self.placement, timeout)
         self.comm = Comm(self.placement, timeout)
+        atexit.register(self.close)
         self.events = EventLog.from_env(rank=self.placement.rank, restart=self.placement.restart_count)
         token = self.comm.broadcast_int(secrets.randbits(48) if self.rank == 0 else 0)
         self._faults = FaultInjector.from_env(self.rank, self.placement.restart_count, self._announce)
@@ -211,6 +214,14 @@ class Job:
             return self.checkpointer.save(self.step, state)
         finally:
             self._saving_step = None
+
+    def close(self) -> None:
+        """Release the process groups this job created (also run at interpreter exit)."""
+        self.comm.close()
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
+        self.events.close()
 
     def _log_step(self, step_s: float) -> None:
         metrics = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in self._metrics.items()}

@@ -54,10 +54,13 @@ def _install_error_hook(*, under_agent: bool) -> None:
 
 
 def _exit_with_line(line: str | None, status: int) -> None:
+    # torch's init_process_group wraps sys.excepthook and swaps sys.stderr for a buffer it prints afterwards;
+    # we exit before that, so write to the real stream.
     sys.stdout.flush()
+    stream = sys.__stderr__ or sys.stderr
     if line:
-        sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+        stream.write(line + "\n")
+    stream.flush()
     os._exit(status)
 
 

@@ -1,0 +1,102 @@
+"""A small deterministic job for the distributed tests.
+
+An MLP with dropout under DDP, AdamW and an LR schedule, fed by a ResumableLoader over sample ids. It also tracks
+`SeenSamples`, the ids this rank trained on: since that list is checkpointed with everything else, the final one
+is the history that survived every failure, which is what the exactly-once tests inspect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import stalwart
+
+
+class Samples(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        return i, self.x[i]
+
+
+class SeenSamples:
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"ids": torch.tensor(self.ids, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.ids = state["ids"].tolist()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--num-samples", type=int, default=60)
+    p.add_argument("--gbs", type=int, default=6)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--allow-resize", action="store_true")
+    args = p.parse_args()
+
+    torch.use_deterministic_algorithms(True)
+    job = stalwart.Job(args.ckpt, checkpoint_every=args.every, log_every=1, allow_world_size_change=args.allow_resize)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(args.hidden, 1)
+    )
+    ddp = DistributedDataParallel(model) if job.world_size > 1 else model
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=7, gamma=0.5)
+    loader = stalwart.ResumableLoader(
+        Samples(args.num_samples), global_batch_size=args.gbs, seed=3, num_workers=args.workers
+    )
+    seen = SeenSamples()
+    job.track(model=model, optim=optim, sched=sched, data=loader, seen=seen)
+
+    for _step, (ids, x) in job.steps(loader, max_steps=args.steps):
+        seen.ids.extend(ids.tolist())
+        noise = torch.rand(len(x), 1)  # draws from the global RNG, so RNG restore matters
+        loss = (ddp(x) - x.sum(dim=1, keepdim=True) - noise).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        sched.step()
+        job.report(loss=loss.detach())
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+
+    digest = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        digest.update(name.encode() + t.contiguous().view(torch.uint8).numpy().tobytes())
+    env = {k: os.environ.get(k) for k in _ENV}
+    result = {"sha256": digest.hexdigest(), "seen": seen.ids, "step": job.step, "env": env}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{job.rank}.json").write_text(json.dumps(result))
+
+
+_ENV = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_MAX_RESTARTS", "ROLE_RANK",
+)  # fmt: skip
+
+if __name__ == "__main__":
+    main()

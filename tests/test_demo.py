@@ -1,0 +1,25 @@
+"""`stalwart demo` end to end, shortened: it must recover and end bitwise identical."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import child_env
+
+
+def test_demo_recovers_and_ends_bitwise_identical(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "stalwart", "demo", "--steps", "40", "--checkpoint-every", "5", "--seed", "4",
+         "--json", "--workdir", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=280, env=child_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["bitwise_identical"] is True
+    assert summary["failures"] == 1
+    assert 0 <= summary["steps_lost"] < 5
+    assert summary["kill_to_step_s"] > 0
+    assert set(summary) >= {"failures", "kill_to_step_s", "steps_lost", "final_loss", "bitwise_identical"}

@@ -1,0 +1,178 @@
+"""`stalwart run`: bad input, restarts, reaping, repeated kills, and the same script under torchrun."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import TINY, Launch, alive, child_env, tiny_args
+from stalwart.errors import EXIT_USER_ERROR
+
+
+def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stalwart", *args], capture_output=True, text=True, timeout=120, env=child_env(), cwd=cwd
+    )
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one error line, got:\n{stderr}"
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["run", "--nproc-per-node", "2", "no_such_script.py"], "does not exist"),
+        (["run", "--nproc-per-node", "0", str(TINY)], "--nproc-per-node must be at least 1"),
+        (["run", "--no-such-flag", str(TINY)], "unrecognized arguments"),
+        (["run", "--max-restarts", "-1", str(TINY)], "--max-restarts must be >= 0"),
+        (["run", "--nnodes", "2:1", str(TINY)], "--nnodes"),
+        (["run", "--nnodes", "2", str(TINY)], "--rdzv-endpoint"),
+        (["run", "-m", "no_such_module_xyz"], "cannot be found"),
+        (["frobnicate"], "unknown command"),
+        (["demo", "--steps", "3"], "--steps"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(args: list[str], expected: str, tmp_path: Path) -> None:
+    result = _cli(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert expected in _one_error_line(result.stderr)
+    assert list(tmp_path.iterdir()) == [], "nothing is written for bad input"
+
+
+def _worker_error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("stalwart: error:")]
+
+
+def test_foreign_checkpoint_directory_is_refused_without_restarts(launch: Any, tmp_path: Path) -> None:
+    foreign = tmp_path / "job" / "ckpt"
+    foreign.mkdir(parents=True)
+    (foreign / "model.bin").write_bytes(b"someone else's")
+    job = launch(tiny_args(), name="job")
+    assert job.wait(120) == EXIT_USER_ERROR
+    lines = _worker_error_lines(job.output())
+    assert len(lines) == 1 and "did not write" in lines[0], job.output()
+    assert "Traceback" not in job.output()
+    assert {e["restart"] for e in job.events("worker_spawned")} == {0}, "bad input is not retried"
+    assert sorted(p.name for p in foreign.iterdir()) == ["model.bin"], "nothing was deleted or added"
+
+
+def test_unwritable_checkpoint_directory(launch: Any, tmp_path: Path) -> None:
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "blocker").write_text("a file where a directory should be")
+    job = launch([*tiny_args()[:-4], "--ckpt", "blocker/ckpt", "--out", "out"], name="job")
+    assert job.wait(120) == EXIT_USER_ERROR
+    assert "not writable" in _worker_error_lines(job.output())[0]
+
+
+def test_other_model_shape_and_world_size_are_refused(launch: Any, tmp_path: Path) -> None:
+    first = launch(tiny_args("--steps", "8"), name="job")
+    assert first.wait(120) == 0, first.output()
+    ckpt = tmp_path / "job" / "ckpt"
+    before = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*"))
+
+    shape = launch(tiny_args("--steps", "12", "--hidden", "16"), name="job")
+    assert shape.wait(120) == EXIT_USER_ERROR
+    assert "has shape (32, 8) in the checkpoint and (16, 8) in the model" in _worker_error_lines(shape.output())[0]
+
+    resized = launch(tiny_args("--steps", "12", nproc=1), name="job")
+    assert resized.wait(120) == EXIT_USER_ERROR
+    assert "written by 2 ranks and this job has 1" in _worker_error_lines(resized.output())[0]
+    assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before, "refusals change nothing on disk"
+
+
+def test_world_size_change_when_allowed_continues_at_the_global_position(launch: Any, tmp_path: Path) -> None:
+    from stalwart.data.order import epoch_permutation
+
+    first = launch(tiny_args("--steps", "8"), name="job")
+    assert first.wait(120) == 0, first.output()
+    rank0_before = first.results()[0]["seen"]
+    again = launch(tiny_args("--steps", "12", "--allow-resize", nproc=1), name="job")
+    assert again.wait(120) == 0, again.output()
+    seen = again.results()[0]["seen"]
+    assert seen[: len(rank0_before)] == rank0_before
+    # Steps 8..11 at world size 1 take whole global batches 8 and 9 of epoch 0, then 0 and 1 of epoch 1.
+    order0, order1 = epoch_permutation(60, 3, 0).tolist(), epoch_permutation(60, 3, 1).tolist()
+    assert seen[len(rank0_before) :] == order0[48:60] + order1[0:12]
+
+
+def test_max_restarts_is_honoured(launch: Any, tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    job = launch(["--nproc-per-node", "1", "--max-restarts", "2", str(script)])
+    assert job.wait(120) == 1
+    assert sorted(e["restart"] for e in job.events("worker_spawned")) == [0, 1, 2]
+    assert [e["exitcode"] for e in job.events("worker_failed")] == [3, 3, 3]
+    assert job.events("job_stopped")[0]["reason"] == "max_restarts"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_no_orphaned_workers_when_the_launcher_dies(launch: Any, sig: signal.Signals) -> None:
+    job = launch(tiny_args("--steps", "100000", "--step-sleep", "0.05", "--workers", "1"))
+    job.wait_for(lambda: len(job.events("step_done")) >= 2, 90, "training to start")
+    pids = list(job.worker_pids().values())
+    assert len(pids) == 2 and all(alive(p) for p in pids)
+    job.proc.send_signal(sig)
+    job.proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids), f"workers outlived a {sig.name}ed launcher"
+
+
+def test_twenty_kills_in_a_row_recover_every_time(launch: Any, tmp_path: Path) -> None:
+    """Stock torchrun 2.13 recovered from one SIGKILL in 10 of 21 runs; stalwart run must recover every time."""
+    kills, steps = 20, 200
+    args = tiny_args("--steps", str(steps), "--every", "5", "--step-sleep", "0.01", max_restarts=kills + 2)
+    job = launch(args, name="killed")
+    rng = random.Random(2026)
+    for n in range(kills):
+        job.wait_for(lambda n=n: [e for e in job.events("step_done") if e["restart"] == n], 90, f"steps of round {n}")
+        time.sleep(rng.uniform(0, 0.05))
+        victim = job.worker_pids(restart=n)[rng.randrange(2)]
+        os.kill(victim, signal.SIGKILL)
+    assert job.wait(240) == 0, job.output()
+    assert len(job.events("restarting")) == kills
+    reference = launch(tiny_args("--steps", str(steps), "--every", "5"), name="reference")
+    assert reference.wait(120) == 0, reference.output()
+    assert job.results()[0]["sha256"] == reference.results()[0]["sha256"], "bitwise identical after 20 kills"
+    assert job.results()[1]["seen"] == reference.results()[1]["seen"]
+
+
+def test_same_script_under_torchrun_and_as_one_process(tmp_path: Path) -> None:
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(TINY), "--ckpt", "ckpt", "--out", "out", "--steps", "6"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=child_env(),
+    )  # fmt: skip
+    assert torchrun.returncode == 0, torchrun.stderr
+    assert (tmp_path / "out" / "rank1.json").exists()
+    single = subprocess.run(
+        [sys.executable, str(TINY), "--ckpt", "ckpt1", "--out", "out1", "--steps", "6"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=child_env(),
+    )  # fmt: skip
+    assert single.returncode == 0, single.stderr
+    assert (tmp_path / "ckpt1" / "step_00000006" / "manifest.json").exists()
+
+
+def test_launch_reports_the_workers_environment(tmp_path: Path) -> None:
+    job = Launch(tmp_path / "job", tiny_args("--steps", "2", nproc=1), child_env())
+    try:
+        assert job.wait(120) == 0
+        env = job.results()[0]["env"]
+        assert env["WORLD_SIZE"] == "1" and env["TORCHELASTIC_MAX_RESTARTS"] == "3"
+        started = job.events("launcher_started")[0]
+        assert started["nproc_per_node"] == 1 and started["max_restarts"] == 3
+    finally:
+        job.reap()

@@ -1,0 +1,83 @@
+"""Bitwise-identical resume after failures, at world size 2, against a fault-free run of the same job."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Launch, child_env, tiny_args
+
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    job = Launch(tmp_path_factory.mktemp("reference"), tiny_args("--steps", str(STEPS)), child_env())
+    try:
+        assert job.wait(120) == 0, job.output()
+        return job.results()
+    finally:
+        job.reap()
+
+
+def _assert_same_as_reference(job: Launch, reference: dict[int, dict[str, Any]]) -> None:
+    results = job.results()
+    assert sorted(results) == [0, 1]
+    for rank in (0, 1):
+        assert results[rank]["step"] == STEPS
+        assert results[rank]["sha256"] == reference[rank]["sha256"], "parameters differ from the fault-free run"
+        assert results[rank]["seen"] == reference[rank]["seen"], "the sample history differs"
+
+
+def test_reference_sees_torchrun_environment(reference: dict[int, dict[str, Any]]) -> None:
+    for rank, result in reference.items():
+        env = result["env"]
+        assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == "0" and env["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert env["MASTER_ADDR"] and env["MASTER_PORT"] and env["TORCHELASTIC_RUN_ID"]
+    assert reference[0]["sha256"] == reference[1]["sha256"]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sigkill_at_random_step_ends_bitwise_identical(launch: Any, reference: Any, seed: int) -> None:
+    rng = random.Random(seed)
+    rank, step = rng.randint(0, 1), rng.randint(1, STEPS - 1)
+    job = launch(tiny_args("--steps", str(STEPS)), env=child_env(STALWART_FAULTS=f"kill@rank={rank},step={step}"))
+    assert job.wait(120) == 0, job.output()
+    failed = job.events("worker_failed")
+    assert any(e["rank"] == rank and e["signal"] == "SIGKILL" for e in failed)
+    assert len(job.events("restarting")) == 1
+    resumed = {e["step"] for e in job.events("resumed")}
+    assert resumed == ({step // 4 * 4} if step >= 4 else set()), "resumed from the newest checkpoint before the kill"
+    _assert_same_as_reference(job, reference)
+
+
+@pytest.mark.parametrize(("rank", "phase"), [(1, "shard_half_written"), (0, "before_commit")])
+def test_kill_inside_save_keeps_previous_checkpoint(launch: Any, reference: Any, rank: int, phase: str) -> None:
+    fault = f"kill_in_save@rank={rank},step=12,phase={phase}"
+    job = launch(tiny_args("--steps", str(STEPS)), env=child_env(STALWART_FAULTS=fault))
+    assert job.wait(120) == 0, job.output()
+    assert [e["step"] for e in job.events("resumed")] == [8, 8], "the interrupted save at step 12 must stay invisible"
+    committed = [e["step"] for e in job.events("checkpoint_committed")]
+    assert committed.count(12) == 1, "step 12 is committed once, by the restarted job"
+    _assert_same_as_reference(job, reference)
+
+
+def test_corrupt_newest_shard_falls_back_on_every_rank(launch: Any, tmp_path: Path) -> None:
+    first = launch(tiny_args("--steps", "12"), name="job")
+    assert first.wait(120) == 0, first.output()
+    shard = next((tmp_path / "job" / "ckpt" / "step_00000012").glob("rank00001.*.pt"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    again = launch(tiny_args("--steps", "14"), name="job")
+    assert again.wait(120) == 0, again.output()
+    invalid = [e for e in again.events("checkpoint_invalid") if e["restart"] == 0 and e["step"] == 12]
+    assert any("CRC" in (e["error"] or "") for e in invalid)
+    assert [e["step"] for e in again.events("resumed")][-2:] == [8, 8]
+    kept = list((tmp_path / "job" / "ckpt").glob(f"step_00000012.invalid-*/{shard.name}"))
+    assert len(kept) == 1 and kept[0].read_bytes() == bytes(data), "a corrupt checkpoint is set aside, not deleted"
