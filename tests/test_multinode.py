@@ -20,7 +20,7 @@ def test_two_nodes_recover_from_a_killed_worker(launch: Any, tmp_path: Path) -> 
     port = _free_port()
     job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "20"]
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    common += ["--rdzv-id", "two-nodes", "--max-restarts", "3"]
+    common += ["--max-restarts", "3"]  # the default --rdzv-id, as torchrun users leave it
     env = child_env(STALWART_FAULTS="kill@rank=1,step=9")
     nodes = [launch([*common, *job_args], name=f"node{i}", env=env) for i in range(2)]
     for node in nodes:

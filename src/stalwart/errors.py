@@ -17,6 +17,10 @@ from __future__ import annotations
 EXIT_USER_ERROR = 78
 """Exit status of a worker or command that failed on bad input (sysexits' EX_CONFIG)."""
 
+EXIT_PEER_LOST = 75
+"""Exit status of a worker whose collective failed because a peer died (sysexits' EX_TEMPFAIL): a consequence
+of another failure, which the launcher reports as such."""
+
 
 class StalwartError(Exception):
     """Base of every error stalwart raises on purpose."""

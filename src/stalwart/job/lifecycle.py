@@ -18,7 +18,7 @@ from types import TracebackType
 
 import torch.distributed as dist
 
-from stalwart.errors import EXIT_USER_ERROR, PeerError, is_user_error
+from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, PeerError, is_user_error
 
 AGENT_PID_ENV = "STALWART_AGENT_PID"
 """PID of the `stalwart run` process that started this worker."""
@@ -47,7 +47,8 @@ def _install_error_hook(*, under_agent: bool) -> None:
         if under_agent and _is_peer_failure(exc):
             rank = os.environ.get("RANK", "?")
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            _exit_with_line(f"stalwart: rank {rank}: a collective failed, a peer is likely gone: {first}", 1)
+            line = f"stalwart: rank {rank}: a collective failed, a peer is likely gone: {first}"
+            _exit_with_line(line, EXIT_PEER_LOST)
         previous(tp, exc, tb)
 
     sys.excepthook = hook

@@ -3,7 +3,9 @@
 torch elastic does the rendezvous, rank assignment, worker start/monitor/stop and restart counting. On top:
 - every start, failure (rank, exit code, signal name) and restart is written to the event log and printed as
   one line;
-- a worker that exits with EXIT_USER_ERROR (bad input) stops the job instead of using up the restarts.
+- a worker that exits with EXIT_USER_ERROR (bad input) stops the job instead of using up the restarts;
+- survivors that exit with EXIT_PEER_LOST or are stopped with SIGTERM are reported as consequences, so the
+  one-line summary names the root cause.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from stalwart.errors import EXIT_USER_ERROR
+from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.telemetry.events import EventLog
 
 
@@ -75,14 +77,14 @@ class StalwartAgent(LocalElasticAgent):
             )
             if failure.exitcode == EXIT_USER_ERROR:
                 self.user_error = True
-            if sig == "SIGTERM":
-                stopped += 1  # the agent stops the survivors of a failure with SIGTERM: a consequence
+            if sig == "SIGTERM" or failure.exitcode == EXIT_PEER_LOST:
+                stopped += 1  # survivors stopped by the agent, or failing because a peer died: consequences
             else:
                 how = f"killed by {sig}" if sig else f"exited with status {failure.exitcode}"
                 causes.append(f"rank {rank} (pid {failure.pid}) {how}")
         what = ", ".join(causes) or "workers unhealthy"
         if stopped and causes:
-            what += f" ({stopped} other worker{'s' if stopped > 1 else ''} stopped)"
+            what += f" ({stopped} other worker{'s' if stopped > 1 else ''} stopped as a consequence)"
         if self.user_error:
             self._remaining_restarts = 0
             self._events.emit("job_stopped", reason="user_error")

@@ -9,6 +9,7 @@ What differs from torchrun, and why:
 - Bad input (missing script, --nproc-per-node 0, unknown flags) ends in one line and exit 2 before anything
   starts; a worker's own bad-input exit (EXIT_USER_ERROR) stops the job instead of restarting it.
 - Starts, failures and restarts go to a JSONL event log (--event-log), shared with the workers.
+- --max-restarts defaults to 3 (torchrun: 0), unless PET_MAX_RESTARTS is set.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from stalwart.telemetry.events import EVENT_LOG_ENV, EventLog
 
 DEFAULT_EVENT_LOG = "stalwart-logs/events.jsonl"
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-EXIT_BAD_USAGE = 2
+DEFAULT_MAX_RESTARTS = 3
+"""torchrun's default is 0, which turns any failure into a failed job; a resilience launcher should restart."""
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -55,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"JSONL event log shared with the workers (default: ${EVENT_LOG_ENV} or {DEFAULT_EVENT_LOG})",
     )
     parser.set_defaults(rdzv_backend="c10d")
+    if "PET_MAX_RESTARTS" not in os.environ:
+        parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
     return parser
 
 
@@ -132,15 +136,13 @@ def launch(args: argparse.Namespace, say: Any) -> int:
     os.environ.setdefault(SHARE_STORE_ENV, "1")
     event_log = Path(args.event_log).absolute()
     try:
-        events = EventLog(event_log, role="agent")
+        events = EventLog(event_log, role="agent", run_id=args.rdzv_id)
     except OSError as exc:
         raise ConfigError(f"cannot write the event log {event_log}: {exc.strerror or exc}") from exc
     os.environ[EVENT_LOG_ENV] = str(event_log)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
 
-    config, cmd, cmd_args = config_from_args(args)
-    if not config.run_id or config.run_id == "none":
-        config.run_id = str(uuid.uuid4())
+    config, cmd, cmd_args = config_from_args(args)  # several nodes must share a run id: keep torchrun's "none"
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = getattr(config, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
     rdzv_parameters = RendezvousParameters(
         backend=config.rdzv_backend,

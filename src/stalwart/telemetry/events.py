@@ -34,7 +34,9 @@ class EventLog:
 
     @classmethod
     def from_env(cls, **common: Any) -> EventLog:
-        return cls(os.environ.get(EVENT_LOG_ENV) or None, **common)
+        """The log named by STALWART_EVENT_LOG, tagged with the launcher's run id when there is one."""
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        return cls(os.environ.get(EVENT_LOG_ENV) or None, **({"run_id": run_id} if run_id else {}), **common)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         """Write one event and return it. Never raises: a full disk must not stop training."""
