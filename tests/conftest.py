@@ -42,12 +42,12 @@ def alive(pid: int) -> bool:
 class Launch:
     """One `stalwart run` process with its event log and output."""
 
-    def __init__(self, workdir: Path, args: list[str], env: dict[str, str]) -> None:
+    def __init__(self, workdir: Path, args: list[str], env: dict[str, str], prefix: tuple[str, ...] = ()) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.event_log = workdir / "events.jsonl"
         self.output_path = workdir / "output.log"
-        cmd = [sys.executable, "-m", "stalwart", "run", "--event-log", str(self.event_log), *args]
+        cmd = [*prefix, sys.executable, "-m", "stalwart", "run", "--event-log", str(self.event_log), *args]
         self._out = open(self.output_path, "wb")  # noqa: SIM115 (closed in reap)
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
 
@@ -108,8 +108,10 @@ class Launch:
 def launch(tmp_path: Path) -> Iterator[Any]:
     started: list[Launch] = []
 
-    def start(args: list[str], name: str = "job", env: dict[str, str] | None = None) -> Launch:
-        job = Launch(tmp_path / name, args, env or child_env())
+    def start(
+        args: list[str], name: str = "job", env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+    ) -> Launch:
+        job = Launch(tmp_path / name, args, env or child_env(), prefix)
         started.append(job)
         return job
 

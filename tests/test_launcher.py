@@ -121,14 +121,28 @@ def test_max_restarts_is_honoured(launch: Any, tmp_path: Path) -> None:
 def test_no_orphaned_workers_when_the_launcher_dies(launch: Any, sig: signal.Signals) -> None:
     job = launch(tiny_args("--steps", "100000", "--step-sleep", "0.05", "--workers", "1"))
     job.wait_for(lambda: len(job.events("step_done")) >= 2, 90, "training to start")
-    pids = list(job.worker_pids().values())
-    assert len(pids) == 2 and all(alive(p) for p in pids)
+    workers = list(job.worker_pids().values())
+    assert len(workers) == 2 and all(alive(p) for p in workers)
+    pids = workers + _children(workers)
+    assert len(pids) >= 4, "each worker runs a DataLoader worker process"
     job.proc.send_signal(sig)
     job.proc.wait(timeout=60)
     deadline = time.monotonic() + 30
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(alive(p) for p in pids), f"workers outlived a {sig.name}ed launcher"
+    assert not any(alive(p) for p in pids), f"workers or their DataLoader workers outlived a {sig.name}ed launcher"
+
+
+def _children(parents: list[int]) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[1]) in parents:
+            found.append(int(stat.parent.name))
+    return found
 
 
 def test_twenty_kills_in_a_row_recover_every_time(launch: Any, tmp_path: Path) -> None:

@@ -1,11 +1,18 @@
-"""Two `stalwart run` agents form one job through the c10d rendezvous, as two nodes would, and recover together."""
+"""Two `stalwart run` agents form one job through the c10d rendezvous, as two nodes would, and recover together:
+on loopback, and as two hosts with their own addresses in network namespaces (root only; skipped elsewhere)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from conftest import TINY, child_env
 
@@ -36,3 +43,58 @@ def test_two_nodes_recover_from_a_killed_worker(launch: Any, tmp_path: Path) -> 
     two_nodes = json.loads((tmp_path / "out" / "rank0.json").read_text())
     one_node = json.loads((single.workdir / "out1" / "rank0.json").read_text())
     assert two_nodes["sha256"] == one_node["sha256"], "two nodes with a failure end where one clean node does"
+
+
+SUBNET = "10.231.77"  # only inside the test's own namespaces; nothing outside them sees these addresses
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[list[tuple[str, str, str]]]:
+    """Two network namespaces joined by a veth pair: [(namespace, interface, address)] for each host."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("network namespaces need root and iproute2")
+    tag = f"stw{os.getpid() % 100000}"
+    hosts = [(f"{tag}h{i}", f"{tag}v{i}", f"{SUBNET}.{i + 1}") for i in range(2)]
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    try:
+        for ns, _, _ in hosts:
+            ip("netns", "add", ns)
+        ip("link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
+        for ns, dev, addr in hosts:
+            ip("link", "set", dev, "netns", ns)
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as exc:
+        for ns, _, _ in hosts:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
+    yield hosts
+    for ns, _, _ in hosts:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)  # removes the veth pair too
+
+
+def test_two_hosts_with_their_own_addresses(launch: Any, tmp_path: Path, two_hosts: list[tuple[str, str, str]]) -> None:
+    (_, _, head), _ = two_hosts
+    port = _free_port()  # the namespaces are new and empty: any port is free there
+    job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "20"]
+    nodes = []
+    for i, (ns, dev, addr) in enumerate(two_hosts):
+        args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"{head}:{port}"]
+        # Both namespaces share this machine's hostname, so the store's host is named, as torchrun users do.
+        args += ["--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", addr, *job_args]
+        env = child_env(GLOO_SOCKET_IFNAME=dev, STALWART_FAULTS="kill@rank=1,step=9")
+        nodes.append(launch(args, name=f"host{i}", env=env, prefix=("ip", "netns", "exec", ns)))
+    for node in nodes:
+        assert node.wait(180) == 0, node.output()
+    for node in nodes:
+        assert [e["step"] for e in node.events("resumed")] == [8]
+        assert {e["master"].split(":")[0] for e in node.events("worker_spawned")} == {head}
+    victim = next(n for n in nodes if 1 in n.worker_pids(restart=0))
+    survivor = next(n for n in nodes if n is not victim)
+    assert "killed by SIGKILL" in victim.output() and "lost a peer" in survivor.output()
+    results = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert results[0]["sha256"] == results[1]["sha256"]

@@ -63,7 +63,7 @@ class StalwartAgent(LocalElasticAgent):
         return result
 
     def _report_failure(self, result: RunResult) -> None:
-        causes, stopped = [], 0
+        causes, consequences = [], []
         for rank, failure in sorted(result.failures.items()):
             sig = signal_name(failure.exitcode)
             self._events.emit(
@@ -77,14 +77,18 @@ class StalwartAgent(LocalElasticAgent):
             )
             if failure.exitcode == EXIT_USER_ERROR:
                 self.user_error = True
-            if sig == "SIGTERM" or failure.exitcode == EXIT_PEER_LOST:
-                stopped += 1  # survivors stopped by the agent, or failing because a peer died: consequences
+            if sig == "SIGTERM":  # the agent stops the survivors of a failure with SIGTERM
+                consequences.append(f"rank {rank} (pid {failure.pid}) stopped")
+            elif failure.exitcode == EXIT_PEER_LOST:
+                consequences.append(f"rank {rank} (pid {failure.pid}) lost a peer")
             else:
                 how = f"killed by {sig}" if sig else f"exited with status {failure.exitcode}"
                 causes.append(f"rank {rank} (pid {failure.pid}) {how}")
-        what = ", ".join(causes) or "workers unhealthy"
-        if stopped and causes:
-            what += f" ({stopped} other worker{'s' if stopped > 1 else ''} stopped as a consequence)"
+        if causes and consequences:
+            n = len(consequences)
+            what = ", ".join(causes) + f" ({n} other worker{'s' if n > 1 else ''} stopped as a consequence)"
+        else:
+            what = ", ".join(causes or consequences) or "workers unhealthy"
         if self.user_error:
             self._remaining_restarts = 0
             self._events.emit("job_stopped", reason="user_error")
