@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import io
 import json
-import pickle
+from collections import OrderedDict, defaultdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from stalwart.checkpoint import Checkpointer, layout
-from stalwart.checkpoint.serialize import checksum
-from stalwart.errors import CheckpointError, CheckpointMismatchError, ConfigError
+from stalwart.checkpoint.serialize import checksum, dumps, loads
+from stalwart.errors import CheckpointMismatchError, ConfigError, NoValidCheckpointError, UnsavableStateError
 from stalwart.job.dist import Comm, Placement
 from stalwart.telemetry.events import EventLog, read_events
 
@@ -36,11 +37,18 @@ def test_save_then_load_roundtrip(tmp_path: Path) -> None:
     assert torch.equal(restored.state["objects"]["w"]["weight"], torch.full((4, 4), 5.0))
 
 
-def test_retention_keeps_last_n(tmp_path: Path) -> None:
-    ck = _checkpointer(tmp_path / "ck", keep_last=2)
-    for step in (1, 2, 3, 4):
+def test_retention_keeps_last_n_and_clears_interrupted_saves(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    ck = _checkpointer(root, keep_last=2)
+    for step in (1, 2, 3):
         ck.save(step, _state(step))
-    assert layout.committed_steps(tmp_path / "ck") == [4, 3]
+    (root / "step_00000002" / "manifest.json").unlink()  # step 2 becomes an interrupted save
+    stale = root / "step_00000004" / "rank00000.old-1.pt"
+    stale.parent.mkdir()
+    stale.write_bytes(b"from a crashed attempt at step 4")
+    ck.save(4, _state(4))
+    assert sorted(p.name for p in root.iterdir()) == ["stalwart-checkpoints.json", "step_00000003", "step_00000004"]
+    assert sorted(p.name for p in (root / "step_00000004").iterdir()) == ["manifest.json", "rank00000.t-4.pt"]
 
 
 def test_save_without_manifest_is_invisible(tmp_path: Path) -> None:
@@ -86,7 +94,7 @@ def test_loading_never_executes_code_from_a_checkpoint(tmp_path: Path) -> None:
             return (Path.write_text, (marker, "code ran"))
 
     buf = io.BytesIO()
-    torch.save({"objects": Evil()}, buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    torch.save({"objects": Evil()}, buf)  # torch's default protocol: the weights-only unpickler must refuse it
     payload = buf.getvalue()
     step = tmp_path / "ck" / "step_00000001"
     name = next(step.glob("rank*.pt")).name
@@ -94,14 +102,46 @@ def test_loading_never_executes_code_from_a_checkpoint(tmp_path: Path) -> None:
     manifest = json.loads((step / "manifest.json").read_text())
     manifest["shards"][0].update(bytes=len(payload), crc32=checksum(payload))
     (step / "manifest.json").write_text(json.dumps(manifest))
-    assert _checkpointer(tmp_path / "ck").load_latest() is None, "the tampered checkpoint is refused"
+    with pytest.raises(NoValidCheckpointError, match="cannot be read safely"):
+        _checkpointer(tmp_path / "ck").load_latest()
     assert not marker.exists(), "loading ran code from the checkpoint"
 
 
 def test_state_that_could_not_be_loaded_back_is_refused_at_save(tmp_path: Path) -> None:
     ck = _checkpointer(tmp_path / "ck")
-    with pytest.raises(CheckpointError, match=r"state\['objects'\]\['opaque'\] is a .*object"):
+    with pytest.raises(UnsavableStateError, match=r"state\['objects'\]\['opaque'\] is a .*object"):
         ck.save(1, {"objects": {"opaque": object()}})
+    assert layout.committed_steps(tmp_path / "ck") == []
+
+
+@pytest.mark.parametrize("value", [np.float64(1.5), np.int64(3), defaultdict(int, a=1), np.zeros(2)])
+def test_subclasses_that_weights_only_refuses_are_refused_at_save(value: Any) -> None:
+    with pytest.raises(UnsavableStateError):
+        dumps({"x": value})
+
+
+def test_everything_accepted_at_save_loads_back() -> None:
+    state = {
+        "tensor": torch.arange(3),
+        "param": torch.nn.Parameter(torch.ones(2)),
+        "scalars": [1, 2.5, True, "s", b"b", None, (1, 2)],
+        "torch": [torch.Size([2, 3]), torch.float16, torch.device("cpu")],
+        "ordered": OrderedDict(a=torch.zeros(1)),
+        3: "int key",
+    }
+    loaded = loads(dumps(state), "roundtrip")
+    assert loaded["scalars"] == state["scalars"] and loaded["torch"] == state["torch"] and loaded[3] == "int key"
+    assert torch.equal(loaded["param"], state["param"])
+
+
+def test_no_valid_checkpoint_stops_instead_of_starting_over(tmp_path: Path) -> None:
+    ck = _checkpointer(tmp_path / "ck")
+    ck.save(1, _state(1))
+    shard = next((tmp_path / "ck" / "step_00000001").glob("rank*.pt"))
+    shard.write_bytes(b"garbage")
+    with pytest.raises(NoValidCheckpointError, match="none of the 1 checkpoints"):
+        _checkpointer(tmp_path / "ck").load_latest()
+    assert shard.read_bytes() == b"garbage", "nothing is moved or deleted when nothing verifies"
 
 
 def test_foreign_directory_is_refused_and_left_alone(tmp_path: Path) -> None:
@@ -127,16 +167,23 @@ def test_unwritable_directory_is_a_config_error(tmp_path: Path) -> None:
         _checkpointer(tmp_path / "file" / "ck")
 
 
-def test_write_failure_skips_the_save_and_keeps_the_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("failing", ["shard", "manifest"])
+def test_write_failure_skips_the_save_and_keeps_the_previous(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
     log = tmp_path / "events.jsonl"
     ck = _checkpointer(tmp_path / "ck", log=log)
     ck.save(1, _state(1))
+    real = layout.write_durable
 
-    def full_disk(*args: Any, **kwargs: Any) -> None:
-        raise OSError(28, "No space left on device")
+    def full_disk(path: Path, data: bytes, **kwargs: Any) -> None:
+        if (path.name == "manifest.json") == (failing == "manifest"):
+            raise OSError(28, "No space left on device")
+        real(path, data, **kwargs)
 
     monkeypatch.setattr(layout, "write_durable", full_disk)
     assert ck.save(2, _state(2)) is False
     monkeypatch.undo()
     assert layout.committed_steps(tmp_path / "ck") == [1]
     assert any(e["event"] == "checkpoint_write_failed" for e in read_events(log))
+    assert ck.save(3, _state(3)) is True, "the next save works again"

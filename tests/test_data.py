@@ -73,3 +73,32 @@ def test_settings_that_change_the_order_are_refused_on_load() -> None:
 def test_bad_sizes(kwargs: dict[str, int], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ResumableLoader(torch.arange(20), **kwargs)  # type: ignore[arg-type]
+
+
+class _Augmented(torch.utils.data.Dataset):
+    """Random augmentation inside __getitem__, as a vision pipeline would have."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return i + torch.rand(1)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_random_augmentation_resumes_identically(num_workers: int) -> None:
+    def run(resume_after: int | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        loader = ResumableLoader(_Augmented(), global_batch_size=4, seed=1, num_workers=num_workers)
+        if resume_after is None:
+            return list(itertools.islice(iter(loader), 8))
+        head = list(itertools.islice(iter(loader), resume_after))
+        state, rng = loader.state_dict(), torch.get_rng_state()  # what a checkpoint holds
+        torch.manual_seed(99)  # a new process
+        again = ResumableLoader(_Augmented(), global_batch_size=4, seed=1, num_workers=num_workers)
+        again.load_state_dict(state)
+        torch.set_rng_state(rng)
+        return head + list(itertools.islice(iter(again), 8 - resume_after))
+
+    straight, resumed = run(None), run(3)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))

@@ -46,6 +46,9 @@ def test_exactly_once_with_dataloader_worker_processes(launch: Any) -> None:
     assert job.wait(180) == 0, job.output()
     assert len(job.events("restarting")) == 2
     _check_history(job.results(), 2)
+    in_process = launch(tiny_args("--steps", str(STEPS)), name="no-workers")
+    assert in_process.wait(120) == 0, in_process.output()
+    assert job.results()[0]["sha256"] == in_process.results()[0]["sha256"], "worker processes change nothing"
 
 
 def _check_history(results: dict[int, dict[str, Any]], world_size: int) -> None:

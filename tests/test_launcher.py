@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -66,6 +67,21 @@ def test_foreign_checkpoint_directory_is_refused_without_restarts(launch: Any, t
     assert "Traceback" not in job.output()
     assert {e["restart"] for e in job.events("worker_spawned")} == {0}, "bad input is not retried"
     assert sorted(p.name for p in foreign.iterdir()) == ["model.bin"], "nothing was deleted or added"
+
+
+def test_checkpoint_directory_not_shared_by_all_ranks_is_refused(launch: Any) -> None:
+    job = launch(tiny_args("--ckpt-per-rank"))
+    assert job.wait(120) == EXIT_USER_ERROR
+    lines = _worker_error_lines(job.output())
+    assert len(lines) == 1 and "rank 1 cannot see the checkpoint directory" in lines[0], job.output()
+
+
+def test_state_that_cannot_be_checkpointed_stops_before_training(launch: Any) -> None:
+    job = launch(tiny_args("--unsavable-on-rank", "0"))
+    assert job.wait(120) == EXIT_USER_ERROR
+    assert "numpy.float64" in _worker_error_lines(job.output())[0]
+    assert {e["restart"] for e in job.events("worker_spawned")} == {0}
+    assert not job.events("step_done")
 
 
 def test_unwritable_checkpoint_directory(launch: Any, tmp_path: Path) -> None:
@@ -164,14 +180,29 @@ def test_twenty_kills_in_a_row_recover_every_time(launch: Any, tmp_path: Path) -
     assert job.results()[1]["seen"] == reference.results()[1]["seen"]
 
 
-def test_same_script_under_torchrun_and_as_one_process(tmp_path: Path) -> None:
+def test_torchrun_static_flags_keep_their_meaning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stalwart.supervisor.launcher import parse
+
+    script = str(TINY)
+    assert parse([script]).rdzv_backend == "c10d"
+    assert parse(["--master-port", "1234", script]).rdzv_backend == "static"
+    assert parse(["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", script]).rdzv_backend == "static"
+    assert parse([script, "--master-port", "9"]).rdzv_backend == "c10d", "the script's own flags are its own"
+    monkeypatch.setenv("PET_RDZV_BACKEND", "static")
+    assert parse([script]).rdzv_backend == "static"
+
+
+def test_same_script_under_torchrun_and_as_one_process(launch: Any, tmp_path: Path) -> None:
     torchrun = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(TINY), "--ckpt", "ckpt", "--out", "out", "--steps", "6"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=child_env(),
     )  # fmt: skip
     assert torchrun.returncode == 0, torchrun.stderr
-    assert (tmp_path / "out" / "rank1.json").exists()
+    ours = launch(tiny_args("--steps", "6"), name="ours")
+    assert ours.wait(120) == 0, ours.output()
+    under_torchrun = json.loads((tmp_path / "out" / "rank1.json").read_text())
+    assert under_torchrun["sha256"] == ours.results()[1]["sha256"], "torchrun and stalwart run train alike"
     single = subprocess.run(
         [sys.executable, str(TINY), "--ckpt", "ckpt1", "--out", "out1", "--steps", "6"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=child_env(),

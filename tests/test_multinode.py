@@ -96,5 +96,21 @@ def test_two_hosts_with_their_own_addresses(launch: Any, tmp_path: Path, two_hos
     victim = next(n for n in nodes if 1 in n.worker_pids(restart=0))
     survivor = next(n for n in nodes if n is not victim)
     assert "killed by SIGKILL" in victim.output() and "lost a peer" in survivor.output()
-    results = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert results[0]["sha256"] == results[1]["sha256"]
+    reference = launch(["--nproc-per-node", "2", str(TINY), "--ckpt", "c", "--out", "o", "--steps", "20"], name="ref")
+    assert reference.wait(120) == 0, reference.output()
+    two_hosts_result = json.loads((tmp_path / "out" / "rank1.json").read_text())
+    one_host_result = json.loads((reference.workdir / "o" / "rank1.json").read_text())
+    assert two_hosts_result["sha256"] == one_host_result["sha256"], "ends where one clean host does"
+    assert two_hosts_result["seen"] == one_host_result["seen"]
+
+
+def test_bad_input_on_one_node_stops_the_other_with_one_line(launch: Any, tmp_path: Path) -> None:
+    port = _free_port()
+    args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "2"]
+    args += [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--unsavable-on-rank", "1"]
+    nodes = [launch(args, name=f"node{i}") for i in range(2)]
+    statuses = sorted(node.wait(180) for node in nodes)
+    assert statuses == [1, 78], [node.output() for node in nodes]
+    for node in nodes:
+        assert "Traceback" not in node.output(), node.output()
+        assert node.events("launcher_exit"), "each launcher records how it ended"

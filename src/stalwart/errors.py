@@ -5,11 +5,14 @@
      │    └── PeerError              another rank found the problem and reported it (printed there, once)
      ├── CheckpointError        a checkpoint cannot be written or used
      │    ├── CheckpointCorruptError   a shard is missing, truncated or fails its checksum
-     │    └── CheckpointMismatchError  the checkpoint does not fit this job (shape, world size, format)
+     │    │    └── NoValidCheckpointError  checkpoints exist but none verifies (never a silent fresh start)
+     │    ├── CheckpointMismatchError  the checkpoint does not fit this job (shape, world size, format)
+     │    └── UnsavableStateError      a state_dict holds values a checkpoint cannot carry safely
      └── LaunchError            `stalwart run` could not start or keep its workers
 
-User errors (ConfigError, CheckpointMismatchError) are not retried by `stalwart run`: a worker that dies of one
-exits with EXIT_USER_ERROR and the launcher stops instead of burning its restarts on the same mistake.
+User errors (ConfigError, CheckpointMismatchError, NoValidCheckpointError, UnsavableStateError) are not retried
+by `stalwart run`: a worker that dies of one exits with EXIT_USER_ERROR and the launcher stops instead of burning
+its restarts on the same mistake.
 """
 
 from __future__ import annotations
@@ -46,10 +49,18 @@ class CheckpointMismatchError(CheckpointError, ValueError):
     """The checkpoint is valid but does not fit this job (model shape, world size, foreign format)."""
 
 
+class NoValidCheckpointError(CheckpointCorruptError):
+    """Committed checkpoints exist but none verifies; starting from step 0 instead would silently lose the run."""
+
+
+class UnsavableStateError(CheckpointError, ValueError):
+    """A tracked object's state_dict holds a value that `weights_only` loading would refuse."""
+
+
 class LaunchError(StalwartError):
     """`stalwart run` could not start or keep its workers."""
 
 
 def is_user_error(exc: BaseException) -> bool:
     """True for errors that a restart cannot fix."""
-    return isinstance(exc, ConfigError | CheckpointMismatchError)
+    return isinstance(exc, ConfigError | CheckpointMismatchError | NoValidCheckpointError | UnsavableStateError)

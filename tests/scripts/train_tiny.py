@@ -42,6 +42,17 @@ class SeenSamples:
         self.ids = state["ids"].tolist()
 
 
+class _Holder:
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ckpt", required=True)
@@ -54,7 +65,11 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--allow-resize", action="store_true")
+    p.add_argument("--ckpt-per-rank", action="store_true", help="a node-local checkpoint dir on each rank (wrong)")
+    p.add_argument("--unsavable-on-rank", type=int, default=-1, help="track a numpy scalar on this rank (wrong)")
     args = p.parse_args()
+    if args.ckpt_per_rank:
+        args.ckpt = f"{args.ckpt}-rank{os.environ.get('RANK', '0')}"
 
     torch.use_deterministic_algorithms(True)
     job = stalwart.Job(args.ckpt, checkpoint_every=args.every, log_every=1, allow_world_size_change=args.allow_resize)
@@ -70,6 +85,10 @@ def main() -> None:
     )
     seen = SeenSamples()
     job.track(model=model, optim=optim, sched=sched, data=loader, seen=seen)
+    if job.rank == args.unsavable_on_rank:
+        import numpy as np
+
+        job.track(best=_Holder({"best_loss": np.float64(0.5)}))
 
     for _step, (ids, x) in job.steps(loader, max_steps=args.steps):
         seen.ids.extend(ids.tolist())

@@ -171,12 +171,36 @@ def read_manifest(root: Path, step: int) -> Manifest:
 
 
 def quarantine(root: Path, step: int) -> Path:
-    """Rename a checkpoint that failed verification out of the step namespace; returns its new path."""
+    """Rename a checkpoint that failed verification out of the step namespace; returns its new path.
+    Quarantined checkpoints are never removed by retention: they are evidence."""
     src = root / step_dir_name(step)
-    dst = root / f"{step_dir_name(step)}.invalid-{int(time.time())}"
-    os.replace(src, dst)
+    dst = root / f"{step_dir_name(step)}.invalid-{time.time_ns()}"
+    os.rename(src, dst)
     fsync_dir(root)
     return dst
+
+
+def make_step_dir(root: Path, step: int) -> Path:
+    """Create a step's directory durably (its entry in the root survives a power cut before the commit)."""
+    path = root / step_dir_name(step)
+    if not path.is_dir():
+        path.mkdir(exist_ok=True)
+        fsync_dir(root)
+    return path
+
+
+def wait_for_file(path: Path, content: str, timeout_s: float) -> bool:
+    """True once `path` holds `content`; polls because a network filesystem may show a new file late."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if path.read_text(encoding="utf-8") == content:
+                return True
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
 
 
 def remove_tree(path: Path) -> None:

@@ -2,12 +2,18 @@
 
 Two-phase commit. Phase 1: each rank writes and fsyncs its shard. The ranks then exchange (ok, bytes, crc32).
 Phase 2: only if every rank succeeded, rank 0 writes the manifest atomically; that rename is the instant the
-checkpoint becomes visible. A crash at any earlier instant leaves the previous checkpoint the newest loadable one.
+checkpoint becomes visible, and rank 0 tells every rank whether it happened. A crash at any earlier instant
+leaves the previous checkpoint the newest loadable one.
 
-Loading walks committed steps newest first; every rank verifies its own shard (size and CRC) and the ranks
-agree on the newest step that verified everywhere, so a corrupt or truncated shard makes all ranks fall back
-together to the next older checkpoint, with an event. The invalid checkpoint is moved to
-`step_XXXXXXXX.invalid-<time>` for inspection, never deleted.
+Every decision that must be the same on all ranks is taken once and shared: rank 0 lists the checkpoints,
+the ranks vote on each candidate, rank 0 reports the commit. A rank that saw the directory differently (a node-
+local path, a lagging network filesystem) can therefore never wait in a different collective than the others;
+and at start every rank must see a file rank 0 wrote, or the job stops with a clear error.
+
+Loading walks the committed steps newest first; every rank verifies its own shard (size and CRC) and the
+newest step valid on every rank is loaded. Newer ones that failed an integrity check are moved to
+`step_XXXXXXXX.invalid-<ns>` for inspection, never deleted. If checkpoints exist but none verifies, loading stops
+with NoValidCheckpointError rather than silently starting again from step 0.
 """
 
 from __future__ import annotations
@@ -22,16 +28,22 @@ from stalwart.checkpoint import layout
 from stalwart.checkpoint.serialize import checksum, dumps, loads
 from stalwart.errors import (
     CheckpointCorruptError,
-    CheckpointError,
     CheckpointMismatchError,
     ConfigError,
+    NoValidCheckpointError,
     PeerError,
+    UnsavableStateError,
 )
 from stalwart.job.dist import Comm
 from stalwart.telemetry.events import EventLog
 
 FaultHook = Callable[[str], None]
 """Called with a phase name ('shard_half_written', 'before_commit') so chaos can kill at that instant."""
+
+_OK, _FAILED, _UNSAVABLE = 1, 0, -1  # a rank's vote on a save
+_VALID, _CORRUPT, _UNREADABLE = 1, 0, -1  # a rank's vote on a checkpoint it tried to load
+_READ_ATTEMPTS = 3
+SHARED_DIR_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,101 +76,170 @@ class Checkpointer:
         self._token = token
         self._fault = fault_hook or (lambda phase: None)
         self._attempt = 0
-        # Rank 0 alone checks and creates the root, then tells the others: a rank that looked while rank 0 was
-        # creating it would take the half-written marker for a foreign file.
+        self._prepare_root()
+
+    def _prepare_root(self) -> None:
+        """Rank 0 alone checks and creates the root (a rank looking while rank 0 creates it would take the
+        half-written marker for a foreign file), then every rank must read a probe file rank 0 wrote."""
         problem: ConfigError | None = None
-        if comm.rank == 0:
+        probe = self.root / f".probe-{self._token}"
+        if self._comm.rank == 0:
             try:
                 layout.prepare_root(self.root, create=True)
+                layout.write_durable(probe, self._token.encode())
             except ConfigError as exc:
                 problem = exc
-        if not comm.broadcast_int(0 if problem else 1):
+            except OSError as exc:
+                problem = ConfigError(f"checkpoint directory {self.root} is not writable: {exc.strerror or exc}")
+        if not self._comm.broadcast_int(0 if problem else 1):
             raise problem or PeerError("rank 0 rejected the checkpoint directory; see its error")
+        sees = 1 if self._comm.rank == 0 else int(layout.wait_for_file(probe, self._token, SHARED_DIR_TIMEOUT_S))
+        votes = self._comm.all_gather_ints([sees])
+        if self._comm.rank == 0:
+            probe.unlink(missing_ok=True)
+        if all(v[0] for v in votes):
+            return
+        if not sees:
+            raise ConfigError(
+                f"rank {self._comm.rank} cannot see the checkpoint directory {self.root} that rank 0 writes to; "
+                "put checkpoint_dir on storage every rank shares (a shared filesystem)"
+            )
+        raise PeerError("another rank cannot see the checkpoint directory; see its error")
 
     def save(self, step: int, state: dict[str, Any]) -> bool:
         """Write this rank's shard for `step` and commit if every rank succeeded. Returns whether it committed.
 
-        A failed write (disk full, I/O error) is logged and skipped: training goes on and the previous checkpoint
-        stays the newest. Errors of the state itself (unloadable types) are raised: they would fail every time.
+        A failed write (disk full, I/O error), on any rank and for the manifest too, is logged and the save is
+        skipped on every rank alike: training goes on and the previous checkpoint stays the newest. A state
+        that can never be saved (unloadable types) raises UnsavableStateError on every rank.
         """
         started = time.monotonic()
-        data = dumps(state)
         self._attempt += 1
         token = f"{self._token}-{self._attempt}"
-        name = layout.shard_name(self._comm.rank, token)
-        step_dir = self.root / layout.step_dir_name(step)
-        ok = 1
+        vote, size, crc = _OK, 0, 0
+        unsavable: UnsavableStateError | None = None
         try:
-            step_dir.mkdir(exist_ok=True)
-            layout.write_durable(step_dir / name, data, on_half_written=lambda: self._fault("shard_half_written"))
+            data = dumps(state)
+            size, crc = len(data), checksum(data)
+            step_dir = layout.make_step_dir(self.root, step)
+            layout.write_durable(
+                step_dir / layout.shard_name(self._comm.rank, token),
+                data,
+                on_half_written=lambda: self._fault("shard_half_written"),
+            )
+        except UnsavableStateError as exc:
+            vote, unsavable = _UNSAVABLE, exc
         except OSError as exc:
-            ok = 0
+            vote = _FAILED
             self._events.emit("checkpoint_write_failed", step=step, error=str(exc))
-        crc = checksum(data)
-        gathered = self._comm.all_gather_ints([ok, len(data), crc])
-        if not all(g[0] for g in gathered):
+        gathered = self._comm.all_gather_ints([vote, size, crc])
+        if any(g[0] == _UNSAVABLE for g in gathered):
+            raise unsavable or PeerError("another rank's state cannot be checkpointed; see its error")
+        if not all(g[0] == _OK for g in gathered):
             self._events.emit("checkpoint_skipped", step=step, reason="a rank failed to write its shard")
             return False
         self._fault("before_commit")
-        if self._comm.rank == 0:
-            manifest = layout.Manifest(
-                step=step,
-                world_size=self._comm.world_size,
-                token=token,
-                shards=[(layout.shard_name(r, token), g[1], g[2]) for r, g in enumerate(gathered)],
-                created=time.time(),
-            )
+        committed = self._commit(step, token, gathered, started) if self._comm.rank == 0 else 0
+        return bool(self._comm.broadcast_int(committed))
+
+    def _commit(self, step: int, token: str, gathered: list[list[int]], started: float) -> int:
+        step_dir = self.root / layout.step_dir_name(step)
+        manifest = layout.Manifest(
+            step=step,
+            world_size=self._comm.world_size,
+            token=token,
+            shards=[(layout.shard_name(r, token), g[1], g[2]) for r, g in enumerate(gathered)],
+            created=time.time(),
+        )
+        try:
             layout.write_durable(step_dir / layout.MANIFEST, manifest.to_json().encode())
+        except OSError as exc:
+            self._events.emit("checkpoint_write_failed", step=step, error=f"manifest: {exc}")
+            self._events.emit("checkpoint_skipped", step=step, reason="the manifest could not be written")
+            return 0
+        try:
             removed = layout.prune(self.root, self._keep_last, manifest)
-            self._events.emit(
-                "checkpoint_committed",
-                step=step,
-                bytes=sum(g[1] for g in gathered),
-                seconds=time.monotonic() - started,
-                path=str(step_dir),
-                removed=removed,
-            )
-        return True
+        except OSError as exc:  # the commit stands; old checkpoints are removed after a later save
+            removed = []
+            self._events.emit("checkpoint_prune_failed", step=step, error=str(exc))
+        self._events.emit(
+            "checkpoint_committed",
+            step=step,
+            bytes=sum(g[1] for g in gathered),
+            seconds=time.monotonic() - started,
+            path=str(step_dir),
+            removed=removed,
+        )
+        return 1
 
     def load_latest(self, *, allow_world_size_change: bool = False) -> Restored | None:
-        """Load the newest checkpoint that verifies on every rank, or None when there is none."""
-        for step in layout.committed_steps(self.root):
-            restored, problem = self._try_load(step, allow_world_size_change)
-            votes = self._comm.all_gather_ints([0 if problem else 1])
-            if all(v[0] for v in votes):
+        """Load the newest checkpoint that verifies on every rank; None when there is no checkpoint at all."""
+        steps = self._comm.broadcast_ints(layout.committed_steps(self.root) if self._comm.rank == 0 else [])
+        corrupt: list[int] = []
+        first_problem: str | None = None
+        for step in steps:
+            restored, verdict, problem = self._try_load(step, allow_world_size_change)
+            votes = [v[0] for v in self._comm.all_gather_ints([verdict])]
+            if all(v == _VALID for v in votes):
                 assert restored is not None
+                self._quarantine(corrupt)
                 return restored
             if problem:
-                self._events.emit("checkpoint_invalid", step=step, error=str(problem))
-            if self._comm.rank == 0:
-                # Every rank is done reading it (the vote above); move it aside so a later save of the same
-                # step cannot overwrite the evidence, and keep it out of retention.
+                first_problem = first_problem or problem
+                self._events.emit("checkpoint_invalid", step=step, error=problem)
+            if _CORRUPT in votes:
+                corrupt.append(step)
+        if not steps:
+            return None
+        if first_problem is None:
+            raise PeerError("no checkpoint verifies on another rank; see its error")
+        raise NoValidCheckpointError(
+            f"none of the {len(steps)} checkpoints in {self.root} verifies (step {steps[0]}: {first_problem}); "
+            "nothing was loaded or changed. Move them aside or use another checkpoint_dir to start from step 0"
+        )
+
+    def _quarantine(self, steps: list[int]) -> None:
+        """Move checkpoints that failed an integrity check aside (rank 0; every rank has finished reading them)."""
+        if self._comm.rank != 0:
+            return
+        for step in steps:
+            try:
                 moved = layout.quarantine(self.root, step)
                 self._events.emit("checkpoint_quarantined", step=step, path=str(moved))
-        return None
+            except OSError as exc:
+                self._events.emit("checkpoint_quarantine_failed", step=step, error=str(exc))
 
-    def _try_load(self, step: int, allow_resize: bool) -> tuple[Restored | None, CheckpointError | None]:
+    def _try_load(self, step: int, allow_resize: bool) -> tuple[Restored | None, int, str | None]:
+        """(restored, verdict, problem): a size/CRC/format failure is _CORRUPT; an I/O error that persists over
+        a few attempts is _UNREADABLE (maybe transient: reported, never quarantined)."""
         try:
             manifest = layout.read_manifest(self.root, step)
-            if manifest.world_size != self._comm.world_size and not allow_resize:
-                raise CheckpointMismatchError(
-                    f"checkpoint {self.root / layout.step_dir_name(step)} was written by {manifest.world_size} "
-                    f"ranks and this job has {self._comm.world_size}; relaunch with the same world size or "
-                    "pass allow_world_size_change=True (docs/checkpoints.md)"
-                )
-            source_rank = self._comm.rank % manifest.world_size
-            name, size, crc = manifest.shards[source_rank]
-            path = self.root / layout.step_dir_name(step) / name
+        except CheckpointCorruptError as exc:
+            return None, _CORRUPT, str(exc)
+        if manifest.world_size != self._comm.world_size and not allow_resize:
+            raise CheckpointMismatchError(
+                f"checkpoint {self.root / layout.step_dir_name(step)} was written by {manifest.world_size} ranks and "
+                f"this job has {self._comm.world_size}; relaunch with the same world size or allow a world-size "
+                "change (docs/checkpoints.md)"
+            )
+        name, size, crc = manifest.shards[self._comm.rank % manifest.world_size]
+        path = self.root / layout.step_dir_name(step) / name
+        for attempt in range(_READ_ATTEMPTS):
             try:
                 data = path.read_bytes()
+                break
+            except FileNotFoundError:
+                return None, _CORRUPT, f"shard {path} is missing"
             except OSError as exc:
-                raise CheckpointCorruptError(f"shard {path} cannot be read: {exc.strerror or exc}") from exc
-            if len(data) != size:
-                raise CheckpointCorruptError(f"shard {path} has {len(data)} bytes, its manifest says {size}")
-            if checksum(data) != crc:
-                raise CheckpointCorruptError(f"shard {path} fails its CRC-32 check")
-            return Restored(step, manifest.world_size, loads(data, str(path)), str(path)), None
-        except CheckpointMismatchError:
-            raise
-        except CheckpointError as exc:
-            return None, exc
+                if attempt == _READ_ATTEMPTS - 1:
+                    return None, _UNREADABLE, f"shard {path} cannot be read: {exc.strerror or exc}"
+                time.sleep(0.5 * (attempt + 1))
+        if len(data) != size:
+            return None, _CORRUPT, f"shard {path} has {len(data)} bytes, its manifest says {size}"
+        if checksum(data) != crc:
+            return None, _CORRUPT, f"shard {path} fails its CRC-32 check"
+        try:
+            state = loads(data, str(path))
+        except CheckpointCorruptError as exc:
+            return None, _CORRUPT, str(exc)
+        return Restored(step, manifest.world_size, state, str(path)), _VALID, None

@@ -1,41 +1,48 @@
 """Turn training state into shard bytes and back, without ever executing code from a checkpoint.
 
-Loading uses `torch.load(weights_only=True)`, which only rebuilds tensors and plain containers. Saving checks
-the same rule first, so a state that could not be loaded back is refused at save time with the path of the
-offending value, not discovered on the day of the restart.
+Loading uses `torch.load(weights_only=True)`, which only rebuilds tensors and plain containers. Saving checks the
+same rule first (also at resume, before any step runs), so a state that could not be loaded back is refused with
+the path of the offending value, not discovered on the day of the restart.
 """
 
 from __future__ import annotations
 
 import io
 import zlib
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from stalwart.errors import CheckpointCorruptError, CheckpointError
+from stalwart.errors import CheckpointCorruptError, UnsavableStateError
 
-_LEAVES = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.Size, torch.dtype, torch.device)
+# Exact types: weights_only loading rebuilds these and nothing else. isinstance would let subclasses through
+# (numpy.float64 is a float, defaultdict is a dict) that save fine and then can never be loaded.
+_LEAVES = frozenset({int, float, bool, str, bytes, type(None), torch.Size, torch.dtype, torch.device})
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_MAPPINGS = frozenset({dict, OrderedDict})
+_SEQUENCES = frozenset({list, tuple})
 
 
 def check_loadable(value: Any, path: str = "state") -> None:
-    """Raise CheckpointError if `value` holds anything `weights_only` loading would refuse."""
-    if isinstance(value, _LEAVES):
+    """Raise UnsavableStateError if `value` holds anything `weights_only` loading would refuse."""
+    kind = type(value)
+    if kind in _LEAVES or kind in _TENSORS:
         return
-    if isinstance(value, Mapping):
+    if kind in _MAPPINGS:
         for key, item in value.items():
-            if not isinstance(key, int | str):
-                raise CheckpointError(f"{path} has a key of type {type(key).__name__}; use str or int keys")
+            if type(key) not in (int, str):
+                raise UnsavableStateError(f"{path} has a key of type {type(key).__name__}; use str or int keys")
             check_loadable(item, f"{path}[{key!r}]")
         return
-    if isinstance(value, list | tuple):
+    if kind in _SEQUENCES:
         for i, item in enumerate(value):
             check_loadable(item, f"{path}[{i}]")
         return
-    raise CheckpointError(
-        f"{path} is a {type(value).__module__}.{type(value).__name__}, which a checkpoint cannot hold "
-        "safely; return tensors, numbers, strings, lists or dicts from state_dict()"
+    raise UnsavableStateError(
+        f"{path} is a {kind.__module__}.{kind.__qualname__}, which a checkpoint cannot hold safely; return "
+        "tensors, python numbers, strings, lists or plain dicts from state_dict()"
     )
 
 

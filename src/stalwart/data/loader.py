@@ -3,37 +3,70 @@
 The position counts batches handed to the training loop, not batches fetched: DataLoader worker processes
 prefetch ahead, and those prefetched batches are simply fetched again after a resume. The DataLoader gets its own
 seeded generator, so creating an iterator never draws from torch's global RNG (which would break bitwise resume).
+
+Randomness inside `Dataset.__getitem__` (augmentation) resumes exactly too. In worker processes, the RNGs (torch,
+python, numpy) are seeded from (seed, epoch, batch) before each batch, so a batch's draws do not depend on which
+worker fetches it or how many batches that worker fetched before the resume. Without workers, fetching draws from
+the main process's RNGs, which the checkpoint restores.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional
+    np = None  # type: ignore[assignment]
 
 from stalwart.data import order
 from stalwart.errors import ConfigError
 from stalwart.job.dist import Placement
 
 
-class _LocalBatches(Sampler[list[int]]):
+class _LocalBatches(Sampler[list[tuple[int, int]]]):
     """Endless stream of this rank's index lists, starting at a global position."""
 
     def __init__(self, loader: ResumableLoader, epoch: int, batch: int) -> None:
         self._loader = loader
         self._start = (epoch, batch)
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         ld = self._loader
         epoch, batch = self._start
         while ld.max_epochs is None or epoch < ld.max_epochs:
             perm = order.epoch_permutation(ld.num_samples, ld.seed, epoch, shuffle=ld.shuffle)
             for b in range(batch, ld.batches_per_epoch):
                 g = perm[b * ld.global_batch_size : (b + 1) * ld.global_batch_size]
-                yield order.local_slice(g, ld.rank, ld.world_size).tolist()
+                seed = order.batch_seed(ld.seed, epoch, b)
+                yield [(seed, i) for i in order.local_slice(g, ld.rank, ld.world_size).tolist()]
             epoch, batch = epoch + 1, 0
+
+
+class _SeededFetch(Dataset[Any]):
+    """Wraps the user's dataset: keys are (batch seed, index); inside a worker the RNGs are reseeded per batch."""
+
+    def __init__(self, dataset: Dataset[Any] | Sequence[Any]) -> None:
+        self.dataset = dataset
+        self._seeded: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        seed, index = key
+        if seed != self._seeded and get_worker_info() is not None:
+            self._seeded = seed
+            torch.manual_seed(seed)
+            random.seed(seed)
+            if np is not None:
+                np.random.seed(seed)
+        return self.dataset[index]
 
 
 class ResumableLoader:
@@ -84,7 +117,7 @@ class ResumableLoader:
         g = torch.Generator()
         g.manual_seed(self.seed)  # seeds worker processes; never touches the global generator
         dl = DataLoader(
-            self.dataset,  # type: ignore[arg-type]
+            _SeededFetch(self.dataset),
             batch_sampler=_LocalBatches(self, *start),
             num_workers=self._num_workers,
             collate_fn=self._collate_fn,

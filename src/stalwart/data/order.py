@@ -22,6 +22,11 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int, *, shuffle: bool 
     return torch.randperm(num_samples, generator=g)
 
 
+def batch_seed(seed: int, epoch: int, batch: int) -> int:
+    """Seed of the RNGs a DataLoader worker uses while fetching one global batch (see loader.py)."""
+    return (seed * 1_000_003 + epoch * _EPOCH_MIX + batch * 0xBF58476D1CE4E5B9) % (2**32)
+
+
 def batches_per_epoch(num_samples: int, global_batch_size: int) -> int:
     """Whole global batches per epoch; the last `num_samples % global_batch_size` indices of each epoch's
     permutation are not used that epoch (a new permutation each epoch spreads which ones)."""

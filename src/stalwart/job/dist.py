@@ -72,6 +72,15 @@ class Comm:
         dist.all_gather(out, mine, group=self._group)
         return [t.tolist() for t in out]
 
+    def broadcast_ints(self, values: list[int]) -> list[int]:
+        """Rank 0's list of int64 values (any length), on every rank."""
+        if self._group is None:
+            return list(values)
+        n = self.broadcast_int(len(values))
+        t = torch.tensor(values if self.rank == 0 else [0] * n, dtype=torch.int64)
+        dist.broadcast(t, src=0, group=self._group)
+        return [int(v) for v in t.tolist()]
+
     def broadcast_int(self, value: int) -> int:
         """Rank 0's value, on every rank."""
         if self._group is None:

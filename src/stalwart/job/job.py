@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from stalwart.chaos.faults import Fault, FaultInjector
 from stalwart.checkpoint.manager import Checkpointer
+from stalwart.checkpoint.serialize import check_loadable
 from stalwart.errors import CheckpointMismatchError, ConfigError
 from stalwart.job import lifecycle
 from stalwart.job.dist import Comm, Placement, init_process_group
@@ -46,7 +47,7 @@ class Stateful(Protocol):
 class JobState(Enum):
     CREATED = "created"  # tracking objects; nothing loaded yet
     RUNNING = "running"  # resumed (or started fresh) and iterating steps
-    FINISHED = "finished"  # reached max_steps and wrote the final checkpoint
+    FINISHED = "finished"  # reached max_steps (or the end of the data) and wrote the final checkpoint
 
 
 @dataclass(kw_only=True, slots=True)
@@ -61,9 +62,10 @@ class JobConfig:
     """Write a `step_done` event every this many steps (the first step after a start is always logged)."""
     collective_timeout_s: float = 300.0
     """Timeout of stalwart's own collectives and of a process group the job creates."""
-    allow_world_size_change: bool = False
+    allow_world_size_change: bool | None = None
     """Resume a checkpoint written at another world size: rank r loads shard r mod the old world size (state
-    must be replicated, as under DDP); the data position is global, so no sample is lost or repeated."""
+    must be replicated, as under DDP); the data position is global, so no sample is lost or repeated. None (the
+    default) allows it when launched elastically (`stalwart run --nnodes MIN:MAX` with MIN < MAX)."""
 
     def __post_init__(self) -> None:
         for name in ("checkpoint_every", "keep_last", "log_every"):
@@ -107,6 +109,7 @@ class Job:
         self._objects: dict[str, Stateful] = {}
         self._metrics: dict[str, Any] = {}
         self._saving_step: int | None = None
+        self._last_saved: int | None = None
         self.events.emit("worker_started", world_size=self.world_size, local_rank=self.placement.local_rank)
 
     @property
@@ -138,7 +141,12 @@ class Job:
         if self.state is not JobState.CREATED:
             return self.step
         started = time.monotonic()
-        restored = self.checkpointer.load_latest(allow_world_size_change=self.config.allow_world_size_change)
+        for name, obj in self._objects.items():  # fail now, not at the first save many steps later
+            check_loadable(obj.state_dict(), f"{name}.state_dict()")
+        allow = self.config.allow_world_size_change
+        if allow is None:
+            allow = os.environ.get(lifecycle.ELASTIC_ENV) == "1"
+        restored = self.checkpointer.load_latest(allow_world_size_change=allow)
         self.state = JobState.RUNNING
         if restored is None:
             self.events.emit("fresh_start")
@@ -162,7 +170,7 @@ class Job:
                 ) from exc
         if restored.world_size == self.world_size:
             restore_rng(restored.state["rng"])
-        self.step = self.resumed_from = restored.step
+        self.step = self.resumed_from = self._last_saved = restored.step
         self.events.emit("resumed", step=restored.step, source=restored.source, seconds=time.monotonic() - started)
         return self.step
 
@@ -183,6 +191,8 @@ class Job:
             batch = next(iterator, None) if iterator is not None else None
             if iterator is not None and batch is None:
                 self.events.emit("data_exhausted", step=self.step)
+                if self.step != self._last_saved:
+                    self.save()
                 break
             yield self.step, batch
             self.step += 1
@@ -191,7 +201,7 @@ class Job:
                 first = False
             if self.step % self.config.checkpoint_every == 0 or self.step == max_steps:
                 self.save()
-        if self.step >= max_steps and self.state is not JobState.FINISHED:
+        if self.state is not JobState.FINISHED:
             self.state = JobState.FINISHED
             if self.is_main:
                 self.events.emit("job_finished", step=self.step)
@@ -211,9 +221,12 @@ class Job:
         }
         self._saving_step = self.step
         try:
-            return self.checkpointer.save(self.step, state)
+            committed = self.checkpointer.save(self.step, state)
         finally:
             self._saving_step = None
+        if committed:
+            self._last_saved = self.step
+        return committed
 
     def close(self) -> None:
         """Release the process groups this job created (also run at interpreter exit)."""

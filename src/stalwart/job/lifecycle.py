@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import sys
 from types import TracebackType
-
-import torch.distributed as dist
 
 from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, PeerError, is_user_error
 
 AGENT_PID_ENV = "STALWART_AGENT_PID"
 """PID of the `stalwart run` process that started this worker."""
+
+ELASTIC_ENV = "STALWART_ELASTIC"
+"""Set to 1 by `stalwart run --nnodes MIN:MAX` (MIN < MAX): the world size may change between restarts."""
 
 _PR_SET_PDEATHSIG = 1
 _installed = False
@@ -65,11 +67,18 @@ def _exit_with_line(line: str | None, status: int) -> None:
     os._exit(status)
 
 
+# What a collective raises when the other side of a connection is gone or silent: gloo's pair errors, NCCL's
+# remote errors and aborts, store timeouts. A user's bug (mismatched sizes, bad arguments) matches none of these
+# and keeps its full traceback.
+_PEER_LOST = re.compile(
+    r"Connection (reset|closed) by peer|Broken pipe|Socket Timeout|Timed out waiting|timed out after|"
+    r"remote process exited|NCCL communicator was aborted|ncclRemoteError|failed to recv|failed to send",
+    re.IGNORECASE,
+)
+
+
 def _is_peer_failure(exc: BaseException) -> bool:
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("gloo" in text or "Connection reset by peer" in text)
+    return isinstance(exc, RuntimeError) and bool(_PEER_LOST.search(str(exc)))
 
 
 def _die_with_parent(agent_pid: int) -> None:

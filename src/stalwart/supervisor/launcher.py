@@ -2,7 +2,8 @@
 
 What differs from torchrun, and why:
 - The rendezvous backend defaults to c10d; on one node without --rdzv-endpoint it behaves like --standalone
-  (a free port on localhost), so nothing collides on a fixed port.
+  (a free port on localhost), so nothing collides on a fixed port. torchrun's static flags (--master-addr,
+  --master-port, --node-rank, --rdzv-backend static, or their PET_* variables) select the static backend.
 - Workers get a fresh TCPStore for each restart (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). With the shared agent
   store, torch 2.13's restarted workers read gloo addresses left by the dead round and hang or fail in
   connectFullMesh; measured, stock torchrun recovered from one SIGKILL in only 10 of 21 runs.
@@ -10,6 +11,7 @@ What differs from torchrun, and why:
   starts; a worker's own bad-input exit (EXIT_USER_ERROR) stops the job instead of restarting it.
 - Starts, failures and restarts go to a JSONL event log (--event-log), shared with the workers.
 - --max-restarts defaults to 3 (torchrun: 0), unless PET_MAX_RESTARTS is set.
+- With --nnodes MIN:MAX (MIN < MAX) workers are told the world size may change, and resume accordingly.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from stalwart.errors import EXIT_USER_ERROR, ConfigError
-from stalwart.job.lifecycle import AGENT_PID_ENV
+from stalwart.job.lifecycle import AGENT_PID_ENV, ELASTIC_ENV
 from stalwart.telemetry.events import EVENT_LOG_ENV, EventLog
 
 DEFAULT_EVENT_LOG = "stalwart-logs/events.jsonl"
@@ -56,14 +58,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(EVENT_LOG_ENV, DEFAULT_EVENT_LOG),
         help=f"JSONL event log shared with the workers (default: ${EVENT_LOG_ENV} or {DEFAULT_EVENT_LOG})",
     )
-    parser.set_defaults(rdzv_backend="c10d")
     if "PET_MAX_RESTARTS" not in os.environ:
         parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
     return parser
 
 
+_STATIC_FLAGS = ("--rdzv-backend", "--rdzv_backend", "--master-addr", "--master_addr", "--master-port",
+                 "--master_port", "--node-rank", "--node_rank")  # fmt: skip
+_STATIC_ENV = ("PET_RDZV_BACKEND", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_NODE_RANK")
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    # torchrun defaults to the static backend on a fixed port (29500). stalwart uses c10d unless the user chose
+    # a backend or gave torchrun's static flags (--master-addr/--master-port/--node-rank), which keep working.
+    script_at = argv.index(args.training_script) if args.training_script in argv else len(argv)
+    chose = any(a.split("=")[0] in _STATIC_FLAGS for a in argv[:script_at]) or any(e in os.environ for e in _STATIC_ENV)
+    if not chose:
+        args.rdzv_backend = "c10d"
     _validate(args)
     return args
 
@@ -118,7 +130,7 @@ def launch(args: argparse.Namespace, say: Any) -> int:
     """Run the agent until the workers succeed or fail for good; returns the process exit status."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.run import config_from_args
 
@@ -128,7 +140,7 @@ def launch(args: argparse.Namespace, say: Any) -> int:
         # torch elastic logs each failure at length; the agent reports them as one line and an event.
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
-    if args.standalone or (args.rdzv_backend == "c10d" and not args.rdzv_endpoint):
+    if args.standalone or (args.rdzv_backend == "c10d" and not args.rdzv_endpoint and args.nnodes in ("1", "1:1")):
         args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
         args.rdzv_id = args.rdzv_id if args.rdzv_id != "none" else str(uuid.uuid4())
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) > 1:
@@ -141,6 +153,9 @@ def launch(args: argparse.Namespace, say: Any) -> int:
         raise ConfigError(f"cannot write the event log {event_log}: {exc.strerror or exc}") from exc
     os.environ[EVENT_LOG_ENV] = str(event_log)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    min_nodes, max_nodes = _parse_nnodes(args.nnodes)
+    if min_nodes < max_nodes:
+        os.environ[ELASTIC_ENV] = "1"  # the world size may change between restarts; the Job allows it
 
     config, cmd, cmd_args = config_from_args(args)  # several nodes must share a run id: keep torchrun's "none"
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = getattr(config, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
@@ -206,10 +221,20 @@ def launch(args: argparse.Namespace, say: Any) -> int:
         events.emit("launcher_exit", reason=f"signal {exc.sigval.name}", exitcode=128 + int(exc.sigval))
         say(f"received {exc.sigval.name}; workers stopped")
         return 128 + int(exc.sigval)
+    except RendezvousError as exc:
+        # Another node ended the job (closed the rendezvous) or the rendezvous timed out: one line, no traceback.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        events.emit("launcher_exit", reason=f"rendezvous: {first}", exitcode=1, restarts=agent.restart_count)
+        say(f"cannot re-form the job: {type(exc).__name__}: {first}")
+        return 1
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
-    if result is None or not result.is_failed():
+    if result is None:  # the rendezvous was closed gracefully while this node still had work
+        events.emit("launcher_exit", reason="rendezvous closed by another node", exitcode=1)
+        say("the rendezvous was closed by another node; stopping")
+        return 1
+    if not result.is_failed():
         events.emit("launcher_exit", reason="succeeded", exitcode=0, restarts=agent.restart_count)
         return 0
     status = EXIT_USER_ERROR if agent.user_error else 1
