@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-echo "== ruff"; .venv/bin/ruff check src tests
-echo "== ruff format"; .venv/bin/ruff format --check src tests
+echo "== ruff"; .venv/bin/ruff check src tests bench
+echo "== ruff format"; .venv/bin/ruff format --check src tests bench
 echo "== mypy"; .venv/bin/mypy
 echo "== pytest"; .venv/bin/python -m pytest "$@"
