@@ -187,3 +187,35 @@ def test_write_failure_skips_the_save_and_keeps_the_previous(
     assert layout.committed_steps(tmp_path / "ck") == [1]
     assert any(e["event"] == "checkpoint_write_failed" for e in read_events(log))
     assert ck.save(3, _state(3)) is True, "the next save works again"
+
+
+def test_unreadable_manifest_is_skipped_but_never_quarantined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ck = _checkpointer(tmp_path / "ck")
+    ck.save(1, _state(1))
+    ck.save(2, _state(2))
+    real = layout.read_manifest
+
+    def flaky(root: Path, step: int) -> layout.Manifest:
+        if step == 2:
+            raise OSError(5, "Input/output error")
+        return real(root, step)
+
+    monkeypatch.setattr(layout, "read_manifest", flaky)
+    restored = _checkpointer(tmp_path / "ck").load_latest()
+    assert restored is not None and restored.step == 1
+    assert (tmp_path / "ck" / "step_00000002" / "manifest.json").exists(), "an I/O error is no proof of corruption"
+
+
+def test_nothing_readable_now_is_not_a_user_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stalwart.errors import CheckpointError, is_user_error
+
+    ck = _checkpointer(tmp_path / "ck")
+    ck.save(1, _state(1))
+
+    def broken(root: Path, step: int) -> layout.Manifest:
+        raise OSError(116, "Stale file handle")
+
+    monkeypatch.setattr(layout, "read_manifest", broken)
+    with pytest.raises(CheckpointError, match="can be read now") as info:
+        _checkpointer(tmp_path / "ck").load_latest()
+    assert not is_user_error(info.value), "a passing I/O error is retried by a restart, not reported as bad input"

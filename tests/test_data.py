@@ -102,3 +102,26 @@ def test_random_augmentation_resumes_identically(num_workers: int) -> None:
 
     straight, resumed = run(None), run(3)
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+
+
+class _BatchedOnly(torch.utils.data.Dataset):
+    """A dataset that can only be read in batches, as some columnar stores are."""
+
+    calls = 0
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        type(self).calls += 1
+        return [torch.tensor(i) for i in indices]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_datasets_read_in_batches_keep_their_batched_path(num_workers: int) -> None:
+    _BatchedOnly.calls = 0
+    loader = ResumableLoader(_BatchedOnly(), global_batch_size=4, seed=0, num_workers=num_workers)
+    batches = _take(loader, 3)
+    assert sorted(sum(batches, [])) == sorted(set(sum(batches, []))) and len(sum(batches, [])) == 12
+    if num_workers == 0:
+        assert _BatchedOnly.calls == 3, "one batched read per batch"

@@ -85,3 +85,15 @@ def test_tracked_names_must_match_the_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(CheckpointMismatchError, match="track the same names"):
         again.resume()
     again.close()
+
+
+def test_lazy_modules_resume(tmp_path: Path) -> None:
+    for steps in (2, 4):
+        job = stalwart.Job(tmp_path / "ck", checkpoint_every=1)
+        model = torch.nn.LazyLinear(2)
+        model(torch.ones(1, 3))  # materialised by the first forward, as in a real loop before the first save
+        job.track(model=model)
+        for _ in job.steps(max_steps=steps):
+            pass
+        job.close()
+    assert job.resumed_from == 2

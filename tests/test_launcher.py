@@ -185,10 +185,14 @@ def test_torchrun_static_flags_keep_their_meaning(monkeypatch: pytest.MonkeyPatc
 
     script = str(TINY)
     assert parse([script]).rdzv_backend == "c10d"
-    assert parse(["--master-port", "1234", script]).rdzv_backend == "static"
-    assert parse(["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", script]).rdzv_backend == "static"
-    assert parse([script, "--master-port", "9"]).rdzv_backend == "c10d", "the script's own flags are its own"
+    two_static = parse(["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", "--master-port", "5", script])
+    assert two_static.rdzv_backend == "static", "several static nodes keep torchrun's static rendezvous"
+    one = parse(["--master_port=1234", script])
+    assert (one.rdzv_backend, one.rdzv_endpoint) == ("c10d", "127.0.0.1:1234"), "one node: c10d on that port"
+    assert parse([script, "--master-port", "9"]).rdzv_endpoint == "", "the script's own flags are its own"
     monkeypatch.setenv("PET_RDZV_BACKEND", "static")
+    monkeypatch.setenv("PET_NNODES", "2")
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "h:5")
     assert parse([script]).rdzv_backend == "static"
 
 

@@ -159,11 +159,9 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
 
 
 def read_manifest(root: Path, step: int) -> Manifest:
+    """Parse a step's manifest; an I/O error is raised as OSError (maybe passing), bad content as corruption."""
     path = root / step_dir_name(step) / MANIFEST
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise CheckpointCorruptError(f"{path} cannot be read: {exc.strerror or exc}") from exc
+    text = path.read_text(encoding="utf-8")
     manifest = Manifest.parse(text, str(path))
     if manifest.step != step:
         raise CheckpointCorruptError(f"{path} says step {manifest.step}, its directory says {step}")

@@ -18,16 +18,18 @@ with NoValidCheckpointError rather than silently starting again from step 0.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from stalwart.checkpoint import layout
 from stalwart.checkpoint.serialize import checksum, dumps, loads
 from stalwart.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointMismatchError,
     ConfigError,
     NoValidCheckpointError,
@@ -37,11 +39,12 @@ from stalwart.errors import (
 from stalwart.job.dist import Comm
 from stalwart.telemetry.events import EventLog
 
+T = TypeVar("T")
 FaultHook = Callable[[str], None]
 """Called with a phase name ('shard_half_written', 'before_commit') so chaos can kill at that instant."""
 
 _OK, _FAILED, _UNSAVABLE = 1, 0, -1  # a rank's vote on a save
-_VALID, _CORRUPT, _UNREADABLE = 1, 0, -1  # a rank's vote on a checkpoint it tried to load
+_VALID, _CORRUPT, _UNREADABLE, _MISMATCH = 1, 0, -1, -2  # a rank's vote on a checkpoint it tried to load
 _READ_ATTEMPTS = 3
 SHARED_DIR_TIMEOUT_S = 10.0
 
@@ -96,7 +99,8 @@ class Checkpointer:
         sees = 1 if self._comm.rank == 0 else int(layout.wait_for_file(probe, self._token, SHARED_DIR_TIMEOUT_S))
         votes = self._comm.all_gather_ints([sees])
         if self._comm.rank == 0:
-            probe.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                probe.unlink(missing_ok=True)
         if all(v[0] for v in votes):
             return
         if not sees:
@@ -132,6 +136,9 @@ class Checkpointer:
         except OSError as exc:
             vote = _FAILED
             self._events.emit("checkpoint_write_failed", step=step, error=str(exc))
+        except Exception as exc:  # torch.save failing on a state: vote, so no rank is left waiting in the gather
+            vote = _UNSAVABLE
+            unsavable = UnsavableStateError(f"the state of step {step} cannot be serialized: {exc}")
         gathered = self._comm.all_gather_ints([vote, size, crc])
         if any(g[0] == _UNSAVABLE for g in gathered):
             raise unsavable or PeerError("another rank's state cannot be checkpointed; see its error")
@@ -174,12 +181,26 @@ class Checkpointer:
 
     def load_latest(self, *, allow_world_size_change: bool = False) -> Restored | None:
         """Load the newest checkpoint that verifies on every rank; None when there is no checkpoint at all."""
-        steps = self._comm.broadcast_ints(layout.committed_steps(self.root) if self._comm.rank == 0 else [])
+        listing: list[int] = []
+        if self._comm.rank == 0:
+            try:
+                listing = [1, *layout.committed_steps(self.root)]
+            except OSError as exc:
+                self._events.emit("checkpoint_list_failed", error=str(exc))
+                listing = [0]
+        listed, *steps = self._comm.broadcast_ints(listing)
+        if not listed:  # maybe passing: not a user error, so the launcher restarts and tries again
+            raise CheckpointError(f"rank 0 cannot list the checkpoint directory {self.root}")
         corrupt: list[int] = []
         first_problem: str | None = None
+        unreadable_only = True
         for step in steps:
             restored, verdict, problem = self._try_load(step, allow_world_size_change)
             votes = [v[0] for v in self._comm.all_gather_ints([verdict])]
+            if _MISMATCH in votes:
+                if verdict == _MISMATCH:
+                    raise CheckpointMismatchError(problem)
+                raise PeerError("the checkpoint does not fit this job; see another rank's error")
             if all(v == _VALID for v in votes):
                 assert restored is not None
                 self._quarantine(corrupt)
@@ -189,8 +210,13 @@ class Checkpointer:
                 self._events.emit("checkpoint_invalid", step=step, error=problem)
             if _CORRUPT in votes:
                 corrupt.append(step)
+                unreadable_only = False
         if not steps:
             return None
+        if unreadable_only:
+            raise CheckpointError(
+                f"no checkpoint in {self.root} can be read now ({first_problem or 'see other ranks'})"
+            )
         if first_problem is None:
             raise PeerError("no checkpoint verifies on another rank; see its error")
         raise NoValidCheckpointError(
@@ -200,40 +226,50 @@ class Checkpointer:
 
     def _quarantine(self, steps: list[int]) -> None:
         """Move checkpoints that failed an integrity check aside (rank 0; every rank has finished reading them)."""
-        if self._comm.rank != 0:
+        if not steps:
             return
-        for step in steps:
-            try:
-                moved = layout.quarantine(self.root, step)
-                self._events.emit("checkpoint_quarantined", step=step, path=str(moved))
-            except OSError as exc:
-                self._events.emit("checkpoint_quarantine_failed", step=step, error=str(exc))
+        if self._comm.rank == 0:
+            for step in steps:
+                try:
+                    moved = layout.quarantine(self.root, step)
+                    self._events.emit("checkpoint_quarantined", step=step, path=str(moved))
+                except OSError as exc:
+                    self._events.emit("checkpoint_quarantine_failed", step=step, error=str(exc))
+        self._comm.barrier()  # no rank writes a new save of that step until it has been moved aside
 
     def _try_load(self, step: int, allow_resize: bool) -> tuple[Restored | None, int, str | None]:
-        """(restored, verdict, problem): a size/CRC/format failure is _CORRUPT; an I/O error that persists over
-        a few attempts is _UNREADABLE (maybe transient: reported, never quarantined)."""
+        """(restored, verdict, problem). Size, CRC and format failures are _CORRUPT; an I/O error that persists
+        over a few attempts is _UNREADABLE (maybe passing: reported, never quarantined); a valid checkpoint
+        written at another world size, when that is not allowed, is _MISMATCH."""
+        step_dir = self.root / layout.step_dir_name(step)
         try:
-            manifest = layout.read_manifest(self.root, step)
+            manifest = _retrying(lambda: layout.read_manifest(self.root, step))
+        except CheckpointMismatchError as exc:
+            return None, _MISMATCH, str(exc)
         except CheckpointCorruptError as exc:
             return None, _CORRUPT, str(exc)
+        except FileNotFoundError:
+            return None, _CORRUPT, f"{step_dir / layout.MANIFEST} disappeared"
+        except OSError as exc:
+            return None, _UNREADABLE, f"{step_dir / layout.MANIFEST} cannot be read: {exc.strerror or exc}"
         if manifest.world_size != self._comm.world_size and not allow_resize:
-            raise CheckpointMismatchError(
-                f"checkpoint {self.root / layout.step_dir_name(step)} was written by {manifest.world_size} ranks and "
-                f"this job has {self._comm.world_size}; relaunch with the same world size or allow a world-size "
-                "change (docs/checkpoints.md)"
+            return (
+                None,
+                _MISMATCH,
+                (
+                    f"checkpoint {step_dir} was written by {manifest.world_size} ranks and this job has "
+                    f"{self._comm.world_size}; relaunch with the same world size or allow a world-size change "
+                    "(docs/checkpoints.md)"
+                ),
             )
         name, size, crc = manifest.shards[self._comm.rank % manifest.world_size]
-        path = self.root / layout.step_dir_name(step) / name
-        for attempt in range(_READ_ATTEMPTS):
-            try:
-                data = path.read_bytes()
-                break
-            except FileNotFoundError:
-                return None, _CORRUPT, f"shard {path} is missing"
-            except OSError as exc:
-                if attempt == _READ_ATTEMPTS - 1:
-                    return None, _UNREADABLE, f"shard {path} cannot be read: {exc.strerror or exc}"
-                time.sleep(0.5 * (attempt + 1))
+        path = step_dir / name
+        try:
+            data = _retrying(path.read_bytes)
+        except FileNotFoundError:
+            return None, _CORRUPT, f"shard {path} is missing"
+        except OSError as exc:
+            return None, _UNREADABLE, f"shard {path} cannot be read: {exc.strerror or exc}"
         if len(data) != size:
             return None, _CORRUPT, f"shard {path} has {len(data)} bytes, its manifest says {size}"
         if checksum(data) != crc:
@@ -243,3 +279,13 @@ class Checkpointer:
         except CheckpointCorruptError as exc:
             return None, _CORRUPT, str(exc)
         return Restored(step, manifest.world_size, state, str(path)), _VALID, None
+
+
+def _retrying(read: Callable[[], T]) -> T:
+    """Run an I/O read up to three times (a network filesystem may fail or lag for a moment)."""
+    for attempt in range(_READ_ATTEMPTS - 1):
+        try:
+            return read()
+        except OSError:
+            time.sleep(0.3 * (attempt + 1))
+    return read()

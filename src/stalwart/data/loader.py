@@ -59,14 +59,26 @@ class _SeededFetch(Dataset[Any]):
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
-        seed, index = key
+        self._reseed(key[0])
+        return self.dataset[key[1]]
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
+        """Batched fetch: the user's own __getitems__ when it has one (e.g. Hugging Face datasets)."""
+        if not keys:
+            return []
+        self._reseed(keys[0][0])
+        batched = getattr(self.dataset, "__getitems__", None)
+        if batched is not None:
+            return list(batched([index for _, index in keys]))
+        return [self.dataset[index] for _, index in keys]
+
+    def _reseed(self, seed: int) -> None:
         if seed != self._seeded and get_worker_info() is not None:
             self._seeded = seed
             torch.manual_seed(seed)
             random.seed(seed)
             if np is not None:
                 np.random.seed(seed)
-        return self.dataset[index]
 
 
 class ResumableLoader:

@@ -18,6 +18,7 @@ import atexit
 import os
 import secrets
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -141,8 +142,11 @@ class Job:
         if self.state is not JobState.CREATED:
             return self.step
         started = time.monotonic()
-        for name, obj in self._objects.items():  # fail now, not at the first save many steps later
-            check_loadable(obj.state_dict(), f"{name}.state_dict()")
+        for name, obj in self._objects.items():
+            # Fail now, not at the first save many steps later. Modules are left to the save: their state is
+            # tensors, and an early state_dict() would gather FSDP state or meet lazy, unmaterialised parameters.
+            if not isinstance(obj, torch.nn.Module):
+                check_loadable(obj.state_dict(), f"{name}.state_dict()")
         allow = self.config.allow_world_size_change
         if allow is None:
             allow = os.environ.get(lifecycle.ELASTIC_ENV) == "1"
@@ -170,6 +174,14 @@ class Job:
                 ) from exc
         if restored.world_size == self.world_size:
             restore_rng(restored.state["rng"])
+        else:
+            self.events.emit("world_size_changed", old=restored.world_size, new=self.world_size, step=restored.step)
+            if self.is_main:
+                warnings.warn(
+                    f"stalwart: resuming a checkpoint of {restored.world_size} ranks on {self.world_size}: rank r "
+                    f"loads shard r mod {restored.world_size}, which is right for replicated (DDP) state only",
+                    stacklevel=2,
+                )
         self.step = self.resumed_from = self._last_saved = restored.step
         self.events.emit("resumed", step=restored.step, source=restored.source, seconds=time.monotonic() - started)
         return self.step

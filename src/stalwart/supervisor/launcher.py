@@ -3,7 +3,9 @@
 What differs from torchrun, and why:
 - The rendezvous backend defaults to c10d; on one node without --rdzv-endpoint it behaves like --standalone
   (a free port on localhost), so nothing collides on a fixed port. torchrun's static flags (--master-addr,
-  --master-port, --node-rank, --rdzv-backend static, or their PET_* variables) select the static backend.
+  --master-port, --node-rank, --rdzv-backend static, or their PET_* variables) select the static backend for
+  several nodes; on one node they become a c10d rendezvous on that address and port, because static rendezvous
+  shares the agent's store with restarted workers (the hang below).
 - Workers get a fresh TCPStore for each restart (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). With the shared agent
   store, torch 2.13's restarted workers read gloo addresses left by the dead round and hang or fail in
   connectFullMesh; measured here (bench/restart_reliability.py, docs/benchmarks.md), stock torchrun recovered
@@ -77,6 +79,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     chose = any(a.split("=")[0] in _STATIC_FLAGS for a in argv[:script_at]) or any(e in os.environ for e in _STATIC_ENV)
     if not chose:
         args.rdzv_backend = "c10d"
+    elif args.rdzv_backend == "static" and str(args.nnodes) in ("1", "1:1"):
+        # The static backend makes restarted workers share the agent's store, which keeps the dead round's
+        # addresses (the torchrun hang this launcher exists to fix). On one node, rendezvous with c10d on the
+        # address and port the user asked for instead; several static nodes keep torchrun's behaviour.
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port or 0}"
     _validate(args)
     return args
 
@@ -141,7 +149,7 @@ def launch(args: argparse.Namespace, say: Any) -> int:
         # torch elastic logs each failure at length; the agent reports them as one line and an event.
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
-    if args.standalone or (args.rdzv_backend == "c10d" and not args.rdzv_endpoint and args.nnodes in ("1", "1:1")):
+    if args.standalone or (args.rdzv_backend == "c10d" and not args.rdzv_endpoint and str(args.nnodes) in ("1", "1:1")):
         args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
         args.rdzv_id = args.rdzv_id if args.rdzv_id != "none" else str(uuid.uuid4())
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) > 1:
@@ -157,6 +165,8 @@ def launch(args: argparse.Namespace, say: Any) -> int:
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
     if min_nodes < max_nodes:
         os.environ[ELASTIC_ENV] = "1"  # the world size may change between restarts; the Job allows it
+    else:
+        os.environ.pop(ELASTIC_ENV, None)  # never inherited from an outer launcher
 
     config, cmd, cmd_args = config_from_args(args)  # several nodes must share a run id: keep torchrun's "none"
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = getattr(config, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
