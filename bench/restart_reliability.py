@@ -54,21 +54,31 @@ def trial(launcher: str, workdir: Path, kill_after: int, timeout_s: float) -> di
                     killed_at = time.monotonic()
         recovered = proc.poll() == 0
     finally:
+        # Workers run in sessions of their own, and a hung one may never have logged its pid: take the
+        # launcher's children from /proc before ending the launcher, then end them too (all started here).
+        workers = _children(proc.pid) if proc.poll() is None else []
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own session: only what this trial started
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        for pid in workers + [e["pid"] for e in read_events(events) if e["event"] == "worker_started"]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         log.close()
-        if launcher == "torchrun":  # torchrun's workers run in sessions of their own
-            for e in read_events(events):
-                if e["event"] == "worker_started":
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(e["pid"], signal.SIGKILL)
     kill_to_step = None
     if killed_at is not None:
         # CLOCK_MONOTONIC is shared by every process of one host, so the workers' stamps compare with ours.
         after = [e["mono"] for e in read_events(events) if e["event"] == "step_done" and e["restart"] > 0]
         kill_to_step = (min(after) - killed_at) if after else None
     return {"recovered": recovered, "exitcode": proc.returncode, "kill_to_step_s": kill_to_step}
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(stat.parent.name))
+    return found
 
 
 def main() -> None:
