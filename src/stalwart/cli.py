@@ -12,6 +12,7 @@ USAGE = """usage: stalwart <command> [options]
 commands:
   run      launch a training script with torchrun's flags; restart workers on failure
   demo     train a small GPT on 2 CPU ranks, kill a worker, recover, and compare with a clean run
+  ckpt     list, verify or inspect a checkpoint directory
   version  print stalwart's version
 
 'stalwart <command> --help' describes each command."""
@@ -36,7 +37,13 @@ def _demo(argv: list[str]) -> int:
     return main(argv)
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"run": _run, "demo": _demo, "version": _version}
+def _ckpt(argv: list[str]) -> int:
+    from stalwart.checkpoint.cli import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"run": _run, "demo": _demo, "ckpt": _ckpt, "version": _version}
 
 
 def main(argv: list[str] | None = None) -> int:

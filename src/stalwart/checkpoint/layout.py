@@ -27,6 +27,7 @@ FORMAT_VERSION = 1
 ROOT_MARKER = "stalwart-checkpoints.json"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_QUARANTINED_DIR = re.compile(r"^step_(\d{8,})\.invalid-(\d+)$")
 
 
 def step_dir_name(step: int) -> str:
@@ -156,6 +157,23 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
         if m and entry.is_dir():
             found.append((int(m.group(1)), entry))
     return found
+
+
+def quarantined(root: Path) -> list[tuple[int, Path]]:
+    """Checkpoints moved aside after failing verification: (step, path), oldest move first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = _QUARANTINED_DIR.match(entry.name)
+        if m and entry.is_dir():
+            found.append((int(m.group(2)), int(m.group(1)), entry))
+    return [(step, path) for _, step, path in sorted(found)]
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Every step directory, committed or interrupted, oldest first."""
+    return sorted(_step_dirs(root))
 
 
 def read_manifest(root: Path, step: int) -> Manifest:

@@ -23,10 +23,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from stalwart.checkpoint import layout
 from stalwart.checkpoint.serialize import checksum, dumps, loads
+from stalwart.checkpoint.verify import read_verified, retrying
 from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -39,13 +40,11 @@ from stalwart.errors import (
 from stalwart.job.dist import Comm
 from stalwart.telemetry.events import EventLog
 
-T = TypeVar("T")
 FaultHook = Callable[[str], None]
 """Called with a phase name ('shard_half_written', 'before_commit') so chaos can kill at that instant."""
 
 _OK, _FAILED, _UNSAVABLE = 1, 0, -1  # a rank's vote on a save
 _VALID, _CORRUPT, _UNREADABLE, _MISMATCH = 1, 0, -1, -2  # a rank's vote on a checkpoint it tried to load
-_READ_ATTEMPTS = 3
 SHARED_DIR_TIMEOUT_S = 10.0
 
 
@@ -243,7 +242,7 @@ class Checkpointer:
         written at another world size, when that is not allowed, is _MISMATCH."""
         step_dir = self.root / layout.step_dir_name(step)
         try:
-            manifest = _retrying(lambda: layout.read_manifest(self.root, step))
+            manifest = retrying(lambda: layout.read_manifest(self.root, step))
         except CheckpointMismatchError as exc:
             return None, _MISMATCH, str(exc)
         except CheckpointCorruptError as exc:
@@ -265,27 +264,9 @@ class Checkpointer:
         name, size, crc = manifest.shards[self._comm.rank % manifest.world_size]
         path = step_dir / name
         try:
-            data = _retrying(path.read_bytes)
-        except FileNotFoundError:
-            return None, _CORRUPT, f"shard {path} is missing"
-        except OSError as exc:
-            return None, _UNREADABLE, f"shard {path} cannot be read: {exc.strerror or exc}"
-        if len(data) != size:
-            return None, _CORRUPT, f"shard {path} has {len(data)} bytes, its manifest says {size}"
-        if checksum(data) != crc:
-            return None, _CORRUPT, f"shard {path} fails its CRC-32 check"
-        try:
-            state = loads(data, str(path))
+            state = loads(read_verified(path, size, crc), str(path))
         except CheckpointCorruptError as exc:
             return None, _CORRUPT, str(exc)
+        except OSError as exc:
+            return None, _UNREADABLE, f"shard {path} cannot be read: {exc.strerror or exc}"
         return Restored(step, manifest.world_size, state, str(path)), _VALID, None
-
-
-def _retrying(read: Callable[[], T]) -> T:
-    """Run an I/O read up to three times (a network filesystem may fail or lag for a moment)."""
-    for attempt in range(_READ_ATTEMPTS - 1):
-        try:
-            return read()
-        except OSError:
-            time.sleep(0.3 * (attempt + 1))
-    return read()

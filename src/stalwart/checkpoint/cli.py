@@ -1,0 +1,127 @@
+"""`stalwart ckpt list|verify|inspect PATH`: a checkpoint directory, for people. Reads only; changes nothing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import NoReturn
+
+from rich.console import Console
+from rich.table import Table
+
+from stalwart.checkpoint import inspect, layout
+from stalwart.errors import CheckpointCorruptError, ConfigError
+
+EXIT_INVALID = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see 'stalwart ckpt --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="stalwart ckpt", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    ls = sub.add_parser("list", help="every checkpoint: committed, interrupted, quarantined")
+    vf = sub.add_parser("verify", help="check every shard's size, CRC-32 and format; exit 1 if any fails")
+    vf.add_argument("--step", type=int, help="only this step (default: every committed checkpoint)")
+    ins = sub.add_parser("inspect", help="what a checkpoint holds: manifest, tracked objects, tensors, bytes")
+    ins.add_argument("--step", type=int, help="the step (default: the newest committed)")
+    ins.add_argument("--rank", type=int, default=0, help="whose shard to summarize (default 0)")
+    for sp in (ls, vf, ins):
+        sp.add_argument("path", help="the checkpoint directory (a Job's checkpoint_dir)")
+        sp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    root = inspect.open_root(Path(args.path))
+    if args.command == "list":
+        return _list(root, args.json)
+    if args.command == "verify":
+        return _verify(root, args.step, args.json)
+    return _inspect(root, args.step, args.rank, args.json)
+
+
+def _committed(root: Path, step: int | None) -> list[int]:
+    steps = layout.committed_steps(root)
+    if step is None:
+        return steps
+    if step not in steps:
+        raise ConfigError(f"{root} has no committed checkpoint at step {step} (committed: {sorted(steps) or 'none'})")
+    return [step]
+
+
+def _list(root: Path, as_json: bool) -> int:
+    entries = inspect.list_entries(root)
+    if as_json:
+        rows = [
+            {"step": e.step, "status": e.status, "path": str(e.path), "world_size": e.world_size, "bytes": e.bytes,
+             "created": e.created, "problem": e.problem}
+            for e in entries
+        ]  # fmt: skip
+        print(json.dumps({"path": str(root), "checkpoints": rows}))
+        return 0
+    table = Table(title=f"checkpoints in {root}")
+    for column in ("step", "status", "ranks", "bytes", "created", "note"):
+        table.add_column(column, justify="right" if column in ("step", "ranks", "bytes") else "left")
+    for e in entries:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.created)) if e.created else ""
+        table.add_row(
+            str(e.step), e.status, str(e.world_size or ""), f"{e.bytes:,}" if e.bytes else "", created,
+            e.problem or (e.path.name if e.status == "quarantined" else ""),
+        )  # fmt: skip
+    Console().print(table if entries else f"{root}: no checkpoints")
+    return 0
+
+
+def _verify(root: Path, step: int | None, as_json: bool) -> int:
+    results = {s: inspect.verify(root, s) for s in _committed(root, step)}
+    if as_json:
+        print(json.dumps({"path": str(root), "checkpoints": {str(s): p for s, p in results.items()}}))
+    else:
+        console = Console()
+        if not results:
+            console.print(f"{root}: no committed checkpoints")
+        for s, problems in results.items():
+            console.print(f"step {s}: " + ("[green]ok[/]" if not problems else f"[red]FAILED[/] ({len(problems)})"))
+            for problem in problems:
+                console.print(f"  {problem}", highlight=False)
+    return EXIT_INVALID if any(results.values()) else 0
+
+
+def _inspect(root: Path, step: int | None, rank: int, as_json: bool) -> int:
+    steps = _committed(root, step)
+    if not steps:
+        raise ConfigError(f"{root} has no committed checkpoint to inspect")
+    try:
+        manifest, summary = inspect.summarize(root, steps[0], rank)
+    except CheckpointCorruptError as exc:
+        raise ConfigError(f"cannot inspect step {steps[0]}: {exc} (see 'stalwart ckpt verify')") from exc
+    objects = summary["objects"]
+    if as_json:
+        print(json.dumps({
+            "path": str(root), "step": manifest.step, "world_size": manifest.world_size, "created": manifest.created,
+            "shards": [{"file": f, "bytes": n, "crc32": c} for f, n, c in manifest.shards],
+            "rank": rank,
+            "objects": {k: {"tensors": o.tensors, "bytes": o.bytes, "dtypes": sorted(o.dtypes)}
+                        for k, o in objects.items()},
+        }))  # fmt: skip
+        return 0
+    console = Console()
+    total = sum(n for _, n, _ in manifest.shards)
+    console.print(
+        f"step {manifest.step} in {root}: {manifest.world_size} ranks, {total:,} bytes, written "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created))}"
+    )
+    table = Table(title=f"rank {rank}'s shard")
+    for column in ("object", "tensors", "bytes", "dtypes"):
+        table.add_column(column, justify="right" if column in ("tensors", "bytes") else "left")
+    for name, o in objects.items():
+        table.add_row(name, str(o.tensors), f"{o.bytes:,}", ", ".join(sorted(o.dtypes)))
+    console.print(table)
+    return 0

@@ -1,0 +1,80 @@
+"""`stalwart ckpt list|verify|inspect`: reads a checkpoint directory for people, and changes nothing."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from stalwart.checkpoint import Checkpointer
+from stalwart.cli import main
+from stalwart.job.dist import Comm, Placement
+from stalwart.telemetry.events import EventLog
+
+
+def _make(root: Path, steps: tuple[int, ...] = (1, 2, 3)) -> None:
+    comm = Comm(Placement(rank=0, world_size=1, local_rank=0, restart_count=0), timedelta(seconds=30))
+    ck = Checkpointer(root, comm, EventLog(None), keep_last=5, token="t")
+    model = torch.nn.Linear(4, 2)
+    for step in steps:
+        ck.save(step, {"step": step, "world_size": 1, "objects": {"model": model.state_dict(), "data": {"epoch": 0}}})
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_list_verify_inspect_on_a_healthy_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "ck"
+    _make(root)
+    before = _snapshot(root)
+    assert main(["ckpt", "list", str(root), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert [(c["step"], c["status"]) for c in listed] == [(1, "committed"), (2, "committed"), (3, "committed")]
+    assert main(["ckpt", "verify", str(root)]) == 0
+    assert capsys.readouterr().out.count(": ok") == 3
+    assert main(["ckpt", "inspect", str(root), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["step"] == 3 and summary["objects"]["model"] == {"tensors": 2, "bytes": 40, "dtypes": ["float32"]}
+    assert _snapshot(root) == before, "reading changes nothing"
+
+
+def test_verify_reports_damage_and_exits_nonzero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "ck"
+    _make(root)
+    shard = next((root / "step_00000002").glob("rank*.pt"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    (root / "step_00000003" / "manifest.json").unlink()  # an interrupted save
+    assert main(["ckpt", "verify", str(root), "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert result["1"] == [] and "bytes, its manifest says" in result["2"][0] and "3" not in result
+    assert main(["ckpt", "list", str(root), "--json"]) == 0
+    statuses = {c["step"]: c["status"] for c in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert statuses == {1: "committed", 2: "committed", 3: "interrupted"}
+    assert main(["ckpt", "inspect", str(root), "--step", "2"]) == 2
+    assert "see 'stalwart ckpt verify'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["ckpt", "list", "/no/such/dir"], "does not exist"),
+        (["ckpt", "verify", "{foreign}"], "not a stalwart checkpoint directory"),
+        (["ckpt", "inspect", "{ck}", "--step", "9"], "no committed checkpoint at step 9"),
+        (["ckpt", "inspect", "{ck}", "--rank", "4"], "outside the checkpoint's 1 ranks"),
+        (["ckpt", "frob", "{ck}"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    _make(tmp_path / "ck", steps=(1,))
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "model.bin").write_bytes(b"x")
+    args = [a.format(ck=tmp_path / "ck", foreign=tmp_path / "foreign") for a in args]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
