@@ -20,6 +20,8 @@ def _make(root: Path, steps: tuple[int, ...] = (1, 2, 3)) -> None:
     ck = Checkpointer(root, comm, EventLog(None), keep_last=5, token="t")
     model = torch.nn.Linear(4, 2)
     for step in steps:
+        with torch.no_grad():
+            model.weight.fill_(step)  # each step's checkpoint holds different weights
         ck.save(step, {"step": step, "world_size": 1, "objects": {"model": model.state_dict(), "data": {"epoch": 0}}})
 
 
@@ -78,3 +80,30 @@ def test_bad_input_is_one_line(
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_export_to_dcp_loads_back_with_dcp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root, out = tmp_path / "ck", tmp_path / "exported"
+    _make(root)
+    assert main(["ckpt", "export", str(root), "--to", str(out), "--step", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["objects"] == ["data", "model"]
+
+    fresh = torch.nn.Linear(4, 2)
+    state = {"model": fresh.state_dict(), "stalwart": {"step": 0, "world_size": 0, "rank": -1}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns when it loads without a process group
+        dcp.load(state, checkpoint_id=str(out))
+        dcp_to_torch_save(str(out), str(tmp_path / "one_file.pt"))
+    fresh.load_state_dict(state["model"])
+    assert torch.equal(fresh.weight, torch.full((2, 4), 2.0)), "the weights of step 2, not of the newest"
+    assert state["stalwart"]["step"] == 2
+    one_file = torch.load(tmp_path / "one_file.pt", weights_only=True)
+    assert torch.equal(one_file["model"]["weight"], torch.full((2, 4), 2.0))
+
+    assert main(["ckpt", "export", str(root), "--to", str(out)]) == 2, "an existing export is never overwritten"
+    assert "nothing is overwritten" in capsys.readouterr().err

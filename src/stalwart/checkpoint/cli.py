@@ -1,4 +1,4 @@
-"""`stalwart ckpt list|verify|inspect PATH`: a checkpoint directory, for people. Reads only; changes nothing."""
+"""`stalwart ckpt list|verify|inspect|export PATH`: a checkpoint directory, for people. Never changes it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from stalwart.checkpoint import inspect, layout
+from stalwart.checkpoint.export import export_dcp
 from stalwart.errors import CheckpointCorruptError, ConfigError
 
 EXIT_INVALID = 1
@@ -31,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="what a checkpoint holds: manifest, tracked objects, tensors, bytes")
     ins.add_argument("--step", type=int, help="the step (default: the newest committed)")
     ins.add_argument("--rank", type=int, default=0, help="whose shard to summarize (default 0)")
-    for sp in (ls, vf, ins):
+    ex = sub.add_parser("export", help="write a checkpoint in torch.distributed.checkpoint (DCP) format")
+    ex.add_argument("--to", required=True, help="a new (or empty) directory for the DCP checkpoint")
+    ex.add_argument("--step", type=int, help="the step (default: the newest committed)")
+    ex.add_argument("--rank", type=int, default=0, help="whose shard to export (default 0; under DDP all are equal)")
+    for sp in (ls, vf, ins, ex):
         sp.add_argument("path", help="the checkpoint directory (a Job's checkpoint_dir)")
         sp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
@@ -44,6 +49,8 @@ def main(argv: list[str]) -> int:
         return _list(root, args.json)
     if args.command == "verify":
         return _verify(root, args.step, args.json)
+    if args.command == "export":
+        return _export(root, args.step, args.rank, Path(args.to), args.json)
     return _inspect(root, args.step, args.rank, args.json)
 
 
@@ -124,4 +131,22 @@ def _inspect(root: Path, step: int | None, rank: int, as_json: bool) -> int:
     for name, o in objects.items():
         table.add_row(name, str(o.tensors), f"{o.bytes:,}", ", ".join(sorted(o.dtypes)))
     console.print(table)
+    return 0
+
+
+def _export(root: Path, step: int | None, rank: int, out: Path, as_json: bool) -> int:
+    steps = _committed(root, step)
+    if not steps:
+        raise ConfigError(f"{root} has no committed checkpoint to export")
+    try:
+        result = export_dcp(root, steps[0], rank, out)
+    except CheckpointCorruptError as exc:
+        raise ConfigError(f"cannot export step {steps[0]}: {exc} (see 'stalwart ckpt verify')") from exc
+    if as_json:
+        print(json.dumps(result))
+    else:
+        Console().print(
+            f"exported step {result['step']} (rank {rank}: {', '.join(result['objects'])}) to {out} in DCP format",
+            highlight=False,
+        )
     return 0
