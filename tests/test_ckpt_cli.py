@@ -68,15 +68,18 @@ def test_verify_reports_damage_and_exits_nonzero(tmp_path: Path, capsys: pytest.
         (["ckpt", "inspect", "{ck}", "--step", "9"], "no committed checkpoint at step 9"),
         (["ckpt", "inspect", "{ck}", "--rank", "4"], "outside the checkpoint's 1 ranks"),
         (["ckpt", "frob", "{ck}"], "invalid choice"),
+        (["ckpt", "inspect", "{tampered}"], "not a stalwart manifest"),
     ],
 )
 def test_bad_input_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
     _make(tmp_path / "ck", steps=(1,))
+    _make(tmp_path / "tampered", steps=(1,))
+    (tmp_path / "tampered" / "step_00000001" / "manifest.json").write_text(json.dumps({"format": "other"}))
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "model.bin").write_bytes(b"x")
-    args = [a.format(ck=tmp_path / "ck", foreign=tmp_path / "foreign") for a in args]
+    args = [a.format(ck=tmp_path / "ck", foreign=tmp_path / "foreign", tampered=tmp_path / "tampered") for a in args]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from stalwart.checkpoint import inspect, layout
 from stalwart.checkpoint.export import export_dcp
-from stalwart.errors import CheckpointCorruptError, ConfigError
+from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 
 EXIT_INVALID = 1
 
@@ -107,7 +107,7 @@ def _inspect(root: Path, step: int | None, rank: int, as_json: bool) -> int:
         raise ConfigError(f"{root} has no committed checkpoint to inspect")
     try:
         manifest, summary = inspect.summarize(root, steps[0], rank)
-    except CheckpointCorruptError as exc:
+    except (CheckpointCorruptError, CheckpointMismatchError, OSError) as exc:
         raise ConfigError(f"cannot inspect step {steps[0]}: {exc} (see 'stalwart ckpt verify')") from exc
     objects = summary["objects"]
     if as_json:
@@ -140,7 +140,7 @@ def _export(root: Path, step: int | None, rank: int, out: Path, as_json: bool) -
         raise ConfigError(f"{root} has no committed checkpoint to export")
     try:
         result = export_dcp(root, steps[0], rank, out)
-    except CheckpointCorruptError as exc:
+    except (CheckpointCorruptError, CheckpointMismatchError, OSError) as exc:
         raise ConfigError(f"cannot export step {steps[0]}: {exc} (see 'stalwart ckpt verify')") from exc
     if as_json:
         print(json.dumps(result))
