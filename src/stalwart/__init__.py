@@ -13,7 +13,6 @@ from stalwart.errors import (
     CheckpointError,
     CheckpointMismatchError,
     ConfigError,
-    LaunchError,
     StalwartError,
 )
 from stalwart.job import Job, JobConfig
@@ -27,7 +26,6 @@ __all__ = [
     "ConfigError",
     "Job",
     "JobConfig",
-    "LaunchError",
     "ResumableLoader",
     "StalwartError",
     "__version__",

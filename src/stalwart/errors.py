@@ -3,12 +3,11 @@
     StalwartError
      ├── ConfigError            bad flags, paths or settings: the user must change something
      │    └── PeerError              another rank found the problem and reported it (printed there, once)
-     ├── CheckpointError        a checkpoint cannot be written or used
-     │    ├── CheckpointCorruptError   a shard is missing, truncated or fails its checksum
-     │    │    └── NoValidCheckpointError  checkpoints exist but none verifies (never a silent fresh start)
-     │    ├── CheckpointMismatchError  the checkpoint does not fit this job (shape, world size, format)
-     │    └── UnsavableStateError      a state_dict holds values a checkpoint cannot carry safely
-     └── LaunchError            `stalwart run` could not start or keep its workers
+     └── CheckpointError        a checkpoint cannot be written or used
+          ├── CheckpointCorruptError   a shard is missing, truncated or fails its checksum
+          │    └── NoValidCheckpointError  checkpoints exist but none verifies (never a silent fresh start)
+          ├── CheckpointMismatchError  the checkpoint does not fit this job (shape, world size, format)
+          └── UnsavableStateError      a state_dict holds values a checkpoint cannot carry safely
 
 User errors (ConfigError, CheckpointMismatchError, NoValidCheckpointError, UnsavableStateError) are not retried
 by `stalwart run`: a worker that dies of one exits with EXIT_USER_ERROR and the launcher stops instead of burning
@@ -55,10 +54,6 @@ class NoValidCheckpointError(CheckpointCorruptError):
 
 class UnsavableStateError(CheckpointError, ValueError):
     """A tracked object's state_dict holds a value that `weights_only` loading would refuse."""
-
-
-class LaunchError(StalwartError):
-    """`stalwart run` could not start or keep its workers."""
 
 
 def is_user_error(exc: BaseException) -> bool:

@@ -16,9 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from stalwart.checkpoint import layout
-from stalwart.checkpoint.serialize import loads
-from stalwart.checkpoint.verify import read_verified
+from stalwart.checkpoint.inspect import read_shard
 from stalwart.errors import ConfigError
 
 META_KEY = "stalwart"
@@ -28,12 +26,7 @@ def export_dcp(root: Path, step: int, rank: int, out: Path) -> dict[str, Any]:
     """Write rank `rank`'s shard of `step` to a new DCP checkpoint at `out`; returns what was written."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists and is not an empty directory; nothing is overwritten")
-    manifest = layout.read_manifest(root, step)
-    if not 0 <= rank < manifest.world_size:
-        raise ConfigError(f"--rank {rank} is outside the checkpoint's {manifest.world_size} ranks")
-    name, size, crc = manifest.shards[rank]
-    path = root / layout.step_dir_name(step) / name
-    state = loads(read_verified(path, size, crc), str(path))
+    manifest, state, path = read_shard(root, step, rank)
     objects: dict[str, Any] = dict(state.get("objects", {}))
     if META_KEY in objects:
         raise ConfigError(f"a tracked object is named {META_KEY!r}, which the export uses for its own entry")

@@ -86,14 +86,20 @@ def verify(root: Path, step: int) -> list[str]:
     return problems
 
 
-def summarize(root: Path, step: int, rank: int = 0) -> tuple[layout.Manifest, dict[str, Any]]:
-    """The manifest and a summary of one rank's shard: step, world size, and per tracked object its tensors."""
+def read_shard(root: Path, step: int, rank: int) -> tuple[layout.Manifest, dict[str, Any], Path]:
+    """The manifest, and one rank's shard verified against it and parsed the weights-only way."""
     manifest = layout.read_manifest(root, step)
     if not 0 <= rank < manifest.world_size:
         raise ConfigError(f"--rank {rank} is outside the checkpoint's {manifest.world_size} ranks")
     name, size, crc = manifest.shards[rank]
     path = root / layout.step_dir_name(step) / name
     state = loads(read_verified(path, size, crc), str(path))
+    return manifest, state, path
+
+
+def summarize(root: Path, step: int, rank: int = 0) -> tuple[layout.Manifest, dict[str, Any]]:
+    """The manifest and a summary of one rank's shard: step, world size, and per tracked object its tensors."""
+    manifest, state, _ = read_shard(root, step, rank)
     objects = {}
     for obj_name, obj_state in state.get("objects", {}).items():
         summary = ObjectSummary()
