@@ -1,10 +1,13 @@
-"""Checkpoint invariants in one process: commit, retention, corruption fallback, safe loading, bad input."""
+"""Checkpoint invariants in one process: commit, retention, corruption fallback, safe loading, bad input,
+the background persist (retries, the one-save-in-flight rule), delta checkpoints and the memory:// store."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 from collections import OrderedDict, defaultdict
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -12,69 +15,117 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from stalwart.checkpoint import Checkpointer, layout
-from stalwart.checkpoint.serialize import checksum, dumps, loads
+from stalwart.checkpoint.serialize import check_loadable
+from stalwart.checkpoint.storage import LocalStorage
 from stalwart.errors import CheckpointMismatchError, ConfigError, NoValidCheckpointError, UnsavableStateError
 from stalwart.job.dist import Comm, Placement
 from stalwart.telemetry.events import EventLog, read_events
 
+_OPEN: list[Checkpointer] = []
 
-def _checkpointer(root: Path, keep_last: int = 3, log: Path | None = None) -> Checkpointer:
+
+@pytest.fixture(autouse=True)
+def _close_checkpointers() -> Iterator[None]:
+    """Every persister a test started is stopped, pass or fail."""
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+def _checkpointer(root: Path | str, keep_last: int = 3, log: Path | None = None, **options: Any) -> Checkpointer:
     comm = Comm(Placement(rank=0, world_size=1, local_rank=0, restart_count=0), timedelta(seconds=30))
-    return Checkpointer(root, comm, EventLog(log), keep_last=keep_last, token="t")
+    ck = Checkpointer(root, comm, EventLog(log), keep_last=keep_last, token="t", **options)
+    _OPEN.append(ck)
+    return ck
 
 
 def _state(step: int) -> dict[str, Any]:
     return {"step": step, "objects": {"w": {"weight": torch.full((4, 4), float(step))}}}
 
 
+def _committed(root: Path) -> list[int]:
+    return layout.committed_steps(LocalStorage(root))
+
+
+def _data_file(step_dir: Path) -> Path:
+    return next(step_dir.glob("rank*.data"))
+
+
 def test_save_then_load_roundtrip(tmp_path: Path) -> None:
     ck = _checkpointer(tmp_path / "ck")
-    assert ck.save(5, _state(5))
+    assert ck.save(5, _state(5), wait=True)
     restored = ck.load_latest()
     assert restored is not None and restored.step == 5
     assert torch.equal(restored.state["objects"]["w"]["weight"], torch.full((4, 4), 5.0))
+
+
+def test_save_returns_after_the_snapshot_and_persists_in_the_background(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    ck = _checkpointer(tmp_path / "ck", log=log)
+    weight = torch.full((256, 256), 1.0)
+    assert ck.save(1, {"objects": {"w": {"weight": weight}}}) is True
+    weight.fill_(2.0)  # the training loop goes on changing its tensors: the snapshot must not see it
+    assert ck.wait_durable()
+    restored = ck.load_latest()
+    assert restored is not None and torch.equal(restored.state["objects"]["w"]["weight"], torch.full((256, 256), 1.0))
+    committed = [e for e in read_events(log) if e["event"] == "checkpoint_committed"]
+    assert committed and committed[0]["source"] == "persister" and committed[0]["pid"] != ck_pid()
+
+
+def ck_pid() -> int:
+    import os
+
+    return os.getpid()
 
 
 def test_retention_keeps_last_n_and_clears_interrupted_saves(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     ck = _checkpointer(root, keep_last=2)
     for step in (1, 2, 3):
-        ck.save(step, _state(step))
+        ck.save(step, _state(step), wait=True)
     (root / "step_00000002" / "manifest.json").unlink()  # step 2 becomes an interrupted save
-    stale = root / "step_00000004" / "rank00000.old-1.pt"
+    stale = root / "step_00000004" / "rank00000.old-1.data"
     stale.parent.mkdir()
     stale.write_bytes(b"from a crashed attempt at step 4")
-    ck.save(4, _state(4))
+    ck.save(4, _state(4), wait=True)
     assert sorted(p.name for p in root.iterdir()) == ["stalwart-checkpoints.json", "step_00000003", "step_00000004"]
-    assert sorted(p.name for p in (root / "step_00000004").iterdir()) == ["manifest.json", "rank00000.t-4.pt"]
+    assert sorted(p.name for p in (root / "step_00000004").iterdir()) == [
+        "manifest.json",
+        "rank00000.t-4.data",
+        "rank00000.t-4.meta.json",
+    ]
 
 
 def test_save_without_manifest_is_invisible(tmp_path: Path) -> None:
     ck = _checkpointer(tmp_path / "ck")
-    ck.save(1, _state(1))
-    ck.save(2, _state(2))
+    ck.save(1, _state(1), wait=True)
+    ck.save(2, _state(2), wait=True)
     (tmp_path / "ck" / "step_00000002" / "manifest.json").unlink()  # as if killed before the commit
     restored = ck.load_latest()
     assert restored is not None and restored.step == 1
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest", "meta"])
 def test_damaged_newest_checkpoint_falls_back_with_an_event(tmp_path: Path, damage: str) -> None:
     log = tmp_path / "events.jsonl"
     ck = _checkpointer(tmp_path / "ck", log=log)
-    ck.save(1, _state(1))
-    ck.save(2, _state(2))
+    ck.save(1, _state(1), wait=True)
+    ck.save(2, _state(2), wait=True)
     step2 = tmp_path / "ck" / "step_00000002"
-    shard = next(step2.glob("rank*.pt"))
+    shard = _data_file(step2)
     data = shard.read_bytes()
     if damage == "flip":
-        shard.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+        shard.write_bytes(data[:10] + bytes([data[10] ^ 1]) + data[11:])
     elif damage == "truncate":
         shard.write_bytes(data[: len(data) // 2])
     elif damage == "delete":
         shard.unlink()
+    elif damage == "meta":
+        meta = next(step2.glob("rank*.meta.json"))
+        meta.write_text(meta.read_text().replace('"rank": 0', '"rank": 7'))
     else:
         (step2 / "manifest.json").write_text("{not json")
     restored = _checkpointer(tmp_path / "ck", log=log).load_latest()
@@ -86,7 +137,7 @@ def test_damaged_newest_checkpoint_falls_back_with_an_event(tmp_path: Path, dama
 
 def test_loading_never_executes_code_from_a_checkpoint(tmp_path: Path) -> None:
     ck = _checkpointer(tmp_path / "ck")
-    ck.save(1, _state(1))
+    ck.save(1, _state(1), wait=True)
     marker = tmp_path / "pwned"
 
     class Evil:
@@ -95,12 +146,14 @@ def test_loading_never_executes_code_from_a_checkpoint(tmp_path: Path) -> None:
 
     buf = io.BytesIO()
     torch.save({"objects": Evil()}, buf)  # torch's default protocol: the weights-only unpickler must refuse it
-    payload = buf.getvalue()
     step = tmp_path / "ck" / "step_00000001"
-    name = next(step.glob("rank*.pt")).name
-    (step / name).write_bytes(payload)
+    meta_path = next(step.glob("rank*.meta.json"))
+    meta = json.loads(meta_path.read_text())
+    meta["skeleton"] = base64.b64encode(buf.getvalue()).decode()
+    payload = json.dumps(meta).encode()
+    meta_path.write_bytes(payload)  # a forger who also fixes the manifest's size and checksum
     manifest = json.loads((step / "manifest.json").read_text())
-    manifest["shards"][0].update(bytes=len(payload), crc32=checksum(payload))
+    manifest["ranks"][0].update(bytes=len(payload), xxh3=xxhash.xxh3_64_hexdigest(payload))
     (step / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(NoValidCheckpointError, match="cannot be read safely"):
         _checkpointer(tmp_path / "ck").load_latest()
@@ -111,16 +164,16 @@ def test_state_that_could_not_be_loaded_back_is_refused_at_save(tmp_path: Path) 
     ck = _checkpointer(tmp_path / "ck")
     with pytest.raises(UnsavableStateError, match=r"state\['objects'\]\['opaque'\] is a .*object"):
         ck.save(1, {"objects": {"opaque": object()}})
-    assert layout.committed_steps(tmp_path / "ck") == []
+    assert _committed(tmp_path / "ck") == []
 
 
 @pytest.mark.parametrize("value", [np.float64(1.5), np.int64(3), defaultdict(int, a=1), np.zeros(2)])
 def test_subclasses_that_weights_only_refuses_are_refused_at_save(value: Any) -> None:
     with pytest.raises(UnsavableStateError):
-        dumps({"x": value})
+        check_loadable({"x": value})
 
 
-def test_everything_accepted_at_save_loads_back() -> None:
+def test_everything_accepted_at_save_loads_back(tmp_path: Path) -> None:
     state = {
         "tensor": torch.arange(3),
         "param": torch.nn.Parameter(torch.ones(2)),
@@ -128,16 +181,26 @@ def test_everything_accepted_at_save_loads_back() -> None:
         "torch": [torch.Size([2, 3]), torch.float16, torch.device("cpu")],
         "ordered": OrderedDict(a=torch.zeros(1)),
         3: "int key",
+        "empty": torch.zeros(0, 3),
+        "strided": torch.arange(12.0).reshape(3, 4).t(),
+        "bf16": torch.ones(3, dtype=torch.bfloat16),
+        "bool": torch.tensor([True, False]),
     }
-    loaded = loads(dumps(state), "roundtrip")
+    ck = _checkpointer(tmp_path / "ck")
+    assert ck.save(1, {"objects": {"o": state}}, wait=True)
+    restored = ck.load_latest()
+    assert restored is not None
+    loaded = restored.state["objects"]["o"]
+    for key in ("empty", "strided", "bf16", "bool"):
+        assert loaded[key].dtype == state[key].dtype and torch.equal(loaded[key], state[key]), key
     assert loaded["scalars"] == state["scalars"] and loaded["torch"] == state["torch"] and loaded[3] == "int key"
     assert torch.equal(loaded["param"], state["param"])
 
 
 def test_no_valid_checkpoint_stops_instead_of_starting_over(tmp_path: Path) -> None:
     ck = _checkpointer(tmp_path / "ck")
-    ck.save(1, _state(1))
-    shard = next((tmp_path / "ck" / "step_00000001").glob("rank*.pt"))
+    ck.save(1, _state(1), wait=True)
+    shard = _data_file(tmp_path / "ck" / "step_00000001")
     shard.write_bytes(b"garbage")
     with pytest.raises(NoValidCheckpointError, match="none of the 1 checkpoints"):
         _checkpointer(tmp_path / "ck").load_latest()
@@ -155,7 +218,7 @@ def test_foreign_directory_is_refused_and_left_alone(tmp_path: Path) -> None:
 
 def test_foreign_manifest_is_a_mismatch(tmp_path: Path) -> None:
     ck = _checkpointer(tmp_path / "ck")
-    ck.save(1, _state(1))
+    ck.save(1, _state(1), wait=True)
     (tmp_path / "ck" / "step_00000001" / "manifest.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(CheckpointMismatchError, match="not a stalwart manifest"):
         ck.load_latest()
@@ -167,38 +230,118 @@ def test_unwritable_directory_is_a_config_error(tmp_path: Path) -> None:
         _checkpointer(tmp_path / "file" / "ck")
 
 
-@pytest.mark.parametrize("failing", ["shard", "manifest"])
-def test_write_failure_skips_the_save_and_keeps_the_previous(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
-) -> None:
+def test_failing_store_is_retried_with_backoff_and_training_goes_on(tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
-    ck = _checkpointer(tmp_path / "ck", log=log)
-    ck.save(1, _state(1))
-    real = layout.write_durable
+    faults = {2: {"errno": "ENOSPC", "times": 2}}
+    ck = _checkpointer(tmp_path / "ck", log=log, storage_fault=lambda step: faults.pop(step, None))
+    ck.save(1, _state(1), wait=True)
+    assert ck.save(2, _state(2)) is True, "the snapshot is taken; the failing writes happen in the background"
+    assert ck.save(3, _state(3)) is False, "one save in flight: the next request is skipped, not queued"
+    assert ck.wait_durable(), "the save of step 2 commits once the store works again"
+    assert _committed(tmp_path / "ck") == [2, 1]
+    events = list(read_events(log))
+    retries = [e for e in events if e["event"] == "checkpoint_write_retry"]
+    assert [r["attempt"] for r in retries] == [1, 2] and "No space left" in retries[0]["error"]
+    assert retries[1]["backoff_s"] > retries[0]["backoff_s"]
+    assert any(
+        e["event"] == "checkpoint_skipped" and e["step"] == 3 and "still persisting" in e["reason"] for e in events
+    )
 
-    def full_disk(path: Path, data: bytes, **kwargs: Any) -> None:
-        if (path.name == "manifest.json") == (failing == "manifest"):
-            raise OSError(28, "No space left on device")
-        real(path, data, **kwargs)
 
-    monkeypatch.setattr(layout, "write_durable", full_disk)
-    assert ck.save(2, _state(2)) is False
-    monkeypatch.undo()
-    assert layout.committed_steps(tmp_path / "ck") == [1]
+def test_store_failing_past_the_deadline_gives_up_and_keeps_the_previous(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    faults = {2: {"errno": "EIO", "times": 100}}
+    ck = _checkpointer(
+        tmp_path / "ck", log=log, persist_timeout_s=1.0, storage_fault=lambda step: faults.pop(step, None)
+    )
+    ck.save(1, _state(1), wait=True)
+    assert ck.save(2, _state(2), wait=True) is False
+    assert _committed(tmp_path / "ck") == [1]
     assert any(e["event"] == "checkpoint_write_failed" for e in read_events(log))
-    assert ck.save(3, _state(3)) is True, "the next save works again"
+    assert ck.save(3, _state(3), wait=True) is True, "the next save works again"
+    restored = ck.load_latest()
+    assert restored is not None and restored.step == 3
+
+
+def test_delta_checkpoints_write_only_changed_tensors_and_restore_exactly(tmp_path: Path) -> None:
+    """Fine-tuning-like: a large frozen tensor, a small trained one. Deltas refer to the last full checkpoint,
+    which retention keeps while a kept delta needs it."""
+    root = tmp_path / "ck"
+    frozen = torch.randn(512, 512)
+    head = torch.zeros(64)
+    ck = _checkpointer(root, keep_last=1, full_every=3)
+    for step in range(1, 5):  # full, delta, delta, full
+        head += 1
+        assert ck.save(step, {"objects": {"m": {"frozen": frozen, "head": head}}}, wait=True)
+        if step == 3:
+            assert sorted(p.name for p in root.glob("step_*")) == ["step_00000001", "step_00000003"]
+            restored = _checkpointer(root).load_latest()
+            assert restored is not None and restored.step == 3
+            assert torch.equal(restored.state["objects"]["m"]["frozen"], frozen)
+            assert torch.equal(restored.state["objects"]["m"]["head"], torch.full((64,), 3.0))
+    manifests = {s: layout.read_manifest(LocalStorage(root), s) for s in (4,)}
+    assert manifests[4].base is None, "every third checkpoint is full again"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004"], "the old base goes with its deltas"
+
+
+def test_delta_bytes_written(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    frozen = torch.randn(256, 1024)
+    ck = _checkpointer(root, keep_last=3, full_every=2)
+    ck.save(1, {"objects": {"m": {"frozen": frozen, "head": torch.zeros(1024)}}}, wait=True)
+    ck.save(2, {"objects": {"m": {"frozen": frozen, "head": torch.ones(1024)}}}, wait=True)
+    full, delta = (layout.read_manifest(LocalStorage(root), s) for s in (1, 2))
+    assert delta.base == 1 and full.base is None
+    assert full.written_bytes >= full.state_bytes
+    assert delta.written_bytes * 5 <= full.written_bytes
+
+
+def test_memory_store_works_in_one_process(tmp_path: Path) -> None:
+    ck = _checkpointer("memory://stalwart-test/run", keep_last=2, full_every=2)
+    for step in (1, 2, 3):
+        assert ck.save(step, _state(step), wait=True)
+    restored = ck.load_latest()
+    assert restored is not None and restored.step == 3
+    assert torch.equal(restored.state["objects"]["w"]["weight"], torch.full((4, 4), 3.0))
+
+
+def test_tied_tensors_are_written_once(tmp_path: Path) -> None:
+    shared = torch.randn(128, 128)
+    ck = _checkpointer(tmp_path / "ck")
+    ck.save(1, {"objects": {"m": {"embed": shared, "head": shared}}}, wait=True)
+    manifest = layout.read_manifest(LocalStorage(tmp_path / "ck"), 1)
+    assert manifest.written_bytes == shared.numel() * 4
+    restored = ck.load_latest()
+    assert restored is not None and torch.equal(restored.state["objects"]["m"]["head"], shared)
+
+
+def test_a_dead_persister_fails_that_save_and_the_next_one_works(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    log = tmp_path / "events.jsonl"
+    faults = {2: {"errno": "EIO", "times": 100}}
+    ck = _checkpointer(tmp_path / "ck", log=log, storage_fault=lambda step: faults.pop(step, None))
+    ck.save(1, _state(1), wait=True)
+    ck.save(2, _state(2))
+    proc = ck._bg._proc
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    assert ck.wait_durable() is False
+    assert any(e["event"] == "persister_died" for e in read_events(log))
+    assert ck.save(3, _state(3), wait=True) is True
 
 
 def test_unreadable_manifest_is_skipped_but_never_quarantined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ck = _checkpointer(tmp_path / "ck")
-    ck.save(1, _state(1))
-    ck.save(2, _state(2))
+    ck.save(1, _state(1), wait=True)
+    ck.save(2, _state(2), wait=True)
     real = layout.read_manifest
 
-    def flaky(root: Path, step: int) -> layout.Manifest:
+    def flaky(storage: Any, step: int) -> layout.Manifest:
         if step == 2:
             raise OSError(5, "Input/output error")
-        return real(root, step)
+        return real(storage, step)
 
     monkeypatch.setattr(layout, "read_manifest", flaky)
     restored = _checkpointer(tmp_path / "ck").load_latest()
@@ -210,9 +353,9 @@ def test_nothing_readable_now_is_not_a_user_error(tmp_path: Path, monkeypatch: p
     from stalwart.errors import CheckpointError, is_user_error
 
     ck = _checkpointer(tmp_path / "ck")
-    ck.save(1, _state(1))
+    ck.save(1, _state(1), wait=True)
 
-    def broken(root: Path, step: int) -> layout.Manifest:
+    def broken(storage: Any, step: int) -> layout.Manifest:
         raise OSError(116, "Stale file handle")
 
     monkeypatch.setattr(layout, "read_manifest", broken)

@@ -15,14 +15,19 @@ from stalwart.job.dist import Comm, Placement
 from stalwart.telemetry.events import EventLog
 
 
-def _make(root: Path, steps: tuple[int, ...] = (1, 2, 3)) -> None:
+def _make(root: Path, steps: tuple[int, ...] = (1, 2, 3), full_every: int = 1) -> None:
     comm = Comm(Placement(rank=0, world_size=1, local_rank=0, restart_count=0), timedelta(seconds=30))
-    ck = Checkpointer(root, comm, EventLog(None), keep_last=5, token="t")
+    ck = Checkpointer(root, comm, EventLog(None), keep_last=5, token="t", full_every=full_every)
     model = torch.nn.Linear(4, 2)
-    for step in steps:
-        with torch.no_grad():
-            model.weight.fill_(step)  # each step's checkpoint holds different weights
-        ck.save(step, {"step": step, "world_size": 1, "objects": {"model": model.state_dict(), "data": {"epoch": 0}}})
+    frozen = torch.nn.Linear(64, 64)
+    try:
+        for step in steps:
+            with torch.no_grad():
+                model.weight.fill_(step)  # each step's checkpoint holds different weights
+            objects = {"model": model.state_dict(), "frozen": frozen.state_dict(), "data": {"epoch": 0}}
+            assert ck.save(step, {"step": step, "world_size": 1, "objects": objects}, wait=True)
+    finally:
+        ck.close()
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:
@@ -41,18 +46,32 @@ def test_list_verify_inspect_on_a_healthy_directory(tmp_path: Path, capsys: pyte
     assert main(["ckpt", "inspect", str(root), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["step"] == 3 and summary["objects"]["model"] == {"tensors": 2, "bytes": 40, "dtypes": ["float32"]}
+    assert summary["kind"] == "full" and summary["bytes_saved"] == 0
     assert _snapshot(root) == before, "reading changes nothing"
+
+
+def test_inspect_shows_the_bytes_a_delta_saved(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "ck"
+    _make(root, steps=(1, 2), full_every=2)
+    assert main(["ckpt", "inspect", str(root), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["kind"] == "delta" and summary["base"] == 1
+    assert summary["written_bytes"] < summary["state_bytes"] and summary["bytes_saved"] > 0
+    assert main(["ckpt", "inspect", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "delta of step 1" in out and "bytes saved" in out
+    assert main(["ckpt", "verify", str(root)]) == 0, "a delta verifies through its base"
 
 
 def test_verify_reports_damage_and_exits_nonzero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "ck"
     _make(root)
-    shard = next((root / "step_00000002").glob("rank*.pt"))
+    shard = next((root / "step_00000002").glob("rank*.data"))
     shard.write_bytes(shard.read_bytes()[:-10])
     (root / "step_00000003" / "manifest.json").unlink()  # an interrupted save
     assert main(["ckpt", "verify", str(root), "--json"]) == 1
     result = json.loads(capsys.readouterr().out)["checkpoints"]
-    assert result["1"] == [] and "bytes, its manifest says" in result["2"][0] and "3" not in result
+    assert result["1"] == [] and "truncated" in " ".join(result["2"]) and "3" not in result
     assert main(["ckpt", "list", str(root), "--json"]) == 0
     statuses = {c["step"]: c["status"] for c in json.loads(capsys.readouterr().out)["checkpoints"]}
     assert statuses == {1: "committed", 2: "committed", 3: "interrupted"}
@@ -94,7 +113,7 @@ def test_export_to_dcp_loads_back_with_dcp(tmp_path: Path, capsys: pytest.Captur
     root, out = tmp_path / "ck", tmp_path / "exported"
     _make(root)
     assert main(["ckpt", "export", str(root), "--to", str(out), "--step", "2", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["objects"] == ["data", "model"]
+    assert json.loads(capsys.readouterr().out)["objects"] == ["data", "frozen", "model"]
 
     fresh = torch.nn.Linear(4, 2)
     state = {"model": fresh.state_dict(), "stalwart": {"step": 0, "world_size": 0, "rank": -1}}

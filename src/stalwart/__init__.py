@@ -4,10 +4,16 @@ job = stalwart.Job(checkpoint_dir="runs/gpt/ckpt")
 job.track(model=model, optim=optim, sched=sched, data=loader)
 for step, batch in job.steps(loader, max_steps=10_000):
     ...
+
+The training API is imported on first use, so torch-free parts (the checkpoint persister process, the event
+log) start without paying for `import torch`.
 """
 
-from stalwart import data
-from stalwart.data import ResumableLoader
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -15,9 +21,15 @@ from stalwart.errors import (
     ConfigError,
     StalwartError,
 )
-from stalwart.job import Job, JobConfig
+
+if TYPE_CHECKING:
+    from stalwart import data
+    from stalwart.data import ResumableLoader
+    from stalwart.job import Job, JobConfig
 
 __version__ = "0.1.0"
+
+_LAZY = {"Job": "stalwart.job", "JobConfig": "stalwart.job", "ResumableLoader": "stalwart.data"}
 
 __all__ = [
     "CheckpointCorruptError",
@@ -31,3 +43,11 @@ __all__ = [
     "__version__",
     "data",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "data":
+        return importlib.import_module("stalwart.data")
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'stalwart' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The `stalwart` command: one subcommand per job a user has (run, demo)."""
+"""The `stalwart` command: one subcommand per job a user has (run, demo, ckpt, bench)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ commands:
   run      launch a training script with torchrun's flags; restart workers on failure
   demo     train a small GPT on 2 CPU ranks, kill a worker, recover, and compare with a clean run
   ckpt     list, verify or inspect a checkpoint directory
+  bench    measure on this machine: 'bench checkpoint' compares stalwart with torch.save and DCP
   version  print stalwart's version
 
 'stalwart <command> --help' describes each command."""
@@ -43,7 +44,19 @@ def _ckpt(argv: list[str]) -> int:
     return main(argv)
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"run": _run, "demo": _demo, "ckpt": _ckpt, "version": _version}
+def _bench(argv: list[str]) -> int:
+    from stalwart.bench.cli import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "run": _run,
+    "demo": _demo,
+    "ckpt": _ckpt,
+    "bench": _bench,
+    "version": _version,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

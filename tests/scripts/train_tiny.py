@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--allow-resize", action="store_true")
+    p.add_argument("--when-busy", default="wait", help="wait: every save happens (deterministic steps for tests)")
     p.add_argument("--ckpt-per-rank", action="store_true", help="a node-local checkpoint dir on each rank (wrong)")
     p.add_argument("--unsavable-on-rank", type=int, default=-1, help="track a numpy scalar on this rank (wrong)")
     args = p.parse_args()
@@ -72,7 +73,14 @@ def main() -> None:
         args.ckpt = f"{args.ckpt}-rank{os.environ.get('RANK', '0')}"
 
     torch.use_deterministic_algorithms(True)
-    job = stalwart.Job(args.ckpt, checkpoint_every=args.every, log_every=1, allow_world_size_change=args.allow_resize)
+    job = stalwart.Job(
+        args.ckpt,
+        checkpoint_every=args.every,
+        log_every=1,
+        allow_world_size_change=args.allow_resize,
+        replicated=("model", "optim"),  # DDP keeps them equal on every rank: each tensor is written once
+        when_busy=args.when_busy,
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(args.hidden, 1)

@@ -6,13 +6,16 @@ Kinds:
   kill          the rank sends itself a signal (default SIGKILL) just before starting `step`
   kill_in_save  the rank is killed while saving the checkpoint of `step`, at `phase`:
                 'shard_half_written' (default: half its shard is on disk) or 'before_commit'
-                (every shard is durable, the manifest is not yet written)
+                (every shard is durable, the manifest is not yet written; fires on rank 0, the committer)
+  storage_error the first `times` (default 1) attempts to write the rank's checkpoint of `step` fail with
+                `errno` (default EIO; e.g. ENOSPC): the persister must retry with backoff, training goes on
 `restart` (default 0) is the launcher's TORCHELASTIC_RESTART_COUNT at which the fault fires, so a fault
 fires once and the restarted job runs on.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from collections.abc import Callable
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from stalwart.errors import ConfigError
 
 FAULTS_ENV = "STALWART_FAULTS"
-_KINDS = ("kill", "kill_in_save")
+_KINDS = ("kill", "kill_in_save", "storage_error")
 _PHASES = ("shard_half_written", "before_commit")
 
 
@@ -33,6 +36,8 @@ class Fault:
     restart: int = 0
     phase: str = "shard_half_written"
     signal: str = "SIGKILL"
+    errno: str = "EIO"
+    times: int = 1
 
 
 def parse_faults(spec: str) -> list[Fault]:
@@ -55,12 +60,14 @@ def parse_faults(spec: str) -> list[Fault]:
                 restart=int(fields.pop("restart", "0")),
                 phase=fields.pop("phase", "shard_half_written"),
                 signal=fields.pop("signal", "SIGKILL"),
+                errno=fields.pop("errno", "EIO"),
+                times=int(fields.pop("times", "1")),
             )
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"{FAULTS_ENV}: {item!r} needs integer rank= and step= ({exc})") from exc
         if fields:
             raise ConfigError(f"{FAULTS_ENV}: unknown keys {sorted(fields)} in {item!r}")
-        if fault.phase not in _PHASES or not hasattr(signal, fault.signal):
+        if fault.phase not in _PHASES or not hasattr(signal, fault.signal) or not hasattr(errno, fault.errno):
             raise ConfigError(f"{FAULTS_ENV}: bad phase or signal in {item!r}")
         faults.append(fault)
     return faults
@@ -84,10 +91,16 @@ class FaultInjector:
             if f.kind == "kill" and f.step == step:
                 self._fire(f)
 
-    def in_save(self, step: int, phase: str) -> None:
+    def save_phase(self, step: int) -> str | None:
+        """The phase of the save of `step` at which this rank is to die (the persister fires it)."""
+        return next((f.phase for f in self._faults if f.kind == "kill_in_save" and f.step == step), None)
+
+    def storage_error(self, step: int) -> dict[str, object] | None:
+        """The write failures to inject into the persist of `step`, as the persister expects them."""
         for f in self._faults:
-            if f.kind == "kill_in_save" and f.step == step and f.phase == phase:
-                self._fire(f)
+            if f.kind == "storage_error" and f.step == step:
+                return {"errno": f.errno, "times": f.times}
+        return None
 
     def _fire(self, fault: Fault) -> None:
         self._announce(fault)

@@ -13,7 +13,8 @@ from rich.table import Table
 
 from stalwart.checkpoint import inspect, layout
 from stalwart.checkpoint.export import export_dcp
-from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
+from stalwart.checkpoint.storage import Storage, describe_error
+from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError, StalwartError
 
 EXIT_INVALID = 1
 
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="stalwart ckpt", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     ls = sub.add_parser("list", help="every checkpoint: committed, interrupted, quarantined")
-    vf = sub.add_parser("verify", help="check every shard's size, CRC-32 and format; exit 1 if any fails")
+    vf = sub.add_parser("verify", help="check every shard and tensor (size, xxh3, format); exit 1 if any fails")
     vf.add_argument("--step", type=int, help="only this step (default: every committed checkpoint)")
     ins = sub.add_parser("inspect", help="what a checkpoint holds: manifest, tracked objects, tensors, bytes")
     ins.add_argument("--step", type=int, help="the step (default: the newest committed)")
@@ -37,14 +38,23 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--step", type=int, help="the step (default: the newest committed)")
     ex.add_argument("--rank", type=int, default=0, help="whose shard to export (default 0; under DDP all are equal)")
     for sp in (ls, vf, ins, ex):
-        sp.add_argument("path", help="the checkpoint directory (a Job's checkpoint_dir)")
+        sp.add_argument("path", help="the checkpoint directory or URL (a Job's checkpoint_dir, e.g. s3://bucket/run)")
         sp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    root = inspect.open_root(Path(args.path))
+    try:
+        return _dispatch(args)
+    except StalwartError:
+        raise
+    except Exception as exc:  # an I/O error of any store (OSError, botocore, aiohttp): one line, not a traceback
+        raise ConfigError(f"{args.path}: {describe_error(exc)}") from exc
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    root = inspect.open_root(args.path)
     if args.command == "list":
         return _list(root, args.json)
     if args.command == "verify":
@@ -54,46 +64,49 @@ def main(argv: list[str]) -> int:
     return _inspect(root, args.step, args.rank, args.json)
 
 
-def _committed(root: Path, step: int | None) -> list[int]:
+def _committed(root: Storage, step: int | None) -> list[int]:
     steps = layout.committed_steps(root)
     if step is None:
         return steps
     if step not in steps:
-        raise ConfigError(f"{root} has no committed checkpoint at step {step} (committed: {sorted(steps) or 'none'})")
+        raise ConfigError(
+            f"{root.display()} has no committed checkpoint at step {step} (committed: {sorted(steps) or 'none'})"
+        )
     return [step]
 
 
-def _list(root: Path, as_json: bool) -> int:
+def _list(root: Storage, as_json: bool) -> int:
     entries = inspect.list_entries(root)
     if as_json:
         rows = [
-            {"step": e.step, "status": e.status, "path": str(e.path), "world_size": e.world_size, "bytes": e.bytes,
-             "created": e.created, "problem": e.problem}
+            {"step": e.step, "status": e.status, "path": e.path, "world_size": e.world_size, "bytes": e.bytes,
+             "written_bytes": e.written_bytes, "kind": e.kind or None, "created": e.created, "problem": e.problem}
             for e in entries
         ]  # fmt: skip
-        print(json.dumps({"path": str(root), "checkpoints": rows}))
+        print(json.dumps({"path": root.display(), "checkpoints": rows}))
         return 0
-    table = Table(title=f"checkpoints in {root}")
-    for column in ("step", "status", "ranks", "bytes", "created", "note"):
-        table.add_column(column, justify="right" if column in ("step", "ranks", "bytes") else "left")
+    table = Table(title=f"checkpoints in {root.display()}")
+    for column in ("step", "status", "kind", "ranks", "state bytes", "written", "created", "note"):
+        table.add_column(column, justify="right" if column in ("step", "ranks", "state bytes", "written") else "left")
     for e in entries:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.created)) if e.created else ""
         table.add_row(
-            str(e.step), e.status, str(e.world_size or ""), f"{e.bytes:,}" if e.bytes else "", created,
-            e.problem or (e.path.name if e.status == "quarantined" else ""),
+            str(e.step), e.status, e.kind, str(e.world_size or ""), f"{e.bytes:,}" if e.bytes else "",
+            f"{e.written_bytes:,}" if e.status == "committed" else "", created,
+            e.problem or (e.path.rsplit("/", 1)[-1] if e.status == "quarantined" else ""),
         )  # fmt: skip
-    Console().print(table if entries else f"{root}: no checkpoints")
+    Console().print(table if entries else f"{root.display()}: no checkpoints")
     return 0
 
 
-def _verify(root: Path, step: int | None, as_json: bool) -> int:
+def _verify(root: Storage, step: int | None, as_json: bool) -> int:
     results = {s: inspect.verify(root, s) for s in _committed(root, step)}
     if as_json:
-        print(json.dumps({"path": str(root), "checkpoints": {str(s): p for s, p in results.items()}}))
+        print(json.dumps({"path": root.display(), "checkpoints": {str(s): p for s, p in results.items()}}))
     else:
         console = Console()
         if not results:
-            console.print(f"{root}: no committed checkpoints")
+            console.print(f"{root.display()}: no committed checkpoints")
         for s, problems in results.items():
             console.print(f"step {s}: " + ("[green]ok[/]" if not problems else f"[red]FAILED[/] ({len(problems)})"))
             for problem in problems:
@@ -101,31 +114,42 @@ def _verify(root: Path, step: int | None, as_json: bool) -> int:
     return EXIT_INVALID if any(results.values()) else 0
 
 
-def _inspect(root: Path, step: int | None, rank: int, as_json: bool) -> int:
+def _inspect(root: Storage, step: int | None, rank: int, as_json: bool) -> int:
     steps = _committed(root, step)
     if not steps:
-        raise ConfigError(f"{root} has no committed checkpoint to inspect")
+        raise ConfigError(f"{root.display()} has no committed checkpoint to inspect")
     try:
         manifest, summary = inspect.summarize(root, steps[0], rank)
     except (CheckpointCorruptError, CheckpointMismatchError, OSError) as exc:
         raise ConfigError(f"cannot inspect step {steps[0]}: {exc} (see 'stalwart ckpt verify')") from exc
     objects = summary["objects"]
+    state_bytes, written = manifest.state_bytes, manifest.written_bytes
     if as_json:
         print(json.dumps({
-            "path": str(root), "step": manifest.step, "world_size": manifest.world_size, "created": manifest.created,
-            "shards": [{"file": f, "bytes": n, "crc32": c} for f, n, c in manifest.shards],
+            "path": root.display(), "step": manifest.step, "world_size": manifest.world_size,
+            "created": manifest.created, "kind": "full" if manifest.base is None else "delta", "base": manifest.base,
+            "state_bytes": state_bytes, "written_bytes": written, "bytes_saved": state_bytes - written,
+            "tensors": len(manifest.tensors),
+            "shards": [{"meta": r.meta, "bytes": r.bytes, "xxh3": r.xxh3} for r in manifest.ranks],
             "rank": rank,
             "objects": {k: {"tensors": o.tensors, "bytes": o.bytes, "dtypes": sorted(o.dtypes)}
                         for k, o in objects.items()},
         }))  # fmt: skip
         return 0
     console = Console()
-    total = sum(n for _, n, _ in manifest.shards)
-    console.print(
-        f"step {manifest.step} in {root}: {manifest.world_size} ranks, {total:,} bytes, written "
-        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created))}"
+    kind = "full checkpoint" if manifest.base is None else f"delta of step {manifest.base}"
+    saved = (
+        f", {state_bytes - written:,} bytes saved ({state_bytes / max(written, 1):.1f}x fewer)"
+        if written < state_bytes
+        else ""
     )
-    table = Table(title=f"rank {rank}'s shard")
+    console.print(
+        f"step {manifest.step} in {root.display()}: {kind}, {manifest.world_size} ranks, {len(manifest.tensors)} "
+        f"tensors, {state_bytes:,} bytes of state, {written:,} bytes written{saved}; created "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created))}",
+        highlight=False,
+    )
+    table = Table(title=f"rank {rank}'s state")
     for column in ("object", "tensors", "bytes", "dtypes"):
         table.add_column(column, justify="right" if column in ("tensors", "bytes") else "left")
     for name, o in objects.items():
@@ -134,10 +158,10 @@ def _inspect(root: Path, step: int | None, rank: int, as_json: bool) -> int:
     return 0
 
 
-def _export(root: Path, step: int | None, rank: int, out: Path, as_json: bool) -> int:
+def _export(root: Storage, step: int | None, rank: int, out: Path, as_json: bool) -> int:
     steps = _committed(root, step)
     if not steps:
-        raise ConfigError(f"{root} has no committed checkpoint to export")
+        raise ConfigError(f"{root.display()} has no committed checkpoint to export")
     try:
         result = export_dcp(root, steps[0], rank, out)
     except (CheckpointCorruptError, CheckpointMismatchError, OSError) as exc:

@@ -16,17 +16,19 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from stalwart.checkpoint import layout
 from stalwart.checkpoint.inspect import read_shard
+from stalwart.checkpoint.storage import Storage
 from stalwart.errors import ConfigError
 
 META_KEY = "stalwart"
 
 
-def export_dcp(root: Path, step: int, rank: int, out: Path) -> dict[str, Any]:
+def export_dcp(storage: Storage, step: int, rank: int, out: Path) -> dict[str, Any]:
     """Write rank `rank`'s shard of `step` to a new DCP checkpoint at `out`; returns what was written."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists and is not an empty directory; nothing is overwritten")
-    manifest, state, path = read_shard(root, step, rank)
+    manifest, state = read_shard(storage, step, rank)
     objects: dict[str, Any] = dict(state.get("objects", {}))
     if META_KEY in objects:
         raise ConfigError(f"a tracked object is named {META_KEY!r}, which the export uses for its own entry")
@@ -38,4 +40,10 @@ def export_dcp(root: Path, step: int, rank: int, out: Path) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that it saves without a process group: that is the intent
         dcp.save(payload, checkpoint_id=str(out))
-    return {"path": str(out), "step": step, "rank": rank, "objects": sorted(objects), "source": str(path)}
+    return {
+        "path": str(out),
+        "step": step,
+        "rank": rank,
+        "objects": sorted(objects),
+        "source": storage.display(layout.step_dir_name(step)),
+    }

@@ -1,20 +1,22 @@
-"""What is in a checkpoint directory, for people: listing, full verification, and a summary of a checkpoint.
+"""What is in a checkpoint root, for people: listing, full verification, and a summary of a checkpoint.
 
-Used by `stalwart ckpt`. Everything here only reads; verification reads every shard of every rank (resume reads
-only a rank's own), checks size and CRC-32 against the manifest and parses it the weights-only way.
+Used by `stalwart ckpt`. Everything here only reads. Verification reads every rank's meta file and every tensor
+(resume reads only what its rank needs), checks sizes and xxh3 against the manifest and parses every skeleton
+the weights-only way.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from stalwart.checkpoint import layout
-from stalwart.checkpoint.serialize import loads
-from stalwart.checkpoint.verify import read_verified
+from stalwart.checkpoint.manager import load_rank_state
+from stalwart.checkpoint.storage import Storage, describe_error, open_storage
+from stalwart.checkpoint.verify import read_tensor
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 
 
@@ -24,9 +26,11 @@ class Entry:
 
     step: int
     status: str
-    path: Path
+    path: str
     world_size: int | None = None
     bytes: int = 0
+    written_bytes: int = 0
+    kind: str = ""
     created: float | None = None
     problem: str | None = None
 
@@ -38,68 +42,87 @@ class ObjectSummary:
     dtypes: set[str] = field(default_factory=set)
 
 
-def open_root(root: Path) -> Path:
-    """The directory, if it exists and is stalwart's; otherwise one clear error."""
-    if not root.exists():
-        raise ConfigError(f"{root} does not exist")
-    if not root.is_dir():
-        raise ConfigError(f"{root} is a file, not a checkpoint directory")
-    if not (root / layout.ROOT_MARKER).exists():
-        raise ConfigError(f"{root} is not a stalwart checkpoint directory (no {layout.ROOT_MARKER})")
-    return root
+def open_root(path: str | os.PathLike[str], options: dict[str, Any] | None = None) -> Storage:
+    """The checkpoint root, if it exists and is stalwart's; otherwise one clear error."""
+    storage = open_storage(path, options)
+    local = storage.local_path()
+    try:
+        if local is not None and not local.exists():
+            raise ConfigError(f"{path} does not exist")
+        if local is not None and not local.is_dir():
+            raise ConfigError(f"{path} is a file, not a checkpoint directory")
+        if not storage.exists(layout.ROOT_MARKER):
+            raise ConfigError(f"{path} is not a stalwart checkpoint directory (no {layout.ROOT_MARKER})")
+    except ConfigError:
+        raise
+    except Exception as exc:  # an unreachable object store, no credentials...
+        raise ConfigError(f"{path} cannot be read: {describe_error(exc)}") from exc
+    return storage
 
 
-def list_entries(root: Path) -> list[Entry]:
+def list_entries(storage: Storage) -> list[Entry]:
     entries = []
-    for step, path in layout.step_dirs(root):
-        if not (path / layout.MANIFEST).exists():
-            size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-            entries.append(Entry(step, "interrupted", path, bytes=size))
+    for step, name in layout.step_dirs(storage):
+        files = storage.listdir(name)
+        if layout.MANIFEST not in files:
+            size = sum(storage.size(f"{name}/{f}") for f in files)
+            entries.append(Entry(step, "interrupted", storage.display(name), bytes=size))
             continue
         try:
-            m = layout.read_manifest(root, step)
-            entries.append(Entry(step, "committed", path, m.world_size, sum(s[1] for s in m.shards), m.created))
+            m = layout.read_manifest(storage, step)
+            kind = "full" if m.base is None else f"delta of {m.base}"
+            entries.append(
+                Entry(step, "committed", storage.display(name), m.world_size, m.state_bytes, m.written_bytes, kind,
+                      m.created)
+            )  # fmt: skip
         except (CheckpointCorruptError, CheckpointMismatchError, OSError) as exc:
-            entries.append(Entry(step, "committed", path, problem=str(exc)))
-    for step, path in layout.quarantined(root):
-        entries.append(Entry(step, "quarantined", path))
+            entries.append(Entry(step, "committed", storage.display(name), problem=str(exc)))
+    for step, name in layout.quarantined(storage):
+        entries.append(Entry(step, "quarantined", storage.display(name)))
     return sorted(entries, key=lambda e: (e.step, e.status))
 
 
-def verify(root: Path, step: int) -> list[str]:
-    """Every problem of a committed checkpoint, over all of its shards; an empty list means it verifies."""
+def verify(storage: Storage, step: int) -> list[str]:
+    """Every problem of a committed checkpoint, over all of its ranks; an empty list means it verifies."""
     try:
-        manifest = layout.read_manifest(root, step)
+        manifest = layout.read_manifest(storage, step)
     except (CheckpointCorruptError, CheckpointMismatchError) as exc:
         return [str(exc)]
-    except OSError as exc:
-        return [f"the manifest of step {step} cannot be read: {exc.strerror or exc}"]
+    except Exception as exc:
+        return [f"the manifest of step {step} cannot be read: {describe_error(exc)}"]
     problems = []
-    for name, size, crc in manifest.shards:
-        path = root / layout.step_dir_name(step) / name
+    for rank in range(manifest.world_size):
         try:
-            loads(read_verified(path, size, crc), str(path))
+            load_rank_state(storage, manifest, rank, tensors=False)
         except CheckpointCorruptError as exc:
             problems.append(str(exc))
-        except OSError as exc:
-            problems.append(f"shard {path} cannot be read: {exc.strerror or exc}")
+        except Exception as exc:
+            problems.append(f"rank {rank}'s shard cannot be read: {describe_error(exc)}")
+    files: dict[str, bytes] = {}
+    for tid, entry in sorted(manifest.tensors.items(), key=lambda item: (item[1].file, item[1].offset)):
+        if files and entry.file not in files:
+            files.clear()  # one data file in memory at a time
+        try:
+            read_tensor(storage, entry, files)
+        except CheckpointCorruptError as exc:
+            problems.append(f"{tid}: {exc}")
+        except Exception as exc:
+            problems.append(f"{tid}: {storage.display(entry.file)} cannot be read: {describe_error(exc)}")
     return problems
 
 
-def read_shard(root: Path, step: int, rank: int) -> tuple[layout.Manifest, dict[str, Any], Path]:
-    """The manifest, and one rank's shard verified against it and parsed the weights-only way."""
-    manifest = layout.read_manifest(root, step)
+def read_shard(storage: Storage, step: int, rank: int) -> tuple[layout.Manifest, dict[str, Any]]:
+    """The manifest, and one rank's state verified against it and parsed the weights-only way."""
+    manifest = layout.read_manifest(storage, step)
     if not 0 <= rank < manifest.world_size:
         raise ConfigError(f"--rank {rank} is outside the checkpoint's {manifest.world_size} ranks")
-    name, size, crc = manifest.shards[rank]
-    path = root / layout.step_dir_name(step) / name
-    state = loads(read_verified(path, size, crc), str(path))
-    return manifest, state, path
+    state, _ = load_rank_state(storage, manifest, rank)
+    return manifest, state
 
 
-def summarize(root: Path, step: int, rank: int = 0) -> tuple[layout.Manifest, dict[str, Any]]:
-    """The manifest and a summary of one rank's shard: step, world size, and per tracked object its tensors."""
-    manifest, state, _ = read_shard(root, step, rank)
+def summarize(storage: Storage, step: int, rank: int = 0) -> tuple[layout.Manifest, dict[str, Any]]:
+    """The manifest and a summary of one rank's state: step, world size, and per tracked object its tensors."""
+    manifest, state = read_shard(storage, step, rank)
     objects = {}
     for obj_name, obj_state in state.get("objects", {}).items():
         summary = ObjectSummary()

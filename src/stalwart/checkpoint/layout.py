@@ -1,87 +1,131 @@
-"""The on-disk layout of a checkpoint directory and the durable file operations it rests on.
+"""The layout of a checkpoint root, its manifest, and the operations on it that must stay correct on every store.
 
-    <root>/stalwart-checkpoints.json        marks the directory as ours; nothing else is ever written
-    <root>/step_00000120/rank00000.<tok>.pt  one shard per rank, <tok> unique to one save attempt
-    <root>/step_00000120/manifest.json       written last, atomically: its presence is the commit
+    <root>/stalwart-checkpoints.json                  marks the root as ours; nothing else is ever written
+    <root>/step_00000120/rank00000.<tok>.data         rank 0's tensor bytes (raw, or zstd for a delta)
+    <root>/step_00000120/rank00000.<tok>.meta.json    rank 0's skeleton and tensor table, written after its data
+    <root>/step_00000120/manifest.json                written last by rank 0: its presence is the commit
 
-A step directory without a manifest is an interrupted save and is never loaded; one whose shards fail verification
-is renamed `step_XXXXXXXX.invalid-<time>` and kept. A save repeated at the same step
-(after a restart) writes shards under a new token, so the previous manifest keeps pointing at whole files until
-the new manifest replaces it in one rename.
+The manifest lists every rank's meta file (with its xxh3) and every tensor: the file and byte range holding it,
+its codec, dtype, shape and the xxh3 of its raw bytes. A delta checkpoint's unchanged tensors point into the
+data files of its base (a full checkpoint), which retention keeps while any kept checkpoint refers to it.
+
+A step directory without a manifest is an interrupted save and is never loaded; one that fails verification is
+moved to `step_XXXXXXXX.invalid-<ns>` and kept. A save repeated at the same step (after a restart) writes under
+a new token, so the previous manifest keeps pointing at whole files until the new one replaces it.
+
+This module imports no torch: the persister process uses it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
+from stalwart.checkpoint.storage import Storage
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 
 FORMAT = "stalwart-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ROOT_MARKER = "stalwart-checkpoints.json"
 MANIFEST = "manifest.json"
+CODECS = ("raw", "zstd")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _QUARANTINED_DIR = re.compile(r"^step_(\d{8,})\.invalid-(\d+)$")
+_DATA_FILE = re.compile(r"^step_\d{8,}/rank\d{5,}\.[A-Za-z0-9_-]+\.data$")
+_META_FILE = re.compile(r"^rank\d{5,}\.[A-Za-z0-9_-]+\.meta\.json$")
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def shard_name(rank: int, token: str) -> str:
-    return f"rank{rank:05d}.{token}.pt"
+def data_name(rank: int, token: str) -> str:
+    return f"rank{rank:05d}.{token}.data"
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def meta_name(rank: int, token: str) -> str:
+    return f"rank{rank:05d}.{token}.meta.json"
 
 
-def write_durable(path: Path, data: bytes, *, on_half_written: Any = None) -> None:
-    """Write `data` to `path` so that after return it survives a power cut: temp file, fsync, rename, fsync dir.
-
-    `on_half_written` is a fault-injection seam: called after half the bytes reached the temp file.
-    """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        half = len(view) // 2
-        _write_all(fd, view[:half])
-        if on_half_written is not None:
-            on_half_written()
-        _write_all(fd, view[half:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+def failed_name(rank: int, token: str) -> str:
+    """Left by a rank whose persist gave up, so rank 0 stops waiting for it."""
+    return f"rank{rank:05d}.{token}.failed"
 
 
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """Where one tensor's bytes are: `file` is relative to the root, so a delta can point into its base."""
+
+    file: str
+    offset: int
+    stored_bytes: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    xxh3: str
+    codec: str = "raw"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "offset": self.offset,
+            "stored_bytes": self.stored_bytes,
+            "nbytes": self.nbytes,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "xxh3": self.xxh3,
+            "codec": self.codec,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> TensorEntry:
+        entry = cls(
+            str(raw["file"]),
+            int(raw["offset"]),
+            int(raw["stored_bytes"]),
+            int(raw["nbytes"]),
+            str(raw["dtype"]),
+            tuple(int(d) for d in raw["shape"]),
+            str(raw["xxh3"]),
+            str(raw.get("codec", "raw")),
+        )
+        if not _DATA_FILE.match(entry.file) or entry.codec not in CODECS or min(entry.offset, entry.nbytes) < 0:
+            raise ValueError(f"bad tensor entry {raw!r}")
+        return entry
+
+
+@dataclass(frozen=True, slots=True)
+class RankEntry:
+    meta: str
+    bytes: int
+    xxh3: str
 
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    """What a committed checkpoint holds; `shards[rank]` is (file name, bytes, crc32)."""
+    """What a committed checkpoint holds."""
 
     step: int
     world_size: int
     token: str
-    shards: list[tuple[str, int, int]]
+    ranks: list[RankEntry]
+    tensors: dict[str, TensorEntry]
     created: float
+    base: int | None = None
+    """The full checkpoint this delta refers to; None for a full checkpoint."""
+    written_bytes: int = 0
+    """Bytes this checkpoint added to storage (a delta adds only changed tensors, compressed)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def referenced_steps(self) -> set[int]:
+        return {int(t.file[5 : t.file.index("/")]) for t in self.tensors.values()}
 
     def to_json(self) -> str:
         return json.dumps(
@@ -92,7 +136,11 @@ class Manifest:
                 "world_size": self.world_size,
                 "token": self.token,
                 "created": self.created,
-                "shards": [{"file": f, "bytes": n, "crc32": c} for f, n, c in self.shards],
+                "base": self.base,
+                "written_bytes": self.written_bytes,
+                "ranks": [{"meta": r.meta, "bytes": r.bytes, "xxh3": r.xxh3} for r in self.ranks],
+                "tensors": {tid: t.to_json() for tid, t in self.tensors.items()},
+                **self.extra,
             },
             indent=1,
         )
@@ -101,148 +149,129 @@ class Manifest:
     def parse(cls, text: str, where: str) -> Manifest:
         try:
             raw = json.loads(text)
-            if raw.get("format") != FORMAT:
+            if not isinstance(raw, dict) or raw.get("format") != FORMAT:
                 raise CheckpointMismatchError(f"{where} is not a stalwart manifest")
             if raw.get("version") != FORMAT_VERSION:
                 raise CheckpointMismatchError(
                     f"{where} has format version {raw.get('version')}; this stalwart reads {FORMAT_VERSION}"
                 )
-            shards = [(str(s["file"]), int(s["bytes"]), int(s["crc32"])) for s in raw["shards"]]
-            m = cls(int(raw["step"]), int(raw["world_size"]), str(raw["token"]), shards, float(raw["created"]))
+            ranks = [RankEntry(str(r["meta"]), int(r["bytes"]), str(r["xxh3"])) for r in raw["ranks"]]
+            tensors = {str(k): TensorEntry.from_json(v) for k, v in raw["tensors"].items()}
+            base = raw.get("base")
+            m = cls(
+                int(raw["step"]),
+                int(raw["world_size"]),
+                str(raw["token"]),
+                ranks,
+                tensors,
+                float(raw["created"]),
+                None if base is None else int(base),
+                int(raw.get("written_bytes", 0)),
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            if isinstance(exc, CheckpointMismatchError):
+            if isinstance(exc, CheckpointMismatchError):  # a ValueError too, but no proof of damage
                 raise
             raise CheckpointCorruptError(f"{where} is malformed: {exc}") from exc
-        if len(m.shards) != m.world_size or any("/" in f or f.startswith(".") for f, _, _ in m.shards):
+        if len(m.ranks) != m.world_size or m.world_size < 1 or any(not _META_FILE.match(r.meta) for r in m.ranks):
             raise CheckpointCorruptError(f"{where} lists shards that do not match its world size")
         return m
 
 
-def prepare_root(root: Path, *, create: bool) -> None:
-    """Check that `root` is ours (or empty) and writable; create it and its marker when `create` is set."""
-    if root.exists() and not root.is_dir():
-        raise ConfigError(f"checkpoint directory {root} is a file, not a directory")
-    marker = root / ROOT_MARKER
-    if root.is_dir() and not marker.exists():
-        foreign = sorted(p.name for p in root.iterdir())[:3]
-        if foreign:
-            raise ConfigError(
-                f"checkpoint directory {root} holds files stalwart did not write ({', '.join(foreign)}); "
-                "use an empty directory or one stalwart created"
-            )
+def prepare_root(storage: Storage, *, create: bool) -> None:
+    """Check that the root is ours (or empty) and writable; create it and its marker when `create` is set."""
+    where = storage.display()
+    local = storage.local_path()
+    if local is not None and local.exists() and not local.is_dir():
+        raise ConfigError(f"checkpoint directory {where} is a file, not a directory")
+    names = storage.listdir()
+    if names and ROOT_MARKER not in names:
+        foreign = ", ".join(names[:3])
+        raise ConfigError(
+            f"checkpoint directory {where} holds files stalwart did not write ({foreign}); "
+            "use an empty directory or one stalwart created"
+        )
     if not create:
         return
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        if not marker.exists():
-            write_durable(marker, json.dumps({"format": "stalwart-checkpoints", "version": 1}).encode())
-        probe = root / f".write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(f"checkpoint directory {root} is not writable: {exc.strerror or exc}") from exc
+    storage.makedirs("")
+    if ROOT_MARKER not in names:
+        storage.write_bytes(ROOT_MARKER, json.dumps({"format": "stalwart-checkpoints", "version": 1}).encode())
 
 
-def committed_steps(root: Path) -> list[int]:
+def committed_steps(storage: Storage) -> list[int]:
     """Steps with a manifest, newest first (whether their shards verify is checked on load)."""
-    return sorted((s for s, d in _step_dirs(root) if (d / MANIFEST).exists()), reverse=True)
+    return sorted((s for s, d in step_dirs(storage) if MANIFEST in storage.listdir(d)), reverse=True)
 
 
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        m = _STEP_DIR.match(entry.name)
-        if m and entry.is_dir():
-            found.append((int(m.group(1)), entry))
-    return found
-
-
-def quarantined(root: Path) -> list[tuple[int, Path]]:
-    """Checkpoints moved aside after failing verification: (step, path), oldest move first."""
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        m = _QUARANTINED_DIR.match(entry.name)
-        if m and entry.is_dir():
-            found.append((int(m.group(2)), int(m.group(1)), entry))
-    return [(step, path) for _, step, path in sorted(found)]
-
-
-def step_dirs(root: Path) -> list[tuple[int, Path]]:
+def step_dirs(storage: Storage) -> list[tuple[int, str]]:
     """Every step directory, committed or interrupted, oldest first."""
-    return sorted(_step_dirs(root))
+    found = []
+    for name in storage.listdir():
+        m = _STEP_DIR.match(name)
+        if m:
+            found.append((int(m.group(1)), name))
+    return sorted(found)
 
 
-def read_manifest(root: Path, step: int) -> Manifest:
+def quarantined(storage: Storage) -> list[tuple[int, str]]:
+    """Checkpoints moved aside after failing verification: (step, name), oldest move first."""
+    found = []
+    for name in storage.listdir():
+        m = _QUARANTINED_DIR.match(name)
+        if m:
+            found.append((int(m.group(2)), int(m.group(1)), name))
+    return [(step, name) for _, step, name in sorted(found)]
+
+
+def read_manifest(storage: Storage, step: int) -> Manifest:
     """Parse a step's manifest; an I/O error is raised as OSError (maybe passing), bad content as corruption."""
-    path = root / step_dir_name(step) / MANIFEST
-    text = path.read_text(encoding="utf-8")
-    manifest = Manifest.parse(text, str(path))
+    rel = f"{step_dir_name(step)}/{MANIFEST}"
+    try:
+        text = storage.read(rel).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointCorruptError(f"{storage.display(rel)} is not text") from exc
+    manifest = Manifest.parse(text, storage.display(rel))
     if manifest.step != step:
-        raise CheckpointCorruptError(f"{path} says step {manifest.step}, its directory says {step}")
+        raise CheckpointCorruptError(f"{storage.display(rel)} says step {manifest.step}, its directory says {step}")
     return manifest
 
 
-def quarantine(root: Path, step: int) -> Path:
-    """Rename a checkpoint that failed verification out of the step namespace; returns its new path.
+def quarantine(storage: Storage, step: int) -> str:
+    """Move a checkpoint that failed verification out of the step namespace; returns its new name.
     Quarantined checkpoints are never removed by retention: they are evidence."""
-    src = root / step_dir_name(step)
-    dst = root / f"{step_dir_name(step)}.invalid-{time.time_ns()}"
-    os.rename(src, dst)
-    fsync_dir(root)
+    dst = f"{step_dir_name(step)}.invalid-{time.time_ns()}"
+    storage.move_tree(step_dir_name(step), dst)
     return dst
 
 
-def make_step_dir(root: Path, step: int) -> Path:
-    """Create a step's directory durably (its entry in the root survives a power cut before the commit)."""
-    path = root / step_dir_name(step)
-    if not path.is_dir():
-        path.mkdir(exist_ok=True)
-        fsync_dir(root)
-    return path
-
-
-def wait_for_file(path: Path, content: str, timeout_s: float) -> bool:
-    """True once `path` holds `content`; polls because a network filesystem may show a new file late."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if path.read_text(encoding="utf-8") == content:
-                return True
-        except OSError:
-            pass
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.2)
-
-
-def remove_tree(path: Path) -> None:
-    """Delete one of our step directories (never called on anything outside a marked root)."""
-    for child in path.iterdir():
-        if child.is_dir():
-            remove_tree(child)
-        else:
-            child.unlink(missing_ok=True)
-    path.rmdir()
-
-
-def prune(root: Path, keep_last: int, current: Manifest) -> list[int]:
-    """Retention after a commit: keep the newest `keep_last` committed steps, drop older interrupted saves and
-    stale shards of earlier attempts at the current step. Returns the steps removed."""
+def prune(storage: Storage, keep_last: int, current: Manifest) -> list[int]:
+    """Retention after a commit: keep the newest `keep_last` committed steps and the full checkpoints their
+    deltas refer to, drop older interrupted saves and stale files of earlier attempts at the current step.
+    Returns the steps removed."""
+    committed = committed_steps(storage)
+    keep = set(committed[:keep_last])
+    for step in list(keep):
+        manifest = current if step == current.step else _manifest_or_none(storage, step)
+        if manifest is None:  # unreadable now: keep what it may refer to rather than guess
+            keep.update(committed)
+            break
+        keep.update(manifest.referenced_steps())
+    newest = committed[0] if committed else current.step
     removed = []
-    committed = set(committed_steps(root))
-    keep = set(sorted(committed, reverse=True)[:keep_last])
-    newest = max(committed) if committed else current.step
-    for step, path in _step_dirs(root):
+    for step, name in step_dirs(storage):
         interrupted = step not in committed and step < newest
         if (step in committed and step not in keep) or interrupted:
-            remove_tree(path)
+            storage.remove_tree(name)
             removed.append(step)
-    live = {f for f, _, _ in current.shards} | {MANIFEST}
-    for entry in (root / step_dir_name(current.step)).iterdir():
-        if entry.name not in live and entry.is_file():
-            entry.unlink(missing_ok=True)
+    own = step_dir_name(current.step)
+    live = {r.meta for r in current.ranks} | {t.file.split("/", 1)[1] for t in current.tensors.values()} | {MANIFEST}
+    for name in storage.listdir(own):
+        if name not in live and not name.startswith("."):
+            storage.remove(f"{own}/{name}")
     return sorted(removed)
+
+
+def _manifest_or_none(storage: Storage, step: int) -> Manifest | None:
+    try:
+        return read_manifest(storage, step)
+    except (OSError, CheckpointCorruptError, CheckpointMismatchError):
+        return None

@@ -1,33 +1,57 @@
-"""Durable checkpoints v1: every rank writes its shard in parallel, rank 0 commits with a manifest.
+"""Checkpoints: snapshot in the training loop, persist in the background, commit by rank 0, verified loading.
 
-Two-phase commit. Phase 1: each rank writes and fsyncs its shard. The ranks then exchange (ok, bytes, crc32).
-Phase 2: only if every rank succeeded, rank 0 writes the manifest atomically; that rename is the instant the
-checkpoint becomes visible, and rank 0 tells every rank whether it happened. A crash at any earlier instant
-leaves the previous checkpoint the newest loadable one.
+A save has two halves. The snapshot (here, on the training thread) agrees with the other ranks that a save
+starts, flattens the state into a skeleton and tensors, and copies this rank's tensors into its staging memory;
+that copy is the whole stall. The persist (persister.py, another process) hashes and writes the rank's data and
+meta files and, on rank 0, waits for every rank's meta file and writes the manifest last: that write is the
+commit. A crash at any instant before it leaves the previous checkpoint the newest loadable one.
+
+Replicated objects (`replicated=`, e.g. a DDP model and its optimizer) are written once: each of their tensors
+is owned by one rank, chosen by a pure function of the tensor sizes, so the ranks write disjoint parts in
+parallel. Everything else is per-rank state, written by its rank.
+
+At most one save per rank is in flight. The rule for a save requested while one is still persisting
+(`when_busy`): "skip" (the default) skips it on every rank, agreed through one small collective, with a
+`checkpoint_skipped` event, and training goes on; "wait" first waits for the previous one, with a
+`checkpoint_waited` event. The final save of a run (`wait=True`) always waits, then waits for its own commit.
 
 Every decision that must be the same on all ranks is taken once and shared: rank 0 lists the checkpoints,
-the ranks vote on each candidate, rank 0 reports the commit. A rank that saw the directory differently (a node-
-local path, a lagging network filesystem) can therefore never wait in a different collective than the others;
-and at start every rank must see a file rank 0 wrote, or the job stops with a clear error.
+the ranks vote on each candidate, rank 0 reports the commit. At start every rank must see a file rank 0 wrote,
+or the job stops with a clear error.
 
-Loading walks the committed steps newest first; every rank verifies its own shard (size and CRC) and the
-newest step valid on every rank is loaded. Newer ones that failed an integrity check are moved to
-`step_XXXXXXXX.invalid-<ns>` for inspection, never deleted. If checkpoints exist but none verifies, loading stops
-with NoValidCheckpointError rather than silently starting again from step 0.
+Loading walks the committed steps newest first; every rank verifies what it reads (meta file and every tensor
+against the manifest's xxh3) and the newest step valid on every rank is loaded. Newer ones that failed an
+integrity check are moved to `step_XXXXXXXX.invalid-<ns>` for inspection, never deleted. If checkpoints exist
+but none verifies, loading stops with NoValidCheckpointError rather than silently starting again from step 0.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from stalwart.checkpoint import layout
-from stalwart.checkpoint.serialize import checksum, dumps, loads
-from stalwart.checkpoint.verify import read_verified, retrying
+from stalwart.checkpoint.background import Background
+from stalwart.checkpoint.serialize import (
+    TensorItem,
+    assign_owners,
+    dtype_from_name,
+    dtype_name,
+    fingerprint,
+    flatten,
+    unflatten,
+)
+from stalwart.checkpoint.staging import Staging, aligned
+from stalwart.checkpoint.storage import Storage, describe_error, open_storage
+from stalwart.checkpoint.verify import read_tensor, read_verified_meta, retrying
 from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -37,155 +61,254 @@ from stalwart.errors import (
     PeerError,
     UnsavableStateError,
 )
-from stalwart.job.dist import Comm
 from stalwart.telemetry.events import EventLog
 
-FaultHook = Callable[[str], None]
-"""Called with a phase name ('shard_half_written', 'before_commit') so chaos can kill at that instant."""
+if TYPE_CHECKING:
+    from stalwart.job.dist import Comm
 
-_OK, _FAILED, _UNSAVABLE = 1, 0, -1  # a rank's vote on a save
+FaultPhase = Callable[[int], str | None]
+"""Given a step, the phase of its save at which chaos kills this rank ('shard_half_written', 'before_commit')."""
+
+_OK, _UNSAVABLE = 1, -1  # a rank's vote on a save
 _VALID, _CORRUPT, _UNREADABLE, _MISMATCH = 1, 0, -1, -2  # a rank's vote on a checkpoint it tried to load
 SHARED_DIR_TIMEOUT_S = 10.0
+DEFAULT_PERSIST_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
 class Restored:
-    """A shard that was loaded: its step, the world size that wrote it, and its contents."""
+    """A checkpoint that was loaded: its step, the world size that wrote it, and this rank's state."""
 
     step: int
     world_size: int
     state: dict[str, Any]
     source: str
+    bytes: int = 0
 
 
 class Checkpointer:
-    """Saves and loads this rank's shard of the job's checkpoints under one root directory."""
+    """Saves and loads this rank's part of the job's checkpoints under one root (a path or an fsspec URL)."""
 
     def __init__(
         self,
-        root: str | Path,
+        root: str | os.PathLike[str],
         comm: Comm,
         events: EventLog,
         *,
         keep_last: int,
         token: str,
-        fault_hook: FaultHook | None = None,
+        replicated: frozenset[str] = frozenset(),
+        full_every: int = 1,
+        when_busy: str = "skip",
+        persist_timeout_s: float = DEFAULT_PERSIST_TIMEOUT_S,
+        storage_options: dict[str, Any] | None = None,
+        fault_phase: FaultPhase | None = None,
+        storage_fault: Callable[[int], dict[str, Any] | None] | None = None,
     ) -> None:
-        self.root = Path(root)
+        self.url = os.fspath(root)
+        self.storage: Storage = open_storage(self.url, storage_options)
+        self._options = storage_options
         self._comm = comm
         self._events = events
         self._keep_last = keep_last
         self._token = token
-        self._fault = fault_hook or (lambda phase: None)
+        self.replicated = replicated
+        """Names of tracked objects written once for all ranks (set by the Job before the first save)."""
+        self._full_every = full_every
+        self._when_busy = when_busy
+        self._persist_timeout_s = persist_timeout_s
+        self._fault_phase = fault_phase or (lambda step: None)
+        self._storage_fault = storage_fault or (lambda step: None)
         self._attempt = 0
+        self._staging = Staging()
+        self._bg = Background(events, in_process=self.storage.process_local)
+        self._last_full: int | None = None  # rank 0: newest committed full checkpoint (a delta's base)
+        self._since_full = 0
         self._prepare_root()
+        self._bg.start()
+
+    @property
+    def root(self) -> str:
+        return self.storage.display()
 
     def _prepare_root(self) -> None:
         """Rank 0 alone checks and creates the root (a rank looking while rank 0 creates it would take the
         half-written marker for a foreign file), then every rank must read a probe file rank 0 wrote."""
         problem: ConfigError | None = None
-        probe = self.root / f".probe-{self._token}"
+        probe = f".probe-{self._token}"
         if self._comm.rank == 0:
             try:
-                layout.prepare_root(self.root, create=True)
-                layout.write_durable(probe, self._token.encode())
+                layout.prepare_root(self.storage, create=True)
+                self.storage.write_bytes(probe, self._token.encode())
             except ConfigError as exc:
                 problem = exc
-            except OSError as exc:
-                problem = ConfigError(f"checkpoint directory {self.root} is not writable: {exc.strerror or exc}")
+            except Exception as exc:  # OSError locally; botocore/aiohttp errors from an object store
+                problem = ConfigError(f"checkpoint directory {self.root} is not writable: {describe_error(exc)}")
         if not self._comm.broadcast_int(0 if problem else 1):
             raise problem or PeerError("rank 0 rejected the checkpoint directory; see its error")
-        sees = 1 if self._comm.rank == 0 else int(layout.wait_for_file(probe, self._token, SHARED_DIR_TIMEOUT_S))
+        sees = 1 if self._comm.rank == 0 else int(self._wait_for_probe(probe))
         votes = self._comm.all_gather_ints([sees])
         if self._comm.rank == 0:
-            with contextlib.suppress(OSError):
-                probe.unlink(missing_ok=True)
+            with contextlib.suppress(Exception):
+                self.storage.remove(probe)
         if all(v[0] for v in votes):
             return
         if not sees:
             raise ConfigError(
                 f"rank {self._comm.rank} cannot see the checkpoint directory {self.root} that rank 0 writes to; "
-                "put checkpoint_dir on storage every rank shares (a shared filesystem)"
+                "put checkpoint_dir on storage every rank shares (a shared filesystem or an object store)"
             )
         raise PeerError("another rank cannot see the checkpoint directory; see its error")
 
-    def save(self, step: int, state: dict[str, Any]) -> bool:
-        """Write this rank's shard for `step` and commit if every rank succeeded. Returns whether it committed.
+    def _wait_for_probe(self, probe: str) -> bool:
+        """True once the probe holds our token; polls because a network filesystem may show a new file late."""
+        deadline = time.monotonic() + SHARED_DIR_TIMEOUT_S
+        while True:
+            with contextlib.suppress(Exception):
+                if self.storage.read(probe) == self._token.encode():
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
 
-        A failed write (disk full, I/O error), on any rank and for the manifest too, is logged and the save is
-        skipped on every rank alike: training goes on and the previous checkpoint stays the newest. A state
-        that can never be saved (unloadable types) raises UnsavableStateError on every rank.
+    # -- saving ------------------------------------------------------------------------------------------------
+
+    def persist_in_flight(self) -> bool:
+        return self._bg.in_flight is not None
+
+    def save(self, step: int, state: dict[str, Any], *, wait: bool = False) -> bool:
+        """Snapshot `step` and hand it to the persister. Collective: every rank calls it for the same step.
+
+        Returns whether a snapshot was taken (False: skipped because the previous save is still persisting).
+        With `wait`, first waits for any save in flight, then for this one, and returns whether it committed.
+        A state that can never be saved (unloadable types) raises UnsavableStateError on every rank.
         """
         started = time.monotonic()
-        self._attempt += 1
-        token = f"{self._token}-{self._attempt}"
-        vote, size, crc = _OK, 0, 0
-        unsavable: UnsavableStateError | None = None
+        if wait or self._when_busy == "wait":
+            self._finish_in_flight()
+            started = time.monotonic()
+        vote, unsavable, fp = _OK, None, 0
+        skeleton_b64, items = "", list[TensorItem]()
         try:
-            data = dumps(state)
-            size, crc = len(data), checksum(data)
-            step_dir = layout.make_step_dir(self.root, step)
-            layout.write_durable(
-                step_dir / layout.shard_name(self._comm.rank, token),
-                data,
-                on_half_written=lambda: self._fault("shard_half_written"),
-            )
+            skeleton, items = flatten(state, self._comm.rank, self.replicated)
+            buf = io.BytesIO()
+            torch.save(skeleton, buf)
+            skeleton_b64 = base64.b64encode(buf.getvalue()).decode("ascii")
+            fp = fingerprint([(i.id, dtype_name(i.tensor.dtype), tuple(i.tensor.shape)) for i in items if _shared(i)])
         except UnsavableStateError as exc:
             vote, unsavable = _UNSAVABLE, exc
-        except OSError as exc:
-            vote = _FAILED
-            self._events.emit("checkpoint_write_failed", step=step, error=str(exc))
         except Exception as exc:  # torch.save failing on a state: vote, so no rank is left waiting in the gather
             vote = _UNSAVABLE
             unsavable = UnsavableStateError(f"the state of step {step} cannot be serialized: {exc}")
-        gathered = self._comm.all_gather_ints([vote, size, crc])
+        busy = self._bg.in_flight
+        base = self._next_base() if self._comm.rank == 0 else -1
+        gathered = self._comm.all_gather_ints([vote, -1 if busy is None else busy, fp, base])
         if any(g[0] == _UNSAVABLE for g in gathered):
             raise unsavable or PeerError("another rank's state cannot be checkpointed; see its error")
-        if not all(g[0] == _OK for g in gathered):
-            self._events.emit("checkpoint_skipped", step=step, reason="a rank failed to write its shard")
+        if len({g[2] for g in gathered}) > 1:
+            raise UnsavableStateError(
+                "the replicated objects differ in structure between ranks (tensor names, shapes or dtypes); "
+                "list in replicated= only objects that are identical on every rank"
+            )
+        in_flight = [g[1] for g in gathered if g[1] >= 0]
+        if in_flight:
+            self._events.emit(
+                "checkpoint_skipped", step=step, reason=f"the save of step {in_flight[0]} is still persisting"
+            )
             return False
-        self._fault("before_commit")
-        committed = self._commit(step, token, gathered, started) if self._comm.rank == 0 else 0
-        return bool(self._comm.broadcast_int(committed))
+        chosen_base = None if gathered[0][3] < 0 else gathered[0][3]
+        mine = self._owned(items)
+        offsets, total = [], 0
+        for item in mine:
+            offsets.append(total)
+            total = aligned(total + item.nbytes)
+        self._staging.ensure(total, pin=any(i.tensor.is_cuda for i in mine))
+        self._staging.copy_in([i.tensor for i in mine], offsets)
+        stall = time.monotonic() - started
+        self._attempt += 1
+        token = f"{self._token}-{self._attempt}"
+        self._events.emit("checkpoint_snapshot", step=step, stall_s=stall, bytes=total)
+        if self._comm.rank == 0:
+            self._since_full = 0 if chosen_base is None else self._since_full + 1
+        self._bg.submit(
+            {
+                "op": "persist",
+                "step": step,
+                "token": token,
+                "rank": self._comm.rank,
+                "world_size": self._comm.world_size,
+                "coordinator": self._comm.rank == 0,
+                "keep_last": self._keep_last,
+                "url": self.url,
+                "options": self._options,
+                "staging": self._staging.spec(),
+                "skeleton": skeleton_b64,
+                "tensors": [
+                    {
+                        "id": i.id,
+                        "offset": o,
+                        "nbytes": i.nbytes,
+                        "dtype": dtype_name(i.tensor.dtype),
+                        "shape": list(i.tensor.shape),
+                    }
+                    for i, o in zip(mine, offsets, strict=True)
+                ],
+                "base": chosen_base,
+                "snapshot_mono": started,
+                "deadline_s": self._persist_timeout_s,
+                "fault": self._fault_phase(step),
+                "storage_fault": self._storage_fault(step),
+            }
+        )
+        return self.wait_durable() if wait else True
 
-    def _commit(self, step: int, token: str, gathered: list[list[int]], started: float) -> int:
-        step_dir = self.root / layout.step_dir_name(step)
-        manifest = layout.Manifest(
-            step=step,
-            world_size=self._comm.world_size,
-            token=token,
-            shards=[(layout.shard_name(r, token), g[1], g[2]) for r, g in enumerate(gathered)],
-            created=time.time(),
-        )
-        try:
-            layout.write_durable(step_dir / layout.MANIFEST, manifest.to_json().encode())
-        except OSError as exc:
-            self._events.emit("checkpoint_write_failed", step=step, error=f"manifest: {exc}")
-            self._events.emit("checkpoint_skipped", step=step, reason="the manifest could not be written")
-            return 0
-        try:
-            removed = layout.prune(self.root, self._keep_last, manifest)
-        except OSError as exc:  # the commit stands; old checkpoints are removed after a later save
-            removed = []
-            self._events.emit("checkpoint_prune_failed", step=step, error=str(exc))
-        self._events.emit(
-            "checkpoint_committed",
-            step=step,
-            bytes=sum(g[1] for g in gathered),
-            seconds=time.monotonic() - started,
-            path=str(step_dir),
-            removed=removed,
-        )
-        return 1
+    def _owned(self, items: list[TensorItem]) -> list[TensorItem]:
+        owners = assign_owners([(i.id, i.nbytes) for i in items if _shared(i)], self._comm.world_size)
+        return [i for i in items if not _shared(i) or owners[i.id] == self._comm.rank]
+
+    def _next_base(self) -> int:
+        """Rank 0's choice for the next save: -1 for a full checkpoint, else the full one a delta refers to."""
+        if self._full_every <= 1 or self._last_full is None or self._since_full >= self._full_every - 1:
+            return -1
+        return self._last_full
+
+    def _finish_in_flight(self) -> None:
+        if self._bg.in_flight is not None:
+            waited = time.monotonic()
+            self._note(self._bg.wait())
+            self._events.emit("checkpoint_waited", seconds=time.monotonic() - waited)
+
+    def _note(self, reply: dict[str, Any] | None) -> None:
+        if reply and reply.get("committed") and reply.get("full"):
+            self._last_full = int(reply["step"])
+
+    def wait_durable(self) -> bool:
+        """Wait for the save in flight; whether it committed. Collective: every rank calls it."""
+        reply = self._bg.wait()
+        self._note(reply)
+        committed = bool(reply and reply.get("ok") and reply.get("committed"))  # rank 0's reply says
+        return self._comm.broadcast_int(int(committed)) == 1
+
+    def poll(self) -> None:
+        """Note a finished persist (rank 0 learns which full checkpoint a delta may refer to)."""
+        if self._bg.in_flight is None:
+            self._note(self._bg.wait(0))
+
+    def close(self) -> None:
+        """Stop the persister (an unfinished persist is abandoned, never half-committed) and free staging."""
+        self._bg.close()
+        self._staging.close()
+
+    # -- loading -----------------------------------------------------------------------------------------------
 
     def load_latest(self, *, allow_world_size_change: bool = False) -> Restored | None:
         """Load the newest checkpoint that verifies on every rank; None when there is no checkpoint at all."""
         listing: list[int] = []
         if self._comm.rank == 0:
             try:
-                listing = [1, *layout.committed_steps(self.root)]
-            except OSError as exc:
-                self._events.emit("checkpoint_list_failed", error=str(exc))
+                listing = [1, *layout.committed_steps(self.storage)]
+            except Exception as exc:
+                self._events.emit("checkpoint_list_failed", error=describe_error(exc))
                 listing = [0]
         listed, *steps = self._comm.broadcast_ints(listing)
         if not listed:  # maybe passing: not a user error, so the launcher restarts and tries again
@@ -203,6 +326,8 @@ class Checkpointer:
             if all(v == _VALID for v in votes):
                 assert restored is not None
                 self._quarantine(corrupt)
+                if self._comm.rank == 0:
+                    self._last_full = None  # the persister starts afresh: the next save is a full one
                 return restored
             if problem:
                 first_problem = first_problem or problem
@@ -230,43 +355,84 @@ class Checkpointer:
         if self._comm.rank == 0:
             for step in steps:
                 try:
-                    moved = layout.quarantine(self.root, step)
-                    self._events.emit("checkpoint_quarantined", step=step, path=str(moved))
-                except OSError as exc:
-                    self._events.emit("checkpoint_quarantine_failed", step=step, error=str(exc))
+                    moved = layout.quarantine(self.storage, step)
+                    self._events.emit("checkpoint_quarantined", step=step, path=self.storage.display(moved))
+                except Exception as exc:
+                    self._events.emit("checkpoint_quarantine_failed", step=step, error=describe_error(exc))
         self._comm.barrier()  # no rank writes a new save of that step until it has been moved aside
 
     def _try_load(self, step: int, allow_resize: bool) -> tuple[Restored | None, int, str | None]:
-        """(restored, verdict, problem). Size, CRC and format failures are _CORRUPT; an I/O error that persists
-        over a few attempts is _UNREADABLE (maybe passing: reported, never quarantined); a valid checkpoint
-        written at another world size, when that is not allowed, is _MISMATCH."""
-        step_dir = self.root / layout.step_dir_name(step)
+        """(restored, verdict, problem). Size, checksum and format failures are _CORRUPT; an I/O error that
+        persists over a few attempts is _UNREADABLE (maybe passing: reported, never quarantined); a valid
+        checkpoint written at another world size, when that is not allowed, is _MISMATCH."""
+        where = self.storage.display(layout.step_dir_name(step))
         try:
-            manifest = retrying(lambda: layout.read_manifest(self.root, step))
+            manifest = retrying(lambda: layout.read_manifest(self.storage, step))
         except CheckpointMismatchError as exc:
             return None, _MISMATCH, str(exc)
         except CheckpointCorruptError as exc:
             return None, _CORRUPT, str(exc)
         except FileNotFoundError:
-            return None, _CORRUPT, f"{step_dir / layout.MANIFEST} disappeared"
-        except OSError as exc:
-            return None, _UNREADABLE, f"{step_dir / layout.MANIFEST} cannot be read: {exc.strerror or exc}"
+            return None, _CORRUPT, f"{where}/{layout.MANIFEST} disappeared"
+        except Exception as exc:
+            return None, _UNREADABLE, f"{where}/{layout.MANIFEST} cannot be read: {describe_error(exc)}"
         if manifest.world_size != self._comm.world_size and not allow_resize:
             return (
                 None,
                 _MISMATCH,
                 (
-                    f"checkpoint {step_dir} was written by {manifest.world_size} ranks and this job has "
+                    f"checkpoint {where} was written by {manifest.world_size} ranks and this job has "
                     f"{self._comm.world_size}; relaunch with the same world size or allow a world-size change "
                     "(docs/checkpoints.md)"
                 ),
             )
-        name, size, crc = manifest.shards[self._comm.rank % manifest.world_size]
-        path = step_dir / name
+        source = self._comm.rank % manifest.world_size
         try:
-            state = loads(read_verified(path, size, crc), str(path))
+            state, nbytes = load_rank_state(self.storage, manifest, source)
         except CheckpointCorruptError as exc:
             return None, _CORRUPT, str(exc)
-        except OSError as exc:
-            return None, _UNREADABLE, f"shard {path} cannot be read: {exc.strerror or exc}"
-        return Restored(step, manifest.world_size, state, str(path)), _VALID, None
+        except Exception as exc:
+            return None, _UNREADABLE, f"checkpoint {where} cannot be read: {describe_error(exc)}"
+        return Restored(step, manifest.world_size, state, where, nbytes), _VALID, None
+
+
+def _shared(item: TensorItem) -> bool:
+    return item.id.startswith("R/")
+
+
+def load_rank_state(
+    storage: Storage, manifest: layout.Manifest, rank: int, *, tensors: bool = True
+) -> tuple[dict[str, Any], int]:
+    """Rank `rank`'s state of a checkpoint, every byte verified: (state, bytes of tensors read). Without
+    `tensors`, only the meta file and skeleton are read and checked (tensors come back empty).
+
+    Raises CheckpointCorruptError on proof of damage (a checksum, a size, a missing file or tensor) and other
+    exceptions for I/O errors (maybe passing)."""
+    step_dir = layout.step_dir_name(manifest.step)
+    meta = read_verified_meta(storage, f"{step_dir}/{manifest.ranks[rank].meta}", manifest.ranks[rank])
+    try:
+        skeleton_bytes = base64.b64decode(str(meta["skeleton"]).encode("ascii"), validate=True)
+        skeleton = torch.load(io.BytesIO(skeleton_bytes), map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle and zip errors come in many types
+        raise CheckpointCorruptError(f"the skeleton of rank {rank} in {step_dir} cannot be read safely: {exc}") from exc
+    files: dict[str, bytes] = {}
+    read = 0
+
+    def fetch(tid: str) -> torch.Tensor:
+        nonlocal read
+        entry = manifest.tensors.get(tid)
+        if entry is None:
+            raise CheckpointCorruptError(f"tensor {tid} of {step_dir} is not in its manifest")
+        if not tensors:
+            return torch.empty(0)
+        raw = read_tensor(storage, entry, files)
+        read += entry.nbytes
+        t = torch.frombuffer(bytearray(raw), dtype=dtype_from_name(entry.dtype)) if raw else None
+        if t is None:
+            return torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+        return t.reshape(entry.shape)
+
+    state = unflatten(skeleton, fetch)
+    if not isinstance(state, dict) or "objects" not in state:
+        raise CheckpointCorruptError(f"rank {rank} of {step_dir} does not hold a stalwart state")
+    return state, read

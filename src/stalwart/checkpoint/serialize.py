@@ -1,16 +1,22 @@
-"""Turn training state into shard bytes and back, without ever executing code from a checkpoint.
+"""Turn training state into a skeleton plus raw tensors and back, without ever executing code from a checkpoint.
 
-Loading uses `torch.load(weights_only=True)`, which only rebuilds tensors and plain containers. Saving checks the
-same rule first (also at resume, before any step runs), so a state that could not be loaded back is refused with
-the path of the offending value, not discovered on the day of the restart.
+A state is split in two: its tensors, whose bytes are copied into the staging area and written raw (each with its
+own xxh3 checksum in the manifest), and a skeleton, the same structure with every tensor replaced by a reference
+`{"__stalwart_tensor__": id}`. The skeleton is small and is stored with `torch.save`; loading it uses
+`torch.load(weights_only=True)`, which only rebuilds plain containers. Saving checks that rule first (also at
+resume, before any step runs), so a state that could not be loaded back is refused with the path of the
+offending value, not discovered on the day of the restart.
+
+Tensor ids say who writes a tensor: `R/<object>/<key path>` for a replicated object (identical on every rank,
+written once by the rank that owns it) and `r<rank>/<object>/<key path>` for per-rank state.
 """
 
 from __future__ import annotations
 
-import io
-import zlib
+import hashlib
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,25 +52,96 @@ def check_loadable(value: Any, path: str = "state") -> None:
     )
 
 
-def dumps(state: Mapping[str, Any]) -> bytes:
+REF_KEY = "__stalwart_tensor__"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorItem:
+    """One tensor of a state: its id (see the module docstring), the tensor, and its size in bytes."""
+
+    id: str
+    tensor: torch.Tensor
+    nbytes: int
+
+
+def _escape(key: object) -> str:
+    return str(key).replace("%", "%25").replace("/", "%2F")
+
+
+def flatten(state: Mapping[str, Any], rank: int, replicated: frozenset[str]) -> tuple[dict[str, Any], list[TensorItem]]:
+    """(skeleton, tensors). `state["objects"][name]` is replicated when `name` is in `replicated`.
+
+    Tensors that are the same view of the same memory (tied weights) get one id and are written once.
+    """
     check_loadable(state)
-    buf = io.BytesIO()
-    torch.save(dict(state), buf)
-    return buf.getvalue()
+    tensors: list[TensorItem] = []
+    seen: dict[tuple[Any, ...], str] = {}
+
+    def walk(value: Any, path: str) -> Any:
+        if type(value) in _TENSORS:
+            t = value.detach()
+            alias = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+            if t.numel() and alias in seen:
+                return {REF_KEY: seen[alias]}
+            seen[alias] = path
+            tensors.append(TensorItem(path, t, t.numel() * t.element_size()))
+            return {REF_KEY: path}
+        if type(value) in _MAPPINGS:
+            return type(value)((k, walk(v, f"{path}/{_escape(k)}")) for k, v in value.items())
+        if type(value) in _SEQUENCES:
+            return type(value)(walk(v, f"{path}/{i}") for i, v in enumerate(value))
+        return value
+
+    skeleton: dict[str, Any] = {}
+    for key, value in state.items():
+        if key == "objects":
+            skeleton[key] = {
+                name: walk(obj, f"{'R' if name in replicated else f'r{rank}'}/{_escape(name)}")
+                for name, obj in value.items()
+            }
+        else:
+            skeleton[key] = walk(value, f"r{rank}/{_escape(key)}")
+    return skeleton, tensors
 
 
-def loads(data: bytes, where: str) -> dict[str, Any]:
-    """Rebuild a shard; any failure to parse is reported as corruption of `where`."""
-    try:
-        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickle and zip errors come in many types
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointCorruptError(f"{where} cannot be read safely: {first}") from exc
-    if not isinstance(obj, dict):
-        raise CheckpointCorruptError(f"{where} does not hold a stalwart shard")
-    return obj
+def unflatten(skeleton: Any, fetch: Callable[[str], torch.Tensor]) -> Any:
+    """The state, with every reference replaced by `fetch(id)`."""
+    kind = type(skeleton)
+    if kind in _MAPPINGS:
+        if len(skeleton) == 1 and REF_KEY in skeleton:
+            return fetch(str(skeleton[REF_KEY]))
+        return kind((k, unflatten(v, fetch)) for k, v in skeleton.items())
+    if kind in _SEQUENCES:
+        return kind(unflatten(v, fetch) for v in skeleton)
+    return skeleton
 
 
-def checksum(data: bytes) -> int:
-    """CRC-32 of the shard bytes (a faster hash comes with the checkpoint engine)."""
-    return zlib.crc32(data) & 0xFFFFFFFF
+def assign_owners(sizes: list[tuple[str, int]], world_size: int) -> dict[str, int]:
+    """Which rank writes each replicated tensor: largest first, each to the rank with the fewest bytes so far.
+
+    A pure function of (ids, sizes, world size), so every rank computes the same assignment without talking.
+    """
+    load = [0] * world_size
+    owners: dict[str, int] = {}
+    for tid, nbytes in sorted(sizes, key=lambda item: (-item[1], item[0])):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[tid] = rank
+        load[rank] += nbytes
+    return owners
+
+
+def fingerprint(items: list[tuple[str, str, tuple[int, ...]]]) -> int:
+    """A 62-bit digest of (id, dtype, shape) triples, for checking that ranks agree on replicated state."""
+    digest = hashlib.blake2b(repr(sorted(items)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointCorruptError(f"unknown tensor dtype {name!r} in a manifest")
+    return dtype

@@ -1,13 +1,16 @@
-"""Reading a shard back and proving it is the one its manifest committed: shared by resume and `stalwart ckpt`."""
+"""Reading checkpoint files back and proving they are the ones the manifest committed: shared by resume and
+`stalwart ckpt`. Every tensor carries the xxh3 of its raw bytes, every rank's meta file the xxh3 of its bytes."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from stalwart.checkpoint.serialize import checksum
+from stalwart.checkpoint import layout
+from stalwart.checkpoint.persister import xxh3
+from stalwart.checkpoint.storage import Storage
 from stalwart.errors import CheckpointCorruptError
 
 T = TypeVar("T")
@@ -15,27 +18,68 @@ READ_ATTEMPTS = 3
 
 
 def retrying(read: Callable[[], T]) -> T:
-    """Run an I/O read up to three times (a network filesystem may fail or lag for a moment)."""
+    """Run a read up to three times (a network filesystem or object store may fail or lag for a moment).
+    Proof of damage (CheckpointCorruptError, a missing file) is not retried."""
     for attempt in range(READ_ATTEMPTS - 1):
         try:
             return read()
-        except OSError:
+        except (CheckpointCorruptError, FileNotFoundError):
+            raise
+        except Exception:
             time.sleep(0.3 * (attempt + 1))
     return read()
 
 
-def read_verified(path: Path, size: int, crc: int) -> bytes:
-    """The shard's bytes if they match the manifest's size and CRC-32.
-
-    Raises CheckpointCorruptError when the shard is missing or does not match (proof of damage), and OSError
-    for any other I/O error that persists over a few attempts (maybe passing: no proof of anything).
-    """
+def read_verified_meta(storage: Storage, rel: str, entry: layout.RankEntry) -> dict[str, Any]:
+    where = storage.display(rel)
     try:
-        data = retrying(path.read_bytes)
+        data = retrying(lambda: storage.read(rel))
     except FileNotFoundError as exc:
-        raise CheckpointCorruptError(f"shard {path} is missing") from exc
-    if len(data) != size:
-        raise CheckpointCorruptError(f"shard {path} has {len(data)} bytes, its manifest says {size}")
-    if checksum(data) != crc:
-        raise CheckpointCorruptError(f"shard {path} fails its CRC-32 check")
-    return data
+        raise CheckpointCorruptError(f"shard {where} is missing") from exc
+    if len(data) != entry.bytes:
+        raise CheckpointCorruptError(f"shard {where} has {len(data)} bytes, its manifest says {entry.bytes}")
+    if xxh3(data) != entry.xxh3:
+        raise CheckpointCorruptError(f"shard {where} fails its xxh3 check")
+    try:
+        meta = json.loads(data)
+    except ValueError as exc:
+        raise CheckpointCorruptError(f"shard {where} is malformed: {exc}") from exc
+    if not isinstance(meta, dict) or meta.get("format") != "stalwart-shard":
+        raise CheckpointCorruptError(f"shard {where} is not a stalwart shard")
+    return meta
+
+
+def read_tensor(storage: Storage, entry: layout.TensorEntry, files: dict[str, bytes] | None = None) -> bytes:
+    """The raw bytes of one tensor, decompressed and checked against its xxh3.
+
+    With `files`, whole data files are read once and cached (one request serves all the tensors a rank needs
+    from a file); without it, only the tensor's byte range is read."""
+    where = f"{storage.display(entry.file)} at byte {entry.offset}"
+    try:
+        if files is not None and entry.file in files:
+            blob = files[entry.file]
+            stored = blob[entry.offset : entry.offset + entry.stored_bytes]
+        elif files is not None:
+            blob = retrying(lambda: storage.read(entry.file))
+            files[entry.file] = blob
+            stored = blob[entry.offset : entry.offset + entry.stored_bytes]
+        else:
+            stored = retrying(lambda: storage.read(entry.file, entry.offset, entry.stored_bytes))
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"data file {storage.display(entry.file)} is missing") from exc
+    if len(stored) != entry.stored_bytes:
+        raise CheckpointCorruptError(f"tensor {where} is truncated ({len(stored)} of {entry.stored_bytes} bytes)")
+    if entry.codec == "zstd":
+        import zstandard
+
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=entry.nbytes)
+        except zstandard.ZstdError as exc:
+            raise CheckpointCorruptError(f"tensor {where} cannot be decompressed: {exc}") from exc
+    else:
+        raw = stored
+    if len(raw) != entry.nbytes:
+        raise CheckpointCorruptError(f"tensor {where} has {len(raw)} bytes, its manifest says {entry.nbytes}")
+    if xxh3(raw) != entry.xxh3:
+        raise CheckpointCorruptError(f"tensor {where} fails its xxh3 check")
+    return raw

@@ -23,11 +23,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.chaos.faults import Fault, FaultInjector
 from stalwart.checkpoint.manager import Checkpointer
@@ -63,18 +63,42 @@ class JobConfig:
     """Write a `step_done` event every this many steps (the first step after a start is always logged)."""
     collective_timeout_s: float = 300.0
     """Timeout of stalwart's own collectives and of a process group the job creates."""
+    replicated: tuple[str, ...] | None = None
+    """Tracked objects that are identical on every rank (a DDP model, its optimizer): each of their tensors is
+    written once, by one rank, instead of once per rank. None (the default) picks tracked DistributedDataParallel
+    modules and the optimizers over their parameters. Per-rank objects are written by every rank."""
+    full_every: int = 1
+    """1: every checkpoint is full. N > 1: after a full checkpoint, the next N - 1 are deltas that store only the
+    tensors that changed since it, zstd-compressed (worth it when most tensors do not change, e.g. fine-tuning)."""
+    when_busy: str = "skip"
+    """What a save does when the previous one is still persisting (at most one is in flight per rank). "skip":
+    it is skipped on every rank with a `checkpoint_skipped` event and training goes on (a slow or failing store
+    never stalls training). "wait": it waits for the previous one (a `checkpoint_waited` event says how long), so
+    every `checkpoint_every` step gets its checkpoint."""
+    persist_timeout_s: float = 600.0
+    """How long a background persist keeps retrying a failing store before that save is given up."""
+    storage_options: dict[str, Any] | None = None
+    """Passed to fsspec for a checkpoint_dir URL (e.g. {"endpoint_url": ...} for s3://)."""
     allow_world_size_change: bool | None = None
-    """Resume a checkpoint written at another world size: rank r loads shard r mod the old world size (state
-    must be replicated, as under DDP); the data position is global, so no sample is lost or repeated. None (the
-    default) allows it when launched elastically (`stalwart run --nnodes MIN:MAX` with MIN < MAX)."""
+    """Resume a checkpoint written at another world size: replicated objects load from their one copy, per-rank
+    objects of rank r from rank r mod the old world size (right only if they are equal on every rank); the data
+    position is global, so no sample is lost or repeated. None (the default) allows it when launched
+    elastically (`stalwart run --nnodes MIN:MAX` with MIN < MAX)."""
 
     def __post_init__(self) -> None:
-        for name in ("checkpoint_every", "keep_last", "log_every"):
+        for name in ("checkpoint_every", "keep_last", "log_every", "full_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.collective_timeout_s <= 0:
-            raise ConfigError(f"collective_timeout_s must be positive, got {self.collective_timeout_s}")
+        for name in ("collective_timeout_s", "persist_timeout_s"):
+            if not isinstance(getattr(self, name), int | float) or getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
+        if self.when_busy not in ("skip", "wait"):
+            raise ConfigError(f"when_busy must be 'skip' or 'wait', got {self.when_busy!r}")
+        if self.replicated is not None and (
+            isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated)
+        ):
+            raise ConfigError(f"replicated must be a tuple of tracked names, got {self.replicated!r}")
         if not str(self.checkpoint_dir):
             raise ConfigError("checkpoint_dir must not be empty")
 
@@ -97,19 +121,23 @@ class Job:
         token = self.comm.broadcast_int(secrets.randbits(48) if self.rank == 0 else 0)
         self._faults = FaultInjector.from_env(self.rank, self.placement.restart_count, self._announce)
         self.checkpointer = Checkpointer(
-            Path(self.config.checkpoint_dir),
+            self.config.checkpoint_dir,
             self.comm,
             self.events,
             keep_last=self.config.keep_last,
             token=f"{self.placement.restart_count}x{token:012x}",
-            fault_hook=self._fault_in_save,
+            full_every=self.config.full_every,
+            when_busy=self.config.when_busy,
+            persist_timeout_s=self.config.persist_timeout_s,
+            storage_options=self.config.storage_options,
+            fault_phase=self._faults.save_phase,
+            storage_fault=self._faults.storage_error,
         )
         self.state = JobState.CREATED
         self.step = 0
         self.resumed_from: int | None = None
         self._objects: dict[str, Stateful] = {}
         self._metrics: dict[str, Any] = {}
-        self._saving_step: int | None = None
         self._last_saved: int | None = None
         self.events.emit("worker_started", world_size=self.world_size, local_rank=self.placement.local_rank)
 
@@ -147,6 +175,7 @@ class Job:
             # tensors, and an early state_dict() would gather FSDP state or meet lazy, unmaterialised parameters.
             if not isinstance(obj, torch.nn.Module):
                 check_loadable(obj.state_dict(), f"{name}.state_dict()")
+        self.checkpointer.replicated = self._replicated_names()
         allow = self.config.allow_world_size_change
         if allow is None:
             allow = os.environ.get(lifecycle.ELASTIC_ENV) == "1"
@@ -177,14 +206,35 @@ class Job:
         else:
             self.events.emit("world_size_changed", old=restored.world_size, new=self.world_size, step=restored.step)
             if self.is_main:
+                per_rank = sorted(set(self._objects) - self.checkpointer.replicated)
                 warnings.warn(
-                    f"stalwart: resuming a checkpoint of {restored.world_size} ranks on {self.world_size}: rank r "
-                    f"loads shard r mod {restored.world_size}, which is right for replicated (DDP) state only",
+                    f"stalwart: resuming a checkpoint of {restored.world_size} ranks on {self.world_size}: "
+                    f"per-rank objects ({', '.join(per_rank) or 'none'}) are loaded from rank r mod "
+                    f"{restored.world_size}, which is right only if they are the same on every rank",
                     stacklevel=2,
                 )
         self.step = self.resumed_from = self._last_saved = restored.step
         self.events.emit("resumed", step=restored.step, source=restored.source, seconds=time.monotonic() - started)
         return self.step
+
+    def _replicated_names(self) -> frozenset[str]:
+        """The tracked objects written once for all ranks (see JobConfig.replicated)."""
+        if self.config.replicated is not None:
+            unknown = sorted(set(self.config.replicated) - set(self._objects))
+            if unknown:
+                raise ConfigError(
+                    f"replicated= names {unknown}, which are not tracked (tracked: {sorted(self._objects)})"
+                )
+            return frozenset(self.config.replicated)
+        ddp = {n: o for n, o in self._objects.items() if isinstance(o, DistributedDataParallel)}
+        params = {id(p) for m in ddp.values() for p in m.parameters()}
+        names = set(ddp)
+        for name, obj in self._objects.items():
+            if isinstance(obj, torch.optim.Optimizer):
+                owned = [id(p) for group in obj.param_groups for p in group["params"]]
+                if owned and all(p in params for p in owned):
+                    names.add(name)
+        return frozenset(names)
 
     def steps(self, loader: Iterable[Any] | None = None, *, max_steps: int) -> Iterator[tuple[int, Any]]:
         """Yield (step, batch) from the resumed step up to `max_steps`, checkpointing as configured.
@@ -204,14 +254,16 @@ class Job:
             if iterator is not None and batch is None:
                 self.events.emit("data_exhausted", step=self.step)
                 if self.step != self._last_saved:
-                    self.save()
+                    self.save(wait=True)
                 break
             yield self.step, batch
             self.step += 1
             if first or self.step % self.config.log_every == 0:
                 self._log_step(time.monotonic() - started)
                 first = False
-            if self.step % self.config.checkpoint_every == 0 or self.step == max_steps:
+            if self.step == max_steps:
+                self.save(wait=True)  # the run's last checkpoint is durable before steps() returns
+            elif self.step % self.config.checkpoint_every == 0:
                 self.save()
         if self.state is not JobState.FINISHED:
             self.state = JobState.FINISHED
@@ -223,25 +275,29 @@ class Job:
         the device from synchronising every step."""
         self._metrics = metrics
 
-    def save(self) -> bool:
-        """Checkpoint the full training state now; returns whether it was committed."""
+    def save(self, *, wait: bool = False) -> bool:
+        """Checkpoint the full training state now. Collective: every rank calls it at the same step.
+
+        Training stalls only while the state is copied to staging memory; it is persisted in the background.
+        Returns whether a snapshot was taken (False when the previous save is still persisting, see
+        docs/checkpoints.md). With `wait`, returns once the checkpoint is committed, and whether it was.
+        """
         state = {
             "step": self.step,
             "objects": {name: obj.state_dict() for name, obj in self._objects.items()},
             "rng": capture_rng(),
             "world_size": self.world_size,
         }
-        self._saving_step = self.step
-        try:
-            committed = self.checkpointer.save(self.step, state)
-        finally:
-            self._saving_step = None
-        if committed:
+        self.checkpointer.poll()
+        taken = self.checkpointer.save(self.step, state, wait=wait)
+        if taken:
             self._last_saved = self.step
-        return committed
+        return taken
 
     def close(self) -> None:
-        """Release the process groups this job created (also run at interpreter exit)."""
+        """Stop the persister and release the process groups this job created (also run at interpreter exit).
+        A persist still in flight is abandoned; the final checkpoint of steps() is durable before it returns."""
+        self.checkpointer.close()
         self.comm.close()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -254,10 +310,6 @@ class Job:
 
     def _announce(self, fault: Fault) -> None:
         self.events.emit("fault_injected", fault=fault.kind, step=self.step, phase=fault.phase)
-
-    def _fault_in_save(self, phase: str) -> None:
-        if self._saving_step is not None:
-            self._faults.in_save(self._saving_step, phase)
 
 
 def _check_shapes(name: str, obj: Stateful, saved: Any, source: str) -> None:

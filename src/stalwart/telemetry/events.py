@@ -38,6 +38,11 @@ class EventLog:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
         return cls(os.environ.get(EVENT_LOG_ENV) or None, **({"run_id": run_id} if run_id else {}), **common)
 
+    @property
+    def common(self) -> dict[str, Any]:
+        """The fields every event of this log carries (host, rank, run id...)."""
+        return dict(self._common)
+
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         """Write one event and return it. Never raises: a full disk must not stop training."""
         record = {"event": event, "time": time.time(), "mono": time.monotonic(), "pid": os.getpid()}

@@ -1,0 +1,1 @@
+"""Benchmarks a user can run on their own machine: `stalwart bench checkpoint`."""

@@ -1,0 +1,157 @@
+"""The training process's handle on its persister: submit a request, ask whether one is in flight, wait for it.
+
+The persister is a child process (see persister.py) started when the job starts, so its start-up overlaps the
+first training steps. A thread reads its replies; it only wakes when a persist finishes, so it costs the
+training thread no GIL time. If the persister dies, the save in flight counts as failed, an event says so, and
+the next save starts a new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import subprocess
+import sys
+import threading
+from typing import IO, Any
+
+from stalwart.checkpoint.persister import Persister
+from stalwart.telemetry.events import EventLog
+
+CLOSE_TIMEOUT_S = 30.0
+
+
+class Background:
+    """One persister, in a process (default) or, for process-local stores, in a thread."""
+
+    def __init__(self, events: EventLog, *, in_process: bool) -> None:
+        self._events = events
+        self._in_process = in_process
+        self._lock = threading.Condition()
+        self._in_flight: int | None = None
+        self._last: dict[str, Any] | None = None
+        self._proc: subprocess.Popen[str] | None = None
+        self._thread_queue: queue.Queue[dict[str, Any] | None] | None = None
+        self._thread_persister: Persister | None = None
+        self._started = False
+        self._reader: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        if self._in_process:
+            self._start_thread()
+        else:
+            self._start_process()
+
+    def _start_process(self) -> None:
+        log = {"path": str(self._events.path) if self._events.path else None, "common": self._events.common}
+        cmd = [sys.executable, "-m", "stalwart.checkpoint.persister", json.dumps(log)]
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, close_fds=True
+        )
+        proc = self._proc
+        assert proc.stdout is not None
+        self._reader = threading.Thread(
+            target=self._read_replies, args=(proc, proc.stdout), daemon=True, name="persister-replies"
+        )
+        self._reader.start()
+
+    def _start_thread(self) -> None:
+        q: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        persister = Persister(self._events, self._on_reply)
+        self._thread_queue, self._thread_persister = q, persister
+
+        def loop() -> None:
+            while (req := q.get()) is not None:
+                persister.handle(req)
+
+        threading.Thread(target=loop, daemon=True, name="persister").start()
+
+    def _read_replies(self, proc: subprocess.Popen[str], stream: IO[str]) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            for line in stream:
+                with contextlib.suppress(json.JSONDecodeError):
+                    self._on_reply(json.loads(line))
+        stream.close()
+        code = proc.wait()
+        with self._lock:
+            if self._proc is proc:
+                self._proc, self._started = None, False
+                if proc.stdin is not None:
+                    with contextlib.suppress(OSError):
+                        proc.stdin.close()
+                if self._in_flight is not None:
+                    self._events.emit("persister_died", step=self._in_flight, exit_code=code)
+                    self._last = {"op": "done", "step": self._in_flight, "ok": False, "committed": False}
+                    self._in_flight = None
+                self._lock.notify_all()
+
+    def _on_reply(self, msg: dict[str, Any]) -> None:
+        if msg.get("op") != "done":
+            return
+        with self._lock:
+            self._last = msg
+            self._in_flight = None
+            self._lock.notify_all()
+
+    def close(self) -> None:
+        """Stop the persister: an unfinished persist is abandoned (its checkpoint never commits)."""
+        if self._thread_queue is not None and self._thread_persister is not None:
+            self._thread_persister.quitting.set()
+            self._thread_queue.put(None)
+            self._thread_queue = None
+        proc, self._proc = self._proc, None
+        self._started = False
+        if proc is None:
+            return
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            proc.stdin.close()
+        except (OSError, ValueError):
+            pass
+        try:
+            proc.wait(CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if self._reader is not None:
+            self._reader.join(CLOSE_TIMEOUT_S)
+            self._reader = None
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step being persisted, or None."""
+        return self._in_flight
+
+    def submit(self, req: dict[str, Any]) -> None:
+        self.start()
+        with self._lock:
+            assert self._in_flight is None, "one save in flight at a time"
+            self._in_flight = int(req["step"])
+            self._last = None
+        if self._thread_queue is not None:
+            self._thread_queue.put(req)
+            return
+        try:
+            assert self._proc is not None and self._proc.stdin is not None
+            self._proc.stdin.write(json.dumps(req) + "\n")
+            self._proc.stdin.flush()
+        except (OSError, ValueError) as exc:
+            with self._lock:
+                self._in_flight = None
+                self._last = {"op": "done", "step": req["step"], "ok": False, "committed": False}
+            self._events.emit("persister_died", step=req["step"], error=str(exc))
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """Block until nothing is in flight; the reply of the last persist (None if there was none)."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._in_flight is None, timeout)
+            return self._last if self._in_flight is None else None

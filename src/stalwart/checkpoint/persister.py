@@ -1,0 +1,449 @@
+"""The persist half of a save: from the staging area to durable storage, off the training thread.
+
+Each rank has one persister. By default it is a child process (`python -m stalwart.checkpoint.persister`) that
+imports no torch, so it starts in a fraction of a second, and takes no GIL time from training: hashing,
+compressing and writing run in another interpreter at a lower CPU priority. For a store only this process can
+see (`memory://`) it runs as a thread of the training process instead.
+
+A request names a step, the staging memory (a memfd of the training process, opened through /proc) and the
+tensors in it. The persister hashes every tensor (xxh3), writes the rank's data file and then its meta file,
+retrying with backoff while the store fails (outage, ENOSPC, timeouts) until the persist deadline. Rank 0's
+persister is also the coordinator: it waits for every rank's meta file (or a rank's `.failed` marker), writes
+the manifest last, which commits the checkpoint, and applies retention. Training never waits for any of this
+except for the final checkpoint of a run.
+
+Protocol: one JSON object per line on stdin (requests) and stdout (replies).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import ctypes
+import errno
+import json
+import mmap
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+import xxhash
+
+from stalwart.checkpoint import layout
+from stalwart.checkpoint.storage import LocalStorage, Storage, describe_error, open_storage
+from stalwart.telemetry.events import EventLog
+
+WRITE_CHUNK = 8 << 20
+POLL_LOCAL_S = 0.01
+POLL_REMOTE_S = 0.2
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+ZSTD_LEVEL = 3
+
+Reply = Callable[[dict[str, Any]], None]
+
+
+class Quit(Exception):
+    """The training process asked the persister to stop (it is closing)."""
+
+
+def xxh3(data: memoryview | bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+class Persister:
+    """Executes persist requests one at a time; see the module docstring."""
+
+    def __init__(self, events: EventLog, reply: Reply) -> None:
+        self._events = events
+        self._reply = reply
+        self._storages: dict[str, Storage] = {}
+        self._maps: dict[tuple[int, int, int], mmap.mmap] = {}
+        self._fulls: dict[int, dict[str, layout.TensorEntry]] = {}  # this rank's newest full checkpoints
+        self._own_meta = b""
+        self.quitting = threading.Event()
+
+    def handle(self, req: dict[str, Any]) -> None:
+        started = time.monotonic()
+        step, ok, committed = int(req["step"]), False, None
+        written = 0
+        try:
+            storage = self._storage(req["url"], req.get("options"))
+            view = self._staging(req["staging"])
+            written = self._write_shard(storage, view, req)
+            ok = True
+            if req["coordinator"]:
+                committed = self._commit(storage, req)
+        except Quit:
+            self._events.emit("checkpoint_abandoned", step=step, reason="the job is closing")
+        except _GaveUp as exc:
+            self._events.emit("checkpoint_skipped", step=step, reason=str(exc))
+            if req["coordinator"]:
+                committed = False
+        except Exception as exc:  # a defect, not the store: report it and stay alive for the next save
+            self._events.emit("checkpoint_skipped", step=step, reason=f"persister error: {describe_error(exc)}")
+            ok, committed = False, False
+        self._reply(
+            {
+                "op": "done",
+                "step": step,
+                "ok": ok,
+                "committed": committed,
+                "full": req.get("base") is None,
+                "written_bytes": written,
+                "seconds": time.monotonic() - started,
+            }
+        )
+
+    # -- the rank's own files ---------------------------------------------------------------------------------
+
+    def _write_shard(self, storage: Storage, view: memoryview, req: dict[str, Any]) -> int:
+        """Write the rank's data file, then its meta file; returns the bytes of data written."""
+        step, rank, token = int(req["step"]), int(req["rank"]), str(req["token"])
+        step_dir = layout.step_dir_name(step)
+        data_rel = f"{step_dir}/{layout.data_name(rank, token)}"
+        base = self._fulls.get(req.get("base"))  # type: ignore[arg-type]
+        storage.makedirs(step_dir)
+        if base is None and isinstance(storage, LocalStorage):
+            entries = self._write_image(storage, view, req, data_rel)
+        else:
+            entries = self._write_stream(storage, view, req, data_rel, base)
+        written = sum(e.stored_bytes for e in entries.values() if e.file == data_rel)
+        meta = {
+            "format": "stalwart-shard",
+            "rank": rank,
+            "step": step,
+            "token": token,
+            "skeleton": req["skeleton"],
+            "tensors": {tid: e.to_json() for tid, e in entries.items()},
+            "written_bytes": written,
+        }
+        self._own_meta = json.dumps(meta).encode()
+        meta_rel = f"{step_dir}/{layout.meta_name(rank, token)}"
+        # Atomic: rank 0 polls for this name and must never read it half-written. Its directory fsync also
+        # makes the data file's name durable.
+        self._retrying(req, "meta", lambda: storage.write(meta_rel, _writer(self._own_meta)))
+        if base is None:
+            self._fulls[step] = dict(entries)
+            while len(self._fulls) > 2:  # the newest full one, and the one before while it may still commit
+                del self._fulls[min(self._fulls)]
+        return written
+
+    def _write_image(
+        self, storage: LocalStorage, view: memoryview, req: dict[str, Any], data_rel: str
+    ) -> dict[str, layout.TensorEntry]:
+        """A full checkpoint on a local filesystem: the data file is the staging memory as it is, written with
+        O_DIRECT while this thread hashes the tensors (the write releases the GIL)."""
+        tensors: list[dict[str, Any]] = req["tensors"]
+        length = max((int(t["offset"]) + int(t["nbytes"]) for t in tensors), default=0)
+        on_half = (
+            (lambda: self._kill_trainer(req, "shard_half_written"))
+            if req.get("fault") == "shard_half_written"
+            else None
+        )
+        failure: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                self._retrying(req, "data", lambda: self._image_once(storage, data_rel, view, length, req, on_half))
+            except BaseException as exc:
+                failure.append(exc)
+
+        writer = threading.Thread(target=write, name="image-writer")
+        writer.start()
+        entries = {
+            t["id"]: layout.TensorEntry(
+                data_rel,
+                int(t["offset"]),
+                int(t["nbytes"]),
+                int(t["nbytes"]),
+                t["dtype"],
+                tuple(int(d) for d in t["shape"]),
+                xxh3(view[int(t["offset"]) : int(t["offset"]) + int(t["nbytes"])]),
+            )
+            for t in tensors
+        }
+        writer.join()
+        if failure:
+            raise failure[0]
+        return entries
+
+    def _image_once(
+        self,
+        storage: LocalStorage,
+        rel: str,
+        view: memoryview,
+        length: int,
+        req: dict[str, Any],
+        on_half: Callable[[], None] | None,
+    ) -> None:
+        self._inject_storage_fault(req)
+        storage.write_image(rel, view, length, on_half)
+
+    def _write_stream(
+        self,
+        storage: Storage,
+        view: memoryview,
+        req: dict[str, Any],
+        data_rel: str,
+        base: dict[str, layout.TensorEntry] | None,
+    ) -> dict[str, layout.TensorEntry]:
+        """Object stores, and delta checkpoints: tensors one after another, each hashed as it goes; a delta
+        skips tensors whose hash matches its base and compresses the others."""
+        tensors: list[dict[str, Any]] = req["tensors"]
+        half = sum(int(t["nbytes"]) for t in tensors) // 2
+        fault = req.get("fault")
+        entries: dict[str, layout.TensorEntry] = {}
+
+        def body(f: BinaryIO) -> None:
+            self._inject_storage_fault(req)
+            entries.clear()
+            offset = done = 0
+            halfway_fired = False
+            compressor = _zstd() if base is not None else None
+            for t in tensors:
+                raw = view[int(t["offset"]) : int(t["offset"]) + int(t["nbytes"])]
+                digest = xxh3(raw)
+                old = base.get(t["id"]) if base is not None else None
+                shape = tuple(int(d) for d in t["shape"])
+                if old is not None and old.xxh3 == digest and old.dtype == t["dtype"] and old.shape == shape:
+                    entries[t["id"]] = old
+                    continue
+                payload = memoryview(compressor.compress(raw)) if compressor is not None else raw
+                for start in range(0, len(payload), WRITE_CHUNK):
+                    f.write(payload[start : start + WRITE_CHUNK])
+                entries[t["id"]] = layout.TensorEntry(
+                    data_rel, offset, len(payload), len(raw), t["dtype"], shape, digest, "zstd" if compressor else "raw"
+                )
+                offset += len(payload)
+                done += len(raw)
+                if fault == "shard_half_written" and not halfway_fired and done >= half:
+                    halfway_fired = True
+                    self._kill_trainer(req, fault)
+
+        self._retrying(req, "data", lambda: storage.write(data_rel, body, atomic=False))
+        return entries
+
+    # -- rank 0: the commit ------------------------------------------------------------------------------------
+
+    def _commit(self, storage: Storage, req: dict[str, Any]) -> bool:
+        step, token, world = int(req["step"]), str(req["token"]), int(req["world_size"])
+        step_dir = layout.step_dir_name(step)
+        metas = self._wait_for_metas(storage, req)
+        if metas is None:
+            return False
+        ranks, tensors, written = [], {}, 0
+        for rank in range(world):
+            raw = metas[rank]
+            parsed = json.loads(raw)
+            ranks.append(layout.RankEntry(layout.meta_name(rank, token), len(raw), xxh3(raw)))
+            for tid, entry in parsed["tensors"].items():
+                tensors[tid] = layout.TensorEntry.from_json(entry)
+            written += int(parsed["written_bytes"])
+        manifest = layout.Manifest(
+            step=step,
+            world_size=world,
+            token=token,
+            ranks=ranks,
+            tensors=tensors,
+            created=time.time(),
+            base=req.get("base"),
+            written_bytes=written,
+        )
+        if req.get("fault") == "before_commit":
+            self._kill_trainer(req, "before_commit")
+        text = manifest.to_json().encode()
+        self._retrying(req, "manifest", lambda: storage.write_bytes(f"{step_dir}/{layout.MANIFEST}", text))
+        try:
+            removed = layout.prune(storage, int(req["keep_last"]), manifest)
+        except Exception as exc:  # the commit stands; old checkpoints go after a later save
+            removed = []
+            self._events.emit("checkpoint_prune_failed", step=step, error=describe_error(exc))
+        self._events.emit(
+            "checkpoint_committed",
+            step=step,
+            bytes=manifest.state_bytes,
+            written_bytes=written,
+            kind="full" if manifest.base is None else "delta",
+            base=manifest.base,
+            seconds=time.monotonic() - float(req["snapshot_mono"]),
+            path=storage.display(step_dir),
+            removed=removed,
+        )
+        return True
+
+    def _wait_for_metas(self, storage: Storage, req: dict[str, Any]) -> dict[int, bytes] | None:
+        step, token, world = int(req["step"]), str(req["token"]), int(req["world_size"])
+        step_dir = layout.step_dir_name(step)
+        wanted = {layout.meta_name(r, token): r for r in range(1, world)}  # rank 0's own meta is in memory
+        failed = {layout.failed_name(r, token): r for r in range(world)}
+        deadline = time.monotonic() + float(req["deadline_s"])
+        poll = POLL_LOCAL_S if storage.local_path() is not None else POLL_REMOTE_S
+        while wanted:
+            if self.quitting.is_set():
+                raise Quit
+            try:
+                names = set(storage.listdir(step_dir))
+            except Exception:  # an outage while polling: keep waiting until the deadline
+                names = set()
+            gave_up = sorted(failed[n] for n in names & set(failed))
+            if gave_up:
+                raise _GaveUp(f"rank {gave_up[0]} could not write its shard")
+            if set(wanted) <= names:
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(r for n, r in wanted.items() if n not in names)
+                raise _GaveUp(f"ranks {missing} did not finish their shards within {req['deadline_s']} s")
+            time.sleep(poll)
+        metas: dict[int, bytes] = {0: self._own_meta}
+        for name, rank in wanted.items():
+            rel = f"{step_dir}/{name}"
+            metas[rank] = self._retrying(req, "meta read", lambda rel=rel: storage.read(rel))  # type: ignore[misc]
+        return metas
+
+    # -- failure handling --------------------------------------------------------------------------------------
+
+    def _retrying(self, req: dict[str, Any], what: str, op: Callable[[], Any]) -> Any:
+        """Run a storage operation until it succeeds or the persist deadline passes, backing off in between."""
+        deadline = float(req["snapshot_mono"]) + float(req["deadline_s"])
+        delay = BACKOFF_START_S
+        attempt = 0
+        while True:
+            if self.quitting.is_set():
+                raise Quit
+            attempt += 1
+            try:
+                return op()
+            except _NOT_RETRIED:
+                raise
+            except Exception as exc:
+                error = describe_error(exc)
+                if time.monotonic() + delay > deadline:
+                    self._events.emit("checkpoint_write_failed", step=req["step"], what=what, error=error)
+                    self._leave_failed_marker(req)
+                    raise _GaveUp(f"{what} could not be written: {error}") from exc
+                self._events.emit(
+                    "checkpoint_write_retry", step=req["step"], what=what, attempt=attempt, error=error, backoff_s=delay
+                )
+                if self.quitting.wait(delay):
+                    raise Quit from exc
+                delay = min(delay * 2, BACKOFF_MAX_S)
+
+    def _leave_failed_marker(self, req: dict[str, Any]) -> None:
+        with contextlib.suppress(Exception):
+            storage = self._storage(req["url"], req.get("options"))
+            rel = f"{layout.step_dir_name(int(req['step']))}/{layout.failed_name(int(req['rank']), req['token'])}"
+            storage.write_bytes(rel, b"")
+
+    def _inject_storage_fault(self, req: dict[str, Any]) -> None:
+        """Chaos: fail the first `times` write attempts of this save with `errno` (e.g. ENOSPC)."""
+        spec = req.get("storage_fault")
+        if not spec or spec.get("times", 0) <= 0:
+            return
+        spec["times"] -= 1
+        code = getattr(errno, spec["errno"])
+        raise OSError(code, os.strerror(code))
+
+    def _kill_trainer(self, req: dict[str, Any], phase: str) -> None:
+        """Chaos: the training process dies at this instant of its save (and this process with it)."""
+        self._events.emit("fault_injected", fault="kill_in_save", step=req["step"], phase=phase)
+        os.kill(int(req["staging"]["pid"]), signal.SIGKILL)
+        if int(req["staging"]["pid"]) != os.getpid():
+            os._exit(1)
+
+    # -- resources ---------------------------------------------------------------------------------------------
+
+    def _storage(self, url: str, options: dict[str, Any] | None) -> Storage:
+        if url not in self._storages:
+            self._storages[url] = open_storage(url, options)
+        return self._storages[url]
+
+    def _staging(self, spec: dict[str, Any]) -> memoryview:
+        key = (int(spec["pid"]), int(spec["fd"]), int(spec["size"]))
+        if key not in self._maps:
+            for old in self._maps.values():
+                old.close()
+            self._maps.clear()
+            with open(f"/proc/{key[0]}/fd/{key[1]}", "rb") as f:
+                self._maps[key] = mmap.mmap(f.fileno(), key[2], prot=mmap.PROT_READ) if key[2] else mmap.mmap(-1, 1)
+        return memoryview(self._maps[key])
+
+
+_NOT_RETRIED = (NameError, TypeError, AttributeError, KeyError, AssertionError, ImportError)
+"""Defects, not storage trouble: retrying them would only hide them until the deadline."""
+
+
+class _GaveUp(Exception):
+    """This save cannot be completed; the previous checkpoint stays the newest."""
+
+
+def _zstd() -> Any:
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+
+
+def _writer(data: bytes) -> Callable[[BinaryIO], None]:
+    def write(f: BinaryIO) -> None:
+        f.write(data)
+
+    return write
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the training process dies, so a killed worker leaves no persister behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def main() -> None:
+    """The persister process: requests on stdin, replies on stdout, events to the job's event log."""
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before the death signal was armed
+        os._exit(1)
+    with contextlib.suppress(OSError):
+        os.nice(5)  # the training threads win when both want the CPU
+    log = json.loads(sys.argv[1])
+    out_lock = threading.Lock()
+
+    def reply(msg: dict[str, Any]) -> None:
+        try:
+            with out_lock:
+                sys.stdout.write(json.dumps(msg) + "\n")
+                sys.stdout.flush()
+        except (BrokenPipeError, ValueError):  # the training process is gone: so is the reason to run
+            os._exit(0)
+
+    events = EventLog(log["path"], **{**log["common"], "source": "persister"})
+    persister = Persister(events, reply)
+    requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
+
+    def read_stdin() -> None:
+        for line in sys.stdin:
+            msg = json.loads(line)
+            if msg["op"] == "quit":
+                persister.quitting.set()
+                break
+            requests.put(msg)
+        persister.quitting.set()
+        requests.put(None)
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+    while (req := requests.get()) is not None:
+        persister.handle(req)
+    events.close()
+
+
+def decode_skeleton(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"), validate=True)
+
+
+if __name__ == "__main__":
+    main()
