@@ -108,7 +108,7 @@ class Persister:
         step_dir = layout.step_dir_name(step)
         data_rel = f"{step_dir}/{layout.data_name(rank, token)}"
         base = self._fulls.get(req.get("base"))  # type: ignore[arg-type]
-        storage.makedirs(step_dir)
+        self._retrying(req, "directory", lambda: storage.makedirs(step_dir))
         if base is None and isinstance(storage, LocalStorage):
             entries = self._write_image(storage, view, req, data_rel)
         else:
@@ -395,6 +395,16 @@ def _writer(data: bytes) -> Callable[[BinaryIO], None]:
     return write
 
 
+def _yield_cpu() -> None:
+    """Run only on CPU time training leaves idle (SCHED_IDLE; else the lowest nice level). GPU training leaves
+    most of the CPU idle; on a CPU-bound job persisting slows down instead of the training steps."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        with contextlib.suppress(OSError):
+            os.nice(19)
+
+
 def _die_with_parent() -> None:
     """SIGKILL this process when the training process dies, so a killed worker leaves no persister behind."""
     with contextlib.suppress(OSError, AttributeError):
@@ -408,8 +418,7 @@ def main() -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before the death signal was armed
         os._exit(1)
-    with contextlib.suppress(OSError):
-        os.nice(5)  # the training threads win when both want the CPU
+    _yield_cpu()
     log = json.loads(sys.argv[1])
     out_lock = threading.Lock()
 

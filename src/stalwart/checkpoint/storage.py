@@ -202,9 +202,15 @@ class FsspecStorage(Storage):
         retries = None
         if protocol in ("s3", "s3a"):
             opts.setdefault("use_listings_cache", False)
-            opts.setdefault("config_kwargs", {"connect_timeout": REMOTE_READ_TIMEOUT_S, "read_timeout": 60})
+            # botocore's own retries sit inside s3fs's and the persister's: keep them short so an outage shows
+            # up in seconds and the persister's logged backoff does the waiting.
+            opts.setdefault(
+                "config_kwargs",
+                {"connect_timeout": REMOTE_READ_TIMEOUT_S, "read_timeout": 60, "retries": {"max_attempts": 2}},
+            )
             retries = opts.pop("retries", 2)  # s3fs has no such argument (it would reach the botocore session)
         self.process_local = protocol == "memory"
+        self._has_dirs = protocol not in ("s3", "s3a", "gs", "gcs", "az", "abfs")
         try:
             self.fs, self.base = fsspec.url_to_fs(url, **opts)
         except (ImportError, ValueError) as exc:
@@ -244,6 +250,9 @@ class FsspecStorage(Storage):
         return sorted(n for n in names if n)
 
     def makedirs(self, rel: str) -> None:
+        """Object stores have no directories (and s3fs would create a missing bucket): nothing to do there."""
+        if not self._has_dirs:
+            return
         with contextlib.suppress(FileExistsError):
             self.fs.makedirs(self._p(rel), exist_ok=True)
 

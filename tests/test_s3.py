@@ -1,0 +1,363 @@
+"""Checkpoints on a real S3-compatible server: moto in server mode on a loopback port, reached over HTTP.
+
+The endpoint and credentials reach stalwart only through the standard AWS environment variables (botocore and
+s3fs honour AWS_ENDPOINT_URL), as they would in a job: the background persister and `stalwart run`'s workers are
+other processes and inherit them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import torch
+from moto.server import ThreadedMotoServer
+
+from conftest import Launch, child_env, tiny_args
+from stalwart.checkpoint import Checkpointer, layout
+from stalwart.errors import ConfigError
+from stalwart.job.dist import Comm, Placement
+from stalwart.telemetry.events import EventLog, read_events
+
+
+class S3:
+    """A moto server on a loopback port chosen by the OS, and one empty bucket on it. The server can be
+    stopped and started again on the same port; moto keeps its buckets in this process, so they survive."""
+
+    def __init__(self) -> None:
+        self.server: ThreadedMotoServer | None = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        self.port = self.server.get_host_and_port()[1]
+        self.bucket = f"stalwart-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=self.bucket)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{self.bucket}/{prefix}"
+
+    def client(self) -> Any:
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+
+    def keys(self, prefix: str) -> list[str]:
+        """Every object under `prefix`/, relative to it."""
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=f"{prefix}/")
+        return sorted(o["Key"][len(prefix) + 1 :] for page in pages for o in page.get("Contents", []))
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def start(self) -> None:
+        """A new server on the same port (the old one's listening socket is closed; SO_REUSEADDR is set)."""
+        assert self.server is None
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+
+def aws_env(endpoint: str, home: Path) -> dict[str, str]:
+    """Everything botocore needs, and nothing from the machine's own AWS configuration."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(home / "aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(home / "aws-credentials"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+
+def use_aws_env(monkeypatch: pytest.MonkeyPatch, endpoint: str, home: Path) -> None:
+    """This process (and so every process it starts) talks to `endpoint`."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_S3_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    for key, value in aws_env(endpoint, home).items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3]:
+    werkzeug = logging.getLogger("werkzeug")
+    level = werkzeug.level
+    werkzeug.setLevel(logging.ERROR)  # one line per request otherwise
+    server = S3()
+    use_aws_env(monkeypatch, server.endpoint, tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()
+        werkzeug.setLevel(level)
+
+
+_OPEN: list[Checkpointer] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_checkpointers() -> Iterator[None]:
+    """Every persister a test started is stopped, pass or fail."""
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+def _checkpointer(url: str, log: Path, **options: Any) -> Checkpointer:
+    comm = Comm(Placement(rank=0, world_size=1, local_rank=0, restart_count=0), timedelta(seconds=30))
+    options.setdefault("keep_last", 2)
+    options.setdefault("persist_timeout_s", 60)
+    ck = Checkpointer(url, comm, EventLog(log), token="t", **options)
+    _OPEN.append(ck)
+    return ck
+
+
+def _events(log: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in read_events(log) if e["event"] == kind]
+
+
+def _wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def _model_state(step: int) -> dict[str, Any]:
+    """`frozen` never changes (a delta points into its base for it); `w` and `b` change every step."""
+    frozen = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
+    w = torch.randn(128, 32, generator=torch.Generator().manual_seed(step))
+    return {"step": step, "objects": {"m": {"frozen": frozen, "w": w, "b": torch.full((32,), float(step))}}}
+
+
+def _assert_state_equal(restored: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert restored["step"] == expected["step"]
+    got, want = restored["objects"]["m"], expected["objects"]["m"]
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def _stalwart(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stalwart.cli", *args], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+@pytest.mark.timeout(90)
+def test_roundtrip_with_delta_and_retention(s3: S3, tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    ck = _checkpointer(s3.url("run"), log, keep_last=2, full_every=2)
+    for step in (1, 2, 3, 4):
+        assert ck.save(step, _model_state(step), wait=True) is True, f"step {step} did not commit"
+    committed = {e["step"]: e for e in _events(log, "checkpoint_committed")}
+    assert [(s, committed[s]["kind"], committed[s]["base"]) for s in sorted(committed)] == [
+        (1, "full", None), (2, "delta", 1), (3, "full", None), (4, "delta", 3),
+    ]  # fmt: skip
+    assert all(e["path"].startswith(f"s3://{s3.bucket}/run/step_") for e in committed.values())
+    assert committed[4]["written_bytes"] < committed[4]["bytes"], "the delta rewrote the unchanged tensor"
+
+    restored = ck.load_latest()
+    assert restored is not None and restored.step == 4 and restored.world_size == 1
+    assert restored.source == f"s3://{s3.bucket}/run/step_00000004"
+    _assert_state_equal(restored.state, _model_state(4))
+
+    # In the bucket: the root marker, and only the two newest steps (keep_last=2; step 4's base is step 3).
+    keys = s3.keys("run")
+    assert layout.ROOT_MARKER in keys
+    assert not [k for k in keys if k.startswith(".probe")], "the probe object is removed"
+    by_step: dict[str, list[str]] = {}
+    for key in keys:
+        if "/" in key:
+            step_dir, name = key.split("/", 1)
+            by_step.setdefault(step_dir, []).append(name)
+    assert sorted(by_step) == ["step_00000003", "step_00000004"], keys
+    for step_dir, names in by_step.items():
+        assert layout.MANIFEST in names, f"{step_dir} has no commit marker"
+        assert (
+            len([n for n in names if n.endswith(".data")]) == 1
+            and len([n for n in names if n.endswith(".meta.json")]) == 1
+        )
+    manifest = json.loads(
+        s3.client().get_object(Bucket=s3.bucket, Key="run/step_00000004/manifest.json")["Body"].read()
+    )
+    assert manifest["step"] == 4 and manifest["base"] == 3
+    files = {tid.rsplit("/", 1)[-1]: t["file"].split("/", 1)[0] for tid, t in manifest["tensors"].items()}
+    assert files == {"frozen": "step_00000003", "w": "step_00000004", "b": "step_00000004"}, "unchanged: in the base"
+
+    # The manifest is the commit marker: without it, step 4 is an interrupted save and step 3 is loaded.
+    s3.client().delete_object(Bucket=s3.bucket, Key="run/step_00000004/manifest.json")
+    restored = ck.load_latest()
+    assert restored is not None and restored.step == 3
+    _assert_state_equal(restored.state, _model_state(3))
+
+
+@pytest.mark.timeout(120)
+def test_outage_during_persist_does_not_block_training_and_the_save_commits_after(s3: S3, tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    ck = _checkpointer(s3.url("run"), log, persist_timeout_s=90)
+    state = {"step": 7, "objects": {"m": {"w": torch.randn(1 << 20), "v": torch.randn(1 << 19)}}}  # 6 MiB
+
+    # The outage starts before the persist's first request, so every write of it meets a stopped server.
+    # (Stopping right after save() would race: werkzeug's shutdown polls every 0.5 s and serves requests
+    # that arrive meanwhile, so a fast persist could finish before the outage.)
+    s3.stop()
+    started = time.monotonic()
+    assert ck.save(7, state, wait=False) is True, "the snapshot is taken whatever the store's state"
+    print(f"save(wait=False) returned in {time.monotonic() - started:.3f} s with the store down")
+    assert ck.persist_in_flight()
+
+    def first_retry() -> list[dict[str, Any]]:
+        lost = _events(log, "persister_died") + [e for e in _events(log, "checkpoint_skipped") if e["step"] == 7]
+        assert not lost, f"the outage made the persist give up instead of retrying: {lost}"
+        return _events(log, "checkpoint_write_retry")
+
+    retry = _wait_for(first_retry, 60, "a checkpoint_write_retry event")[0]
+    assert retry["step"] == 7 and retry["source"] == "persister", retry
+    assert retry["error"] and "\n" not in retry["error"]
+    # Training goes on: the next save is skipped (one save in flight), not blocked.
+    assert ck.persist_in_flight()
+    assert ck.save(8, {"step": 8, "objects": {"m": {"w": torch.zeros(4)}}}, wait=False) is False
+    assert [e["step"] for e in _events(log, "checkpoint_skipped")] == [8]
+    assert not _events(log, "checkpoint_committed")
+
+    s3.start()  # the same port: the persister's next attempt reaches it
+    assert s3.client().head_bucket(Bucket=s3.bucket), "moto keeps the bucket across a restart"
+    assert layout.ROOT_MARKER in s3.keys("run"), "and the objects in it"
+    assert ck.wait_durable() is True
+    assert [e["step"] for e in _events(log, "checkpoint_committed")] == [7]
+    assert not _events(log, "checkpoint_write_failed")
+    assert not ck.persist_in_flight()
+    restored = ck.load_latest()
+    assert restored is not None and restored.step == 7
+    for name, tensor in state["objects"]["m"].items():
+        assert torch.equal(restored.state["objects"]["m"][name], tensor), name
+
+
+@pytest.mark.timeout(90)
+def test_unreachable_endpoint_is_one_config_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A port bound but not listening: connections are refused, and no other process can take it meanwhile.
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        use_aws_env(monkeypatch, f"http://127.0.0.1:{hole.getsockname()[1]}", tmp_path)
+        started = time.monotonic()
+        with pytest.raises(ConfigError) as info:
+            _checkpointer("s3://stalwart-nowhere/run", tmp_path / "events.jsonl")
+        elapsed = time.monotonic() - started
+    message = str(info.value)
+    print(f"unreachable endpoint: ConfigError after {elapsed:.1f} s: {message}")
+    assert "\n" not in message and "s3://stalwart-nowhere/run" in message
+
+
+@pytest.mark.timeout(120)
+def test_ckpt_cli_list_verify_inspect_on_s3(s3: S3, tmp_path: Path) -> None:
+    ck = _checkpointer(s3.url("run"), tmp_path / "events.jsonl", keep_last=3)
+    for step in (1, 2):
+        assert ck.save(step, _model_state(step), wait=True)
+    ck.close()
+    env = child_env()
+    assert env["AWS_ENDPOINT_URL"] == s3.endpoint
+    url = s3.url("run")
+
+    listed = _stalwart("ckpt", "list", url, "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)["checkpoints"]
+    assert [(r["step"], r["status"], r["world_size"], r["kind"]) for r in rows] == [
+        (1, "committed", 1, "full"), (2, "committed", 1, "full"),
+    ]  # fmt: skip
+    assert rows[1]["path"] == f"{url}/step_00000002" and rows[1]["bytes"] == sum(
+        t.numel() * t.element_size() for t in _model_state(2)["objects"]["m"].values()
+    )
+
+    verified = _stalwart("ckpt", "verify", url, "--json", env=env)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert json.loads(verified.stdout)["checkpoints"] == {"1": [], "2": []}
+
+    inspected = _stalwart("ckpt", "inspect", url, "--json", env=env)
+    assert inspected.returncode == 0, inspected.stderr
+    summary = json.loads(inspected.stdout)
+    assert (summary["step"], summary["world_size"], summary["kind"], summary["tensors"]) == (2, 1, "full", 3)
+    assert summary["objects"]["m"]["tensors"] == 3 and summary["objects"]["m"]["dtypes"] == ["float32"]
+
+    # Flip one byte in the middle of step 2's data file, in the bucket.
+    data_key = next(k for k in s3.keys("run") if k.startswith("step_00000002/") and k.endswith(".data"))
+    obj = s3.client().get_object(Bucket=s3.bucket, Key=f"run/{data_key}")["Body"].read()
+    tampered = bytearray(obj)
+    tampered[len(tampered) // 2] ^= 0xFF
+    s3.client().put_object(Bucket=s3.bucket, Key=f"run/{data_key}", Body=bytes(tampered))
+
+    verified = _stalwart("ckpt", "verify", url, "--json", env=env)
+    assert verified.returncode == 1, verified.stdout + verified.stderr
+    problems = json.loads(verified.stdout)["checkpoints"]
+    assert problems["1"] == [] and len(problems["2"]) == 1, problems
+    assert f"{url}/{data_key}" in problems["2"][0] and "xxh3" in problems["2"][0]
+    table = _stalwart("ckpt", "verify", url, env=env)
+    assert table.returncode == 1 and "FAILED" in table.stdout and "xxh3" in table.stdout
+
+    missing = _stalwart("ckpt", "list", "s3://nobucket-xyz/run", env=env)
+    assert missing.returncode == 2, missing.stdout + missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1 and "Traceback" not in missing.stderr, missing.stderr
+    assert "s3://nobucket-xyz/run" in missing.stderr
+    print(f"ckpt list s3://nobucket-xyz/run: {missing.stderr.strip()}")
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_on_s3_resume_bitwise_identical_after_sigkill(s3: S3, tmp_path: Path) -> None:
+    steps = "30"
+    reference = Launch(tmp_path / "reference", tiny_args("--steps", steps), child_env())
+    try:
+        assert reference.wait(120) == 0, reference.output()
+        expected = reference.results()
+    finally:
+        reference.reap()
+    prefix = f"run-{uuid.uuid4().hex[:8]}"
+    fault = "kill@rank=1,step=9"
+    job = Launch(
+        tmp_path / "s3job",
+        tiny_args("--steps", steps, "--ckpt", s3.url(prefix)),  # the later --ckpt wins
+        child_env(STALWART_FAULTS=fault, **aws_env(s3.endpoint, tmp_path)),
+    )
+    try:
+        assert job.wait(180) == 0, job.output()
+        assert not (tmp_path / "s3job" / "ckpt").exists(), "the job wrote to local disk, not to S3"
+        failed = job.events("worker_failed")
+        assert any(e["rank"] == 1 and e["signal"] == "SIGKILL" for e in failed), failed
+        assert len(job.events("restarting")) == 1
+        committed = job.events("checkpoint_committed")
+        assert committed and all(e["path"].startswith(s3.url(prefix) + "/step_") for e in committed)
+        before = [e["step"] for e in committed if e["restart"] == 0]
+        resumed = {e["step"] for e in job.events("resumed")}
+        assert resumed == ({max(before)} if before else set()), "resumed from the newest committed checkpoint"
+        results = job.results()
+        assert sorted(results) == [0, 1]
+        for rank in (0, 1):
+            assert results[rank]["step"] == int(steps)
+            assert results[rank]["sha256"] == expected[rank]["sha256"], "parameters differ from the fault-free run"
+            assert results[rank]["seen"] == expected[rank]["seen"], "the sample history differs"
+        # In the bucket: the newest keep_last (3, the Job's default) committed steps, the final one last.
+        kept = [k.split("/")[0] for k in s3.keys(prefix) if k.endswith("/" + layout.MANIFEST)]
+        newest = sorted({e["step"] for e in committed})[-3:]
+        assert kept == [layout.step_dir_name(s) for s in newest] and newest[-1] == int(steps), kept
+    finally:
+        job.reap()
