@@ -17,7 +17,6 @@ Protocol: one JSON object per line on stdin (requests) and stdout (replies).
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import ctypes
 import errno
@@ -448,10 +447,6 @@ def main() -> None:
     while (req := requests.get()) is not None:
         persister.handle(req)
     events.close()
-
-
-def decode_skeleton(text: str) -> bytes:
-    return base64.b64decode(text.encode("ascii"), validate=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import contextlib
 import errno
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -301,8 +301,3 @@ def describe_error(exc: BaseException) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def iter_views(view: memoryview, chunk: int) -> Iterator[memoryview]:
-    for start in range(0, len(view), chunk):
-        yield view[start : start + chunk]
