@@ -132,7 +132,8 @@ class LocalStorage(Storage):
                 if on_half is not None and pos >= half:
                     on_half()
                     on_half = None
-                n = min(IMAGE_CHUNK, end - pos)
+                stop = half if on_half is not None else end  # the first chunks end where the fault fires
+                n = min(IMAGE_CHUNK, stop - pos)
                 try:
                     pos += os.write(fd, view[pos : pos + n])
                 except OSError as exc:
