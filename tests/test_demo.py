@@ -20,6 +20,6 @@ def test_demo_recovers_and_ends_bitwise_identical(tmp_path: Path) -> None:
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["bitwise_identical"] is True
     assert summary["failures"] == 1
-    assert 0 <= summary["steps_lost"] < 5
+    assert 0 <= summary["steps_lost"] < 10  # a kill may come before the newest save commits (async persist)
     assert summary["kill_to_step_s"] > 0
     assert set(summary) >= {"failures", "kill_to_step_s", "steps_lost", "final_loss", "bitwise_identical"}
