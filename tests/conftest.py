@@ -126,3 +126,28 @@ def tiny_args(*extra: str, nproc: int = 2, max_restarts: int = 3) -> list[str]:
         "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
         str(TINY), "--ckpt", "ckpt", "--out", "out", *extra,
     ]  # fmt: skip
+
+
+_OPEN_CHECKPOINTERS: list[Any] = []
+
+
+def open_checkpointer(root: Path | str, log: Path | None = None, **options: Any) -> Any:
+    """A one-rank Checkpointer (token "t") whose persister is stopped after the test, pass or fail."""
+    from datetime import timedelta
+
+    from stalwart.checkpoint import Checkpointer
+    from stalwart.job.dist import Comm, Placement
+    from stalwart.telemetry.events import EventLog
+
+    comm = Comm(Placement(rank=0, world_size=1, local_rank=0, restart_count=0), timedelta(seconds=30))
+    options.setdefault("keep_last", 3)
+    ck = Checkpointer(root, comm, EventLog(log), token="t", **options)
+    _OPEN_CHECKPOINTERS.append(ck)
+    return ck
+
+
+@pytest.fixture(autouse=True)
+def _close_checkpointers() -> Iterator[None]:
+    yield
+    while _OPEN_CHECKPOINTERS:
+        _OPEN_CHECKPOINTERS.pop().close()

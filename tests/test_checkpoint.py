@@ -6,9 +6,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,29 +16,16 @@ import pytest
 import torch
 import xxhash
 
+from conftest import open_checkpointer
 from stalwart.checkpoint import Checkpointer, layout
 from stalwart.checkpoint.serialize import check_loadable
 from stalwart.checkpoint.storage import LocalStorage
 from stalwart.errors import CheckpointMismatchError, ConfigError, NoValidCheckpointError, UnsavableStateError
-from stalwart.job.dist import Comm, Placement
-from stalwart.telemetry.events import EventLog, read_events
-
-_OPEN: list[Checkpointer] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_checkpointers() -> Iterator[None]:
-    """Every persister a test started is stopped, pass or fail."""
-    yield
-    while _OPEN:
-        _OPEN.pop().close()
+from stalwart.telemetry.events import read_events
 
 
 def _checkpointer(root: Path | str, keep_last: int = 3, log: Path | None = None, **options: Any) -> Checkpointer:
-    comm = Comm(Placement(rank=0, world_size=1, local_rank=0, restart_count=0), timedelta(seconds=30))
-    ck = Checkpointer(root, comm, EventLog(log), keep_last=keep_last, token="t", **options)
-    _OPEN.append(ck)
-    return ck
+    return open_checkpointer(root, log, keep_last=keep_last, **options)
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -72,13 +58,7 @@ def test_save_returns_after_the_snapshot_and_persists_in_the_background(tmp_path
     restored = ck.load_latest()
     assert restored is not None and torch.equal(restored.state["objects"]["w"]["weight"], torch.full((256, 256), 1.0))
     committed = [e for e in read_events(log) if e["event"] == "checkpoint_committed"]
-    assert committed and committed[0]["source"] == "persister" and committed[0]["pid"] != ck_pid()
-
-
-def ck_pid() -> int:
-    import os
-
-    return os.getpid()
+    assert committed and committed[0]["source"] == "persister" and committed[0]["pid"] != os.getpid()
 
 
 def test_retention_keeps_last_n_and_clears_interrupted_saves(tmp_path: Path) -> None:
@@ -316,7 +296,6 @@ def test_tied_tensors_are_written_once(tmp_path: Path) -> None:
 
 
 def test_a_dead_persister_fails_that_save_and_the_next_one_works(tmp_path: Path) -> None:
-    import os
     import signal
 
     log = tmp_path / "events.jsonl"

@@ -15,7 +15,6 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,10 @@ import pytest
 import torch
 from moto.server import ThreadedMotoServer
 
-from conftest import Launch, child_env, tiny_args
+from conftest import Launch, child_env, open_checkpointer, tiny_args
 from stalwart.checkpoint import Checkpointer, layout
 from stalwart.errors import ConfigError
-from stalwart.job.dist import Comm, Placement
-from stalwart.telemetry.events import EventLog, read_events
+from stalwart.telemetry.events import read_events
 
 
 class S3:
@@ -110,24 +108,10 @@ def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3]:
         werkzeug.setLevel(level)
 
 
-_OPEN: list[Checkpointer] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_checkpointers() -> Iterator[None]:
-    """Every persister a test started is stopped, pass or fail."""
-    yield
-    while _OPEN:
-        _OPEN.pop().close()
-
-
 def _checkpointer(url: str, log: Path, **options: Any) -> Checkpointer:
-    comm = Comm(Placement(rank=0, world_size=1, local_rank=0, restart_count=0), timedelta(seconds=30))
     options.setdefault("keep_last", 2)
     options.setdefault("persist_timeout_s", 60)
-    ck = Checkpointer(url, comm, EventLog(log), token="t", **options)
-    _OPEN.append(ck)
-    return ck
+    return open_checkpointer(url, log, **options)
 
 
 def _events(log: Path, kind: str) -> list[dict[str, Any]]:

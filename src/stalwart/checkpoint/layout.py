@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from stalwart.checkpoint.storage import Storage
@@ -118,7 +118,6 @@ class Manifest:
     """The full checkpoint this delta refers to; None for a full checkpoint."""
     written_bytes: int = 0
     """Bytes this checkpoint added to storage (a delta adds only changed tensors, compressed)."""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def state_bytes(self) -> int:
@@ -140,7 +139,6 @@ class Manifest:
                 "written_bytes": self.written_bytes,
                 "ranks": [{"meta": r.meta, "bytes": r.bytes, "xxh3": r.xxh3} for r in self.ranks],
                 "tensors": {tid: t.to_json() for tid, t in self.tensors.items()},
-                **self.extra,
             },
             indent=1,
         )

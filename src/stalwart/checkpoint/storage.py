@@ -43,7 +43,7 @@ class Storage:
         (for files under unique names that nothing reads until the manifest refers to them)."""
         raise NotImplementedError
 
-    def read(self, rel: str, offset: int = 0, length: int | None = None) -> bytes:
+    def read(self, rel: str) -> bytes:
         raise NotImplementedError
 
     def size(self, rel: str) -> int:
@@ -149,11 +149,8 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
-    def read(self, rel: str, offset: int = 0, length: int | None = None) -> bytes:
-        with open(self._p(rel), "rb") as f:
-            if offset:
-                f.seek(offset)
-            return f.read() if length is None else f.read(length)
+    def read(self, rel: str) -> bytes:
+        return self._p(rel).read_bytes()
 
     def size(self, rel: str) -> int:
         return self._p(rel).stat().st_size
@@ -227,11 +224,8 @@ class FsspecStorage(Storage):
         with self.fs.open(self._p(rel), "wb") as f:
             chunks(f)
 
-    def read(self, rel: str, offset: int = 0, length: int | None = None) -> bytes:
-        if offset == 0 and length is None:
-            return bytes(self.fs.cat_file(self._p(rel)))
-        end = None if length is None else offset + length
-        return bytes(self.fs.cat_file(self._p(rel), start=offset, end=end))
+    def read(self, rel: str) -> bytes:
+        return bytes(self.fs.cat_file(self._p(rel)))
 
     def size(self, rel: str) -> int:
         return int(self.fs.size(self._p(rel)))

@@ -49,22 +49,15 @@ def read_verified_meta(storage: Storage, rel: str, entry: layout.RankEntry) -> d
     return meta
 
 
-def read_tensor(storage: Storage, entry: layout.TensorEntry, files: dict[str, bytes] | None = None) -> bytes:
+def read_tensor(storage: Storage, entry: layout.TensorEntry, files: dict[str, bytes]) -> bytes:
     """The raw bytes of one tensor, decompressed and checked against its xxh3.
 
-    With `files`, whole data files are read once and cached (one request serves all the tensors a rank needs
-    from a file); without it, only the tensor's byte range is read."""
+    `files` caches whole data files: one read serves all the tensors a caller needs from a file."""
     where = f"{storage.display(entry.file)} at byte {entry.offset}"
     try:
-        if files is not None and entry.file in files:
-            blob = files[entry.file]
-            stored = blob[entry.offset : entry.offset + entry.stored_bytes]
-        elif files is not None:
-            blob = retrying(lambda: storage.read(entry.file))
-            files[entry.file] = blob
-            stored = blob[entry.offset : entry.offset + entry.stored_bytes]
-        else:
-            stored = retrying(lambda: storage.read(entry.file, entry.offset, entry.stored_bytes))
+        if entry.file not in files:
+            files[entry.file] = retrying(lambda: storage.read(entry.file))
+        stored = files[entry.file][entry.offset : entry.offset + entry.stored_bytes]
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"data file {storage.display(entry.file)} is missing") from exc
     if len(stored) != entry.stored_bytes:

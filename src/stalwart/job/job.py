@@ -214,7 +214,8 @@ class Job:
                     stacklevel=2,
                 )
         self.step = self.resumed_from = self._last_saved = restored.step
-        self.events.emit("resumed", step=restored.step, source=restored.source, seconds=time.monotonic() - started)
+        seconds = time.monotonic() - started
+        self.events.emit("resumed", step=restored.step, source=restored.source, bytes=restored.bytes, seconds=seconds)
         return self.step
 
     def _replicated_names(self) -> frozenset[str]:
