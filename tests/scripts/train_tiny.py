@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--allow-resize", action="store_true")
+    p.add_argument("--fsdp", action="store_true", help="shard model and optimizer with FSDP2 instead of DDP")
     p.add_argument("--when-busy", default="wait", help="wait: every save happens (deterministic steps for tests)")
     p.add_argument("--ckpt-per-rank", action="store_true", help="a node-local checkpoint dir on each rank (wrong)")
     p.add_argument("--unsavable-on-rank", type=int, default=-1, help="track a numpy scalar on this rank (wrong)")
@@ -78,14 +79,25 @@ def main() -> None:
         checkpoint_every=args.every,
         log_every=1,
         allow_world_size_change=args.allow_resize,
-        replicated=("model", "optim"),  # DDP keeps them equal on every rank: each tensor is written once
+        # DDP keeps them equal on every rank: each tensor is written once. FSDP2's DTensors are written by shard.
+        replicated=() if args.fsdp else ("model", "optim"),
         when_busy=args.when_busy,
     )
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(args.hidden, 1)
     )
-    ddp = DistributedDataParallel(model) if job.world_size > 1 else model
+    if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (job.world_size,))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
+    else:
+        ddp = DistributedDataParallel(model) if job.world_size > 1 else model
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=7, gamma=0.5)
     loader = stalwart.ResumableLoader(
@@ -112,6 +124,7 @@ def main() -> None:
 
     digest = hashlib.sha256()
     for name, t in model.state_dict().items():
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor under FSDP2
         digest.update(name.encode() + t.contiguous().view(torch.uint8).numpy().tobytes())
     env = {k: os.environ.get(k) for k in _ENV}
     result = {"sha256": digest.hexdigest(), "seen": seen.ids, "step": job.step, "env": env}

@@ -1,7 +1,9 @@
 """Export a stalwart checkpoint to torch.distributed.checkpoint (DCP), so weights go on to other tools.
 
 The DCP checkpoint holds each tracked object's state_dict under its tracked name (`model`, `optim`, ...) plus a
-`stalwart` entry with the step and the source. Load it the DCP way, into state_dicts of the same shape:
+`stalwart` entry with the step and the source. Sharded tensors (DTensor, e.g. FSDP2) are assembled from every
+rank's shard and exported whole, so the export loads into an unsharded model. Load it the DCP way, into
+state_dicts of the same shape:
 
     state = {"model": model.state_dict()}
     torch.distributed.checkpoint.load(state, checkpoint_id="exported/")
@@ -16,7 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from stalwart.checkpoint import layout
+from stalwart.checkpoint import layout, sharded
 from stalwart.checkpoint.inspect import read_shard
 from stalwart.checkpoint.storage import Storage
 from stalwart.errors import ConfigError
@@ -30,6 +32,9 @@ def export_dcp(storage: Storage, step: int, rank: int, out: Path) -> dict[str, A
         raise ConfigError(f"{out} already exists and is not an empty directory; nothing is overwritten")
     manifest, state = read_shard(storage, step, rank)
     objects: dict[str, Any] = dict(state.get("objects", {}))
+    if sharded.contains_shards(objects):  # sharded tensors are exported whole, from every rank's shards
+        others = [state if r == rank else read_shard(storage, step, r)[1] for r in range(manifest.world_size)]
+        objects = sharded.assemble_all([objects, *(dict(o.get("objects", {})) for o in others)])
     if META_KEY in objects:
         raise ConfigError(f"a tracked object is named {META_KEY!r}, which the export uses for its own entry")
     payload = {**objects, META_KEY: {"step": step, "world_size": manifest.world_size, "rank": rank}}

@@ -15,6 +15,7 @@ import torch
 
 from stalwart.checkpoint import layout
 from stalwart.checkpoint.manager import load_rank_state
+from stalwart.checkpoint.sharded import SavedShard
 from stalwart.checkpoint.storage import Storage, describe_error, open_storage
 from stalwart.checkpoint.verify import read_tensor
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
@@ -132,6 +133,8 @@ def summarize(storage: Storage, step: int, rank: int = 0) -> tuple[layout.Manife
 
 
 def _walk(value: Any, summary: ObjectSummary) -> None:
+    if isinstance(value, SavedShard):  # this rank's shard of a sharded tensor
+        value = value.local
     if isinstance(value, torch.Tensor):
         summary.tensors += 1
         summary.bytes += value.numel() * value.element_size()

@@ -8,7 +8,8 @@ commit. A crash at any instant before it leaves the previous checkpoint the newe
 
 Replicated objects (`replicated=`, e.g. a DDP model and its optimizer) are written once: each of their tensors
 is owned by one rank, chosen by a pure function of the tensor sizes, so the ranks write disjoint parts in
-parallel. Everything else is per-rank state, written by its rank.
+parallel. Sharded tensors (DTensor: FSDP2, tensor parallelism) are written shard by shard by one rank holding
+each shard (sharded.py). Everything else is per-rank state, written by its rank.
 
 At most one save per rank is in flight. The rule for a save requested while one is still persisting
 (`when_busy`): "skip" (the default) skips it on every rank, agreed through one small collective, with a
@@ -264,7 +265,13 @@ class Checkpointer:
 
     def _owned(self, items: list[TensorItem]) -> list[TensorItem]:
         owners = assign_owners([(i.id, i.nbytes) for i in items if _shared(i)], self._comm.world_size)
-        return [i for i in items if not _shared(i) or owners[i.id] == self._comm.rank]
+
+        def writes(item: TensorItem) -> bool:
+            if item.mine is not None:  # a DTensor shard: its owner was chosen when it was flattened
+                return item.mine
+            return not _shared(item) or owners[item.id] == self._comm.rank
+
+        return [i for i in items if writes(i)]
 
     def _next_base(self) -> int:
         """Rank 0's choice for the next save: -1 for a full checkpoint, else the full one a delta refers to."""

@@ -8,7 +8,8 @@ resume, before any step runs), so a state that could not be loaded back is refus
 offending value, not discovered on the day of the restart.
 
 Tensor ids say who writes a tensor: `R/<object>/<key path>` for a replicated object (identical on every rank,
-written once by the rank that owns it) and `r<rank>/<object>/<key path>` for per-rank state.
+written once by the rank that owns it), `r<rank>/<object>/<key path>` for per-rank state, and
+`D/<object>/<key path>@<shard>` for a shard of a DTensor, written by one of the ranks holding it (sharded.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from stalwart.checkpoint import sharded
 from stalwart.errors import CheckpointCorruptError, UnsavableStateError
 
 # Exact types: weights_only loading rebuilds these and nothing else. isinstance would let subclasses through
@@ -34,7 +36,7 @@ _SEQUENCES = frozenset({list, tuple})
 def check_loadable(value: Any, path: str = "state") -> None:
     """Raise UnsavableStateError if `value` holds anything `weights_only` loading would refuse."""
     kind = type(value)
-    if kind in _LEAVES or kind in _TENSORS:
+    if kind in _LEAVES or kind in _TENSORS or sharded.is_dtensor(value):
         return
     if kind in _MAPPINGS:
         for key, item in value.items():
@@ -57,11 +59,13 @@ REF_KEY = "__stalwart_tensor__"
 
 @dataclass(frozen=True, slots=True)
 class TensorItem:
-    """One tensor of a state: its id (see the module docstring), the tensor, and its size in bytes."""
+    """One tensor of a state: its id (see the module docstring), the tensor, its size in bytes, and whether this
+    rank writes it (None: decided by `assign_owners`, for replicated objects)."""
 
     id: str
     tensor: torch.Tensor
     nbytes: int
+    mine: bool | None = None
 
 
 def _escape(key: object) -> str:
@@ -76,8 +80,15 @@ def flatten(state: Mapping[str, Any], rank: int, replicated: frozenset[str]) -> 
     check_loadable(state)
     tensors: list[TensorItem] = []
     seen: dict[tuple[Any, ...], str] = {}
+    described: set[str] = set()  # DTensor shards already listed (tied sharded weights)
 
     def walk(value: Any, path: str) -> Any:
+        if sharded.is_dtensor(value):
+            local, info, mine = sharded.describe(value, path.split("/", 1)[1])
+            if info["ref"] not in described:
+                described.add(info["ref"])
+                tensors.append(TensorItem(info["ref"], local, local.numel() * local.element_size(), mine))
+            return {sharded.KEY: info}
         if type(value) in _TENSORS:
             t = value.detach()
             alias = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
@@ -110,6 +121,9 @@ def unflatten(skeleton: Any, fetch: Callable[[str], torch.Tensor]) -> Any:
     if kind in _MAPPINGS:
         if len(skeleton) == 1 and REF_KEY in skeleton:
             return fetch(str(skeleton[REF_KEY]))
+        if len(skeleton) == 1 and sharded.KEY in skeleton:
+            info = sharded.checked_info(skeleton[sharded.KEY])
+            return sharded.SavedShard(fetch(info["ref"]), info)
         return kind((k, unflatten(v, fetch)) for k, v in skeleton.items())
     if kind in _SEQUENCES:
         return kind(unflatten(v, fetch) for v in skeleton)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.chaos.faults import Fault, FaultInjector
+from stalwart.checkpoint import sharded
 from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.serialize import check_loadable
 from stalwart.errors import CheckpointMismatchError, ConfigError
@@ -184,7 +185,7 @@ class Job:
         if restored is None:
             self.events.emit("fresh_start")
             return 0
-        objects = restored.state["objects"]
+        objects = sharded.rebuild(restored.state["objects"], sharded.meshes_of(self._objects.values()), restored.source)
         missing = sorted(set(self._objects) - set(objects))
         extra = sorted(set(objects) - set(self._objects))
         if missing or extra:

@@ -1,0 +1,225 @@
+"""Sharded tensors (DTensor, as FSDP2 and tensor parallelism make them): written by their owners, rebuilt on load.
+
+A DTensor is saved as its local shard plus a description: the global shape, the placements, the device mesh
+(its rank list and shape) and this rank's coordinate in it. The shard's id names the shard, not the rank:
+`D/<object>/<key path>@<coordinate>`, where the coordinate keeps the mesh dimensions the tensor is sharded on and
+writes `*` for those it is replicated on. Ranks that hold the same shard (replicated mesh dimensions, as in HSDP)
+therefore share an id, and exactly one of them writes it: the one whose coordinate on every replicated
+dimension equals a hash of the id modulo that dimension's size. That choice is a pure function, so no rank has to
+ask another, and different tensors spread over different replicas.
+
+Loading rebuilds a DTensor with `DTensor.from_local` on a device mesh of the running job that has the same rank
+list and shape, found on the tracked modules' parameters and the optimizers' parameter groups. There is no
+resharding: a checkpoint of another mesh is refused with one error naming the tensor, and `stalwart ckpt export`
+assembles full tensors for other tools.
+
+Only `Shard(dim)` and `Replicate()` placements are supported; a `Partial` (pending reduction) or strided shard is
+refused at save with the tensor's path.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, UnsavableStateError
+
+try:  # public since torch 2.5; torch 2.4 has the same classes under a private name
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - torch 2.4
+    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef,unused-ignore]
+
+KEY = "__stalwart_dtensor__"
+"""The skeleton key of a sharded tensor's description."""
+
+
+def is_dtensor(value: object) -> bool:
+    return isinstance(value, DTensor)
+
+
+@dataclass(frozen=True, slots=True)
+class SavedShard:
+    """A sharded tensor as read from a checkpoint: this rank's local shard and its description (see `describe`)."""
+
+    local: torch.Tensor
+    info: dict[str, Any]
+
+    @property
+    def shape(self) -> torch.Size:
+        """The global shape, so shape checks work as for a plain tensor."""
+        return torch.Size(self.info["shape"])
+
+
+def checked_info(info: Any) -> dict[str, Any]:
+    """A description read from a skeleton, checked field by field, so a forged one is refused, not crashed on."""
+    ints = ("shape", "stride", "mesh", "mesh_shape", "coord")
+    ok = (
+        isinstance(info, dict)
+        and isinstance(info.get("ref"), str)
+        and all(isinstance(info.get(k), list) and all(type(v) is int for v in info[k]) for k in ints)
+        and isinstance(info.get("placements"), list)
+        and all(p == "R" or (isinstance(p, str) and p[:1] == "S" and p[1:].isdigit()) for p in info["placements"])
+        and len(info["placements"]) == len(info["mesh_shape"]) == len(info["coord"])
+        and len(info["shape"]) == len(info["stride"])
+        and all(int(p[1:]) < len(info["shape"]) for p in info["placements"] if p != "R")
+    )
+    if not ok:
+        raise CheckpointCorruptError("a sharded tensor's description in a skeleton is malformed")
+    return dict(info)
+
+
+def _placement_name(p: object, where: str) -> str:
+    if type(p) is Shard:
+        return f"S{p.dim}"
+    if type(p) is Replicate:
+        return "R"
+    raise UnsavableStateError(
+        f"{where} is a DTensor with placement {p!r}; only Shard(dim) and Replicate() can be checkpointed "
+        "(reduce a Partial tensor first)"
+    )
+
+
+def _placement(name: str) -> Shard | Replicate:
+    return Replicate() if name == "R" else Shard(int(name[1:]))
+
+
+def mesh_key(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What identifies a device mesh across runs: its flattened rank list and its shape."""
+    return tuple(int(r) for r in mesh.mesh.flatten().tolist()), tuple(int(s) for s in mesh.mesh.shape)
+
+
+def shard_extent(
+    shape: list[int], mesh_shape: list[int], coord: list[int], placements: list[str]
+) -> tuple[list[int], list[int]]:
+    """(local shape, global offsets) of the shard at `coord`: DTensor's rule, applied mesh dimension by mesh
+    dimension, each `Shard(d)` cutting the current extent of tensor dimension d into ceil-sized chunks."""
+    size, offset = list(shape), [0] * len(shape)
+    for mesh_dim, name in enumerate(placements):
+        if name == "R":
+            continue
+        d, n = int(name[1:]), mesh_shape[mesh_dim]
+        chunk = -(-size[d] // n)
+        start = min(coord[mesh_dim] * chunk, size[d])
+        offset[d] += start
+        size[d] = max(0, min(chunk, size[d] - start))
+    return size, offset
+
+
+def describe(value: Any, path: str) -> tuple[torch.Tensor, dict[str, Any], bool]:
+    """(local shard, description, whether this rank writes it) for a DTensor at `path` (`<object>/<key path>`);
+    the description's `ref` is the shard's tensor id."""
+    mesh = value.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:  # pragma: no cover - a DTensor of a mesh this rank is not in has no local data
+        raise UnsavableStateError(f"{path} is a DTensor on a device mesh this rank is not part of")
+    placements = [_placement_name(p, path) for p in value.placements]
+    ranks, mesh_shape = mesh_key(mesh)
+    info: dict[str, Any] = {
+        "shape": list(value.shape),
+        "stride": list(value.stride()),
+        "placements": placements,
+        "mesh": list(ranks),
+        "mesh_shape": list(mesh_shape),
+        "coord": [int(c) for c in coord],
+    }
+    where = ".".join(str(c) if p != "R" else "*" for c, p in zip(coord, placements, strict=True))
+    info["ref"] = f"D/{path}@{where}"
+    h = zlib.crc32(info["ref"].encode())
+    mine = all(c == h % n for c, n, p in zip(coord, mesh_shape, placements, strict=True) if p == "R")
+    return value.to_local().detach(), info, mine
+
+
+def meshes_of(objects: Iterable[Any]) -> dict[tuple[tuple[int, ...], tuple[int, ...]], Any]:
+    """The device meshes of the DTensors the tracked objects hold (module parameters and buffers, optimizer
+    parameter groups), by `mesh_key`: where loaded shards are put back."""
+    found: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
+
+    def note(tensors: Iterable[Any]) -> None:
+        for t in tensors:
+            if is_dtensor(t):
+                found.setdefault(mesh_key(t.device_mesh), t.device_mesh)
+
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            note(obj.parameters())
+            note(obj.buffers())
+        elif isinstance(obj, torch.optim.Optimizer):
+            note(p for group in obj.param_groups for p in group["params"])
+    return found
+
+
+def rebuild(value: Any, meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], Any], where: str) -> Any:
+    """`value` with every SavedShard turned back into a DTensor on the matching mesh of this job."""
+    if isinstance(value, SavedShard):
+        info = value.info
+        mesh = meshes.get((tuple(info["mesh"]), tuple(info["mesh_shape"])))
+        if mesh is None:
+            raise CheckpointMismatchError(
+                f"checkpoint {where} holds {info['ref'].split('@')[0][2:]} sharded over ranks {info['mesh']} "
+                f"(mesh shape {tuple(info['mesh_shape'])}) and no tracked object of this job uses that device "
+                "mesh; resharding is not supported: load it at the same world size and mesh, or use "
+                "`stalwart ckpt export`"
+            )
+        coord = [int(c) for c in mesh.get_coordinate()]
+        if coord != info["coord"]:
+            raise CheckpointMismatchError(
+                f"checkpoint {where}: this rank sits at {coord} of the device mesh and loaded the shard of "
+                f"{info['coord']}; relaunch with the same rank order"
+            )
+        return DTensor.from_local(
+            value.local.to(mesh.device_type),
+            mesh,
+            [_placement(p) for p in info["placements"]],
+            run_check=False,
+            shape=torch.Size(info["shape"]),
+            stride=tuple(info["stride"]),
+        )
+    if isinstance(value, dict):
+        return type(value)((k, rebuild(v, meshes, where)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return type(value)(rebuild(v, meshes, where) for v in value)
+    return value
+
+
+def assemble(shards: list[SavedShard]) -> torch.Tensor:
+    """The full tensor from the shards of every rank (replicated shards are simply written twice)."""
+    info = shards[0].info
+    full = torch.zeros(info["shape"], dtype=shards[0].local.dtype)
+    for shard in shards:
+        size, offset = shard_extent(info["shape"], info["mesh_shape"], shard.info["coord"], info["placements"])
+        if 0 in size:
+            continue
+        region = full[tuple(slice(o, o + s) for o, s in zip(offset, size, strict=True))]
+        region.copy_(shard.local.reshape(size))
+    return full
+
+
+def assemble_all(states: list[Any]) -> Any:
+    """Rank 0's structure with every SavedShard replaced by the full tensor built from all ranks' shards."""
+    first = states[0]
+    if isinstance(first, SavedShard):
+        return assemble([s for s in states if isinstance(s, SavedShard)])
+    if isinstance(first, dict):
+        return type(first)(
+            (k, assemble_all([s.get(k) if isinstance(s, dict) else None for s in states])) for k in first
+        )
+    if isinstance(first, list | tuple):
+        return type(first)(
+            assemble_all([s[i] if isinstance(s, list | tuple) and i < len(s) else None for s in states])
+            for i in range(len(first))
+        )
+    return first
+
+
+def contains_shards(value: Any) -> bool:
+    if isinstance(value, SavedShard):
+        return True
+    if isinstance(value, dict):
+        return any(contains_shards(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(contains_shards(v) for v in value)
+    return False

@@ -1,0 +1,146 @@
+"""Sharded state (DTensor, FSDP2): written shard by shard by one owner, restored bitwise, exported whole."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import Launch, child_env, tiny_args
+from stalwart.checkpoint.sharded import checked_info, shard_extent
+from stalwart.errors import CheckpointCorruptError
+
+STEPS = 12
+MESH = Path(__file__).parent / "scripts" / "dtensor_mesh.py"
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    job = Launch(tmp_path_factory.mktemp("fsdp-reference"), tiny_args("--steps", str(STEPS), "--fsdp"), child_env())
+    try:
+        assert job.wait(120) == 0, job.output()
+        return job.results()
+    finally:
+        job.reap()
+
+
+def test_fsdp2_kill_resumes_bitwise_identical(launch: Any, fsdp_reference: dict[int, dict[str, Any]]) -> None:
+    job = launch(tiny_args("--steps", str(STEPS), "--fsdp"), env=child_env(STALWART_FAULTS="kill@rank=1,step=9"))
+    assert job.wait(120) == 0, job.output()
+    assert len(job.events("restarting")) == 1
+    results = job.results()
+    for rank in (0, 1):
+        assert results[rank]["sha256"] == fsdp_reference[rank]["sha256"], "parameters differ from the fault-free run"
+        assert results[rank]["seen"] == fsdp_reference[rank]["seen"]
+    manifest = json.loads((job.workdir / "ckpt" / "step_00000012" / "manifest.json").read_text())
+    shards = sorted(t for t in manifest["tensors"] if t.startswith("D/"))
+    # Linear(8,32) and Linear(32,1) under FSDP2: 4 parameters and their exp_avg/exp_avg_sq, 2 shards each.
+    assert len(shards) == 12 * 2 and {s.rsplit("@", 1)[1] for s in shards} == {"0", "1"}
+    assert not any(t.startswith("R/") for t in manifest["tensors"]), "FSDP2 state is not replicated state"
+
+
+def test_fsdp2_export_is_the_whole_model(launch: Any, fsdp_reference: dict[int, dict[str, Any]]) -> None:
+    job = launch(tiny_args("--steps", str(STEPS), "--fsdp"))
+    assert job.wait(120) == 0, job.output()
+    out = job.workdir / "exported"
+    done = subprocess.run(
+        [sys.executable, "-m", "stalwart", "ckpt", "export", str(job.workdir / "ckpt"), "--to", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(out))
+    model.load_state_dict(state["model"])
+    digest = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        digest.update(name.encode() + t.contiguous().view(torch.uint8).numpy().tobytes())
+    assert digest.hexdigest() == fsdp_reference[0]["sha256"], "the exported weights are not the trained ones"
+
+
+def test_fsdp2_checkpoint_at_another_world_size_is_refused(launch: Any) -> None:
+    first = launch(tiny_args("--steps", "4", "--every", "4", "--fsdp"))
+    assert first.wait(120) == 0, first.output()
+    second = launch(tiny_args("--steps", "8", "--fsdp", "--allow-resize", nproc=1))  # same directory, one rank
+    assert second.wait(120) != 0
+    assert "resharding is not supported" in second.output()
+    assert "Traceback" not in second.output()
+    assert (first.workdir / "ckpt" / "step_00000004" / "manifest.json").exists(), "nothing is moved or deleted"
+
+
+def test_dtensor_placements_on_a_2x2_mesh_round_trip(launch: Any) -> None:
+    save = launch(["--nproc-per-node", "4", str(MESH), "--phase", "save"], name="mesh")
+    assert save.wait(180) == 0, save.output()
+    saved = save.results()
+    assert all(r["extents_ok"] for r in saved.values()), "shard arithmetic differs from DTensor's"
+    load = Launch(save.workdir, ["--nproc-per-node", "4", str(MESH), "--phase", "load"], child_env())
+    try:
+        assert load.wait(180) == 0, load.output()
+        results = load.results()
+    finally:
+        load.reap()
+    assert sorted(results) == [0, 1, 2, 3]
+    assert all(r["resumed_from"] == 3 and r["same"] for r in results.values()), results
+    manifest = json.loads((save.workdir / "ckpt" / "step_00000003" / "manifest.json").read_text())
+    shards = [t for t in manifest["tensors"] if t.startswith("D/")]
+    # Each distinct shard once: 2+1+2+4+2+4+2 (see SHAPES in the script, plus the parameter).
+    assert len(shards) == len(set(shards)) == 17
+
+
+def test_shard_extent_matches_dtensor_rules() -> None:
+    # 7 rows cut in two (4, 3), then each part in two again: (2, 2) and (2, 1).
+    assert shard_extent([7, 2], [2, 2], [1, 1], ["S0", "S0"]) == ([1, 2], [6, 0])
+    assert shard_extent([1, 5], [2, 2], [1, 0], ["S0", "R"]) == ([0, 5], [1, 0])
+    assert shard_extent([6, 8], [2, 2], [1, 0], ["S0", "S1"]) == ([3, 4], [3, 0])
+
+
+def _info(**change: Any) -> dict[str, Any]:
+    info = {"ref": "D/x@0", "shape": [4], "stride": [1], "mesh": [0], "mesh_shape": [1], "coord": [0]}
+    return {**info, "placements": ["S0"], **change}
+
+
+def test_a_well_formed_shard_description_passes() -> None:
+    assert checked_info(_info()) == _info()
+
+
+@pytest.mark.parametrize(
+    "info",
+    [None, {"ref": "D/x@0"}, _info(placements=["S3"]), _info(placements=["P"]), _info(shape=["4"]), _info(coord=[])],
+)
+def test_forged_shard_descriptions_are_corrupt(info: Any) -> None:
+    with pytest.raises(CheckpointCorruptError):
+        checked_info(info)
+
+
+PARTIAL = """
+import torch, torch.distributed as dist, tempfile, os
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial
+from stalwart.checkpoint.serialize import flatten
+from stalwart.errors import UnsavableStateError
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+t = DTensor.from_local(torch.ones(3), mesh, [Partial()])
+try:
+    flatten({"objects": {"m": {"w": t}}}, 0, frozenset())
+except UnsavableStateError as exc:
+    print("refused:", exc)
+dist.destroy_process_group()
+"""
+
+
+def test_partial_dtensor_is_refused_at_save_with_its_path() -> None:
+    done = subprocess.run([sys.executable, "-c", PARTIAL], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "refused: m/w is a DTensor with placement Partial" in done.stdout
