@@ -71,12 +71,37 @@ def test_retention_keeps_last_n_and_clears_interrupted_saves(tmp_path: Path) -> 
     stale.parent.mkdir()
     stale.write_bytes(b"from a crashed attempt at step 4")
     ck.save(4, _state(4), wait=True)
-    assert sorted(p.name for p in root.iterdir()) == ["stalwart-checkpoints.json", "step_00000003", "step_00000004"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".recycle",  # where retired data files wait for a full save to overwrite them
+        "stalwart-checkpoints.json",
+        "step_00000003",
+        "step_00000004",
+    ]
     assert sorted(p.name for p in (root / "step_00000004").iterdir()) == [
         "manifest.json",
         "rank00000.t-4.data",
         "rank00000.t-4.meta.json",
     ]
+
+
+def test_retired_data_files_are_recycled_by_the_next_full_save(tmp_path: Path) -> None:
+    """Retention moves a pruned data file to .recycle/ and the next full save overwrites it in place (same
+    inode), so no big file is unlinked; every kept checkpoint still verifies and loads exactly."""
+    root = tmp_path / "ck"
+    ck = _checkpointer(root, keep_last=1)
+    inodes = []
+    for step in range(1, 6):
+        big = {"w": torch.full((64, 1024), float(step)), "tail": torch.arange(10 - step)}  # files shrink
+        assert ck.save(step, {"objects": {"o": big}}, wait=True)
+        inodes.append(_data_file(root / f"step_{step:08d}").stat().st_ino)
+    assert [p.name for p in (root / ".recycle").iterdir()] == ["rank00000.data"]
+    assert len(set(inodes)) == 2, "two files take turns: the live one and the recycled one"
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000005"]
+    restored = ck.load_latest()
+    assert restored is not None and restored.step == 5
+    assert torch.equal(restored.state["objects"]["o"]["w"], torch.full((64, 1024), 5.0))
+    assert torch.equal(restored.state["objects"]["o"]["tail"], torch.arange(5))
+    assert _data_file(root / "step_00000005").stat().st_size == 64 * 1024 * 4 + 5 * 8  # longer old file truncated
 
 
 def test_save_without_manifest_is_invisible(tmp_path: Path) -> None:
@@ -309,6 +334,39 @@ def test_a_dead_persister_fails_that_save_and_the_next_one_works(tmp_path: Path)
     assert ck.wait_durable() is False
     assert any(e["event"] == "persister_died" for e in read_events(log))
     assert ck.save(3, _state(3), wait=True) is True
+
+
+def test_a_request_that_cannot_be_built_fails_that_save_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request is finished on the sender thread after the stall; if that fails, the save fails, with an
+    event, and nothing waits for it forever."""
+    import stalwart.checkpoint.manager as manager
+
+    log = tmp_path / "events.jsonl"
+    ck = _checkpointer(tmp_path / "ck", log=log)
+    real_save = manager.torch.save
+    monkeypatch.setattr(manager.torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert ck.save(1, _state(1)) is True  # the snapshot was taken
+    assert ck.wait_durable() is False
+    assert any(e["event"] == "checkpoint_failed" and "boom" in e["error"] for e in read_events(log))
+    monkeypatch.setattr(manager.torch, "save", real_save)
+    assert ck.save(2, _state(2), wait=True) is True
+    assert _committed(tmp_path / "ck") == [2]
+
+
+def test_changing_layouts_and_grad_tensors_are_snapshotted_exactly(tmp_path: Path) -> None:
+    """Staging caches a typed view per (offset, dtype, shape); a state whose shapes change between saves, and
+    tensors that require grad, must still come back exactly."""
+    ck = _checkpointer(tmp_path / "ck")
+    shapes = [(4, 6), (6, 4), (24,), (2, 3, 4)]
+    for step, shape in enumerate(shapes, start=1):
+        w = torch.nn.Parameter(torch.arange(24.0).reshape(shape) * step)
+        half = torch.arange(24, dtype=torch.float16) - step
+        assert ck.save(step, {"objects": {"o": {"w": w, "h": half}}}, wait=True)
+        restored = ck.load_latest()
+        assert restored is not None and restored.step == step
+        loaded = restored.state["objects"]["o"]
+        assert loaded["w"].shape == torch.Size(shape) and torch.equal(loaded["w"], w.detach())
+        assert torch.equal(loaded["h"], half) and not loaded["w"].requires_grad
 
 
 def test_unreadable_manifest_is_skipped_but_never_quarantined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

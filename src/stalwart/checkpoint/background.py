@@ -14,6 +14,7 @@ import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from typing import IO, Any
 
 from stalwart.checkpoint.persister import Persister
@@ -36,6 +37,8 @@ class Background:
         self._thread_persister: Persister | None = None
         self._started = False
         self._reader: threading.Thread | None = None
+        self._outbox: queue.Queue[tuple[int, Callable[[], dict[str, Any]]] | None] = queue.Queue()
+        self._sender: threading.Thread | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -69,6 +72,7 @@ class Background:
         def loop() -> None:
             while (req := q.get()) is not None:
                 persister.handle(req)
+            persister.finish()
 
         threading.Thread(target=loop, daemon=True, name="persister").start()
 
@@ -101,6 +105,10 @@ class Background:
 
     def close(self) -> None:
         """Stop the persister: an unfinished persist is abandoned (its checkpoint never commits)."""
+        if self._sender is not None:  # send what is queued first, so nothing writes to a closed pipe
+            self._outbox.put(None)
+            self._sender.join(CLOSE_TIMEOUT_S)
+            self._sender = None
         if self._thread_queue is not None and self._thread_persister is not None:
             self._thread_persister.quitting.set()
             self._thread_queue.put(None)
@@ -131,24 +139,51 @@ class Background:
         """The step being persisted, or None."""
         return self._in_flight
 
-    def submit(self, req: dict[str, Any]) -> None:
+    def submit(self, step: int, build: Callable[[], dict[str, Any]]) -> None:
+        """Mark `step` in flight now and send the request `build()` returns from the sender thread.
+
+        Building the request (pickling the skeleton, encoding a few hundred tensor entries) and writing it to
+        the pipe take about a millisecond; done on the sender thread, that time is not part of the stall.
+        """
         self.start()
         with self._lock:
             assert self._in_flight is None, "one save in flight at a time"
-            self._in_flight = int(req["step"])
+            self._in_flight = step
             self._last = None
-        if self._thread_queue is not None:
-            self._thread_queue.put(req)
-            return
-        try:
-            assert self._proc is not None and self._proc.stdin is not None
-            self._proc.stdin.write(json.dumps(req) + "\n")
-            self._proc.stdin.flush()
-        except (OSError, ValueError) as exc:
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_loop, daemon=True, name="persister-sender")
+            self._sender.start()
+        self._outbox.put((step, build))
+
+    def _send_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            step, build = item
+            try:
+                req = build()
+            except Exception as exc:  # a request that cannot be built fails this save only
+                self._fail(step, "checkpoint_failed", error=f"the save request could not be built: {exc}")
+                continue
             with self._lock:
-                self._in_flight = None
-                self._last = {"op": "done", "step": req["step"], "ok": False, "committed": False}
-            self._events.emit("persister_died", step=req["step"], error=str(exc))
+                if self._in_flight != step:  # the persister died meanwhile; that save is already reported
+                    continue
+            if self._thread_queue is not None:
+                self._thread_queue.put(req)
+                continue
+            try:
+                assert self._proc is not None and self._proc.stdin is not None
+                self._proc.stdin.write(json.dumps(req) + "\n")
+                self._proc.stdin.flush()
+            except (AssertionError, OSError, ValueError) as exc:
+                self._fail(step, "persister_died", error=str(exc) or "no persister")
+
+    def _fail(self, step: int, event: str, **fields: Any) -> None:
+        with self._lock:
+            if self._in_flight != step:
+                return
+            self._in_flight = None
+            self._last = {"op": "done", "step": step, "ok": False, "committed": False}
+            self._lock.notify_all()
+        self._events.emit(event, step=step, **fields)
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Block until nothing is in flight; the reply of the last persist (None if there was none)."""

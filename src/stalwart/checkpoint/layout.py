@@ -18,6 +18,7 @@ This module imports no torch: the persister process uses it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -44,6 +45,14 @@ def step_dir_name(step: int) -> str:
 
 def data_name(rank: int, token: str) -> str:
     return f"rank{rank:05d}.{token}.data"
+
+
+_DATA_NAME = re.compile(r"^rank(\d{5,})\.[A-Za-z0-9_-]+\.data$")
+
+
+def recycle_slot(rank: int) -> str:
+    """Where retention leaves a retired data file of `rank` for its next full save (local storage only)."""
+    return f"rank{rank:05d}.data"
 
 
 def meta_name(rank: int, token: str) -> str:
@@ -258,6 +267,11 @@ def prune(storage: Storage, keep_last: int, current: Manifest) -> list[int]:
     for step, name in step_dirs(storage):
         interrupted = step not in committed and step < newest
         if (step in committed and step not in keep) or interrupted:
+            for file in storage.listdir(name):  # a data file becomes the next one of its rank, if it may
+                m = _DATA_NAME.match(file)
+                if m and step in committed:
+                    with contextlib.suppress(OSError):
+                        storage.recycle(f"{name}/{file}", recycle_slot(int(m.group(1))))
             storage.remove_tree(name)
             removed.append(step)
     own = step_dir_name(current.step)

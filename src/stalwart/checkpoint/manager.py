@@ -189,18 +189,13 @@ class Checkpointer:
             self._finish_in_flight()
             started = time.monotonic()
         vote, unsavable, fp = _OK, None, 0
-        skeleton_b64, items = "", list[TensorItem]()
+        skeleton: dict[str, Any] = {}
+        items: list[TensorItem] = []
         try:
             skeleton, items = flatten(state, self._comm.rank, self.replicated)
-            buf = io.BytesIO()
-            torch.save(skeleton, buf)
-            skeleton_b64 = base64.b64encode(buf.getvalue()).decode("ascii")
             fp = fingerprint([(i.id, dtype_name(i.tensor.dtype), tuple(i.tensor.shape)) for i in items if _shared(i)])
         except UnsavableStateError as exc:
             vote, unsavable = _UNSAVABLE, exc
-        except Exception as exc:  # torch.save failing on a state: vote, so no rank is left waiting in the gather
-            vote = _UNSAVABLE
-            unsavable = UnsavableStateError(f"the state of step {step} cannot be serialized: {exc}")
         busy = self._bg.in_flight
         base = self._next_base() if self._comm.rank == 0 else -1
         gathered = self._comm.all_gather_ints([vote, -1 if busy is None else busy, fp, base])
@@ -231,36 +226,39 @@ class Checkpointer:
         self._events.emit("checkpoint_snapshot", step=step, stall_s=stall, bytes=total)
         if self._comm.rank == 0:
             self._since_full = 0 if chosen_base is None else self._since_full + 1
-        self._bg.submit(
-            {
-                "op": "persist",
-                "step": step,
-                "token": token,
-                "rank": self._comm.rank,
-                "world_size": self._comm.world_size,
-                "coordinator": self._comm.rank == 0,
-                "keep_last": self._keep_last,
-                "url": self.url,
-                "options": self._options,
-                "staging": self._staging.spec(),
-                "skeleton": skeleton_b64,
-                "tensors": [
-                    {
-                        "id": i.id,
-                        "offset": o,
-                        "nbytes": i.nbytes,
-                        "dtype": dtype_name(i.tensor.dtype),
-                        "shape": list(i.tensor.shape),
-                    }
-                    for i, o in zip(mine, offsets, strict=True)
-                ],
-                "base": chosen_base,
-                "snapshot_mono": started,
-                "deadline_s": self._persist_timeout_s,
-                "fault": self._fault_phase(step),
-                "storage_fault": self._storage_fault(step),
-            }
-        )
+        request = {
+            "op": "persist",
+            "step": step,
+            "token": token,
+            "rank": self._comm.rank,
+            "world_size": self._comm.world_size,
+            "coordinator": self._comm.rank == 0,
+            "keep_last": self._keep_last,
+            "url": self.url,
+            "options": self._options,
+            "staging": self._staging.spec(),
+            "base": chosen_base,
+            "snapshot_mono": started,
+            "deadline_s": self._persist_timeout_s,
+            "fault": self._fault_phase(step),
+            "storage_fault": self._storage_fault(step),
+            "wait": wait,
+        }
+        placed = [(i.id, o, i.nbytes, i.tensor.dtype, i.tensor.shape) for i, o in zip(mine, offsets, strict=True)]
+
+        def build() -> dict[str, Any]:
+            """The rest of the request, built on the sender thread after the stall: the skeleton's leaves are
+            immutable values and its containers are new, so the training loop cannot change it meanwhile."""
+            buf = io.BytesIO()
+            torch.save(skeleton, buf)
+            request["skeleton"] = base64.b64encode(buf.getvalue()).decode("ascii")
+            request["tensors"] = [
+                {"id": tid, "offset": o, "nbytes": n, "dtype": dtype_name(dt), "shape": list(shape)}
+                for tid, o, n, dt, shape in placed
+            ]
+            return request
+
+        self._bg.submit(step, build)
         return self.wait_durable() if wait else True
 
     def _owned(self, items: list[TensorItem]) -> list[TensorItem]:

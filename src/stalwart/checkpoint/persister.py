@@ -43,6 +43,7 @@ POLL_REMOTE_S = 0.2
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 ZSTD_LEVEL = 3
+RETENTION_JOIN_S = 30.0
 
 Reply = Callable[[dict[str, Any]], None]
 
@@ -65,12 +66,17 @@ class Persister:
         self._maps: dict[tuple[int, int, int], mmap.mmap] = {}
         self._fulls: dict[int, dict[str, layout.TensorEntry]] = {}  # this rank's newest full checkpoints
         self._own_meta = b""
+        self._committed: layout.Manifest | None = None  # rank 0: the checkpoint just committed, to prune after
+        self._retention: queue.Queue[tuple[Storage, int, layout.Manifest | None] | None] = queue.Queue()
+        self._retainer: threading.Thread | None = None
+        self._prune_lock = threading.Lock()
         self.quitting = threading.Event()
 
     def handle(self, req: dict[str, Any]) -> None:
         started = time.monotonic()
         step, ok, committed = int(req["step"]), False, None
         written = 0
+        storage: Storage | None = None
         try:
             storage = self._storage(req["url"], req.get("options"))
             view = self._staging(req["staging"])
@@ -87,6 +93,9 @@ class Persister:
         except Exception as exc:  # a defect, not the store: report it and stay alive for the next save
             self._events.emit("checkpoint_skipped", step=step, reason=f"persister error: {describe_error(exc)}")
             ok, committed = False, False
+        prune_first = bool(req.get("wait"))  # a save the trainer waits on (a run's last) ends fully tidied
+        if committed and storage is not None and prune_first:
+            self._prune(storage, req)
         self._reply(
             {
                 "op": "done",
@@ -98,6 +107,23 @@ class Persister:
                 "seconds": time.monotonic() - started,
             }
         )
+        if committed and storage is not None and not prune_first:
+            manifest, self._committed = self._committed, None
+            self._retention.put((storage, int(req["keep_last"]), manifest))
+            if self._retainer is None:
+                self._retainer = threading.Thread(target=self._retain_loop, daemon=True, name="retention")
+                self._retainer.start()
+
+    def _retain_loop(self) -> None:
+        while (item := self._retention.get()) is not None:
+            storage, keep_last, manifest = item
+            self._prune_now(storage, keep_last, manifest)
+
+    def finish(self) -> None:
+        """Let queued retention finish (bounded), at exit."""
+        if self._retainer is not None:
+            self._retention.put(None)
+            self._retainer.join(RETENTION_JOIN_S)
 
     # -- the rank's own files ---------------------------------------------------------------------------------
 
@@ -182,7 +208,7 @@ class Persister:
         on_half: Callable[[], None] | None,
     ) -> None:
         self._inject_storage_fault(req)
-        storage.write_image(rel, view, length, on_half)
+        storage.write_image(rel, view, length, on_half, slot=layout.recycle_slot(int(req["rank"])))
 
     def _write_stream(
         self,
@@ -258,11 +284,6 @@ class Persister:
             self._kill_trainer(req, "before_commit")
         text = manifest.to_json().encode()
         self._retrying(req, "manifest", lambda: storage.write_bytes(f"{step_dir}/{layout.MANIFEST}", text))
-        try:
-            removed = layout.prune(storage, int(req["keep_last"]), manifest)
-        except Exception as exc:  # the commit stands; old checkpoints go after a later save
-            removed = []
-            self._events.emit("checkpoint_prune_failed", step=step, error=describe_error(exc))
         self._events.emit(
             "checkpoint_committed",
             step=step,
@@ -272,9 +293,29 @@ class Persister:
             base=manifest.base,
             seconds=time.monotonic() - float(req["snapshot_mono"]),
             path=storage.display(step_dir),
-            removed=removed,
         )
+        self._committed = manifest
         return True
+
+    def _prune(self, storage: Storage, req: dict[str, Any]) -> None:
+        manifest, self._committed = self._committed, None
+        self._prune_now(storage, int(req["keep_last"]), manifest)
+
+    def _prune_now(self, storage: Storage, keep_last: int, manifest: layout.Manifest | None) -> None:
+        """Retention after a commit. For a save the trainer does not wait on, it runs on the retention thread:
+        unlinking an old 100 MB file takes longer than writing the manifest, and neither the trainer nor the
+        next persist need wait for it. A step still being written has no manifest and is newer than every
+        committed one, so retention never takes it for an interrupted save."""
+        if manifest is None:
+            return
+        try:
+            with self._prune_lock:  # a waited-on save prunes on the persist thread: never two at once
+                removed = layout.prune(storage, keep_last, manifest)
+        except Exception as exc:  # the commit stands; old checkpoints go after a later save
+            self._events.emit("checkpoint_prune_failed", step=manifest.step, error=describe_error(exc))
+            return
+        if removed:
+            self._events.emit("checkpoint_pruned", step=manifest.step, removed=removed)
 
     def _wait_for_metas(self, storage: Storage, req: dict[str, Any]) -> dict[int, bytes] | None:
         step, token, world = int(req["step"]), str(req["token"]), int(req["world_size"])
@@ -446,6 +487,7 @@ def main() -> None:
     threading.Thread(target=read_stdin, daemon=True).start()
     while (req := requests.get()) is not None:
         persister.handle(req)
+    persister.finish()
     events.close()
 
 

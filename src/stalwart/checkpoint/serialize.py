@@ -77,31 +77,40 @@ def flatten(state: Mapping[str, Any], rank: int, replicated: frozenset[str]) -> 
 
     Tensors that are the same view of the same memory (tied weights) get one id and are written once.
     """
-    check_loadable(state)
     tensors: list[TensorItem] = []
     seen: dict[tuple[Any, ...], str] = {}
     described: set[str] = set()  # DTensor shards already listed (tied sharded weights)
 
     def walk(value: Any, path: str) -> Any:
+        kind = type(value)
+        if kind in _TENSORS:  # copied later under no_grad, so a tensor that requires grad needs no detach here
+            alias = (value.data_ptr(), value.dtype, value.shape, value.stride(), value.device)
+            if alias in seen and value.numel():
+                return {REF_KEY: seen[alias]}
+            seen[alias] = path
+            tensors.append(TensorItem(path, value, value.nbytes))
+            return {REF_KEY: path}
+        if kind in _MAPPINGS:
+            if any(type(k) not in (int, str) for k in value):
+                unsavable()
+            return kind((k, walk(v, f"{path}/{_escape(k)}")) for k, v in value.items())
+        if kind in _SEQUENCES:
+            return kind(walk(v, f"{path}/{i}") for i, v in enumerate(value))
         if sharded.is_dtensor(value):
             local, info, mine = sharded.describe(value, path.split("/", 1)[1])
             if info["ref"] not in described:
                 described.add(info["ref"])
-                tensors.append(TensorItem(info["ref"], local, local.numel() * local.element_size(), mine))
+                tensors.append(TensorItem(info["ref"], local, local.nbytes, mine))
             return {sharded.KEY: info}
-        if type(value) in _TENSORS:
-            t = value.detach()
-            alias = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
-            if t.numel() and alias in seen:
-                return {REF_KEY: seen[alias]}
-            seen[alias] = path
-            tensors.append(TensorItem(path, t, t.numel() * t.element_size()))
-            return {REF_KEY: path}
-        if type(value) in _MAPPINGS:
-            return type(value)((k, walk(v, f"{path}/{_escape(k)}")) for k, v in value.items())
-        if type(value) in _SEQUENCES:
-            return type(value)(walk(v, f"{path}/{i}") for i, v in enumerate(value))
+        if kind not in _LEAVES:
+            unsavable()
         return value
+
+    def unsavable() -> None:
+        """The state breaks the weights-only rule: raise check_loadable's error, which names the value's path
+        (one pass checks and flattens; the path is worked out only on this rare path)."""
+        check_loadable(state)
+        raise AssertionError("check_loadable passed a value that flatten refuses")
 
     skeleton: dict[str, Any] = {}
     for key, value in state.items():

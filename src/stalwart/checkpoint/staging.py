@@ -21,6 +21,7 @@ import torch
 
 ALIGN = 64
 PAGE = 4096
+MAX_VIEWS = 65536
 GROW_SLACK = 1.1
 """Headroom when (re)allocating, so a state that grows a little (an optimizer's first step) does not
 reallocate at every save."""
@@ -28,13 +29,6 @@ reallocate at every save."""
 
 def aligned(n: int, to: int = ALIGN) -> int:
     return (n + to - 1) // to * to
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a tensor's elements (a contiguous copy first when it is not contiguous)."""
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
 
 
 class Staging:
@@ -47,6 +41,7 @@ class Staging:
         self._buf: torch.Tensor | None = None
         self._pinned = False
         self._stream: torch.cuda.Stream | None = None
+        self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}
 
     def spec(self) -> dict[str, int]:
         return {"pid": os.getpid(), "fd": self.fd, "size": self.size}
@@ -71,31 +66,51 @@ class Staging:
             self._pinned = int(err) == 0
 
     def copy_in(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
-        """Copy every tensor to its offset; returns once all bytes are in staging (CUDA copies included)."""
-        assert self._buf is not None
+        """Copy every tensor to its offset; returns once all bytes are in staging (CUDA copies included).
+
+        Each tensor is copied into a view of staging with its own dtype and shape (laid out row-major, as a
+        contiguous tensor is), so the source needs no reshaping and a non-contiguous tensor is copied once, not
+        first made contiguous. The views are cached: a job saves the same shapes at the same offsets every time.
+        """
+        with torch.no_grad():  # tensors that require grad are copied as data, with no autograd record
+            self._copy(tensors, offsets)
+
+    def _copy(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
         on_gpu = False
         for t, off in zip(tensors, offsets, strict=True):
-            src = as_bytes(t)
-            dst = self._buf[off : off + src.numel()]
-            if src.is_cuda:
+            dst = self._view(off, t.dtype, t.shape)
+            if t.is_cuda:
                 if not on_gpu:  # the side stream must see every write the compute stream has queued
                     if self._stream is None:
-                        self._stream = torch.cuda.Stream(device=src.device)
-                    self._stream.wait_stream(torch.cuda.current_stream(src.device))
+                        self._stream = torch.cuda.Stream(device=t.device)
+                    self._stream.wait_stream(torch.cuda.current_stream(t.device))
                     on_gpu = True
                 assert self._stream is not None
                 with torch.cuda.stream(self._stream):
-                    dst.copy_(src, non_blocking=self._pinned)
+                    dst.copy_(t, non_blocking=self._pinned)
             else:
-                dst.copy_(src)
+                dst.copy_(t)
         if on_gpu and self._stream is not None:
             self._stream.synchronize()
+
+    def _view(self, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        key = (offset, dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            assert self._buf is not None
+            nbytes = shape.numel() * dtype.itemsize
+            view = self._buf[offset : offset + nbytes].view(dtype).view(shape)
+            if len(self._views) > MAX_VIEWS:  # a state whose layout keeps changing: do not grow without bound
+                self._views.clear()
+            self._views[key] = view
+        return view
 
     def close(self) -> None:
         if self._pinned and self._buf is not None:
             with contextlib.suppress(Exception):
                 torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
         self._pinned = False
+        self._views.clear()
         self._buf = None
         if self._map is not None:
             with contextlib.suppress(BufferError):

@@ -25,6 +25,8 @@ from stalwart.errors import ConfigError
 
 DIRECT_ALIGN = 4096
 IMAGE_CHUNK = 16 << 20
+RECYCLE_DIR = ".recycle"
+"""Under the root: at most one retired data file per rank, overwritten by that rank's next full save."""
 REMOTE_READ_TIMEOUT_S = 10
 """Connect/read timeout for object stores, so an unreachable endpoint is an error in seconds, not minutes."""
 
@@ -75,6 +77,11 @@ class Storage:
         """The file's path when the store is a local directory (lets callers use mmap and os calls)."""
         return None
 
+    def recycle(self, rel: str, slot: str) -> bool:
+        """Keep a file retention would delete under `slot` for a later write to reuse; False: not kept (the
+        store does not recycle, or the slot is taken), so the caller deletes it."""
+        return False
+
     def write_bytes(self, rel: str, data: bytes) -> None:
         self.write(rel, lambda f: f.write(data))  # type: ignore[arg-type]
 
@@ -112,14 +119,39 @@ class LocalStorage(Storage):
             raise
         fsync_dir(path.parent)
 
-    def write_image(self, rel: str, view: memoryview, length: int, on_half: Callable[[], None] | None) -> None:
+    def recycle(self, rel: str, slot: str) -> bool:
+        """Move an old data file to `.recycle/<slot>` instead of deleting it (see write_image)."""
+        target = self._p(f"{RECYCLE_DIR}/{slot}")
+        if target.exists():
+            return False
+        target.parent.mkdir(exist_ok=True)
+        os.rename(self._p(rel), target)
+        return True
+
+    def write_image(
+        self, rel: str, view: memoryview, length: int, on_half: Callable[[], None] | None, slot: str | None = None
+    ) -> None:
         """Write the first `length` bytes of `view` (page-aligned memory, at least `length` rounded up to
         4 KiB long) to `rel` in place and fsync it. O_DIRECT where the filesystem allows it: the disk reads
-        straight from the staging memory, so persisting costs almost no CPU and leaves the page cache alone."""
+        straight from the staging memory, so persisting costs almost no CPU and leaves the page cache alone.
+
+        With `slot`, a file that retention recycled under that name becomes `rel` and is overwritten in place:
+        its blocks are already allocated, so the write allocates nothing and retention unlinks nothing (on
+        ext4 here, unlinking an old 100 MB file took 18 ms and slowed the write running beside it). Its old
+        bytes past `length` are truncated before the fsync, and no manifest refers to the file until the
+        write has finished."""
         path = self._p(rel)
+        reuse = 0
+        if slot is not None:
+            try:
+                os.rename(self._p(f"{RECYCLE_DIR}/{slot}"), path)
+            except FileNotFoundError:
+                pass
+            else:
+                reuse = os.O_TRUNC  # dropped from the flags below: keep the allocated blocks
         padded = (length + DIRECT_ALIGN - 1) // DIRECT_ALIGN * DIRECT_ALIGN
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+            fd = os.open(path, (os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)) & ~reuse, 0o644)
             direct = True
         except OSError:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -143,7 +175,7 @@ class LocalStorage(Storage):
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                     direct, end, pos = False, length, 0
                     half = end // 2
-            if direct:
+            if direct or reuse:
                 os.ftruncate(fd, length)
             os.fsync(fd)
         finally:
