@@ -66,6 +66,8 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--allow-resize", action="store_true")
     p.add_argument("--fsdp", action="store_true", help="shard model and optimizer with FSDP2 instead of DDP")
+    p.add_argument("--busy-at", type=int, default=-1, help="at this step, a long stretch marked with job.busy()")
+    p.add_argument("--busy-s", type=float, default=0.0)
     p.add_argument("--when-busy", default="wait", help="wait: every save happens (deterministic steps for tests)")
     p.add_argument("--ckpt-per-rank", action="store_true", help="a node-local checkpoint dir on each rank (wrong)")
     p.add_argument("--unsavable-on-rank", type=int, default=-1, help="track a numpy scalar on this rank (wrong)")
@@ -110,7 +112,7 @@ def main() -> None:
 
         job.track(best=_Holder({"best_loss": np.float64(0.5)}))
 
-    for _step, (ids, x) in job.steps(loader, max_steps=args.steps):
+    for step, (ids, x) in job.steps(loader, max_steps=args.steps):
         seen.ids.extend(ids.tolist())
         noise = torch.rand(len(x), 1)  # draws from the global RNG, so RNG restore matters
         loss = (ddp(x) - x.sum(dim=1, keepdim=True) - noise).pow(2).mean()
@@ -121,6 +123,9 @@ def main() -> None:
         job.report(loss=loss.detach())
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if step == args.busy_at:
+            with job.busy():
+                time.sleep(args.busy_s)
 
     digest = hashlib.sha256()
     for name, t in model.state_dict().items():

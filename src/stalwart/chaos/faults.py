@@ -9,22 +9,28 @@ Kinds:
                 (every shard is durable, the manifest is not yet written; fires on rank 0, the committer)
   storage_error the first `times` (default 1) attempts to write the rank's checkpoint of `step` fail with
                 `errno` (default EIO; e.g. ENOSPC): the persister must retry with backoff, training goes on
+  hang          the rank stops making progress just before starting `step`, `how`: 'sigstop' (default: it
+                stops itself with SIGSTOP), 'sleep' (a sleep inside C code, libc's sleep) or 'deadlock' (it
+                takes a lock it already holds); the agent must detect it and kill it
 `restart` (default 0) is the launcher's TORCHELASTIC_RESTART_COUNT at which the fault fires, so a fault
 fires once and the restarted job runs on.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from stalwart.errors import ConfigError
 
 FAULTS_ENV = "STALWART_FAULTS"
-_KINDS = ("kill", "kill_in_save", "storage_error")
+_KINDS = ("kill", "kill_in_save", "storage_error", "hang")
+_HOWS = ("sigstop", "sleep", "deadlock")
 _PHASES = ("shard_half_written", "before_commit")
 
 
@@ -38,6 +44,7 @@ class Fault:
     signal: str = "SIGKILL"
     errno: str = "EIO"
     times: int = 1
+    how: str = "sigstop"
 
 
 def parse_faults(spec: str) -> list[Fault]:
@@ -62,6 +69,7 @@ def parse_faults(spec: str) -> list[Fault]:
                 signal=fields.pop("signal", "SIGKILL"),
                 errno=fields.pop("errno", "EIO"),
                 times=int(fields.pop("times", "1")),
+                how=fields.pop("how", "sigstop"),
             )
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"{FAULTS_ENV}: {item!r} needs integer rank= and step= ({exc})") from exc
@@ -69,6 +77,8 @@ def parse_faults(spec: str) -> list[Fault]:
             raise ConfigError(f"{FAULTS_ENV}: unknown keys {sorted(fields)} in {item!r}")
         if fault.phase not in _PHASES or not hasattr(signal, fault.signal) or not hasattr(errno, fault.errno):
             raise ConfigError(f"{FAULTS_ENV}: bad phase or signal in {item!r}")
+        if fault.how not in _HOWS:
+            raise ConfigError(f"{FAULTS_ENV}: how= must be one of {', '.join(_HOWS)} in {item!r}")
         faults.append(fault)
     return faults
 
@@ -90,6 +100,8 @@ class FaultInjector:
         for f in self._faults:
             if f.kind == "kill" and f.step == step:
                 self._fire(f)
+            elif f.kind == "hang" and f.step == step:
+                self._hang(f)
 
     def save_phase(self, step: int) -> str | None:
         """The phase of the save of `step` at which this rank is to die (the persister fires it)."""
@@ -105,3 +117,17 @@ class FaultInjector:
     def _fire(self, fault: Fault) -> None:
         self._announce(fault)
         os.kill(os.getpid(), getattr(signal, fault.signal))
+
+    def _hang(self, fault: Fault) -> None:
+        """Never returns by itself: only a signal from outside (the agent's SIGKILL) ends it."""
+        self._announce(fault)
+        if fault.how == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.how == "sleep":
+            libc = ctypes.CDLL(None)
+            while True:
+                libc.sleep(3600)
+        else:
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()

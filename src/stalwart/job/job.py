@@ -15,6 +15,7 @@ CUDA). `steps()` resumes from the newest checkpoint that verifies on every rank,
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import secrets
 import time
@@ -33,6 +34,8 @@ from stalwart.chaos.faults import Fault, FaultInjector
 from stalwart.checkpoint import sharded
 from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.serialize import check_loadable
+from stalwart.detect.hang import HANG_TIMEOUT_ENV, HangTimer, parse_timeout
+from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
 from stalwart.errors import CheckpointMismatchError, ConfigError
 from stalwart.job import lifecycle
 from stalwart.job.dist import Comm, Placement, init_process_group
@@ -80,6 +83,10 @@ class JobConfig:
     """How long a background persist keeps retrying a failing store before that save is given up."""
     storage_options: dict[str, Any] | None = None
     """Passed to fsspec for a checkpoint_dir URL (e.g. {"endpoint_url": ...} for s3://)."""
+    hang_timeout_s: float | None = None
+    """Seconds this worker may go without a heartbeat inside `steps()` before `stalwart run` kills it as hung.
+    None (the default): `stalwart run --hang-timeout`, whose default calibrates it from the step times
+    (detect/hang.py). The first steps after a start and the saves it waits on always get a grace period."""
     allow_world_size_change: bool | None = None
     """Resume a checkpoint written at another world size: replicated objects load from their one copy, per-rank
     objects of rank r from rank r mod the old world size (right only if they are equal on every rank); the data
@@ -94,6 +101,10 @@ class JobConfig:
         for name in ("collective_timeout_s", "persist_timeout_s"):
             if not isinstance(getattr(self, name), int | float) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
+        if self.hang_timeout_s is not None and (
+            not isinstance(self.hang_timeout_s, int | float) or not 0 < self.hang_timeout_s < float("inf")
+        ):
+            raise ConfigError(f"hang_timeout_s must be a positive number of seconds, got {self.hang_timeout_s!r}")
         if self.when_busy not in ("skip", "wait"):
             raise ConfigError(f"when_busy must be 'skip' or 'wait', got {self.when_busy!r}")
         if self.replicated is not None and (
@@ -121,6 +132,15 @@ class Job:
         self.events = EventLog.from_env(rank=self.placement.rank, restart=self.placement.restart_count)
         token = self.comm.broadcast_int(secrets.randbits(48) if self.rank == 0 else 0)
         self._faults = FaultInjector.from_env(self.rank, self.placement.restart_count, self._announce)
+        self._heartbeat = Heartbeat.from_env(self.placement.local_rank)
+        fixed = self.config.hang_timeout_s
+        if fixed is None:
+            try:
+                fixed = parse_timeout(os.environ.get(HANG_TIMEOUT_ENV))
+            except ValueError as exc:
+                raise ConfigError(f"{HANG_TIMEOUT_ENV}: {exc}") from exc
+        self._hang = HangTimer(fixed)
+        self._busy_step = False
         self.checkpointer = Checkpointer(
             self.config.checkpoint_dir,
             self.comm,
@@ -246,10 +266,13 @@ class Job:
         """
         if max_steps < 0:
             raise ConfigError(f"max_steps must be >= 0, got {max_steps}")
+        self._heartbeat.beat(self.step, PHASE_RESUME, self._hang.grace())
         self.resume()
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
         first = True
         while self.step < max_steps:
+            # The heartbeat promises the next one within the step timeout; the agent kills a worker that breaks it.
+            self._heartbeat.beat(self.step, PHASE_STEP, self._hang.step_timeout())
             self._faults.at_step(self.step)
             started = time.monotonic()
             batch = next(iterator, None) if iterator is not None else None
@@ -260,17 +283,37 @@ class Job:
                 break
             yield self.step, batch
             self.step += 1
+            step_s = time.monotonic() - started
+            if not self._busy_step:
+                self._hang.observe(step_s)
+            self._busy_step = False
             if first or self.step % self.config.log_every == 0:
-                self._log_step(time.monotonic() - started)
+                self._log_step(step_s)
                 first = False
             if self.step == max_steps:
                 self.save(wait=True)  # the run's last checkpoint is durable before steps() returns
             elif self.step % self.config.checkpoint_every == 0:
                 self.save()
+        self._heartbeat.beat(self.step, PHASE_DONE, None)  # after the loop the worker is not watched
         if self.state is not JobState.FINISHED:
             self.state = JobState.FINISHED
             if self.is_main:
                 self.events.emit("job_finished", step=self.step)
+
+    @contextlib.contextmanager
+    def busy(self, seconds: float | None = None) -> Iterator[None]:
+        """Mark a long stretch inside a step (an evaluation, a large all-gather) so that the hang detector
+        allows `seconds` (default: the grace period, 300 s) instead of the calibrated step timeout:
+
+            with job.busy():
+                evaluate(model)
+        """
+        self._heartbeat.beat(self.step, PHASE_STEP, seconds if seconds is not None else self._hang.grace())
+        self._busy_step = True  # this step's time says nothing about normal steps: keep it out of calibration
+        try:
+            yield
+        finally:
+            self._heartbeat.beat(self.step, PHASE_STEP, self._hang.step_timeout())
 
     def report(self, **metrics: Any) -> None:
         """Record metrics for the current step (e.g. loss). Tensors are read only when logged, which keeps
@@ -284,6 +327,7 @@ class Job:
         Returns whether a snapshot was taken (False when the previous save is still persisting, see
         docs/checkpoints.md). With `wait`, returns once the checkpoint is committed, and whether it was.
         """
+        self._heartbeat.beat(self.step, PHASE_SAVE, self._hang.grace())  # a save may wait on the store
         state = {
             "step": self.step,
             "objects": {name: obj.state_dict() for name, obj in self._objects.items()},
@@ -299,6 +343,7 @@ class Job:
     def close(self) -> None:
         """Stop the persister and release the process groups this job created (also run at interpreter exit).
         A persist still in flight is abandoned; the final checkpoint of steps() is durable before it returns."""
+        self._heartbeat.close()
         self.checkpointer.close()
         self.comm.close()
         if self._owns_process_group and dist.is_initialized():
@@ -311,7 +356,8 @@ class Job:
         self.events.emit("step_done", step=self.step, step_s=step_s, **metrics)
 
     def _announce(self, fault: Fault) -> None:
-        self.events.emit("fault_injected", fault=fault.kind, step=self.step, phase=fault.phase)
+        extra = {"how": fault.how} if fault.kind == "hang" else {"phase": fault.phase}
+        self.events.emit("fault_injected", fault=fault.kind, step=self.step, **extra)
 
 
 def _check_shapes(name: str, obj: Stateful, saved: Any, source: str) -> None:

@@ -5,18 +5,24 @@ torch elastic does the rendezvous, rank assignment, worker start/monitor/stop an
   one line;
 - a worker that exits with EXIT_USER_ERROR (bad input) stops the job instead of using up the restarts;
 - survivors that exit with EXIT_PEER_LOST or are stopped with SIGTERM are reported as consequences, so the
-  one-line summary names the root cause.
+  one-line summary names the root cause;
+- workers that stop beating on the heartbeat board (detect/heartbeat.py) past their deadline are killed as
+  hung, which turns a hang into the failure the restart path already handles.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from stalwart.detect.heartbeat import Beat, Board
 from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.telemetry.events import EventLog
 
@@ -31,11 +37,25 @@ def signal_name(exitcode: int) -> str | None:
         return f"signal {-exitcode}"
 
 
+def process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat ('R', 'S', 'D', 'T' stopped, 'Z'...), or '?' when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
 class StalwartAgent(LocalElasticAgent):
-    def __init__(self, *, events: EventLog, say: Callable[[str], None], **kwargs: Any) -> None:
+    def __init__(
+        self, *, events: EventLog, say: Callable[[str], None], board: Board | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self._events = events
         self._say = say
+        self._board = board
+        self._pids: dict[int, int] = {}  # local rank -> pid of the current workers
+        self._hung: dict[int, str] = {}  # global rank -> why it was killed as hung
         self.user_error = False
 
     @property
@@ -43,7 +63,11 @@ class StalwartAgent(LocalElasticAgent):
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self._board is not None:
+            self._board.clear()  # beats of the previous round must not count against the new workers
+        self._hung.clear()
         pids = super()._start_workers(worker_group)
+        self._pids = {int(local): int(pid) for local, pid in pids.items()}
         for worker in worker_group.workers:
             self._events.emit(
                 "worker_spawned",
@@ -57,10 +81,54 @@ class StalwartAgent(LocalElasticAgent):
         return pids
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self._board is not None:
+            self._check_hangs(worker_group, self._board)
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._report_failure(result)
         return result
+
+    def _check_hangs(self, worker_group: WorkerGroup, board: Board) -> None:
+        """Kill workers that stopped beating; torch elastic then sees them fail and the usual restart follows.
+
+        A worker past its deadline is stuck, but so is every peer waiting for it in a collective. A worker
+        stopped by a signal is the cause for certain, so when one exists only it is killed (its peers fail
+        when its sockets close). Otherwise every overdue worker is killed: from outside, a deadlock or a sleep
+        in C code looks the same as waiting in a collective, and the whole group restarts either way."""
+        if self._hung:  # acted in this round already: the killed worker's failure restarts the whole group
+            return
+        now = time.monotonic_ns()
+        watched: list[tuple[Any, Beat]] = []
+        for worker in worker_group.workers:
+            beat = board.read(worker.local_rank)
+            if beat is None or beat.pid != self._pids.get(worker.local_rank) or not beat.deadline_ns:
+                continue
+            watched.append((worker, beat))
+        overdue = [(w, b) for w, b in watched if now > b.deadline_ns]
+        if not overdue:
+            return
+        stopped = [(w, b) for w, b in watched if process_state(b.pid) in ("T", "t")]
+        for worker, beat in stopped or overdue:
+            silent = (now - beat.beat_ns) / 1e9
+            timeout = (beat.deadline_ns - beat.beat_ns) / 1e9
+            state = "stopped by a signal" if (worker, beat) in stopped else "no progress"
+            self._events.emit(
+                "hang_detected",
+                rank=worker.global_rank,
+                local_rank=worker.local_rank,
+                worker_pid=beat.pid,
+                step=beat.step,
+                phase=beat.phase_name,
+                silent_s=round(silent, 3),
+                timeout_s=round(timeout, 3),
+                cause=state,
+                restart=self.restart_count,
+            )
+            self._hung[worker.global_rank] = (
+                f"hung at step {beat.step} ({state}; no heartbeat for {silent:.1f} s, timeout {timeout:.1f} s)"
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(beat.pid, signal.SIGKILL)
 
     def _report_failure(self, result: RunResult) -> None:
         causes, consequences = [], []
@@ -73,6 +141,7 @@ class StalwartAgent(LocalElasticAgent):
                 worker_pid=failure.pid,
                 exitcode=failure.exitcode,
                 signal=sig,
+                hung=rank in self._hung,
                 restart=self.restart_count,
             )
             if failure.exitcode == EXIT_USER_ERROR:
@@ -81,6 +150,8 @@ class StalwartAgent(LocalElasticAgent):
                 consequences.append(f"rank {rank} (pid {failure.pid}) stopped")
             elif failure.exitcode == EXIT_PEER_LOST:
                 consequences.append(f"rank {rank} (pid {failure.pid}) lost a peer")
+            elif rank in self._hung:
+                causes.append(f"rank {rank} (pid {failure.pid}) {self._hung[rank]}, killed")
             else:
                 how = f"killed by {sig}" if sig else f"exited with status {failure.exitcode}"
                 causes.append(f"rank {rank} (pid {failure.pid}) {how}")

@@ -15,6 +15,9 @@ What differs from torchrun, and why:
 - Starts, failures and restarts go to a JSONL event log (--event-log), shared with the workers.
 - --max-restarts defaults to 3 (torchrun: 0), unless PET_MAX_RESTARTS is set.
 - With --nnodes MIN:MAX (MIN < MAX) workers are told the world size may change, and resume accordingly.
+- Workers heartbeat to the agent through shared memory; one that stops beating inside the training loop for
+  longer than --hang-timeout (calibrated from step times by default) is killed as hung and the group restarted,
+  instead of its peers waiting out a collective timeout of many minutes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import uuid
 from pathlib import Path
 from typing import Any, NoReturn
 
+from stalwart.detect.hang import HANG_TIMEOUT_ENV, parse_timeout
+from stalwart.detect.heartbeat import HEARTBEAT_ENV, Board
 from stalwart.errors import EXIT_USER_ERROR, ConfigError
 from stalwart.job.lifecycle import AGENT_PID_ENV, ELASTIC_ENV
 from stalwart.telemetry.events import EVENT_LOG_ENV, EventLog
@@ -60,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--event-log",
         default=os.environ.get(EVENT_LOG_ENV, DEFAULT_EVENT_LOG),
         help=f"JSONL event log shared with the workers (default: ${EVENT_LOG_ENV} or {DEFAULT_EVENT_LOG})",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        default=os.environ.get(HANG_TIMEOUT_ENV, "auto"),
+        help="seconds a worker may go without a heartbeat inside the training loop before it is killed as hung "
+        "and the group restarted; 'auto' (default) calibrates it from the step times (3x their 99th percentile, "
+        "at least 2 s, with grace for the first steps and waited saves)",
     )
     if "PET_MAX_RESTARTS" not in os.environ:
         parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
@@ -93,6 +105,10 @@ def _validate(args: argparse.Namespace) -> None:
     nproc = str(args.nproc_per_node)
     if nproc.lstrip("-").isdigit() and int(nproc) < 1:
         raise ConfigError(f"--nproc-per-node must be at least 1, got {nproc}")
+    try:
+        parse_timeout(args.hang_timeout)
+    except ValueError as exc:
+        raise ConfigError(f"--hang-timeout: {exc}") from exc
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
@@ -137,13 +153,7 @@ def _supported(target: Any, **kwargs: Any) -> dict[str, Any]:
 
 def launch(args: argparse.Namespace, say: Any) -> int:
     """Run the agent until the workers succeed or fail for good; returns the process exit status."""
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.run import config_from_args
-
-    from stalwart.supervisor.agent import StalwartAgent
 
     if "LOGLEVEL" not in os.environ:
         # torch elastic logs each failure at length; the agent reports them as one line and an event.
@@ -168,7 +178,35 @@ def launch(args: argparse.Namespace, say: Any) -> int:
     else:
         os.environ.pop(ELASTIC_ENV, None)  # never inherited from an outer launcher
 
+    os.environ[HANG_TIMEOUT_ENV] = str(args.hang_timeout)
     config, cmd, cmd_args = config_from_args(args)  # several nodes must share a run id: keep torchrun's "none"
+    try:
+        board = Board(int(config.nproc_per_node))
+    except OSError as exc:
+        raise ConfigError(f"cannot create the heartbeat board in /dev/shm: {exc.strerror or exc}") from exc
+    os.environ[HEARTBEAT_ENV] = str(board.path)
+    try:
+        return _run_agent(args, config, cmd, cmd_args, events, board, say)
+    finally:
+        board.close()
+
+
+def _run_agent(
+    args: argparse.Namespace,
+    config: Any,
+    cmd: Any,
+    cmd_args: list[str],
+    events: EventLog,
+    board: Board,
+    say: Any,
+) -> int:
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    from stalwart.supervisor.agent import StalwartAgent
+
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = getattr(config, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
     rdzv_parameters = RendezvousParameters(
         backend=config.rdzv_backend,
@@ -215,6 +253,7 @@ def launch(args: argparse.Namespace, say: Any) -> int:
     agent = StalwartAgent(
         events=events,
         say=say,
+        board=board,
         **_supported(
             StalwartAgent.__mro__[1],
             spec=spec,

@@ -1,0 +1,140 @@
+"""Heartbeats from workers to their node agent through a small shared-memory board, not the training collectives.
+
+The agent creates one board per node (a file in /dev/shm) with a slot per local rank and tells the workers its
+path in STALWART_HEARTBEAT. A worker writes its slot at every step boundary: its pid, the step, the phase, the
+time of the beat and the deadline by which it promises to beat again. A beat is a few stores into mapped memory
+(about a microsecond), costs no system call and reaches the agent even while the worker's collectives are stuck.
+
+The agent reads the slots every monitor interval. A watched slot whose deadline has passed belongs to a worker
+that stopped making progress: stopped by a signal, deadlocked, asleep in C code, or blocked in a collective
+behind such a peer. Times are CLOCK_MONOTONIC nanoseconds, which every process on a host shares.
+
+A slot is written seqlock-style (sequence odd while writing, even when done), so the agent never acts on a torn
+slot: it reads again, or skips the slot until the next interval.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+HEARTBEAT_ENV = "STALWART_HEARTBEAT"
+"""Path of the agent's heartbeat board; unset when a worker is not started by `stalwart run`."""
+
+SLOT = struct.Struct("<qqqqqq")  # seq, pid, step, phase, beat_ns, deadline_ns
+SLOT_BYTES = 64
+
+PHASE_NONE, PHASE_RESUME, PHASE_STEP, PHASE_SAVE, PHASE_DONE = range(5)
+PHASES = {PHASE_NONE: "none", PHASE_RESUME: "resume", PHASE_STEP: "step", PHASE_SAVE: "save", PHASE_DONE: "done"}
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """One slot as the agent reads it. `deadline_ns` 0: not watched (outside the training loop)."""
+
+    pid: int
+    step: int
+    phase: int
+    beat_ns: int
+    deadline_ns: int
+
+    @property
+    def phase_name(self) -> str:
+        return PHASES.get(self.phase, str(self.phase))
+
+
+def _map(path: Path, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+class Board:
+    """The agent's side: creates the board, reads slots, clears them before workers (re)start."""
+
+    def __init__(self, slots: int, directory: str | None = None) -> None:
+        base = Path(directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()))
+        self.path = base / f"stalwart-heartbeat-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.slots = slots
+        size = max(slots, 1) * SLOT_BYTES
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        self._map: mmap.mmap | None = _map(self.path, size)
+
+    def clear(self) -> None:
+        """Forget every beat: a restarted worker starts unwatched until its first beat."""
+        if self._map is not None:
+            self._map[:] = bytes(len(self._map))
+
+    def read(self, slot: int) -> Beat | None:
+        """The slot's last complete beat, or None (never written, or being written on both tries)."""
+        if self._map is None or not 0 <= slot < self.slots:
+            return None
+        for _ in range(2):
+            seq, pid, step, phase, beat_ns, deadline_ns = SLOT.unpack_from(self._map, slot * SLOT_BYTES)
+            again = SLOT.unpack_from(self._map, slot * SLOT_BYTES)[0]
+            if seq == again and seq % 2 == 0:
+                return Beat(pid, step, phase, beat_ns, deadline_ns) if seq else None
+        return None
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+class Heartbeat:
+    """The worker's side: `beat()` writes this worker's slot. A no-op when there is no board."""
+
+    def __init__(self, path: str | None, slot: int) -> None:
+        self._map: mmap.mmap | None = None
+        self._offset = slot * SLOT_BYTES
+        self._seq = 0
+        self._pid = os.getpid()
+        if path:
+            with contextlib.suppress(OSError, ValueError):
+                m = _map(Path(path), os.path.getsize(path))
+                if self._offset + SLOT_BYTES <= len(m):
+                    self._map = m
+                else:
+                    m.close()
+
+    @classmethod
+    def from_env(cls, local_rank: int) -> Heartbeat:
+        return cls(os.environ.get(HEARTBEAT_ENV), local_rank)
+
+    @property
+    def active(self) -> bool:
+        return self._map is not None
+
+    def beat(self, step: int, phase: int, timeout_s: float | None) -> None:
+        """Say "at `step`, in `phase`, and I will beat again within `timeout_s`" (None: do not watch me)."""
+        if self._map is None:
+            return
+        now = time.monotonic_ns()
+        deadline = 0 if timeout_s is None else now + int(timeout_s * 1e9)
+        self._seq += 1
+        struct.pack_into("<q", self._map, self._offset, 2 * self._seq - 1)  # odd: being written
+        SLOT.pack_into(self._map, self._offset, 2 * self._seq - 1, self._pid, step, phase, now, deadline)
+        struct.pack_into("<q", self._map, self._offset, 2 * self._seq)
+
+    def close(self) -> None:
+        if self._map is not None:
+            with contextlib.suppress(Exception):
+                self.beat(0, PHASE_DONE, None)
+            self._map.close()
+            self._map = None

@@ -1,0 +1,127 @@
+"""Hang detection: heartbeats on a shared-memory board, calibrated timeouts, and the agent killing a hung rank."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import alive, child_env, tiny_args
+from stalwart.detect import hang
+from stalwart.detect.hang import HangTimer, parse_timeout
+from stalwart.detect.heartbeat import PHASE_STEP, SLOT_BYTES, Board, Heartbeat
+
+
+def test_timer_gives_grace_until_it_has_seen_a_few_steps() -> None:
+    timer = HangTimer()
+    for _ in range(hang.WARMUP_STEPS - 1):
+        timer.observe(0.05)
+        assert timer.step_timeout() == hang.GRACE_S
+    timer.observe(0.05)
+    assert timer.step_timeout() == hang.FLOOR_S, "fast steps get the floor"
+    timer.restart()
+    assert timer.step_timeout() == hang.GRACE_S, "after a resume the first steps are slow again"
+
+
+def test_timer_follows_a_high_percentile_of_step_times() -> None:
+    timer = HangTimer()
+    for i in range(100):
+        timer.observe(10.0 if i in (30, 60) else 1.0)  # two slow steps in a hundred: the 99th percentile
+    assert timer.step_timeout() == pytest.approx(hang.MULTIPLE * 10.0)
+    for _ in range(hang.WINDOW):
+        timer.observe(1.0)
+    assert timer.step_timeout() == pytest.approx(hang.MULTIPLE * 1.0), "old steps leave the window"
+    for _ in range(hang.WINDOW):
+        timer.observe(5000.0)
+    assert timer.step_timeout() == hang.CEILING_S
+
+
+def test_a_fixed_timeout_replaces_calibration_but_not_grace() -> None:
+    timer = HangTimer(fixed_s=7.5)
+    assert timer.step_timeout() == hang.GRACE_S
+    for _ in range(hang.WARMUP_STEPS):
+        timer.observe(0.01)
+    assert timer.step_timeout() == 7.5
+    assert HangTimer(fixed_s=1000.0).grace() == 1000.0
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "soon"])
+def test_bad_timeouts_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_timeout(text)
+    assert parse_timeout("auto") is None and parse_timeout("2.5") == 2.5
+
+
+WRITER = """
+import sys, time
+from stalwart.detect.heartbeat import Heartbeat
+hb = Heartbeat(sys.argv[1], 1)
+assert hb.active
+hb.beat(41, 2, 5.0)
+hb.beat(42, 2, 5.0)
+print(time.monotonic_ns())
+"""
+
+
+def test_beats_cross_processes_and_torn_slots_are_not_read(tmp_path: Path) -> None:
+    board = Board(2, str(tmp_path))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", WRITER, str(board.path)], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        after = int(done.stdout)
+        beat = board.read(1)
+        assert beat is not None and beat.step == 42 and beat.phase == PHASE_STEP and beat.pid > 0
+        assert beat.beat_ns <= after and beat.deadline_ns - beat.beat_ns == 5_000_000_000
+        assert board.read(0) is None, "a slot never written is not a beat"
+        with open(board.path, "r+b") as f:  # a writer caught half-way: odd sequence number
+            f.seek(SLOT_BYTES)
+            f.write(struct.pack("<q", 5))
+        assert board.read(1) is None
+        board.clear()
+        assert board.read(1) is None
+    finally:
+        board.close()
+    assert not board.path.exists(), "the board file is removed"
+    assert not Heartbeat(None, 0).active and not Heartbeat(str(tmp_path / "missing"), 0).active
+
+
+@pytest.mark.parametrize("how", ["sigstop", "sleep", "deadlock"])
+def test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical(launch: Any, how: str) -> None:
+    args = tiny_args("--steps", "24", "--step-sleep", "0.05")
+    reference = launch(args, name="reference")
+    assert reference.wait(120) == 0, reference.output()
+    job = launch(args, name="hang", env=child_env(STALWART_FAULTS=f"hang@rank=1,step=12,how={how}"))
+    assert job.wait(180) == 0, job.output()
+    detected = job.events("hang_detected")
+    assert detected and {e["step"] for e in detected} == {12}
+    if how == "sigstop":  # a stopped process is the cause for certain: only it is killed
+        assert [(e["rank"], e["cause"]) for e in detected] == [(1, "stopped by a signal")]
+    else:  # a deadlock looks like waiting in a collective from outside: every overdue rank goes
+        assert 1 in {e["rank"] for e in detected}
+    assert all(e["silent_s"] >= e["timeout_s"] for e in detected)
+    assert "hung at step 12" in job.output()
+    assert len(job.events("restarting")) == 1
+    results, expected = job.results(), reference.results()
+    assert [results[r]["sha256"] for r in (0, 1)] == [expected[r]["sha256"] for r in (0, 1)]
+    assert [results[r]["seen"] for r in (0, 1)] == [expected[r]["seen"] for r in (0, 1)]
+    assert not [pid for pid in job.worker_pids(restart=0).values() if alive(pid)], "no orphaned worker"
+
+
+def test_a_long_stretch_marked_busy_is_not_a_hang(launch: Any) -> None:
+    job = launch(tiny_args("--steps", "12", "--step-sleep", "0.02", "--busy-at", "8", "--busy-s", "3.0"))
+    assert job.wait(120) == 0, job.output()
+    assert job.events("hang_detected") == [], "job.busy() raises the deadline for its stretch"
+    assert job.events("restarting") == []
+
+
+def test_bad_hang_timeout_is_one_line(launch: Any) -> None:
+    job = launch(["--hang-timeout", "soon", *tiny_args()])
+    assert job.wait(60) == 2
+    out = job.output().strip().splitlines()
+    assert len(out) == 1 and "--hang-timeout" in out[0], out
