@@ -46,7 +46,8 @@ def test_reference_sees_torchrun_environment(reference: dict[int, dict[str, Any]
 def test_sigkill_at_random_step_ends_bitwise_identical(launch: Any, reference: Any, seed: int) -> None:
     rng = random.Random(seed)
     rank, step = rng.randint(0, 1), rng.randint(1, STEPS - 1)
-    args = tiny_args("--steps", str(STEPS), "--when-busy", "skip")  # saves that find one persisting are skipped
+    # Durable checkpoints only: saves that find one persisting are skipped.
+    args = tiny_args("--steps", str(STEPS), "--when-busy", "skip", "--snapshot-every", "0")
     job = launch(args, env=child_env(STALWART_FAULTS=f"kill@rank={rank},step={step}"))
     assert job.wait(120) == 0, job.output()
     failed = job.events("worker_failed")
@@ -60,10 +61,34 @@ def test_sigkill_at_random_step_ends_bitwise_identical(launch: Any, reference: A
     _assert_same_as_reference(job, reference)
 
 
+@pytest.mark.parametrize(
+    "faults",
+    [
+        "kill@rank=1,step=13",  # one rank
+        "kill@rank=0,step=13;kill@rank=1,step=13",  # two ranks at once
+        "kill@rank=1,step=13;kill@rank=0,step=13,restart=1",  # and again as soon as the job has recovered
+        "kill_in_save@rank=1,step=12",  # inside a durable save: memory holds step 12 all the same
+    ],
+)
+def test_memory_tier_resumes_from_the_last_completed_step(launch: Any, reference: Any, faults: str) -> None:
+    job = launch(tiny_args("--steps", str(STEPS)), env=child_env(STALWART_FAULTS=faults))
+    assert job.wait(180) == 0, job.output()
+    resumed = job.events("resumed")
+    restarts = len(job.events("restarting"))
+    assert restarts == faults.count("restart=1") + 1
+    assert resumed and all(e["tier"] == "memory" for e in resumed), resumed
+    steps = {e["step"] for e in resumed}
+    if "kill_in_save" in faults:  # the persister kills the rank while it trains on: at step 12 or later
+        assert len(steps) == 1 and min(steps) >= 12, steps
+    else:
+        assert steps == {13}, "no step lost: the kill came between steps"
+    _assert_same_as_reference(job, reference)
+
+
 @pytest.mark.parametrize(("rank", "phase"), [(1, "shard_half_written"), (0, "before_commit")])
 def test_kill_inside_save_keeps_previous_checkpoint(launch: Any, reference: Any, rank: int, phase: str) -> None:
     fault = f"kill_in_save@rank={rank},step=12,phase={phase}"
-    job = launch(tiny_args("--steps", str(STEPS)), env=child_env(STALWART_FAULTS=fault))
+    job = launch(tiny_args("--steps", str(STEPS), "--snapshot-every", "0"), env=child_env(STALWART_FAULTS=fault))
     assert job.wait(120) == 0, job.output()
     assert [e["step"] for e in job.events("resumed")] == [8, 8], "the interrupted save at step 12 must stay invisible"
     committed = [e["step"] for e in job.events("checkpoint_committed")]

@@ -319,7 +319,7 @@ def test_two_ranks_on_s3_resume_bitwise_identical_after_sigkill(s3: S3, tmp_path
     fault = "kill@rank=1,step=9"
     job = Launch(
         tmp_path / "s3job",
-        tiny_args("--steps", steps, "--ckpt", s3.url(prefix)),  # the later --ckpt wins
+        tiny_args("--steps", steps, "--ckpt", s3.url(prefix), "--snapshot-every", "0"),  # the later --ckpt wins
         child_env(STALWART_FAULTS=fault, **aws_env(s3.endpoint, tmp_path)),
     )
     try:

@@ -85,6 +85,8 @@ class Restored:
     state: dict[str, Any]
     source: str
     bytes: int = 0
+    tier: str = "durable"
+    """Where it came from: "durable" (the checkpoint directory) or "memory" (node shared memory)."""
 
 
 class Checkpointer:
@@ -305,6 +307,14 @@ class Checkpointer:
         self._staging.close()
 
     # -- loading -----------------------------------------------------------------------------------------------
+
+    def newest_committed(self) -> int:
+        """The newest committed step, or -1 (none, or the directory cannot be listed now). Rank 0 only."""
+        try:
+            steps = layout.committed_steps(self.storage)
+        except Exception:
+            return -1
+        return steps[0] if steps else -1
 
     def load_latest(self, *, allow_world_size_change: bool = False) -> Restored | None:
         """Load the newest checkpoint that verifies on every rank; None when there is no checkpoint at all."""

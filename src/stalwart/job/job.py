@@ -32,11 +32,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.chaos.faults import Fault, FaultInjector
 from stalwart.checkpoint import sharded
-from stalwart.checkpoint.manager import Checkpointer
+from stalwart.checkpoint.manager import Checkpointer, Restored
+from stalwart.checkpoint.memory import MemoryTier
 from stalwart.checkpoint.serialize import check_loadable
 from stalwart.detect.hang import HANG_TIMEOUT_ENV, HangTimer, parse_timeout
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
-from stalwart.errors import CheckpointMismatchError, ConfigError
+from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 from stalwart.job import lifecycle
 from stalwart.job.dist import Comm, Placement, init_process_group
 from stalwart.job.rng import capture_rng, restore_rng
@@ -83,6 +84,11 @@ class JobConfig:
     """How long a background persist keeps retrying a failing store before that save is given up."""
     storage_options: dict[str, Any] | None = None
     """Passed to fsspec for a checkpoint_dir URL (e.g. {"endpoint_url": ...} for s3://)."""
+    snapshot_every: int = 1
+    """Under `stalwart run`, copy the training state into node shared memory every this many steps (0: never).
+    Those snapshots outlive a dead worker, so a restart resumes from the newest one held by every rank instead
+    of the durable checkpoint: nothing is read from storage and at most the interrupted step is redone. The
+    cost is one memory copy of this rank's state per snapshot (`snapshot_s` in step_done events)."""
     hang_timeout_s: float | None = None
     """Seconds this worker may go without a heartbeat inside `steps()` before `stalwart run` kills it as hung.
     None (the default): `stalwart run --hang-timeout`, whose default calibrates it from the step times
@@ -101,6 +107,8 @@ class JobConfig:
         for name in ("collective_timeout_s", "persist_timeout_s"):
             if not isinstance(getattr(self, name), int | float) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
+        if not isinstance(self.snapshot_every, int) or self.snapshot_every < 0:
+            raise ConfigError(f"snapshot_every must be an integer >= 0, got {self.snapshot_every!r}")
         if self.hang_timeout_s is not None and (
             not isinstance(self.hang_timeout_s, int | float) or not 0 < self.hang_timeout_s < float("inf")
         ):
@@ -140,6 +148,10 @@ class Job:
             except ValueError as exc:
                 raise ConfigError(f"{HANG_TIMEOUT_ENV}: {exc}") from exc
         self._hang = HangTimer(fixed)
+        self._memory = (
+            MemoryTier.from_env(self.placement.rank, self.placement.world_size) if self.config.snapshot_every else None
+        )
+        self._snapshot_s = 0.0
         self._busy_step = False
         self.checkpointer = Checkpointer(
             self.config.checkpoint_dir,
@@ -200,7 +212,7 @@ class Job:
         allow = self.config.allow_world_size_change
         if allow is None:
             allow = os.environ.get(lifecycle.ELASTIC_ENV) == "1"
-        restored = self.checkpointer.load_latest(allow_world_size_change=allow)
+        restored = self._load_from_memory() or self.checkpointer.load_latest(allow_world_size_change=allow)
         self.state = JobState.RUNNING
         if restored is None:
             self.events.emit("fresh_start")
@@ -234,10 +246,43 @@ class Job:
                     f"{restored.world_size}, which is right only if they are the same on every rank",
                     stacklevel=2,
                 )
-        self.step = self.resumed_from = self._last_saved = restored.step
+        self.step = self.resumed_from = restored.step
+        self._last_saved = restored.step if restored.tier == "durable" else None
         seconds = time.monotonic() - started
-        self.events.emit("resumed", step=restored.step, source=restored.source, bytes=restored.bytes, seconds=seconds)
+        self.events.emit(
+            "resumed",
+            step=restored.step,
+            source=restored.source,
+            tier=restored.tier,
+            bytes=restored.bytes,
+            seconds=seconds,
+        )
         return self.step
+
+    def _load_from_memory(self) -> Restored | None:
+        """The newest snapshot every rank holds in node memory, if it is at least as new as the newest durable
+        checkpoint; None otherwise. Collective: every rank calls it, with or without a memory tier."""
+        mine = self._memory.steps() if self._memory is not None else []
+        newest_durable = self.checkpointer.newest_committed() if self.rank == 0 else -1
+        slots = [*mine, -1, -1][:2]
+        gathered = self.comm.all_gather_ints([*slots, newest_durable])
+        held = [{s for s in g[:2] if s >= 0} for g in gathered]
+        common = set.intersection(*held) if held else set()
+        step = max(common, default=-1)
+        if step < 0 or step < gathered[0][2]:
+            return None
+        snapshot, problem = None, ""
+        try:
+            assert self._memory is not None
+            snapshot = self._memory.load(step)
+        except CheckpointCorruptError as exc:
+            problem = str(exc)
+        if not all(v[0] for v in self.comm.all_gather_ints([int(snapshot is not None)])):
+            self.events.emit("memory_snapshot_unusable", step=step, error=problem or "another rank's is not whole")
+            return None
+        assert snapshot is not None
+        where = f"node memory (step {step})"
+        return Restored(step, self.world_size, snapshot.state, where, snapshot.bytes, tier="memory")
 
     def _replicated_names(self) -> frozenset[str]:
         """The tracked objects written once for all ranks (see JobConfig.replicated)."""
@@ -287,6 +332,8 @@ class Job:
             if not self._busy_step:
                 self._hang.observe(step_s)
             self._busy_step = False
+            if self._memory is not None and self.step % self.config.snapshot_every == 0:
+                self._snapshot_s, _ = self._memory.snapshot(self.step, self._state())
             if first or self.step % self.config.log_every == 0:
                 self._log_step(step_s)
                 first = False
@@ -328,22 +375,27 @@ class Job:
         docs/checkpoints.md). With `wait`, returns once the checkpoint is committed, and whether it was.
         """
         self._heartbeat.beat(self.step, PHASE_SAVE, self._hang.grace())  # a save may wait on the store
-        state = {
+        self.checkpointer.poll()
+        taken = self.checkpointer.save(self.step, self._state(), wait=wait)
+        if taken:
+            self._last_saved = self.step
+        return taken
+
+    def _state(self) -> dict[str, Any]:
+        """The full training state of this rank, as checkpoints and memory snapshots hold it."""
+        return {
             "step": self.step,
             "objects": {name: obj.state_dict() for name, obj in self._objects.items()},
             "rng": capture_rng(),
             "world_size": self.world_size,
         }
-        self.checkpointer.poll()
-        taken = self.checkpointer.save(self.step, state, wait=wait)
-        if taken:
-            self._last_saved = self.step
-        return taken
 
     def close(self) -> None:
         """Stop the persister and release the process groups this job created (also run at interpreter exit).
         A persist still in flight is abandoned; the final checkpoint of steps() is durable before it returns."""
         self._heartbeat.close()
+        if self._memory is not None:
+            self._memory.close()
         self.checkpointer.close()
         self.comm.close()
         if self._owns_process_group and dist.is_initialized():
@@ -353,6 +405,8 @@ class Job:
 
     def _log_step(self, step_s: float) -> None:
         metrics = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in self._metrics.items()}
+        if self._memory is not None:
+            metrics["snapshot_s"] = self._snapshot_s
         self.events.emit("step_done", step=self.step, step_s=step_s, **metrics)
 
     def _announce(self, fault: Fault) -> None:

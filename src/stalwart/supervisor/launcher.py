@@ -32,6 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any, NoReturn
 
+from stalwart.checkpoint.memory import SNAPSHOT_DIR_ENV
 from stalwart.detect.hang import HANG_TIMEOUT_ENV, parse_timeout
 from stalwart.detect.heartbeat import HEARTBEAT_ENV, Board
 from stalwart.errors import EXIT_USER_ERROR, ConfigError
@@ -180,15 +181,37 @@ def launch(args: argparse.Namespace, say: Any) -> int:
 
     os.environ[HANG_TIMEOUT_ENV] = str(args.hang_timeout)
     config, cmd, cmd_args = config_from_args(args)  # several nodes must share a run id: keep torchrun's "none"
+    _remove_stale_shared_memory()
     try:
         board = Board(int(config.nproc_per_node))
     except OSError as exc:
         raise ConfigError(f"cannot create the heartbeat board in /dev/shm: {exc.strerror or exc}") from exc
     os.environ[HEARTBEAT_ENV] = str(board.path)
+    snapshots = board.path.with_name(board.path.name.replace("heartbeat", "snapshots"))
     try:
+        snapshots.mkdir(mode=0o700)
+        os.environ[SNAPSHOT_DIR_ENV] = str(snapshots)
         return _run_agent(args, config, cmd, cmd_args, events, board, say)
     finally:
         board.close()
+        shutil.rmtree(snapshots, ignore_errors=True)  # the memory tier lives exactly as long as the agent
+
+
+def _remove_stale_shared_memory() -> None:
+    """Heartbeat boards and memory-tier directories left in /dev/shm by launchers that were SIGKILLed."""
+    for entry in Path("/dev/shm").glob("stalwart-*-*-*"):
+        parts = entry.name.split("-")
+        if len(parts) < 4 or parts[1] not in ("heartbeat", "snapshots") or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def _run_agent(

@@ -1,0 +1,220 @@
+"""The memory tier: each rank's latest snapshots in node shared memory that outlives the worker process (L2).
+
+`stalwart run` gives every worker a directory in /dev/shm (STALWART_SNAPSHOT_DIR) that the agent removes when it
+exits. A worker keeps two slot files there, `rank<R>.slot0` and `rank<R>.slot1`, and writes each snapshot into
+the older one, so a worker killed in the middle of a snapshot still leaves the previous one whole. After a
+restart the ranks agree on the newest step that every rank holds in one of its slots; since a rank is never more
+than one step ahead of its peers (a step ends with collectives), two slots always contain a common step. If that
+step is at least as new as the newest durable checkpoint, the job resumes from memory: no storage read, and at
+most the step that was interrupted is redone.
+
+A slot file is a 64-byte header, the request-like table of contents (skeleton and tensor table, JSON) and the
+tensor bytes. The header's `valid` word is cleared before anything else is written and set last, together with
+the step; a torn snapshot is therefore never loaded. There is no checksum: the bytes never leave this node's
+memory, and hashing every step would cost more than the copy (durable checkpoints carry xxh3).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stalwart.checkpoint.serialize import TensorItem, dtype_from_name, dtype_name, flatten, unflatten
+from stalwart.checkpoint.staging import aligned
+from stalwart.errors import CheckpointCorruptError
+
+SNAPSHOT_DIR_ENV = "STALWART_SNAPSHOT_DIR"
+"""Set by `stalwart run`: the node's shared-memory directory for the memory tier."""
+
+MAGIC = 0x5354_414C_5741_5254  # "STALWART"
+HEADER = struct.Struct("<QqqqqqQQ")  # magic, valid, step, rank, world_size, toc_len, data_offset, data_len
+HEADER_BYTES = 64
+PAGE = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySnapshot:
+    step: int
+    state: dict[str, Any]
+    bytes: int
+    slot: int
+
+
+class _Slot:
+    """One slot file, mapped while this process lives; grows when the state does."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._map: mmap.mmap | None = None
+        self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}
+        self._buf: torch.Tensor | None = None
+
+    def header(self) -> tuple[int, ...] | None:
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(HEADER_BYTES)
+        except OSError:
+            return None
+        if len(raw) < HEADER.size:
+            return None
+        fields = HEADER.unpack_from(raw)
+        return fields if fields[0] == MAGIC and fields[1] == 1 else None
+
+    def ensure(self, size: int) -> mmap.mmap:
+        if self._map is not None and len(self._map) >= size:
+            return self._map
+        self.close()
+        size = aligned(int(size * 1.1) + PAGE, PAGE)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            else:
+                size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._buf = torch.frombuffer(self._map, dtype=torch.uint8)
+        return self._map
+
+    def view(self, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        key = (offset, dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            assert self._buf is not None
+            view = self._buf[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+            self._views[key] = view
+        return view
+
+    def close(self) -> None:
+        self._views.clear()
+        self._buf = None
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
+
+
+class MemoryTier:
+    """This rank's two snapshot slots in the node's shared-memory directory."""
+
+    def __init__(self, directory: str | os.PathLike[str], rank: int, world_size: int) -> None:
+        self.directory = Path(directory)
+        self.rank = rank
+        self.world_size = world_size
+        self._slots = [_Slot(self.directory / f"rank{rank:05d}.slot{i}") for i in (0, 1)]
+        self._toc_cache: tuple[Any, bytes] | None = None
+
+    @classmethod
+    def from_env(cls, rank: int, world_size: int) -> MemoryTier | None:
+        directory = os.environ.get(SNAPSHOT_DIR_ENV)
+        if not directory or not os.path.isdir(directory):
+            return None
+        return cls(directory, rank, world_size)
+
+    def steps(self) -> list[int]:
+        """The steps this rank holds whole, newest first (for this rank and world size only)."""
+        found = []
+        for slot in self._slots:
+            h = slot.header()
+            if h is not None and h[3] == self.rank and h[4] == self.world_size:
+                found.append(int(h[2]))
+        return sorted(found, reverse=True)
+
+    def snapshot(self, step: int, state: dict[str, Any]) -> tuple[float, int]:
+        """Copy `state` into the older slot; returns (seconds, bytes). The whole cost is this copy."""
+        started = time.perf_counter()
+        skeleton, items = flatten(state, self.rank, frozenset())
+        table, total = [], 0
+        for item in items:
+            table.append((item, total))
+            total = aligned(total + item.nbytes)
+        toc = self._toc(skeleton, table)
+        data_offset = aligned(HEADER_BYTES + len(toc), PAGE)
+        target = self._older()
+        m = target.ensure(data_offset + total)
+        HEADER.pack_into(m, 0, MAGIC, 0, -1, self.rank, self.world_size, 0, 0, 0)  # invalid while writing
+        m[HEADER_BYTES : HEADER_BYTES + len(toc)] = toc
+        with torch.no_grad():
+            for item, offset in table:
+                target.view(data_offset + offset, item.tensor.dtype, item.tensor.shape).copy_(item.tensor)
+        HEADER.pack_into(m, 0, MAGIC, 1, step, self.rank, self.world_size, len(toc), data_offset, total)
+        return time.perf_counter() - started, total
+
+    def _older(self) -> _Slot:
+        headers = [s.header() for s in self._slots]
+        steps = [h[2] if h is not None else -1 for h in headers]
+        return self._slots[0] if steps[0] <= steps[1] else self._slots[1]
+
+    def _toc(self, skeleton: Any, table: list[tuple[TensorItem, int]]) -> bytes:
+        """The table of contents; pickling the skeleton is skipped when it equals the previous snapshot's."""
+        if self._toc_cache is not None and self._toc_cache[0] == (skeleton, [(i.id, o) for i, o in table]):
+            return self._toc_cache[1]
+        buf = io.BytesIO()
+        torch.save(skeleton, buf)
+        toc = json.dumps(
+            {
+                "skeleton": base64.b64encode(buf.getvalue()).decode("ascii"),
+                "tensors": {i.id: [o, i.nbytes, dtype_name(i.tensor.dtype), list(i.tensor.shape)] for i, o in table},
+            }
+        ).encode()
+        self._toc_cache = ((skeleton, [(i.id, o) for i, o in table]), toc)
+        return toc
+
+    def load(self, step: int) -> MemorySnapshot:
+        """The state of `step` from whichever slot holds it; CheckpointCorruptError if it is not whole."""
+        for index, slot in enumerate(self._slots):
+            h = slot.header()
+            if h is not None and h[2] == step and h[3] == self.rank:
+                return _read_slot(slot.path, h, step, index)
+        raise CheckpointCorruptError(f"no memory slot holds step {step}")
+
+    def close(self) -> None:
+        for slot in self._slots:
+            slot.close()
+
+
+def _read_slot(path: Path, header: tuple[int, ...], step: int, index: int) -> MemorySnapshot:
+    _, _, _, _, _, toc_len, data_offset, data_len = header
+    data = bytearray(data_len)
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        toc_raw = f.read(toc_len)
+        f.seek(data_offset)
+        got = f.readinto(data)
+        f.seek(0)
+        again = HEADER.unpack_from(f.read(HEADER_BYTES))
+    if got != data_len or again[1:3] != (1, step):  # overwritten while we read
+        raise CheckpointCorruptError(f"the memory snapshot of step {step} changed while it was read")
+    try:
+        toc = json.loads(toc_raw)
+        table: dict[str, list[Any]] = toc["tensors"]
+        skeleton = torch.load(io.BytesIO(base64.b64decode(toc["skeleton"])), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointCorruptError(f"the memory snapshot of step {step} cannot be read: {exc}") from exc
+
+    def fetch(tid: str) -> torch.Tensor:
+        entry = table.get(tid)
+        if entry is None:
+            raise CheckpointCorruptError(f"tensor {tid} is missing from the memory snapshot")
+        offset, nbytes, dtype_text, shape = entry
+        dtype = dtype_from_name(dtype_text)
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype, offset=offset, count=nbytes // dtype.itemsize).reshape(shape)
+
+    state = unflatten(skeleton, fetch)
+    if not isinstance(state, dict) or "objects" not in state:
+        raise CheckpointCorruptError(f"the memory snapshot of step {step} is not a stalwart state")
+    return MemorySnapshot(step, state, data_len, index)
