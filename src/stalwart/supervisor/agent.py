@@ -6,6 +6,7 @@ torch elastic does the rendezvous, rank assignment, worker start/monitor/stop an
 - a worker that exits with EXIT_USER_ERROR (bad input) stops the job instead of using up the restarts;
 - survivors that exit with EXIT_PEER_LOST or are stopped with SIGTERM are reported as consequences, so the
   one-line summary names the root cause;
+- with a pool of hot spares (spares.py), workers are (re)started in processes that already imported torch;
 - workers that stop beating on the heartbeat board (detect/heartbeat.py) past their deadline are killed as
   hung, which turns a hang into the failure the restart path already handles.
 """
@@ -24,6 +25,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from stalwart.detect.heartbeat import Beat, Board
 from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
+from stalwart.supervisor.spares import SparePool, spawning_into
 from stalwart.telemetry.events import EventLog
 
 
@@ -48,12 +50,19 @@ def process_state(pid: int) -> str:
 
 class StalwartAgent(LocalElasticAgent):
     def __init__(
-        self, *, events: EventLog, say: Callable[[str], None], board: Board | None = None, **kwargs: Any
+        self,
+        *,
+        events: EventLog,
+        say: Callable[[str], None],
+        board: Board | None = None,
+        spares: SparePool | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._events = events
         self._say = say
         self._board = board
+        self._spares = spares
         self._pids: dict[int, int] = {}  # local rank -> pid of the current workers
         self._hung: dict[int, str] = {}  # global rank -> why it was killed as hung
         self.user_error = False
@@ -66,7 +75,15 @@ class StalwartAgent(LocalElasticAgent):
         if self._board is not None:
             self._board.clear()  # beats of the previous round must not count against the new workers
         self._hung.clear()
-        pids = super()._start_workers(worker_group)
+        taken = self._spares.take(worker_group.spec.local_world_size) if self._spares is not None else None
+        from_spares: set[int] = set()
+        if taken is not None:
+            with spawning_into(taken, lambda rank, spare: from_spares.add(spare.proc.pid)):
+                pids = super()._start_workers(worker_group)
+        else:
+            pids = super()._start_workers(worker_group)
+            if self._spares is not None:
+                self._spares.schedule_refill()  # after the start, so spares do not slow it down
         self._pids = {int(local): int(pid) for local, pid in pids.items()}
         for worker in worker_group.workers:
             self._events.emit(
@@ -77,12 +94,15 @@ class StalwartAgent(LocalElasticAgent):
                 world_size=worker.world_size,
                 restart=self.restart_count,
                 master=f"{worker_group.master_addr}:{worker_group.master_port}",
+                spare=pids[worker.local_rank] in from_spares,
             )
         return pids
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._board is not None:
             self._check_hangs(worker_group, self._board)
+        if self._spares is not None:
+            self._spares.maintain()
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._report_failure(result)

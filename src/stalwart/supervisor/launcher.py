@@ -37,10 +37,12 @@ from stalwart.detect.hang import HANG_TIMEOUT_ENV, parse_timeout
 from stalwart.detect.heartbeat import HEARTBEAT_ENV, Board
 from stalwart.errors import EXIT_USER_ERROR, ConfigError
 from stalwart.job.lifecycle import AGENT_PID_ENV, ELASTIC_ENV
+from stalwart.supervisor.spares import SparePool
 from stalwart.telemetry.events import EVENT_LOG_ENV, EventLog
 
 DEFAULT_EVENT_LOG = "stalwart-logs/events.jsonl"
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+SPARES_ENV = "STALWART_SPARES"
 DEFAULT_MAX_RESTARTS = 3
 """torchrun's default is 0, which turns any failure into a failed job; a resilience launcher should restart."""
 
@@ -73,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a worker may go without a heartbeat inside the training loop before it is killed as hung "
         "and the group restarted; 'auto' (default) calibrates it from the step times (3x their 99th percentile, "
         "at least 2 s, with grace for the first steps and waited saves)",
+    )
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=int(os.environ.get(SPARES_ENV, "0")),
+        help="hot spare processes this agent keeps ready (torch imported); a restart with at least "
+        "--nproc-per-node of them ready runs the workers in them instead of new interpreters (default 0)",
     )
     if "PET_MAX_RESTARTS" not in os.environ:
         parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
@@ -110,6 +119,12 @@ def _validate(args: argparse.Namespace) -> None:
         parse_timeout(args.hang_timeout)
     except ValueError as exc:
         raise ConfigError(f"--hang-timeout: {exc}") from exc
+    if args.spares < 0:
+        raise ConfigError(f"--spares must be >= 0, got {args.spares}")
+    if args.spares and args.no_python:
+        raise ConfigError(
+            "--spares runs Python scripts in pre-started interpreters; it cannot be used with --no-python"
+        )
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
@@ -188,11 +203,13 @@ def launch(args: argparse.Namespace, say: Any) -> int:
         raise ConfigError(f"cannot create the heartbeat board in /dev/shm: {exc.strerror or exc}") from exc
     os.environ[HEARTBEAT_ENV] = str(board.path)
     snapshots = board.path.with_name(board.path.name.replace("heartbeat", "snapshots"))
+    pool = SparePool(args.spares, events)
     try:
         snapshots.mkdir(mode=0o700)
         os.environ[SNAPSHOT_DIR_ENV] = str(snapshots)
-        return _run_agent(args, config, cmd, cmd_args, events, board, say)
+        return _run_agent(args, config, cmd, cmd_args, events, board, pool, say)
     finally:
+        pool.close()
         board.close()
         shutil.rmtree(snapshots, ignore_errors=True)  # the memory tier lives exactly as long as the agent
 
@@ -221,6 +238,7 @@ def _run_agent(
     cmd_args: list[str],
     events: EventLog,
     board: Board,
+    pool: SparePool,
     say: Any,
 ) -> int:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -277,6 +295,7 @@ def _run_agent(
         events=events,
         say=say,
         board=board,
+        spares=pool if pool.target else None,
         **_supported(
             StalwartAgent.__mro__[1],
             spec=spec,

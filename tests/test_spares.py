@@ -1,0 +1,49 @@
+"""Hot spares: a restart runs the workers in pre-started interpreters, and ends as a run without failures would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from conftest import alive, child_env, tiny_args
+
+# Long enough for the pool to fill (5 s after the first start, then the spares import torch) before the fault.
+ARGS = ("--steps", "240", "--every", "50", "--num-samples", "3000", "--step-sleep", "0.06")
+FAULT_STEP = 200
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    from conftest import Launch
+
+    job = Launch(tmp_path_factory.mktemp("spares-reference"), tiny_args(*ARGS[:6]), child_env())
+    try:
+        assert job.wait(180) == 0, job.output()
+        return job.results()
+    finally:
+        job.reap()
+
+
+@pytest.mark.parametrize("fault", [f"kill@rank=1,step={FAULT_STEP}", f"hang@rank=0,step={FAULT_STEP}"])
+def test_restart_runs_in_spares_and_ends_bitwise_identical(launch: Any, reference: Any, fault: str) -> None:
+    job = launch(["--spares", "2", *tiny_args(*ARGS)], env=child_env(STALWART_FAULTS=fault))
+    assert job.wait(240) == 0, job.output()
+    spawned = job.events("worker_spawned")
+    assert [e["spare"] for e in spawned if e["restart"] == 0] == [False, False]
+    assert [e["spare"] for e in spawned if e["restart"] == 1] == [True, True], "the restart used the spares"
+    resumed = job.events("resumed")
+    assert {(e["step"], e["tier"]) for e in resumed} == {(FAULT_STEP, "memory")}, "no step lost"
+    results = job.results()
+    for rank in (0, 1):
+        assert results[rank]["sha256"] == reference[rank]["sha256"], "parameters differ from the fault-free run"
+        assert results[rank]["seen"] == reference[rank]["seen"]
+    spare_pids = [pid for e in job.events("spares_started") for pid in e["spare_pids"]]
+    assert len(spare_pids) >= 2
+    assert not [pid for pid in spare_pids if alive(pid)], "no spare outlives the launcher"
+
+
+def test_spares_with_no_python_is_refused(launch: Any) -> None:
+    job = launch(["--spares", "1", "--no-python", "true"])
+    assert job.wait(60) == 2
+    assert "--spares" in job.output() and "Traceback" not in job.output()
