@@ -86,7 +86,14 @@ def _run(console: Console, title: str, run: JobRun, args: argparse.Namespace) ->
                 last_printed[0] = step
                 console.print(f"  {title}: step {step}/{run.steps}")
 
-        run_job(run, nproc=2, checkpoint_every=args.checkpoint_every, timeout_s=args.timeout, on_step=on_step)
+        run_job(
+            run,
+            nproc=2,
+            checkpoint_every=args.checkpoint_every,
+            timeout_s=args.timeout,
+            on_step=on_step,
+            spares=2 if run.kill_at is not None else 0,  # the faulty run recovers into hot spares
+        )
     if run.exitcode != 0:
         tail = run.log.read_text(errors="replace").splitlines()[-15:]
         sys.stderr.write("\n".join(tail) + "\n")
@@ -99,7 +106,8 @@ def _print(console: Console, s: Summary) -> None:
     table = Table(title="stalwart demo summary", show_header=False)
     table.add_row("failures (worker SIGKILLed)", str(s.failures))
     table.add_row("killed after step", str(s.kill_step))
-    table.add_row("resumed from checkpoint at step", str(s.resumed_from))
+    table.add_row("resumed at step", f"{s.resumed_from} (from {s.resumed_tier or 'n/a'})")
+    table.add_row("restarted into hot spares", "yes" if s.into_spares else "no")
     table.add_row("steps lost", str(s.steps_lost))
     k2s = f"{s.kill_to_step_s:.2f} s" if s.kill_to_step_s is not None else "n/a"
     table.add_row("kill to next completed step", k2s)

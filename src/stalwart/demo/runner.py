@@ -45,10 +45,11 @@ def run_job(
     checkpoint_every: int,
     timeout_s: float,
     on_step: Callable[[int], None],
+    spares: int = 0,
 ) -> JobRun:
     run.out.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "stalwart", "run",
+        sys.executable, "-m", "stalwart", "run", "--spares", str(spares),
         "--nproc-per-node", str(nproc), "--max-restarts", "3", "--event-log", str(run.event_log),
         "-m", "stalwart.demo.train",
         "--out", str(run.out), "--steps", str(run.steps), "--checkpoint-every", str(checkpoint_every),

@@ -21,6 +21,8 @@ class Summary:
     resumed_from: int | None
     faulty_run_s: float
     reference_run_s: float
+    resumed_tier: str | None = None
+    into_spares: bool = False
 
     def as_json(self) -> str:
         return json.dumps(asdict(self))
@@ -32,12 +34,17 @@ def summarize(faulty: JobRun, reference: JobRun) -> Summary:
     failures = sum(1 for e in ev if e["event"] in ("restarting", "job_stopped"))
     kill_to_step = steps_lost = resumed = None
     kill_step = None
+    tier: str | None = None
+    spares = False
     if kill is not None:
         kill_step = max(e["step"] for e in ev if e["event"] == "step_done" and e["mono"] <= kill["mono"])
         after = [e for e in ev if e["event"] == "step_done" and e["restart"] > 0]
         if after:
             kill_to_step = min(e["mono"] for e in after) - kill["mono"]
         resumes = [e["step"] for e in ev if e["event"] == "resumed" and e["restart"] > 0]
+        tiers = {str(e.get("tier")) for e in ev if e["event"] == "resumed" and e["restart"] > 0}
+        tier = "node memory" if tiers == {"memory"} else "durable checkpoint" if tiers == {"durable"} else None
+        spares = any(e["event"] == "worker_spawned" and e["restart"] > 0 and e.get("spare") for e in ev)
         fresh = any(e["event"] == "fresh_start" and e["restart"] > 0 for e in ev)
         resumed = min(resumes) if resumes else (0 if fresh else None)
         if resumed is not None:
@@ -61,4 +68,6 @@ def summarize(faulty: JobRun, reference: JobRun) -> Summary:
         resumed_from=resumed,
         faulty_run_s=faulty.seconds,
         reference_run_s=reference.seconds,
+        resumed_tier=tier,
+        into_spares=spares,
     )
