@@ -54,7 +54,7 @@ def test_a_snapshot_torn_by_a_dying_writer_is_never_listed(tmp_path: Path) -> No
     tier = MemoryTier(tmp_path, rank=0, world_size=1)
     tier.snapshot(7, _state(7))
     tier.snapshot(8, _state(8))
-    path = tmp_path / f"rank00000.slot{tier.load(8).slot}"
+    path = tmp_path / f"local00000.slot{tier.load(8).slot}"
     with open(path, "r+b") as f:  # what a writer killed mid-copy leaves: the valid word cleared
         f.seek(8)
         f.write(struct.pack("<q", 0))
@@ -76,3 +76,29 @@ def test_snapshots_outlive_the_process_that_wrote_them(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     got = MemoryTier(tmp_path, 0, 1).load(4)
     assert torch.equal(got.state["objects"]["m"]["w"], torch.full((3,), 4.0))
+
+
+def test_replicated_objects_are_split_between_local_ranks(tmp_path: Path) -> None:
+    """Each of two local ranks copies half of a replicated object; each restores all of it from both slots."""
+    replicated = frozenset({"m"})
+    tiers = [MemoryTier(tmp_path, rank=r, world_size=2, local_rank=r, local_world_size=2) for r in (0, 1)]
+    full = MemoryTier(tmp_path / "alone", rank=0, world_size=1)
+    (tmp_path / "alone").mkdir()
+
+    def state(rank: int) -> dict:
+        s = _state(3)
+        s["objects"]["mine"] = {"r": torch.full((4,), float(rank))}  # per-rank state stays per rank
+        return s
+
+    _, whole = full.snapshot(3, state(0), replicated)
+    copied = [tier.snapshot(3, state(tier.rank), replicated)[1] for tier in tiers]
+    assert all(0 < c < whole for c in copied), "each local rank copies only its share of the replicated object"
+    for tier in tiers:
+        got = tier.load(3).state["objects"]
+        for key in ("w", "t"):
+            assert torch.equal(got["m"][key], _state(3)["objects"]["m"][key])
+        assert torch.equal(got["mine"]["r"], torch.full((4,), float(tier.rank)))
+    (tmp_path / "local00001.slot0").unlink()  # a peer's slot gone: the replicated half is missing, loudly
+    (tmp_path / "local00001.slot1").unlink(missing_ok=True)
+    with pytest.raises(CheckpointCorruptError):
+        tiers[0].load(3)

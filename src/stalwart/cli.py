@@ -13,7 +13,8 @@ commands:
   run      launch a training script with torchrun's flags; restart workers on failure
   demo     train a small GPT on 2 CPU ranks, kill a worker, recover, and compare with a clean run
   ckpt     list, verify or inspect a checkpoint directory
-  bench    measure on this machine: 'bench checkpoint' compares stalwart with torch.save and DCP
+  bench    measure on this machine: 'bench checkpoint' compares stalwart with torch.save and DCP,
+           'bench recovery' with torchrun (and torchft when installed)
   version  print stalwart's version
 
 'stalwart <command> --help' describes each command."""

@@ -149,10 +149,15 @@ class Job:
                 raise ConfigError(f"{HANG_TIMEOUT_ENV}: {exc}") from exc
         self._hang = HangTimer(fixed)
         self._memory = (
-            MemoryTier.from_env(self.placement.rank, self.placement.world_size) if self.config.snapshot_every else None
+            MemoryTier.from_env(
+                self.placement.rank, self.placement.world_size, self.placement.local_rank, _local_world_size()
+            )
+            if self.config.snapshot_every
+            else None
         )
         self._snapshot_s = 0.0
         self._busy_step = False
+        self._saved_once = False
         self.checkpointer = Checkpointer(
             self.config.checkpoint_dir,
             self.comm,
@@ -333,7 +338,7 @@ class Job:
                 self._hang.observe(step_s)
             self._busy_step = False
             if self._memory is not None and self.step % self.config.snapshot_every == 0:
-                self._snapshot_s, _ = self._memory.snapshot(self.step, self._state())
+                self._snapshot_s, _ = self._memory.snapshot(self.step, self._state(), self.checkpointer.replicated)
             if first or self.step % self.config.log_every == 0:
                 self._log_step(step_s)
                 first = False
@@ -374,7 +379,11 @@ class Job:
         Returns whether a snapshot was taken (False when the previous save is still persisting, see
         docs/checkpoints.md). With `wait`, returns once the checkpoint is committed, and whether it was.
         """
-        self._heartbeat.beat(self.step, PHASE_SAVE, self._hang.grace())  # a save may wait on the store
+        # A save that may wait on the store (waited, or the first: staging is allocated) gets the grace period;
+        # any other stalls only for a memory copy and keeps the step timeout, so a hang in it is still caught.
+        waits = wait or self.config.when_busy == "wait" or not self._saved_once
+        self._heartbeat.beat(self.step, PHASE_SAVE, self._hang.grace() if waits else self._hang.step_timeout())
+        self._saved_once = True
         self.checkpointer.poll()
         taken = self.checkpointer.save(self.step, self._state(), wait=wait)
         if taken:
@@ -425,6 +434,12 @@ def _check_shapes(name: str, obj: Stateful, saved: Any, source: str) -> None:
                 f"checkpoint {source} does not fit tracked object {name!r}: {key} has shape "
                 f"{tuple(old.shape)} in the checkpoint and {tuple(current.shape)} in the model"
             )
+
+
+def _local_world_size() -> int:
+    """LOCAL_WORLD_SIZE as torchrun and `stalwart run` set it; 1 when launched otherwise."""
+    text = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return int(text) if text.isdigit() and int(text) > 0 else 1
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,0 +1,401 @@
+"""`stalwart bench recovery`: the same 2-worker gloo job under torchrun, torchft and stalwart, failed the same way.
+
+For each system, in one invocation:
+- kills: the job (recovery_job.py) runs a fixed number of steps while rank 1 is SIGKILLed from outside at random
+  steps, one failure at a time; for each kill: seconds from the kill to the next completed step, steps lost
+  (the last step completed before the kill minus the step the job resumed from), and the survivor's stall
+  (rank 0's first completed step after the kill). The final parameters are compared with a fault-free run.
+- hang: rank 1 is SIGSTOPped; the seconds until the system reports it (a `hang_detected` event), or null if it
+  does not within `--hang-wait` seconds.
+- goodput: the job runs `--goodput-seconds` with rank 1 killed every `--kill-every` seconds; goodput is the step
+  time of the steps in the final history (a redone step counts once) over the wall time.
+torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (without it, restarted workers can hang on stale gloo
+addresses); `--stock-trials` single-kill runs of stock torchrun report how often it recovers at all. torchft is
+measured only if it is installed; otherwise its entries are null with a note. Every process the bench starts is
+ended by it, by pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stalwart.telemetry.events import EventLog
+
+Progress = Callable[[str], None]
+NPROC = 2
+
+
+class BenchError(Exception):
+    """A measurement could not be taken (a job failed or timed out); one line for the user."""
+
+
+@dataclass
+class Run:
+    """One launch of the bench job under one system, watched through its event log."""
+
+    system: str
+    workdir: Path
+    steps: int
+    spares: int = 2
+    stock: bool = False
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    offset: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "events.jsonl"
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
+        env.update(STALWART_EVENT_LOG=str(self.log), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        job = ["-m", "stalwart.bench.recovery_job", "--out", str(self.workdir), "--steps", str(self.steps)]
+        if self.system == "torchrun":
+            if not self.stock:
+                env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
+                   "--max-restarts=100", *job]  # fmt: skip
+        else:
+            cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", str(NPROC), "--max-restarts", "100",
+                   "--spares", str(self.spares), "--event-log", str(self.log), *job]  # fmt: skip
+        out = open(self.workdir / "output.log", "wb")  # noqa: SIM115 - closed with the process in stop()
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        out.close()
+
+    def poll_events(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        new = []
+        for line in chunk[:end].splitlines():
+            with contextlib.suppress(ValueError):
+                new.append(json.loads(line))
+        self.offset += end
+        self.events.extend(new)
+        return new
+
+    def worker_pid(self, rank: int) -> int | None:
+        """The newest pid of `rank` (from the workers' own `worker_started` events)."""
+        pids = [e["pid"] for e in self.events if e["event"] == "worker_started" and e.get("rank") == rank]
+        return pids[-1] if pids else None
+
+    def last_step(self) -> int:
+        return max((e["step"] for e in self.events if e["event"] == "step_done"), default=0)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """End the launcher and every worker this run started (pids from its own events and /proc)."""
+        if self.proc is None:
+            return
+        workers = _descendants(self.proc.pid)
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.poll_events()
+        known = {e["pid"] for e in self.events if e["event"] == "worker_started"}
+        for pid in set(workers) | known:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _descendants(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, pp in parents.items() if pp == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def _note_kill(run: Run, what: str, rank: int, step: int) -> float:
+    """Record the fault in the run's event log (so every time is on one CLOCK_MONOTONIC) and return its time."""
+    record = EventLog(run.log, role="bench").emit("fault_injected", fault=what, rank=rank, step=step)
+    return float(record["mono"])
+
+
+def _wait(run: Run, until: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        if not run.running():
+            run.poll_events()
+            if until():
+                return
+            raise BenchError(f"{run.system}: the job exited ({run.proc.returncode if run.proc else '?'}) while "
+                             f"waiting for {what}; see {run.workdir / 'output.log'}")  # fmt: skip
+        if time.monotonic() > deadline:
+            raise BenchError(f"{run.system}: timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.02)
+        run.poll_events()
+
+
+# ------------------------------------------------------------------------------------------------- the phases
+
+
+def kill_schedule(kills: int, gap: int, rng: random.Random) -> list[int]:
+    """The steps after which rank 1 is killed: random, between gap/2 and gap steps apart."""
+    schedule, step = [], 40
+    for _ in range(kills):
+        step += rng.randint(gap // 2, gap)
+        schedule.append(step)
+    return schedule
+
+
+def measure_kills(system: str, workdir: Path, schedule: list[int], progress: Progress) -> dict[str, Any]:
+    """SIGKILLs of rank 1 once it has completed each step of `schedule`, one recovery at a time."""
+    kills = len(schedule)
+    run = Run(system, workdir, steps=schedule[-1] + 60)
+    run.start()
+    marks: list[tuple[float, int]] = []
+    try:
+        for target in schedule:
+            _wait(run, lambda t=target: run.last_step() >= t, 300, f"step {target}")  # type: ignore[misc]
+            pid = run.worker_pid(1)
+            if pid is None:
+                raise BenchError(f"{system}: no pid for rank 1")
+            done = run.last_step()
+            mono = _note_kill(run, "SIGKILL from outside", 1, done)
+            os.kill(pid, signal.SIGKILL)
+            marks.append((mono, done))
+            progress(f"{system}: killed rank 1 after step {done} ({len(marks)}/{kills})")
+            _wait(run, lambda m=mono: _first_step_after(run.events, m) is not None, 300, "recovery")  # type: ignore[misc]
+        _wait(run, lambda: not run.running(), 300, "the end of the run")
+    finally:
+        run.stop()
+    if run.proc is not None and run.proc.returncode != 0:
+        raise BenchError(f"{system}: the job failed (exit {run.proc.returncode}); see {workdir / 'output.log'}")
+    to_step, lost, stall = [], [], []
+    for mono, done in marks:
+        first = _first_step_after(run.events, mono)
+        assert first is not None
+        to_step.append(first - mono)
+        survivor = _first_step_after(run.events, mono, rank=0)
+        stall.append((survivor if survivor is not None else first) - mono)
+        resumed = [e for e in run.events if e["event"] in ("resumed", "fresh_start") and e["mono"] > mono]
+        lost.append(done - (resumed[0].get("step", 0) if resumed else done))
+    return {
+        "kill_to_step_s": to_step,
+        "steps_lost": lost,
+        "survivor_stall_s": stall,
+        "bitwise_identical": None,
+        "step_s_median": _median_step(run.events),
+    }
+
+
+def _first_step_after(events: list[dict[str, Any]], mono: float, rank: int | None = None) -> float | None:
+    times = [e["mono"] for e in events if e["event"] == "step_done" and e["mono"] > mono
+             and (rank is None or e.get("rank") == rank)]  # fmt: skip
+    return min(times) if times else None
+
+
+def _median_step(events: list[dict[str, Any]]) -> float | None:
+    steps = [e["step_s"] for e in events if e["event"] == "step_done" and e.get("rank") == 0 and e["step"] > 5]
+    return statistics.median(steps) if steps else None
+
+
+def _results(workdir: Path) -> dict[int, str]:
+    out = {}
+    for rank in range(NPROC):
+        path = workdir / f"result-rank{rank}.json"
+        if path.exists():
+            out[rank] = json.loads(path.read_text())["sha256"]
+    return out
+
+
+def measure_hang(system: str, workdir: Path, wait_s: float, progress: Progress) -> float | None:
+    """Seconds from SIGSTOPping rank 1 to the system's hang report; None if none came within `wait_s`."""
+    run = Run(system, workdir, steps=100_000)
+    run.start()
+    try:
+        _wait(run, lambda: run.last_step() >= 60, 300, "step 60")
+        pid = run.worker_pid(1)
+        if pid is None:
+            raise BenchError(f"{system}: no pid for rank 1")
+        mono = _note_kill(run, "SIGSTOP from outside", 1, run.last_step())
+        os.kill(pid, signal.SIGSTOP)
+        progress(f"{system}: SIGSTOPped rank 1; waiting up to {wait_s:.0f} s for a hang report")
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and run.running():
+            run.poll_events()
+            found = [e["mono"] for e in run.events if e["event"] == "hang_detected" and e["mono"] > mono]
+            if found:
+                return min(found) - mono
+            time.sleep(0.05)
+        return None
+    finally:
+        run.stop()
+
+
+def measure_goodput(
+    system: str, workdir: Path, seconds: float, kill_every: float, step_s: float, progress: Progress
+) -> float:
+    """Productive time kept over wall time, with rank 1 killed every `kill_every` seconds: the steps in the final
+    history (a redone step counts once) times `step_s`, the median step of the fault-free run. Counting a fixed
+    step time, not each step's own, charges a system for everything that slows its steps or runs between them
+    (snapshots, spares starting up), not only for the time it is down."""
+    run = Run(system, workdir, steps=1_000_000)
+    run.start()
+    started = run.started
+    try:
+        next_kill = started + kill_every
+        while time.monotonic() < started + seconds:
+            time.sleep(0.05)
+            run.poll_events()
+            if not run.running():
+                raise BenchError(f"{system}: the job exited during the goodput run; see {workdir / 'output.log'}")
+            if time.monotonic() >= next_kill:
+                pid = run.worker_pid(1)
+                if pid is not None:
+                    _note_kill(run, "SIGKILL from outside", 1, run.last_step())
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    progress(f"{system}: goodput run, killed rank 1 at {time.monotonic() - started:.0f} s")
+                next_kill += kill_every
+        end = time.monotonic()
+    finally:
+        run.stop()
+    first = min((e["step"] for e in run.events if e["event"] == "step_done" and e.get("rank") == 0), default=1)
+    kept = {e["step"] for e in run.events if e["event"] == "step_done" and e.get("rank") == 0 and e["mono"] <= end}
+    final = max(kept, default=0)  # steps 1..final are the history; a redone step counts once
+    return (final - first + 1) * step_s / (end - started) if kept else 0.0
+
+
+def stock_torchrun(workdir: Path, trials: int, timeout: float, progress: Progress) -> dict[str, Any]:
+    """How often stock torchrun (sharing the agent's store with restarted workers) recovers from one kill."""
+    recovered = 0
+    for i in range(trials):
+        run = Run("torchrun", workdir / f"stock-{i}", steps=120, stock=True)
+        run.start()
+        try:
+            _wait(run, lambda r=run: r.last_step() >= 40, 300, "step 40")  # type: ignore[misc]
+            pid = run.worker_pid(1)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + timeout
+            while run.running() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            ok = run.proc is not None and run.proc.poll() == 0
+        finally:
+            run.stop()
+        recovered += ok
+        progress(f"stock torchrun trial {i + 1}/{trials}: {'recovered' if ok else 'did not recover'}")
+    return {"trials": trials, "recovered": recovered, "timeout_s": timeout}
+
+
+# ---------------------------------------------------------------------------------------------- the report
+
+
+def summarize(kills: dict[str, Any], hang_s: float | None, goodput: float | None) -> dict[str, Any]:
+    return {
+        "kill_to_step_s_median": statistics.median(kills["kill_to_step_s"]),
+        "kill_to_step_s_max": max(kills["kill_to_step_s"]),
+        "steps_lost_max": max(kills["steps_lost"]),
+        "survivor_stall_s_median": statistics.median(kills["survivor_stall_s"]),
+        "hang_detect_s": hang_s,
+        "goodput": goodput,
+        "bitwise_identical": kills["bitwise_identical"],
+        "step_s_median": kills["step_s_median"],
+        "samples": kills,
+    }
+
+
+def run_bench(
+    *,
+    kills: int,
+    gap: int,
+    hang_wait: float,
+    goodput_seconds: float,
+    kill_every: float,
+    stock_trials: int,
+    seed: int,
+    parent: Path | None,
+    progress: Progress,
+) -> dict[str, Any]:
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="stalwart-bench-recovery-", dir=parent) as tmp:
+        root = Path(tmp)
+        schedule = kill_schedule(kills, gap, rng)
+        progress(f"fault-free reference run of {schedule[-1] + 60} steps (stalwart run, no spares)")
+        ref = Run("stalwart", root / "reference", steps=schedule[-1] + 60, spares=0)
+        ref.start()
+        try:
+            _wait(ref, lambda: not ref.running(), 900, "the reference run")
+        finally:
+            ref.stop()
+        reference = _results(root / "reference")
+        reference_step_s = _median_step(ref.events) or 0.0
+        if len(reference) != NPROC:
+            raise BenchError(f"the reference run failed; see {root / 'reference' / 'output.log'}")
+        systems: dict[str, Any] = {}
+        for name in ("torchrun", "stalwart"):
+            k = measure_kills(name, root / f"{name}-kills", schedule, progress)
+            k["bitwise_identical"] = _results(root / f"{name}-kills") == reference
+            hang = measure_hang(name, root / f"{name}-hang", hang_wait, progress)
+            good = None
+            if goodput_seconds > 0:
+                progress(f"{name}: goodput run of {goodput_seconds:.0f} s, rank 1 killed every {kill_every:.0f} s")
+                good = measure_goodput(
+                    name, root / f"{name}-goodput", goodput_seconds, kill_every, reference_step_s, progress
+                )
+            systems[name] = summarize(k, hang, good)
+            if name == "torchrun" and hang is None:
+                systems[name]["note"] = (
+                    f"no hang detection: a SIGSTOPped rank was not reported within {hang_wait:.0f} s (survivors "
+                    "wait for the collective timeout)"
+                )
+        systems["torchft"] = _torchft_entry()
+        stock = stock_torchrun(root, stock_trials, 45.0, progress) if stock_trials else None
+    base, ours = systems["torchrun"], systems["stalwart"]
+    return {
+        "job": {"nproc": NPROC, "model": "3-layer MLP, 4.0M parameters, DDP, AdamW", "checkpoint_every": 20},
+        "kills": kills,
+        "systems": systems,
+        "stock_torchrun": stock,
+        "ratios": {
+            "torchrun_over_stalwart_kill_to_step": base["kill_to_step_s_median"] / ours["kill_to_step_s_median"],
+        },
+        "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]},
+    }
+
+
+def _torchft_entry() -> dict[str, Any]:
+    keys = ("kill_to_step_s_median", "kill_to_step_s_max", "steps_lost_max", "survivor_stall_s_median",
+            "hang_detect_s", "goodput")  # fmt: skip
+    if importlib.util.find_spec("torchft") is None:
+        note = "torchft is not installed in this environment (pip install torchft); not measured"
+    else:
+        note = "torchft is installed, but its runner is not part of this bench yet; not measured"
+    return {**dict.fromkeys(keys), "note": note}

@@ -1,0 +1,58 @@
+"""The job `stalwart bench recovery` runs under each launcher: 2 gloo ranks, a 4M-parameter MLP under DDP.
+
+Every step's batch is drawn from a generator seeded by (step, rank), so a run with failures must end with exactly
+the parameters of a run without. It checkpoints every `--checkpoint-every` steps (durable, reloaded on restart
+under any launcher) and logs every step, which is what the bench reads. At the end each rank writes
+`result-rank<R>.json` with the sha256 of its parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import stalwart
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--checkpoint-every", type=int, default=20)
+    p.add_argument("--width", type=int, default=1152, help="3 layers of width^2: 4.0M parameters at 1152")
+    p.add_argument("--batch", type=int, default=64)
+    args = p.parse_args()
+    torch.use_deterministic_algorithms(True)
+    # DDP keeps model and optimizer equal on every rank: written (and snapshotted) once, split between ranks.
+    job = stalwart.Job(
+        args.out / "ckpt", checkpoint_every=args.checkpoint_every, log_every=1, replicated=("model", "optim")
+    )
+    torch.manual_seed(0)
+    w = args.width
+    model = torch.nn.Sequential(
+        torch.nn.Linear(w, w), torch.nn.ReLU(), torch.nn.Linear(w, w), torch.nn.ReLU(), torch.nn.Linear(w, w)
+    )
+    ddp = DistributedDataParallel(model) if job.world_size > 1 else model
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    job.track(model=model, optim=optim)
+    for step, _ in job.steps(max_steps=args.steps):
+        g = torch.Generator().manual_seed(step * 1009 + job.rank)
+        x = torch.randn(args.batch, w, generator=g)
+        loss = (ddp(x) - x).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        job.report(loss=loss.detach())
+    digest = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        digest.update(name.encode() + t.contiguous().view(torch.uint8).numpy().tobytes())
+    (args.out / f"result-rank{job.rank}.json").write_text(json.dumps({"sha256": digest.hexdigest(), "step": job.step}))
+
+
+if __name__ == "__main__":
+    main()
