@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import TINY, child_env
+from conftest import TINY, alive, child_env
 
 
 def _free_port() -> int:
@@ -44,6 +46,39 @@ def test_two_nodes_recover_from_a_killed_worker(launch: Any, tmp_path: Path) -> 
     two_nodes = json.loads((tmp_path / "out" / "rank0.json").read_text())
     one_node = json.loads((single.workdir / "out1" / "rank0.json").read_text())
     assert two_nodes["sha256"] == one_node["sha256"], "two nodes with a failure end where one clean node does"
+
+
+def test_a_killed_node_is_replaced_and_the_job_ends_bitwise_identical(launch: Any, tmp_path: Path) -> None:
+    """A whole "node" dies (its agent SIGKILLed; its worker dies with it), a new agent takes its place, and both
+    resume from durable storage: the lost node's memory snapshots went with it."""
+    port = _free_port()
+    job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "30"]
+    job_args += ["--step-sleep", "0.1"]
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "3"]
+    first = launch([*common, *job_args], name="node0")  # first, so that it hosts the rendezvous store
+    first.wait_for(lambda: first.events("launcher_started"), 60, "the first agent")
+    victim = launch([*common, *job_args], name="node1")
+    victim.wait_for(lambda: [e for e in victim.events("step_done") if e["step"] >= 10], 180, "step 10")
+    worker = victim.worker_pids(restart=0)
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait()
+    for pid in worker.values():
+        for _ in range(100):
+            if not alive(pid):
+                break
+            time.sleep(0.05)
+        assert not alive(pid), "the dead node's worker died with its agent"
+    replacement = launch([*common, *job_args], name="node1-again")
+    for node in (first, replacement):
+        assert node.wait(240) == 0, node.output()
+    resumed = [e for node in (first, replacement) for e in node.events("resumed")]
+    assert len(resumed) == 2 and {e["tier"] for e in resumed} == {"durable"}, resumed
+    assert len({e["step"] for e in resumed}) == 1, "both ranks resume the same checkpoint"
+    single = launch(["--nproc-per-node", "2", str(TINY), "--ckpt", "ckpt1", "--out", "out1", "--steps", "30"])
+    assert single.wait(120) == 0, single.output()
+    two_nodes = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    one_node = json.loads((single.workdir / "out1" / "rank0.json").read_text())
+    assert two_nodes["sha256"] == one_node["sha256"], "a replaced node ends where one clean node does"
 
 
 SUBNET = "10.231.77"  # only inside the test's own namespaces; nothing outside them sees these addresses

@@ -191,7 +191,7 @@ def measure_kills(system: str, workdir: Path, schedule: list[int], progress: Pro
             os.kill(pid, signal.SIGKILL)
             marks.append((mono, done))
             progress(f"{system}: killed rank 1 after step {done} ({len(marks)}/{kills})")
-            _wait(run, lambda m=mono: _first_step_after(run.events, m) is not None, 300, "recovery")  # type: ignore[misc]
+            _wait(run, _stepped_in_round(run, len(marks)), 300, "recovery")
         _wait(run, lambda: not run.running(), 300, "the end of the run")
     finally:
         run.stop()
@@ -199,10 +199,14 @@ def measure_kills(system: str, workdir: Path, schedule: list[int], progress: Pro
         raise BenchError(f"{system}: the job failed (exit {run.proc.returncode}); see {workdir / 'output.log'}")
     to_step, lost, stall = [], [], []
     for mono, done in marks:
-        first = _first_step_after(run.events, mono)
-        assert first is not None
+        # A step finished by the old workers just after the kill is not a recovery: count from the new round.
+        before = max((e.get("restart", 0) for e in run.events if e["mono"] <= mono and "restart" in e), default=0)
+        after = [e for e in run.events if e.get("restart", 0) > before]
+        first = _first_step_after(after, mono)
+        if first is None:
+            raise BenchError(f"{system}: no step completed after the kill at step {done}")
         to_step.append(first - mono)
-        survivor = _first_step_after(run.events, mono, rank=0)
+        survivor = _first_step_after(after, mono, rank=0)
         stall.append((survivor if survivor is not None else first) - mono)
         resumed = [e for e in run.events if e["event"] in ("resumed", "fresh_start") and e["mono"] > mono]
         lost.append(done - (resumed[0].get("step", 0) if resumed else done))
@@ -213,6 +217,11 @@ def measure_kills(system: str, workdir: Path, schedule: list[int], progress: Pro
         "bitwise_identical": None,
         "step_s_median": _median_step(run.events),
     }
+
+
+def _stepped_in_round(run: Run, restart: int) -> Callable[[], bool]:
+    """Whether a worker of restart round `restart` (or later) has completed a step."""
+    return lambda: any(e["event"] == "step_done" and e.get("restart", 0) >= restart for e in run.events)
 
 
 def _first_step_after(events: list[dict[str, Any]], mono: float, rank: int | None = None) -> float | None:

@@ -138,7 +138,11 @@ class Job:
         self.comm = Comm(self.placement, timeout)
         atexit.register(self.close)
         self.events = EventLog.from_env(rank=self.placement.rank, restart=self.placement.restart_count)
-        token = self.comm.broadcast_int(secrets.randbits(48) if self.rank == 0 else 0)
+        # Rank 0's restart count and random bits name this run's files. Agreed, not local: a node that replaced a
+        # lost one has a fresh agent whose restart count differs from the survivors'.
+        restart, token = self.comm.broadcast_ints(
+            [self.placement.restart_count, secrets.randbits(48)] if self.rank == 0 else [0, 0]
+        )
         self._faults = FaultInjector.from_env(self.rank, self.placement.restart_count, self._announce)
         self._heartbeat = Heartbeat.from_env(self.placement.local_rank)
         fixed = self.config.hang_timeout_s
@@ -163,7 +167,7 @@ class Job:
             self.comm,
             self.events,
             keep_last=self.config.keep_last,
-            token=f"{self.placement.restart_count}x{token:012x}",
+            token=f"{restart}x{token:012x}",
             full_every=self.config.full_every,
             when_busy=self.config.when_busy,
             persist_timeout_s=self.config.persist_timeout_s,

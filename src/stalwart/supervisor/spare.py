@@ -1,12 +1,13 @@
 """A hot spare: a worker process started ahead of need, with torch imported, waiting to become a rank.
 
-`python -m stalwart.supervisor.spare` is started by the agent (supervisor/spares.py). It imports torch and
-stalwart's training-side modules, builds and steps a throwaway optimizer (torch 2.13 imports torch._dynamo on the
-first optimizer step, about 1.3 s here), writes "ready" on the file descriptor named in STALWART_SPARE_FD, and
-blocks on stdin. The activation is one JSON line: the worker's argv (torchrun's `python -u script ...` or
-`python -u -m module ...`) and environment. The spare then becomes that worker in place: same pid, the agent's
-stdout and stderr, the script run as `__main__`. An uncaught exception goes through `sys.excepthook`, as in a
-plain interpreter, so stalwart's one-line error handling and exit codes apply unchanged.
+`python -m stalwart.supervisor.spare` is started by the agent (supervisor/spares.py). At the lowest CPU
+priority, so that it slows no training, it imports torch and stalwart's training-side modules, builds and steps
+a throwaway optimizer (torch 2.13 imports torch._dynamo on the first optimizer step, about 1.3 s here), writes
+"ready" on the file descriptor named in STALWART_SPARE_FD, and blocks on stdin. The activation is one JSON line:
+the worker's argv (torchrun's `python -u script ...` or `python -u -m module ...`) and environment. The spare
+then becomes that worker in place: same pid, the agent's stdout and stderr, the script run as `__main__`. An
+uncaught exception goes through `sys.excepthook`, as in a plain interpreter, so stalwart's one-line error
+handling and exit codes apply unchanged.
 
 The spare dies with the agent (parent-death signal), and exits quietly if stdin closes before an activation.
 """
@@ -20,6 +21,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 from typing import Any
 
 SPARE_FD_ENV = "STALWART_SPARE_FD"
@@ -79,9 +81,30 @@ def _become(msg: dict[str, Any]) -> None:
     sys.exit(0)
 
 
+def _warm_up_politely() -> None:
+    """Warm up on a thread at the lowest CPU priority (nice 19 applies to that thread only), so a spare being
+    prepared takes CPU from nobody; the main thread, which later runs the worker, keeps normal priority.
+    Lowering a thread's priority needs no privilege; raising it back would, hence the thread."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            _warm_up()
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="spare-warm-up")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
 def main() -> None:
     _die_with_parent()
-    _warm_up()
+    _warm_up_politely()
     fd = int(os.environ.pop(SPARE_FD_ENV, "-1"))
     if fd >= 0:
         os.write(fd, b"ready\n")
