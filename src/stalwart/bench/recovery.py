@@ -174,10 +174,12 @@ def kill_schedule(kills: int, gap: int, rng: random.Random) -> list[int]:
     return schedule
 
 
-def measure_kills(system: str, workdir: Path, schedule: list[int], progress: Progress) -> dict[str, Any]:
+def measure_kills(
+    system: str, workdir: Path, schedule: list[int], progress: Progress, spares: int = 2
+) -> dict[str, Any]:
     """SIGKILLs of rank 1 once it has completed each step of `schedule`, one recovery at a time."""
     kills = len(schedule)
-    run = Run(system, workdir, steps=schedule[-1] + 60)
+    run = Run(system, workdir, steps=schedule[-1] + 60, spares=spares)
     run.start()
     marks: list[tuple[float, int]] = []
     try:
@@ -244,9 +246,9 @@ def _results(workdir: Path) -> dict[int, str]:
     return out
 
 
-def measure_hang(system: str, workdir: Path, wait_s: float, progress: Progress) -> float | None:
+def measure_hang(system: str, workdir: Path, wait_s: float, progress: Progress, spares: int = 2) -> float | None:
     """Seconds from SIGSTOPping rank 1 to the system's hang report; None if none came within `wait_s`."""
-    run = Run(system, workdir, steps=100_000)
+    run = Run(system, workdir, steps=100_000, spares=spares)
     run.start()
     try:
         _wait(run, lambda: run.last_step() >= 60, 300, "step 60")
@@ -269,13 +271,13 @@ def measure_hang(system: str, workdir: Path, wait_s: float, progress: Progress) 
 
 
 def measure_goodput(
-    system: str, workdir: Path, seconds: float, kill_every: float, step_s: float, progress: Progress
+    system: str, workdir: Path, seconds: float, kill_every: float, step_s: float, progress: Progress, spares: int = 2
 ) -> float:
     """Productive time kept over wall time, with rank 1 killed every `kill_every` seconds: the steps in the final
     history (a redone step counts once) times `step_s`, the median step of the fault-free run. Counting a fixed
     step time, not each step's own, charges a system for everything that slows its steps or runs between them
     (snapshots, spares starting up), not only for the time it is down."""
-    run = Run(system, workdir, steps=1_000_000)
+    run = Run(system, workdir, steps=1_000_000, spares=spares)
     run.start()
     started = run.started
     try:
@@ -352,6 +354,7 @@ def run_bench(
     seed: int,
     parent: Path | None,
     progress: Progress,
+    spares: int = 2,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="stalwart-bench-recovery-", dir=parent) as tmp:
@@ -370,14 +373,14 @@ def run_bench(
             raise BenchError(f"the reference run failed; see {root / 'reference' / 'output.log'}")
         systems: dict[str, Any] = {}
         for name in ("torchrun", "stalwart"):
-            k = measure_kills(name, root / f"{name}-kills", schedule, progress)
+            k = measure_kills(name, root / f"{name}-kills", schedule, progress, spares)
             k["bitwise_identical"] = _results(root / f"{name}-kills") == reference
-            hang = measure_hang(name, root / f"{name}-hang", hang_wait, progress)
+            hang = measure_hang(name, root / f"{name}-hang", hang_wait, progress, spares)
             good = None
             if goodput_seconds > 0:
                 progress(f"{name}: goodput run of {goodput_seconds:.0f} s, rank 1 killed every {kill_every:.0f} s")
                 good = measure_goodput(
-                    name, root / f"{name}-goodput", goodput_seconds, kill_every, reference_step_s, progress
+                    name, root / f"{name}-goodput", goodput_seconds, kill_every, reference_step_s, progress, spares
                 )
             systems[name] = summarize(k, hang, good)
             if name == "torchrun" and hang is None:
@@ -389,7 +392,12 @@ def run_bench(
         stock = stock_torchrun(root, stock_trials, 45.0, progress) if stock_trials else None
     base, ours = systems["torchrun"], systems["stalwart"]
     return {
-        "job": {"nproc": NPROC, "model": "3-layer MLP, 4.0M parameters, DDP, AdamW", "checkpoint_every": 20},
+        "job": {
+            "nproc": NPROC,
+            "model": "3-layer MLP, 4.0M parameters, DDP, AdamW",
+            "checkpoint_every": 20,
+            "stalwart_spares": spares,
+        },
         "kills": kills,
         "systems": systems,
         "stock_torchrun": stock,

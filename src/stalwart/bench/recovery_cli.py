@@ -32,6 +32,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--goodput-seconds", type=float, default=300.0, help="goodput run length, 0 to skip (default 300)")
     p.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills in the goodput run")
     p.add_argument("--stock-trials", type=int, default=3, help="single-kill runs of stock torchrun (default 3)")
+    p.add_argument("--spares", type=int, default=2, help="stalwart run --spares for stalwart's runs (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill steps (default 0)")
     p.add_argument("--dir", type=Path, help="where the runs write (default: a new temporary directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of tables")
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
             kill_every=args.kill_every,
             stock_trials=args.stock_trials,
             seed=args.seed,
+            spares=max(0, args.spares),
             parent=args.dir,
             progress=lambda line: err.print(f"bench: {line}"),
         )
