@@ -38,7 +38,7 @@ from stalwart.checkpoint.serialize import (
     flatten,
     unflatten,
 )
-from stalwart.checkpoint.staging import aligned
+from stalwart.checkpoint.staging import ViewCache, aligned, typed_view
 from stalwart.errors import CheckpointCorruptError
 
 SNAPSHOT_DIR_ENV = "STALWART_SNAPSHOT_DIR"
@@ -64,7 +64,7 @@ class _Slot:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._map: mmap.mmap | None = None
-        self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}
+        self._views: ViewCache = {}
         self._buf: torch.Tensor | None = None
 
     def header(self) -> tuple[int, ...] | None:
@@ -96,13 +96,8 @@ class _Slot:
         return self._map
 
     def view(self, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        key = (offset, dtype, shape)
-        view = self._views.get(key)
-        if view is None:
-            assert self._buf is not None
-            view = self._buf[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-            self._views[key] = view
-        return view
+        assert self._buf is not None
+        return typed_view(self._buf, self._views, offset, dtype, shape)
 
     def close(self) -> None:
         self._views.clear()

@@ -31,6 +31,23 @@ def aligned(n: int, to: int = ALIGN) -> int:
     return (n + to - 1) // to * to
 
 
+ViewCache = dict[tuple[int, torch.dtype, torch.Size], torch.Tensor]
+
+
+def typed_view(buf: torch.Tensor, cache: ViewCache, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """A view of the byte buffer `buf` at `offset` with a tensor's dtype and shape, laid out row-major, cached in
+    `cache` (a job copies the same shapes to the same offsets every time; the cache is emptied, not grown without
+    bound, if the layout keeps changing). Copying a tensor into it needs no reshaping of the source."""
+    key = (offset, dtype, shape)
+    view = cache.get(key)
+    if view is None:
+        view = buf[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+        if len(cache) > MAX_VIEWS:
+            cache.clear()
+        cache[key] = view
+    return view
+
+
 class Staging:
     """One rank's staging memory; `spec()` tells the persister how to map it."""
 
@@ -41,7 +58,7 @@ class Staging:
         self._buf: torch.Tensor | None = None
         self._pinned = False
         self._stream: torch.cuda.Stream | None = None
-        self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}
+        self._views: ViewCache = {}
 
     def spec(self) -> dict[str, int]:
         return {"pid": os.getpid(), "fd": self.fd, "size": self.size}
@@ -94,16 +111,8 @@ class Staging:
             self._stream.synchronize()
 
     def _view(self, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        key = (offset, dtype, shape)
-        view = self._views.get(key)
-        if view is None:
-            assert self._buf is not None
-            nbytes = shape.numel() * dtype.itemsize
-            view = self._buf[offset : offset + nbytes].view(dtype).view(shape)
-            if len(self._views) > MAX_VIEWS:  # a state whose layout keeps changing: do not grow without bound
-                self._views.clear()
-            self._views[key] = view
-        return view
+        assert self._buf is not None
+        return typed_view(self._buf, self._views, offset, dtype, shape)
 
     def close(self) -> None:
         if self._pinned and self._buf is not None:
