@@ -132,6 +132,23 @@ class Background:
             self._reader.join(CLOSE_TIMEOUT_S)
             self._reader = None
 
+    def abandon(self) -> None:
+        """Kill the persister now (the training process is re-forming after a peer failed): what it was writing
+        stays uncommitted, as when a worker dies, and no thread waits on anything."""
+        self._outbox.put(None)
+        self._sender = None
+        if self._thread_persister is not None:
+            self._thread_persister.quitting.set()
+        if self._thread_queue is not None:
+            self._thread_queue.put(None)
+            self._thread_queue = None
+        proc, self._proc = self._proc, None
+        self._started = False
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.kill()
+            proc.wait()
+
     # -- requests ----------------------------------------------------------------------------------------------
 
     @property

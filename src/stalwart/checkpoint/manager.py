@@ -306,6 +306,11 @@ class Checkpointer:
         self._bg.close()
         self._staging.close()
 
+    def abandon(self) -> None:
+        """Kill the persister without waiting: the group failed, so a save in flight can never commit."""
+        self._bg.abandon()
+        self._staging.close()
+
     # -- loading -----------------------------------------------------------------------------------------------
 
     def newest_committed(self) -> int:

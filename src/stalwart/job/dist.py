@@ -59,6 +59,10 @@ class Comm:
             dist.destroy_process_group(self._group)
         self._group = None
 
+    def forget(self) -> None:
+        """Drop the group without destroying it: after a peer's failure it is aborted with every other group."""
+        self._group = None
+
     def barrier(self) -> None:
         if self._group is not None:
             dist.barrier(group=self._group)

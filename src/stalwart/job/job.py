@@ -41,6 +41,7 @@ from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, Con
 from stalwart.job import lifecycle
 from stalwart.job.dist import Comm, Placement, init_process_group
 from stalwart.job.rng import capture_rng, restore_rng
+from stalwart.recovery import reform
 from stalwart.telemetry.events import EventLog
 
 
@@ -181,6 +182,7 @@ class Job:
         self._objects: dict[str, Stateful] = {}
         self._metrics: dict[str, Any] = {}
         self._last_saved: int | None = None
+        reform.register(self)
         self.events.emit("worker_started", world_size=self.world_size, local_rank=self.placement.local_rank)
 
     @property
@@ -414,6 +416,20 @@ class Job:
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
+        self.events.close()
+
+    def abandon(self) -> None:
+        """Drop this job after its group failed, without a collective (supervisor/host.py re-forms the worker in
+        place, see recovery/reform.py): the persister is killed, so a save in flight never commits, and nothing
+        runs at interpreter exit. The process groups are aborted by the caller, all at once."""
+        atexit.unregister(self.close)
+        self.events.emit("reforming", step=self.step)
+        self._heartbeat.close()
+        if self._memory is not None:
+            self._memory.close()
+        self.checkpointer.abandon()
+        self.comm.forget()
+        self._owns_process_group = False
         self.events.close()
 
     def _log_step(self, step_s: float) -> None:

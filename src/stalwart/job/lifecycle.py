@@ -46,7 +46,7 @@ def _install_error_hook(*, under_agent: bool) -> None:
     def hook(tp: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         if is_user_error(exc):
             _exit_with_line(None if isinstance(exc, PeerError) else f"stalwart: error: {exc}", EXIT_USER_ERROR)
-        if under_agent and _is_peer_failure(exc):
+        if under_agent and is_peer_failure(exc):
             rank = os.environ.get("RANK", "?")
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             line = f"stalwart: rank {rank}: a collective failed, a peer is likely gone: {first}"
@@ -77,7 +77,10 @@ _PEER_LOST = re.compile(
 )
 
 
-def _is_peer_failure(exc: BaseException) -> bool:
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for what a collective or the store raises when a peer is gone; False for a bug in this rank's code."""
+    if type(exc).__name__ in ("DistNetworkError", "DistStoreError"):  # torch.distributed's own, torch >= 2.2
+        return True
     return isinstance(exc, RuntimeError) and bool(_PEER_LOST.search(str(exc)))
 
 

@@ -6,7 +6,9 @@ torch elastic does the rendezvous, rank assignment, worker start/monitor/stop an
 - a worker that exits with EXIT_USER_ERROR (bad input) stops the job instead of using up the restarts;
 - survivors that exit with EXIT_PEER_LOST or are stopped with SIGTERM are reported as consequences, so the
   one-line summary names the root cause;
-- with a pool of hot spares (spares.py), workers are (re)started in processes that already imported torch;
+- workers run in host processes (hosts.py): with a pool of hot spares, a replacement starts in a process that
+  already imported torch; with re-forming (L1, recovery/reform.py), the survivors of a failure keep their
+  processes and the next round of the rendezvous activates them again, so only the failed worker is replaced;
 - workers that stop beating on the heartbeat board (detect/heartbeat.py) past their deadline are killed as
   hung, which turns a hang into the failure the restart path already handles.
 """
@@ -25,7 +27,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from stalwart.detect.heartbeat import Beat, Board
 from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
-from stalwart.supervisor.spares import SparePool, spawning_into
+from stalwart.supervisor.hosts import Host, HostContext, SparePool, running_in
 from stalwart.telemetry.events import EventLog
 
 
@@ -48,6 +50,16 @@ def process_state(pid: int) -> str:
         return "?"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return process_state(pid) != "Z"
+
+
 class StalwartAgent(LocalElasticAgent):
     def __init__(
         self,
@@ -56,6 +68,8 @@ class StalwartAgent(LocalElasticAgent):
         say: Callable[[str], None],
         board: Board | None = None,
         spares: SparePool | None = None,
+        hosts: bool = False,
+        reform: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -63,6 +77,11 @@ class StalwartAgent(LocalElasticAgent):
         self._say = say
         self._board = board
         self._spares = spares
+        self._hosts = hosts or spares is not None or reform
+        self._reform = reform
+        self._reforming = False
+        self._kept: dict[int, Host] = {}  # local rank -> re-armed survivor, for the next round
+        self._failed_at: float | None = None
         self._pids: dict[int, int] = {}  # local rank -> pid of the current workers
         self._hung: dict[int, str] = {}  # global rank -> why it was killed as hung
         self.user_error = False
@@ -75,28 +94,70 @@ class StalwartAgent(LocalElasticAgent):
         if self._board is not None:
             self._board.clear()  # beats of the previous round must not count against the new workers
         self._hung.clear()
-        taken = self._spares.take(worker_group.spec.local_world_size) if self._spares is not None else None
         from_spares: set[int] = set()
-        if taken is not None:
-            with spawning_into(taken, lambda rank, spare: from_spares.add(spare.proc.pid)):
-                pids = super()._start_workers(worker_group)
-        else:
+        kept: set[int] = set()
+        if not self._hosts:
             pids = super()._start_workers(worker_group)
-            if self._spares is not None:
+        else:
+            plan: dict[int, Host] = dict(self._kept)
+            self._kept = {}
+            kept = {host.pid for host in plan.values()}
+            missing = [r for r in range(worker_group.spec.local_world_size) if r not in plan]
+            spares = self._spares.take(len(missing), all_or_none=False) if self._spares is not None else []
+            from_spares = {s.pid for s in spares}
+            plan.update(zip(missing, spares, strict=False))
+            with running_in(plan, reform=self._reform):
+                pids = super()._start_workers(worker_group)
+            if self._spares is not None and len(spares) < len(missing):
                 self._spares.schedule_refill()  # after the start, so spares do not slow it down
         self._pids = {int(local): int(pid) for local, pid in pids.items()}
+        self._emit_spawned(worker_group, from_spares, kept)
+        if self._failed_at is not None:
+            rank_of = {self._pids[w.local_rank]: w.global_rank for w in worker_group.workers}
+            self._events.emit(
+                "group_reformed",
+                restart=self.restart_count,
+                kept=sorted(rank for pid, rank in rank_of.items() if pid in kept),
+                replaced=sorted(rank for pid, rank in rank_of.items() if pid not in kept),
+                seconds=round(time.monotonic() - self._failed_at, 4),
+            )
+            self._failed_at = None
+        return pids
+
+    def _emit_spawned(self, worker_group: WorkerGroup, from_spares: set[int], kept: set[int]) -> None:
         for worker in worker_group.workers:
+            pid = self._pids[worker.local_rank]
             self._events.emit(
                 "worker_spawned",
                 rank=worker.global_rank,
                 local_rank=worker.local_rank,
-                worker_pid=pids[worker.local_rank],
+                worker_pid=pid,
                 world_size=worker.world_size,
                 restart=self.restart_count,
                 master=f"{worker_group.master_addr}:{worker_group.master_port}",
-                spare=pids[worker.local_rank] in from_spares,
+                spare=pid in from_spares,
+                kept=pid in kept,
             )
-        return pids
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self._reforming = self._reform  # survivors stay only for a new round, not when the job is ending
+        try:
+            super()._restart_workers(worker_group)
+        finally:
+            self._reforming = False
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        ctx = self._pcontext
+        if self._reforming and isinstance(ctx, HostContext):
+            started = time.monotonic()
+            self._kept = ctx.keep_rearmed()
+            self._events.emit(
+                "survivors_rearmed",
+                local_ranks=sorted(self._kept),
+                seconds=round(time.monotonic() - started, 4),
+                restart=self.restart_count,
+            )
+        super()._stop_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._board is not None:
@@ -105,6 +166,7 @@ class StalwartAgent(LocalElasticAgent):
             self._spares.maintain()
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            self._failed_at = time.monotonic()
             self._report_failure(result)
         return result
 
@@ -169,7 +231,8 @@ class StalwartAgent(LocalElasticAgent):
             if sig == "SIGTERM":  # the agent stops the survivors of a failure with SIGTERM
                 consequences.append(f"rank {rank} (pid {failure.pid}) stopped")
             elif failure.exitcode == EXIT_PEER_LOST:
-                consequences.append(f"rank {rank} (pid {failure.pid}) lost a peer")
+                kept = ", re-forms in place" if self._reform and _alive(failure.pid) else ""
+                consequences.append(f"rank {rank} (pid {failure.pid}) lost a peer{kept}")
             elif rank in self._hung:
                 causes.append(f"rank {rank} (pid {failure.pid}) {self._hung[rank]}, killed")
             else:
@@ -177,7 +240,8 @@ class StalwartAgent(LocalElasticAgent):
                 causes.append(f"rank {rank} (pid {failure.pid}) {how}")
         if causes and consequences:
             n = len(consequences)
-            what = ", ".join(causes) + f" ({n} other worker{'s' if n > 1 else ''} stopped as a consequence)"
+            how = "re-forming in place" if all(c.endswith("in place") for c in consequences) else "stopped"
+            what = ", ".join(causes) + f" ({n} other worker{'s' if n > 1 else ''} {how} as a consequence)"
         else:
             what = ", ".join(causes or consequences) or "workers unhealthy"
         if self.user_error:
@@ -185,8 +249,14 @@ class StalwartAgent(LocalElasticAgent):
             self._events.emit("job_stopped", reason="user_error")
             self._say(f"{what}: a worker reported bad input; not restarting")
         elif self._remaining_restarts > 0:
-            self._events.emit("restarting", restart=self.restart_count + 1, remaining=self._remaining_restarts - 1)
-            self._say(f"{what}; restarting workers ({self.restart_count + 1}/{self._worker_group.spec.max_restarts})")
+            self._events.emit(
+                "restarting",
+                restart=self.restart_count + 1,
+                remaining=self._remaining_restarts - 1,
+                reform=self._reform,
+            )
+            verb = "re-forming the group" if self._reform else "restarting workers"
+            self._say(f"{what}; {verb} ({self.restart_count + 1}/{self._worker_group.spec.max_restarts})")
         else:
             self._events.emit("job_stopped", reason="max_restarts")
             self._say(f"{what}; no restarts left (--max-restarts {self._worker_group.spec.max_restarts})")

@@ -15,6 +15,8 @@ What differs from torchrun, and why:
 - Starts, failures and restarts go to a JSONL event log (--event-log), shared with the workers.
 - --max-restarts defaults to 3 (torchrun: 0), unless PET_MAX_RESTARTS is set.
 - With --nnodes MIN:MAX (MIN < MAX) workers are told the world size may change, and resume accordingly.
+- Survivors of a worker's failure keep their processes and re-form the group with its replacement (L1,
+  recovery/reform.py); `--no-reform` restarts every worker of the node instead, as torchrun does.
 - Workers heartbeat to the agent through shared memory; one that stops beating inside the training loop for
   longer than --hang-timeout (calibrated from step times by default) is killed as hung and the group restarted,
   instead of its peers waiting out a collective timeout of many minutes.
@@ -37,7 +39,8 @@ from stalwart.detect.hang import HANG_TIMEOUT_ENV, parse_timeout
 from stalwart.detect.heartbeat import HEARTBEAT_ENV, Board
 from stalwart.errors import EXIT_USER_ERROR, ConfigError
 from stalwart.job.lifecycle import AGENT_PID_ENV, ELASTIC_ENV
-from stalwart.supervisor.spares import SparePool
+from stalwart.recovery.reform import REFORM_ENV
+from stalwart.supervisor.hosts import SparePool
 from stalwart.telemetry.events import EVENT_LOG_ENV, EventLog
 
 DEFAULT_EVENT_LOG = "stalwart-logs/events.jsonl"
@@ -83,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="hot spare processes this agent keeps ready (torch imported); a restart with at least "
         "--nproc-per-node of them ready runs the workers in them instead of new interpreters (default 0)",
     )
+    parser.add_argument(
+        "--no-reform",
+        action="store_true",
+        default=os.environ.get(REFORM_ENV) == "0",
+        help="when a worker fails, end and restart every worker of the node (torchrun's way) instead of keeping "
+        "the survivors' processes and re-forming the group with them (default: re-form; ${REFORM_ENV}=0 also "
+        "turns it off)".replace("${REFORM_ENV}", REFORM_ENV),
+    )
     if "PET_MAX_RESTARTS" not in os.environ:
         parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
     return parser
@@ -125,6 +136,9 @@ def _validate(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--spares runs Python scripts in pre-started interpreters; it cannot be used with --no-python"
         )
+    if args.spares and _redirected(args):
+        raise ConfigError("--spares cannot be combined with --redirects or --tee (spares write to the launcher's own "
+                          "stdout and stderr)")  # fmt: skip
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
@@ -145,6 +159,15 @@ def _validate(args: argparse.Namespace) -> None:
             raise ConfigError(f"program {script!r} does not exist or is not executable")
     elif not Path(script).is_file():
         raise ConfigError(f"training script {script!r} does not exist")
+
+
+def _redirected(args: argparse.Namespace) -> bool:
+    return str(getattr(args, "redirects", "0")) != "0" or str(getattr(args, "tee", "0")) != "0"
+
+
+def reforms(args: argparse.Namespace) -> bool:
+    """Whether survivors re-form in place: needs Python workers in hosts, which cannot redirect their output."""
+    return not (args.no_reform or args.no_python or _redirected(args))
 
 
 def _parse_nnodes(text: str) -> tuple[int, int]:
@@ -195,6 +218,7 @@ def launch(args: argparse.Namespace, say: Any) -> int:
         os.environ.pop(ELASTIC_ENV, None)  # never inherited from an outer launcher
 
     os.environ[HANG_TIMEOUT_ENV] = str(args.hang_timeout)
+    os.environ[REFORM_ENV] = "1" if reforms(args) else "0"
     config, cmd, cmd_args = config_from_args(args)  # several nodes must share a run id: keep torchrun's "none"
     _remove_stale_shared_memory()
     try:
@@ -296,6 +320,7 @@ def _run_agent(
         say=say,
         board=board,
         spares=pool if pool.target else None,
+        reform=reforms(args),
         **_supported(
             StalwartAgent.__mro__[1],
             spec=spec,

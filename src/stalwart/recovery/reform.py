@@ -1,0 +1,130 @@
+"""L1, the worker's side: a survivor of a peer's failure leaves its process group and waits to re-form in place.
+
+Under `stalwart run` every worker runs in a host process (supervisor/host.py) that can run the training script
+again. When a collective fails because a peer died, or the agent asks with REFORM_SIGNAL (a peer died or hung
+while this worker was computing), the exception ends the script's run but not the process: the host calls
+`abandon()`, which drops every live `stalwart.Job` without a collective (its persister is killed, which leaves an
+unfinished save uncommitted, exactly as a dead worker's would), aborts every process group and frees their
+memory. The host then tells its agent it is re-armed, the agent joins the next round of torch elastic's
+rendezvous, and the host runs the script again with the new round's environment. Nothing is imported again and
+the device context stays; the new Job agrees with its peers on the newest snapshot every rank holds in node
+memory and restores it, so the interrupted step is redone and no finished step is lost.
+
+Why re-run the script rather than rewind inside it: the failure surfaces inside the user's loop body (DDP's
+allreduce raises from `loss.backward()`), where no library code can catch it and go on. Running the user's
+`main` again is what NVIDIA's in-process restart does too; here its cost is the script's set-up code, without
+the interpreter start, the imports and the first-use costs that a new process pays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import signal
+import weakref
+from collections.abc import Iterator
+from types import FrameType
+from typing import Protocol
+
+REFORM_ENV = "STALWART_REFORM"
+"""Set to 1 by `stalwart run` when survivors re-form in place (the default; `--no-reform` turns it off)."""
+
+REFORM_SIGNAL: int = signal.SIGRTMIN + 4
+"""Sent by the agent to a worker that must leave its group (a peer failed). A real-time signal, so that it meets
+no handler of the user's (Slurm's warning signals are SIGUSR1/SIGUSR2, SIGTERM is a shutdown)."""
+
+
+class ReformRequested(RuntimeError):
+    """Raised in the main thread by REFORM_SIGNAL: a peer failed and this worker must re-form."""
+
+
+class Abandonable(Protocol):
+    def abandon(self) -> None: ...
+
+
+_live: weakref.WeakSet[Abandonable] = weakref.WeakSet()
+
+
+def register(job: Abandonable) -> None:
+    """Called by every Job: `abandon()` drops it when its group fails."""
+    _live.add(job)
+
+
+def enabled() -> bool:
+    return os.environ.get(REFORM_ENV) == "1"
+
+
+def is_reformable(exc: BaseException) -> bool:
+    """True when `exc` (or what caused it) says a peer or the group is gone, not that this rank's code is wrong."""
+    from stalwart.job.lifecycle import is_peer_failure
+
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ReformRequested) or is_peer_failure(current):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _raise_reform(signum: int, frame: FrameType | None) -> None:
+    raise ReformRequested("the agent asked this worker to re-form: a peer failed")
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    pass
+
+
+def ignore_requests() -> None:
+    """Outside the script's run (warming up, waiting, abandoning) a request has nothing to interrupt."""
+    signal.signal(REFORM_SIGNAL, _ignore)
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """While the script runs, REFORM_SIGNAL raises ReformRequested in the main thread (at the next bytecode: a
+    thread blocked in a collective gets there when the collective fails, as it does once the peer is gone)."""
+    signal.signal(REFORM_SIGNAL, _raise_reform)
+    try:
+        yield
+    finally:
+        ignore_requests()
+
+
+def abandon() -> int:
+    """Drop every live Job and process group of this process without communicating; returns how many Jobs."""
+    jobs = list(_live)
+    for job in jobs:
+        with contextlib.suppress(Exception):
+            job.abandon()
+    _live.clear()
+    _abort_process_groups()
+    gc.collect()  # the failed run's model, optimizer and DDP buckets, before the next run allocates its own
+    _release_device_memory()
+    return len(jobs)
+
+
+def _abort_process_groups() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    abort = getattr(c10d, "_abort_process_group", None)  # torch >= 2.5; NCCL needs it to unblock
+    if abort is not None:
+        with contextlib.suppress(Exception):
+            abort()
+            return
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+def _release_device_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()

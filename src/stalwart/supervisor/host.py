@@ -1,0 +1,180 @@
+"""A worker host: the process a worker runs in under `stalwart run`, which outlives one run of the script.
+
+`python -m stalwart.supervisor.host` is started by the agent (supervisor/hosts.py) in one of two ways:
+- as a hot spare (STALWART_HOST_WARM=1): at the lowest CPU priority, so that it slows no training, it imports
+  torch and stalwart's training-side modules, builds and steps a throwaway optimizer (torch 2.13 imports
+  torch._dynamo on the first optimizer step, about 1.3 s here) and writes "ready" on its status pipe;
+- cold, for a worker that must start now and has no spare: it goes straight to its activation.
+
+An activation is one JSON line on stdin: the worker's argv (torchrun's `python -u script ...` or
+`python -u -m module ...`) and environment. The host becomes that worker in place: the agent's stdout and
+stderr, the script run as `__main__`. An uncaught exception goes through `sys.excepthook`, as in a plain
+interpreter, so stalwart's one-line error handling and exit codes apply unchanged.
+
+With STALWART_REFORM=1 (recovery/reform.py) a run that ends because a peer failed does not end the process:
+the host abandons the run's Jobs and process groups, writes "rearmed" on its status pipe and waits for the
+next activation, which the agent sends after the next round of the rendezvous. Any other ending, or the agent
+closing the pipe, ends the process as before.
+
+The host dies with the agent (parent-death signal), and exits quietly if stdin closes before an activation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import runpy
+import signal
+import sys
+import threading
+from typing import IO, Any
+
+from stalwart.recovery import reform
+
+STATUS_FD_ENV = "STALWART_HOST_FD"
+WARM_ENV = "STALWART_HOST_WARM"
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _warm_up() -> None:
+    """Import what a training script imports first, and pay torch's lazy first-use costs now."""
+    import torch
+    import torch.distributed
+    import torch.nn.parallel
+
+    import stalwart
+    import stalwart.job.job  # noqa: F401
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    optim = torch.optim.AdamW([param], lr=0.1)
+    param.grad = torch.ones(2)
+    optim.step()
+
+
+def _warm_up_politely() -> None:
+    """Warm up on a thread at the lowest CPU priority (nice 19 applies to that thread only), so a spare being
+    prepared takes CPU from nobody; the main thread, which later runs the worker, keeps normal priority.
+    Lowering a thread's priority needs no privilege; raising it back would, hence the thread."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            _warm_up()
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="spare-warm-up")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+def _apply(msg: dict[str, Any]) -> list[str]:
+    """Take the activation's environment; returns the argv without torchrun's interpreter flags."""
+    os.environ.clear()
+    os.environ.update(msg["env"])
+    argv: list[str] = list(msg["argv"])
+    if "OMP_NUM_THREADS" in os.environ and os.environ["OMP_NUM_THREADS"].isdigit():
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if argv and argv[0] == "-u":  # torchrun's unbuffered flag
+        argv = argv[1:]
+        sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
+        sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
+    return argv
+
+
+def _run_script(argv: list[str]) -> None:
+    if argv[:1] == ["-m"]:
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def _serve(control: IO[str], status: int) -> None:
+    """Run activations until one ends for another reason than a peer's failure; never returns."""
+    from stalwart.errors import EXIT_PEER_LOST
+
+    ran = False
+    while True:
+        line = control.readline()
+        if not line:  # a spare never used, or a re-armed worker the agent no longer needs
+            os._exit(EXIT_PEER_LOST if ran else 0)
+        ran = True
+        argv = _apply(json.loads(line))
+        lost: str | None = None
+        try:
+            with reform.interruptible():
+                _run_script(argv)
+        except SystemExit:
+            raise
+        except BaseException as exc:
+            if not (reform.enabled() and status >= 0 and reform.is_reformable(exc)):
+                sys.excepthook(type(exc), exc, exc.__traceback__)
+                sys.exit(1)
+            lost = _first_line(exc)
+        if lost is None:
+            sys.exit(0)
+        # Outside the except block, so that the failed run's frames (model, optimizer, buckets) can be freed.
+        _say(f"stalwart: rank {os.environ.get('RANK', '?')}: {lost}; re-forming in place")
+        reform.abandon()
+        try:
+            os.write(status, b"rearmed\n")
+        except OSError:
+            os._exit(EXIT_PEER_LOST)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first sentence, without gloo's source location: "Read error [127.0.0.1]:17032: Connection reset by
+    peer" rather than the two lines of advice that follow it."""
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(exc).strip())
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return first.split(". ")[0]
+
+
+def _say(line: str) -> None:
+    stream = sys.__stderr__ or sys.stderr
+    stream.write(line + "\n")
+    stream.flush()
+
+
+def main() -> None:
+    _die_with_parent()
+    reform.ignore_requests()
+    warm = os.environ.pop(WARM_ENV, "") == "1"
+    status = int(os.environ.pop(STATUS_FD_ENV, "-1"))
+    if warm:
+        _warm_up_politely()
+    if status >= 0:
+        os.set_inheritable(status, False)  # the worker's own children (its persister) must not hold it
+        if warm:
+            os.write(status, b"ready\n")
+    # The agent's pipe moves off stdin, which becomes /dev/null as for any worker.
+    control = os.fdopen(os.dup(0), "r", encoding="utf-8")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    _serve(control, status)
+
+
+if __name__ == "__main__":
+    main()

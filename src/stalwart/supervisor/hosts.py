@@ -1,0 +1,272 @@
+"""The agent's worker hosts (host.py): the pool of hot spares, the process context that runs workers in hosts,
+and what keeps a re-formed survivor in its process.
+
+A restart normally spawns fresh interpreters that import torch again (1.8-2.7 s on this machine before a
+worker can do anything). Under `stalwart run` workers run in host processes instead, so that:
+- with `--spares N` the agent keeps N hosts that have already paid that cost (`SparePool`);
+- with re-forming on (the default, recovery/reform.py), a survivor of a peer's failure keeps its process: it
+  re-arms and the next round activates it again.
+
+torch elastic's own `_start_workers` runs unchanged, computing every worker's environment, but the call that
+would spawn processes activates hosts instead (`running_in`) and returns a `HostContext`: the same
+pids/wait/close interface as torch elastic's process contexts, so monitoring, failure reports, restarts and
+shutdown work as for spawned workers.
+
+The pool is refilled `REFILL_DELAY_S` after it was used (and after the first start), so that the spares'
+imports do not compete for CPU with workers that are recovering.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from stalwart.errors import EXIT_PEER_LOST
+from stalwart.recovery.reform import REFORM_SIGNAL
+from stalwart.supervisor.host import STATUS_FD_ENV, WARM_ENV
+from stalwart.telemetry.events import EventLog
+
+REFILL_DELAY_S = 5.0
+REARM_TIMEOUT_S = 10.0
+"""How long survivors get to leave their failed group before they are killed and replaced. A survivor blocked
+in a collective leaves when it fails, at once once the peer's sockets are closed; this bounds a stuck one."""
+
+
+class Host:
+    """One host process. A warm one is `ready` once it has imported torch; a worker in one may re-arm."""
+
+    def __init__(self, *, warm: bool) -> None:
+        read, write = os.pipe()
+        env = {**os.environ, STATUS_FD_ENV: str(write), WARM_ENV: "1" if warm else "0"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stalwart.supervisor.host"],
+            stdin=subprocess.PIPE,
+            env=env,
+            pass_fds=(write,),
+            start_new_session=True,  # as torch elastic starts workers: a signal to the group reaches children
+        )
+        os.close(write)
+        self._status = read
+        self._buffer = b""
+        self.ready = not warm
+        self.rearmed = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _read_status(self) -> None:
+        while self._status >= 0 and select.select([self._status], [], [], 0)[0]:
+            chunk = os.read(self._status, 256)
+            if not chunk:
+                os.close(self._status)
+                self._status = -1
+                break
+            self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            if line == b"ready":
+                self.ready = True
+            elif line == b"rearmed":
+                self.rearmed = True
+
+    def poll_ready(self) -> bool:
+        self._read_status()
+        return self.ready and self.alive()
+
+    def poll_rearmed(self) -> bool:
+        """True once the worker in this host left its failed group and waits to be activated again."""
+        self._read_status()
+        return self.rearmed and self.alive()
+
+    def activate(self, argv: list[str], env: dict[str, str]) -> bool:
+        assert self.proc.stdin is not None
+        self.rearmed = False
+        try:
+            self.proc.stdin.write((json.dumps({"argv": argv, "env": env}) + "\n").encode())
+            self.proc.stdin.flush()
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def ask_to_reform(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.proc.pid, REFORM_SIGNAL)
+
+    def kill(self) -> None:
+        if self._status >= 0:
+            os.close(self._status)
+            self._status = -1
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+
+
+class SparePool:
+    def __init__(self, target: int, events: EventLog) -> None:
+        self.target = target
+        self._events = events
+        self._idle: list[Host] = []
+        self._refill_at: float | None = None
+
+    def schedule_refill(self, delay: float = REFILL_DELAY_S) -> None:
+        if self.target > 0:
+            self._refill_at = time.monotonic() + delay
+
+    def maintain(self) -> None:
+        """Drop dead spares and start missing ones once a refill is due (called every monitor interval)."""
+        for spare in [s for s in self._idle if s.proc.poll() is not None]:
+            self._idle.remove(spare)
+            self._events.emit("spare_died", spare_pid=spare.pid, exitcode=spare.proc.returncode)
+            self.schedule_refill()
+        if self._refill_at is None or time.monotonic() < self._refill_at:
+            return
+        self._refill_at = None
+        started = []
+        while len(self._idle) < self.target:
+            spare = Host(warm=True)
+            self._idle.append(spare)
+            started.append(spare.pid)
+        if started:
+            self._events.emit("spares_started", spare_pids=started, target=self.target)
+
+    def take(self, n: int, *, all_or_none: bool = True) -> list[Host]:
+        """Up to `n` ready spares; with `all_or_none`, none unless `n` are ready."""
+        ready = [s for s in self._idle if s.poll_ready()]
+        if n <= 0 or (all_or_none and len(ready) < n):
+            return []
+        chosen = ready[:n]
+        for spare in chosen:
+            self._idle.remove(spare)
+        if chosen:
+            self.schedule_refill()
+        return chosen
+
+    def close(self) -> None:
+        for spare in self._idle:
+            spare.kill()
+        self._idle.clear()
+
+
+class HostContext:
+    """Workers running in hosts, with the interface LocalElasticAgent uses of a process context.
+
+    With `reform`, the first failure does not end the other workers: survivors that re-armed are reported as
+    failed with EXIT_PEER_LOST (their run ended because of the failure) while their processes live on, and the
+    agent keeps them for the next round (`keep_rearmed`)."""
+
+    def __init__(self, workers: dict[int, Host], entrypoint: str, *, reform: bool) -> None:
+        self._workers = workers
+        self.entrypoint = entrypoint
+        self._reform = reform
+
+    def pids(self) -> dict[int, int]:
+        return {rank: host.pid for rank, host in self._workers.items()}
+
+    def wait(self, timeout: float = -1, period: float = 1) -> Any:
+        expiry = time.monotonic() + (timeout if timeout >= 0 else float("inf"))
+        while True:
+            result = self._poll()
+            if result is not None or time.monotonic() >= expiry:
+                return result
+            time.sleep(min(period, max(0.0, expiry - time.monotonic())))
+
+    def _poll(self) -> Any:
+        from torch.distributed.elastic.multiprocessing.api import RunProcsResult
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        codes = {rank: host.proc.poll() for rank, host in self._workers.items()}
+        rearmed = {rank for rank, host in self._workers.items() if self._reform and host.poll_rearmed()}
+        failed = {rank for rank, code in codes.items() if code not in (None, 0)} | rearmed
+        if not failed and any(code is None for code in codes.values()):
+            return None
+        if failed:
+            if not self._reform:
+                self.close()  # as torch elastic does: the first failure ends every worker of the group
+                codes = {rank: host.proc.poll() for rank, host in self._workers.items()}
+                failed = {rank for rank, code in codes.items() if code not in (None, 0)}
+            failures = {
+                rank: ProcessFailure(
+                    rank, self._workers[rank].pid, EXIT_PEER_LOST if rank in rearmed else codes[rank] or 0, "<N/A>"
+                )
+                for rank in sorted(failed)
+            }
+            return RunProcsResult(failures=failures)
+        return RunProcsResult(return_values=dict.fromkeys(self._workers))
+
+    def keep_rearmed(self, timeout: float = REARM_TIMEOUT_S) -> dict[int, Host]:
+        """Ask every live worker to leave its group, wait up to `timeout` for each to re-arm, and take the
+        re-armed hosts out of this context (close() then ends only the others). Local rank -> host."""
+        asked: set[int] = set()
+        end = time.monotonic() + timeout
+        while True:
+            pending = [r for r, h in self._workers.items() if h.alive() and not h.poll_rearmed()]
+            for rank in pending:
+                if rank not in asked:
+                    self._workers[rank].ask_to_reform()
+                    asked.add(rank)
+            if not pending or time.monotonic() >= end:
+                break
+            time.sleep(0.005)
+        kept = {r: h for r, h in self._workers.items() if h.poll_rearmed()}
+        for rank in kept:
+            del self._workers[rank]
+        return kept
+
+    def close(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        alive = [h for h in self._workers.values() if h.alive()]
+        for host in alive:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(host.pid, death_sig)
+        end = time.monotonic() + timeout
+        for host in alive:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                host.proc.wait(max(0.0, end - time.monotonic()))
+        for host in self._workers.values():
+            host.kill()
+
+
+@contextlib.contextmanager
+def running_in(plan: dict[int, Host], *, reform: bool) -> Iterator[None]:
+    """While active, torch elastic's `start_processes` activates the hosts of `plan` (local rank -> host)
+    instead of spawning processes. A host that cannot be activated (it died meanwhile) is replaced by a cold one."""
+    import torch.distributed.elastic.agent.server.local_elastic_agent as lea
+
+    real = lea.start_processes
+
+    def start_in_hosts(*, entrypoint: str, args: dict[int, tuple[Any, ...]], envs: dict[int, dict[str, str]],
+                       **kwargs: Any) -> Any:  # fmt: skip
+        workers: dict[int, Host] = {}
+        for rank in sorted(envs):
+            env = {**os.environ, **envs[rank]}
+            argv = [str(a) for a in args[rank]]
+            host = plan.pop(rank, None) or Host(warm=False)
+            if not host.activate(argv, env):
+                host.kill()
+                host = Host(warm=False)
+                host.activate(argv, env)
+            workers[rank] = host
+        for host in plan.values():
+            host.kill()
+        return HostContext(workers, entrypoint, reform=reform)
+
+    lea.start_processes = start_in_hosts  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        lea.start_processes = real

@@ -1,0 +1,176 @@
+"""L1: survivors of a failure keep their processes, re-form the group with a replacement, and end bitwise
+identical to a run without failures."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import alive, child_env, tiny_args
+
+STEPS = 24
+ARGS = ("--steps", str(STEPS), "--step-sleep", "0.03")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    from conftest import Launch
+
+    job = Launch(tmp_path_factory.mktemp("reform-reference"), tiny_args(*ARGS), child_env())
+    try:
+        assert job.wait(120) == 0, job.output()
+        return job.results()
+    finally:
+        job.reap()
+
+
+def _assert_identical(job: Any, reference: dict[int, dict[str, Any]]) -> None:
+    results = job.results()
+    for rank in (0, 1):
+        assert results[rank]["sha256"] == reference[rank]["sha256"], "parameters differ from the fault-free run"
+        assert results[rank]["seen"] == reference[rank]["seen"], "the sample history differs"
+
+
+def _no_orphans(job: Any) -> None:
+    pids = {e["worker_pid"] for e in job.events("worker_spawned")}
+    pids |= {p for e in job.events("spares_started") for p in e["spare_pids"]}
+    assert not [pid for pid in pids if alive(pid)], "no worker or spare outlives the launcher"
+
+
+@pytest.mark.parametrize(
+    ("fault", "victims"),
+    [
+        ("kill@rank=1,step=13", {1}),
+        ("hang@rank=0,step=13,how=sigstop", {0}),
+        ("kill@rank=1,step=13;kill@rank=0,step=13,restart=1", {1}),  # the kept survivor dies right after recovery
+    ],
+)
+def test_survivors_keep_their_process_and_the_run_ends_bitwise_identical(
+    launch: Any, reference: Any, fault: str, victims: set[int]
+) -> None:
+    job = launch(tiny_args(*ARGS), env=child_env(STALWART_FAULTS=fault))
+    assert job.wait(180) == 0, job.output()
+    first, second = job.worker_pids(restart=0), job.worker_pids(restart=1)
+    kept = {r for r in (0, 1) if first[r] == second[r]}
+    assert kept == {0, 1} - victims, f"only the failed rank is replaced: {first} -> {second}"
+    reformed = job.events("group_reformed")
+    assert reformed[0]["kept"] == sorted(kept) and reformed[0]["replaced"] == sorted(victims)
+    assert [e["kept"] for e in job.events("worker_spawned") if e["restart"] == 1] == [r in kept for r in (0, 1)]
+    rearmed = job.events("survivors_rearmed")
+    assert rearmed[0]["local_ranks"] == sorted(kept)
+    assert {e["step"] for e in job.events("reforming")} == {13}, "the survivor left its group at the failed step"
+    resumed = [e for e in job.events("resumed") if e["restart"] == 1]
+    assert {(e["step"], e["tier"]) for e in resumed} == {(13, "memory")}, "no step lost, restored from memory"
+    assert "re-forming the group (1/3)" in job.output() and "re-forming in place" in job.output()
+    if "restart=1" in fault:  # the second failure killed the kept rank 0: rank 1 (a replacement) stays
+        third = job.worker_pids(restart=2)
+        assert third[1] == second[1] and third[0] != second[0]
+    _assert_identical(job, reference)
+    _no_orphans(job)
+
+
+def test_with_spares_only_the_failed_rank_takes_one(launch: Any, reference: Any) -> None:
+    # The pool fills 5 s after the first start; the slow steps put the fault after that.
+    args = tiny_args("--steps", str(STEPS), "--step-sleep", "0.4")
+    job = launch(["--spares", "1", *args], env=child_env(STALWART_FAULTS="kill@rank=1,step=20"))
+    assert job.wait(180) == 0, job.output()
+    assert job.events("spares_started"), job.output()
+    spawned = {e["rank"]: e for e in job.events("worker_spawned") if e["restart"] == 1}
+    assert spawned[0]["kept"] and not spawned[0]["spare"]
+    assert spawned[1]["spare"] and not spawned[1]["kept"], "the replacement came from the pool"
+    _assert_identical(job, reference)
+    _no_orphans(job)
+
+
+def test_no_reform_restarts_every_worker(launch: Any, reference: Any) -> None:
+    job = launch(["--no-reform", *tiny_args(*ARGS)], env=child_env(STALWART_FAULTS="kill@rank=1,step=13"))
+    assert job.wait(180) == 0, job.output()
+    first, second = job.worker_pids(restart=0), job.worker_pids(restart=1)
+    assert not set(first.values()) & set(second.values()), "torchrun's way: every worker is new"
+    assert job.events("group_reformed")[0]["kept"] == []
+    assert "restarting workers (1/3)" in job.output()
+    _assert_identical(job, reference)
+    _no_orphans(job)
+
+
+def test_a_host_rearms_after_a_peer_failure_and_runs_again(tmp_path: Path) -> None:
+    """The host protocol without a job: a run that fails like a lost peer re-arms; the next activation runs."""
+    from stalwart.supervisor.hosts import Host
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys
+            if os.environ["WHAT"] == "peer":
+                raise RuntimeError("[gloo/pair.cc:589] Connection closed by peer [127.0.0.1]:4242")
+            if os.environ["WHAT"] == "bug":
+                raise ValueError("a bug in the training script")
+            sys.exit(int(os.environ["WHAT"]))
+            """
+        )
+    )
+    env = child_env(STALWART_REFORM="1", PYTHONPATH=os.pathsep.join(sys.path))
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        host = Host(warm=False)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        assert host.activate(["-u", str(script)], {**env, "WHAT": "peer"})
+        _wait(lambda: host.poll_rearmed(), "the host to re-arm")
+        assert host.alive()
+        assert host.activate(["-u", str(script)], {**env, "WHAT": "peer"})
+        _wait(lambda: host.poll_rearmed(), "the host to re-arm again")
+        assert host.activate(["-u", str(script)], {**env, "WHAT": "5"})
+        assert host.proc.wait(30) == 5, "a normal ending ends the host with the script's status"
+    finally:
+        host.kill()
+    bug = Host(warm=False)
+    try:
+        assert bug.activate(["-u", str(script)], {**env, "WHAT": "bug"})
+        assert bug.proc.wait(30) == 1, "a bug is not a reason to re-form"
+        assert not bug.rearmed
+    finally:
+        bug.kill()
+
+
+def _wait(predicate: Any, what: str, timeout: float = 30.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def test_reformable_errors_are_peer_failures_only() -> None:
+    from stalwart.recovery.reform import ReformRequested, is_reformable
+
+    assert is_reformable(RuntimeError("[pair.cc:534] Read error [127.0.0.1]:1: Connection reset by peer"))
+    assert is_reformable(ReformRequested("asked"))
+    try:
+        try:
+            raise RuntimeError("Connection closed by peer")
+        except RuntimeError as inner:
+            raise KeyError("while handling it") from inner
+    except KeyError as outer:
+        assert is_reformable(outer), "a peer failure found through the cause chain"
+    assert not is_reformable(ValueError("bad shape"))
+    assert not is_reformable(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_spares_with_redirected_output_is_refused(launch: Any) -> None:
+    job = launch(["--spares", "1", "--redirects", "3", *tiny_args()])
+    assert job.wait(60) == 2
+    assert "--redirects" in job.output() and "Traceback" not in job.output()
