@@ -102,3 +102,22 @@ def test_replicated_objects_are_split_between_local_ranks(tmp_path: Path) -> Non
     (tmp_path / "local00001.slot1").unlink(missing_ok=True)
     with pytest.raises(CheckpointCorruptError):
         tiers[0].load(3)
+
+
+def test_a_light_snapshot_leaves_the_live_tensors_out_and_takes_them_back_on_load(tmp_path: Path) -> None:
+    state = _state(4)
+    weight = state["objects"]["m"]["w"]
+    tier = MemoryTier(tmp_path, rank=0, world_size=2)
+    _, nbytes = tier.snapshot(4, state, frozenset({"m"}), live={weight.data_ptr()})
+    assert tier.steps(light=True) == [4] and tier.steps() == [], "light and full slots are apart"
+    assert nbytes < weight.nbytes + 256, "the live weight was not copied"
+    wanted, content = tier.light(4)
+    assert wanted == {"R/m/w": (torch.float32, [8, 16])}
+    got = tier.load_light(4, content, {"R/m/w": weight.clone()}).state
+    assert torch.equal(got["objects"]["m"]["w"], weight)
+    assert torch.equal(got["objects"]["m"]["t"], state["objects"]["m"]["t"]), "the rest comes from the slot"
+    with pytest.raises(CheckpointCorruptError):
+        tier.load_light(4, content, {})  # nobody supplies the live tensor
+    with pytest.raises(CheckpointCorruptError):
+        tier.light(3)
+    tier.close()

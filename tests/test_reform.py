@@ -74,6 +74,41 @@ def test_survivors_keep_their_process_and_the_run_ends_bitwise_identical(
     _no_orphans(job)
 
 
+@pytest.mark.parametrize("fault", ["kill@rank=1,step=13", "hang@rank=0,step=13,how=sigstop"])
+def test_light_snapshots_take_the_replicated_state_from_a_survivor(launch: Any, reference: Any, fault: str) -> None:
+    # Full copies only every 20 steps; every other step copies the per-rank rest, and the survivor hands over
+    # its live parameters and optimizer state.
+    job = launch(tiny_args(*ARGS, "--replicated-snapshot-every", "20"), env=child_env(STALWART_FAULTS=fault))
+    assert job.wait(180) == 0, job.output()
+    assert all(e["kept_live_state"] for e in job.events("reforming"))
+    resumed = [e for e in job.events("resumed") if e["restart"] == 1]
+    assert {(e["step"], e["tier"]) for e in resumed} == {(13, "peer")}, "no step lost, the survivor's live state"
+    assert "live state" in resumed[0]["source"]
+    _assert_identical(job, reference)
+    _no_orphans(job)
+
+
+def test_without_a_survivor_the_newest_full_copy_or_checkpoint_is_used(launch: Any, reference: Any) -> None:
+    # Both ranks die at step 13: no live state survives. Full memory copies come every 5 steps (step 10), the
+    # durable checkpoints every 4 (step 12): the newer one wins.
+    args = tiny_args(*ARGS, "--replicated-snapshot-every", "5")
+    job = launch(args, env=child_env(STALWART_FAULTS="kill@rank=0,step=13;kill@rank=1,step=13"))
+    assert job.wait(180) == 0, job.output()
+    resumed = [e for e in job.events("resumed") if e["restart"] == 1]
+    assert {(e["step"], e["tier"]) for e in resumed} == {(12, "durable")}
+    _assert_identical(job, reference)
+    _no_orphans(job)
+
+
+def test_a_full_copy_newer_than_the_checkpoint_is_used_when_no_one_survives(launch: Any, reference: Any) -> None:
+    args = tiny_args(*ARGS, "--replicated-snapshot-every", "1", "--every", "10")
+    job = launch(args, env=child_env(STALWART_FAULTS="kill@rank=0,step=13;kill@rank=1,step=13"))
+    assert job.wait(180) == 0, job.output()
+    resumed = [e for e in job.events("resumed") if e["restart"] == 1]
+    assert {(e["step"], e["tier"]) for e in resumed} == {(13, "memory")}
+    _assert_identical(job, reference)
+
+
 def test_with_spares_only_the_failed_rank_takes_one(launch: Any, reference: Any) -> None:
     # The pool fills 5 s after the first start; the slow steps put the fault after that.
     args = tiny_args("--steps", str(STEPS), "--step-sleep", "0.4")

@@ -67,6 +67,7 @@ def main() -> None:
     p.add_argument("--allow-resize", action="store_true")
     p.add_argument("--fsdp", action="store_true", help="shard model and optimizer with FSDP2 instead of DDP")
     p.add_argument("--snapshot-every", type=int, default=1, help="memory-tier snapshots (0: durable only)")
+    p.add_argument("--replicated-snapshot-every", type=int, default=1, help=">1: light memory snapshots (L1)")
     p.add_argument("--busy-at", type=int, default=-1, help="at this step, a long stretch marked with job.busy()")
     p.add_argument("--busy-s", type=float, default=0.0)
     p.add_argument("--when-busy", default="wait", help="wait: every save happens (deterministic steps for tests)")
@@ -86,6 +87,7 @@ def main() -> None:
         replicated=() if args.fsdp else ("model", "optim"),
         when_busy=args.when_busy,
         snapshot_every=args.snapshot_every,
+        replicated_snapshot_every=args.replicated_snapshot_every,
     )
     torch.manual_seed(0)
     model = torch.nn.Sequential(

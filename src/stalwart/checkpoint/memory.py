@@ -131,10 +131,11 @@ class MemoryTier:
         self.local_rank = local_rank
         self.local_world_size = max(1, local_world_size)
         self._slots = [_Slot(self._slot_path(local_rank, i)) for i in (0, 1)]
-        self._toc_cache: tuple[Any, bytes] | None = None
+        self._light = [_Slot(self._slot_path(local_rank, i, "light")) for i in (0, 1)]
+        self._toc_cache: dict[str, tuple[Any, bytes]] = {}
 
-    def _slot_path(self, local_rank: int, index: int) -> Path:
-        return self.directory / f"local{local_rank:05d}.slot{index}"
+    def _slot_path(self, local_rank: int, index: int, kind: str = "slot") -> Path:
+        return self.directory / f"local{local_rank:05d}.{kind}{index}"
 
     @classmethod
     def from_env(cls, rank: int, world_size: int, local_rank: int, local_world_size: int) -> MemoryTier | None:
@@ -143,35 +144,56 @@ class MemoryTier:
             return None
         return cls(directory, rank, world_size, local_rank, local_world_size)
 
-    def steps(self) -> list[int]:
-        """The steps this rank holds whole, newest first (for this rank and world size only)."""
+    def steps(self, *, light: bool = False) -> list[int]:
+        """The steps this rank holds whole (or, with `light`, light snapshots of), newest first, for this rank
+        and world size only."""
         found = []
-        for slot in self._slots:
+        for slot in self._light if light else self._slots:
             h = slot.header()
             if h is not None and h[3] == self.rank and h[4] == self.world_size:
                 found.append(int(h[2]))
         return sorted(found, reverse=True)
 
-    def snapshot(self, step: int, state: dict[str, Any], replicated: frozenset[str] = frozenset()) -> tuple[float, int]:
+    def snapshot(
+        self,
+        step: int,
+        state: dict[str, Any],
+        replicated: frozenset[str] = frozenset(),
+        live: set[int] | None = None,
+    ) -> tuple[float, int]:
         """Copy this rank's share of `state` into the older slot; returns (seconds, bytes). The whole cost is
         this copy. `replicated` names the objects that are identical on every rank (split across local ranks).
+
+        With `live` (the data pointers of replicated tensors that the survivors of a failure keep in their own
+        memory: parameters and optimizer state), the snapshot is light: those tensors are left out, listed by
+        id, dtype and shape, and everything else (per-rank objects, RNG, buffers) is copied into the light
+        slots. A restore then takes the live tensors from a survivor (see `load_light`).
 
         The copy is synchronous on purpose: copying parameters on a background thread while the next step runs
         was measured here (2 cores, 2 workers) to save no wall time, and it would rest on the assumption that
         nothing but the optimizer writes parameters."""
         started = time.perf_counter()
         skeleton, items = flatten(state, self.rank, replicated)
-        shared = [(i.id, i.nbytes) for i in items if i.id.startswith("R/")]
-        owners = assign_owners(shared, self.local_world_size) if shared else {}
-        table, total = [], 0
-        for item in items:
-            if owners.get(item.id, self.local_rank) != self.local_rank:
-                continue  # a local peer copies this replicated tensor
-            table.append((item, total))
-            total = aligned(total + item.nbytes)
-        toc = self._toc(skeleton, table)
+        table, total, absent = [], 0, {}
+        if live is not None:
+            for item in items:
+                if item.id.startswith("R/") and item.tensor.data_ptr() in live and item.nbytes:
+                    absent[item.id] = [dtype_name(item.tensor.dtype), list(item.tensor.shape)]
+                    continue
+                table.append((item, total))
+                total = aligned(total + item.nbytes)
+        else:
+            shared = [(i.id, i.nbytes) for i in items if i.id.startswith("R/")]
+            owners = assign_owners(shared, self.local_world_size) if shared else {}
+            for item in items:
+                if owners.get(item.id, self.local_rank) != self.local_rank:
+                    continue  # a local peer copies this replicated tensor
+                table.append((item, total))
+                total = aligned(total + item.nbytes)
+        kind = "light" if live is not None else "full"
+        toc = self._toc(kind, skeleton, table, absent)
         data_offset = aligned(HEADER_BYTES + len(toc), PAGE)
-        target = self._older()
+        target = self._older(self._light if live is not None else self._slots)
         m = target.ensure(data_offset + total)
         HEADER.pack_into(m, 0, MAGIC, 0, -1, self.rank, self.world_size, 0, 0, 0)  # invalid while writing
         m[HEADER_BYTES : HEADER_BYTES + len(toc)] = toc
@@ -181,24 +203,30 @@ class MemoryTier:
         HEADER.pack_into(m, 0, MAGIC, 1, step, self.rank, self.world_size, len(toc), data_offset, total)
         return time.perf_counter() - started, total
 
-    def _older(self) -> _Slot:
-        headers = [s.header() for s in self._slots]
+    @staticmethod
+    def _older(slots: list[_Slot]) -> _Slot:
+        headers = [s.header() for s in slots]
         steps = [h[2] if h is not None else -1 for h in headers]
-        return self._slots[0] if steps[0] <= steps[1] else self._slots[1]
+        return slots[0] if steps[0] <= steps[1] else slots[1]
 
-    def _toc(self, skeleton: Any, table: list[tuple[TensorItem, int]]) -> bytes:
+    def _toc(
+        self, kind: str, skeleton: Any, table: list[tuple[TensorItem, int]], absent: dict[str, list[Any]]
+    ) -> bytes:
         """The table of contents; pickling the skeleton is skipped when it equals the previous snapshot's."""
-        if self._toc_cache is not None and self._toc_cache[0] == (skeleton, [(i.id, o) for i, o in table]):
-            return self._toc_cache[1]
+        key = (skeleton, [(i.id, o) for i, o in table], absent)
+        cached = self._toc_cache.get(kind)
+        if cached is not None and cached[0] == key:
+            return cached[1]
         buf = io.BytesIO()
         torch.save(skeleton, buf)
         toc = json.dumps(
             {
                 "skeleton": base64.b64encode(buf.getvalue()).decode("ascii"),
                 "tensors": {i.id: [o, i.nbytes, dtype_name(i.tensor.dtype), list(i.tensor.shape)] for i, o in table},
+                "live": absent,
             }
         ).encode()
-        self._toc_cache = ((skeleton, [(i.id, o) for i, o in table]), toc)
+        self._toc_cache[kind] = (key, toc)
         return toc
 
     def load(self, step: int) -> MemorySnapshot:
@@ -209,6 +237,31 @@ class MemoryTier:
             if h is not None and h[2] == step and h[3] == self.rank:
                 return self._assemble(_read_slot(slot.path, h, step), step, index)
         raise CheckpointCorruptError(f"no memory slot holds step {step}")
+
+    def light(self, step: int) -> tuple[dict[str, tuple[torch.dtype, list[int]]], Any]:
+        """The tensors a light snapshot of `step` left to the survivors (id -> dtype, shape), and a handle for
+        `load_light`; CheckpointCorruptError if this rank holds no light snapshot of `step`."""
+        for slot in self._light:
+            h = slot.header()
+            if h is not None and h[2] == step and h[3] == self.rank:
+                content = _read_slot(slot.path, h, step)
+                return {k: (dtype_from_name(v[0]), list(v[1])) for k, v in content.live.items()}, content
+        raise CheckpointCorruptError(f"no light memory slot holds step {step}")
+
+    def load_light(self, step: int, content: Any, live: dict[str, torch.Tensor]) -> MemorySnapshot:
+        """The state of `step`: the light snapshot's own tensors, and `live` (from a survivor) for the rest."""
+
+        def fetch(tid: str) -> torch.Tensor:
+            if tid in content.table:
+                return _tensor(content.table[tid], content.data)
+            if tid in live:
+                return live[tid]
+            raise CheckpointCorruptError(f"tensor {tid} is in neither the light snapshot of step {step} nor a peer's")
+
+        state = unflatten(content.skeleton, fetch)
+        if not isinstance(state, dict) or "objects" not in state:
+            raise CheckpointCorruptError(f"the memory snapshot of step {step} is not a stalwart state")
+        return MemorySnapshot(step, state, len(content.data), -1)
 
     def _assemble(self, own: _SlotContent, step: int, index: int) -> MemorySnapshot:
         peers: dict[int, tuple[dict[str, list[Any]], bytearray]] = {}
@@ -243,7 +296,7 @@ class MemoryTier:
         return {}, bytearray()
 
     def close(self) -> None:
-        for slot in self._slots:
+        for slot in [*self._slots, *self._light]:
             slot.close()
 
 
@@ -252,6 +305,7 @@ class _SlotContent:
     skeleton: Any
     table: dict[str, list[Any]]
     data: bytearray
+    live: dict[str, list[Any]]
 
 
 def _tensor(entry: list[Any], data: bytearray) -> torch.Tensor:
@@ -280,4 +334,4 @@ def _read_slot(path: Path, header: tuple[int, ...], step: int) -> _SlotContent:
         skeleton = torch.load(io.BytesIO(base64.b64decode(toc["skeleton"])), map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointCorruptError(f"the memory snapshot of step {step} cannot be read: {exc}") from exc
-    return _SlotContent(skeleton, table, data)
+    return _SlotContent(skeleton, table, data, toc.get("live", {}))

@@ -85,6 +85,11 @@ class Comm:
         dist.broadcast(t, src=0, group=self._group)
         return [int(v) for v in t.tolist()]
 
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        """Rank `src`'s contents of `tensor` (same shape and dtype everywhere), in place on every rank."""
+        if self._group is not None:
+            dist.broadcast(tensor, src=src, group=self._group)
+
     def broadcast_int(self, value: int) -> int:
         """Rank 0's value, on every rank."""
         if self._group is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import secrets
 import time
@@ -34,7 +35,7 @@ from stalwart.chaos.faults import Fault, FaultInjector
 from stalwart.checkpoint import sharded
 from stalwart.checkpoint.manager import Checkpointer, Restored
 from stalwart.checkpoint.memory import MemoryTier
-from stalwart.checkpoint.serialize import check_loadable
+from stalwart.checkpoint.serialize import check_loadable, flatten
 from stalwart.detect.hang import HANG_TIMEOUT_ENV, HangTimer, parse_timeout
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
@@ -90,6 +91,14 @@ class JobConfig:
     Those snapshots outlive a dead worker, so a restart resumes from the newest one held by every rank instead
     of the durable checkpoint: nothing is read from storage and at most the interrupted step is redone. The
     cost is one memory copy of this rank's state per snapshot (`snapshot_s` in step_done events)."""
+    replicated_snapshot_every: int = 1
+    """1 (the default): every memory snapshot copies the whole state, so a restart loses at most the interrupted
+    step whoever dies. N > 1, with survivors re-forming in place (`stalwart run`'s default): replicated parameters
+    and optimizer state are copied only every N snapshots; the other snapshots copy the small per-rank rest (a
+    light snapshot) and a restart takes those tensors from a survivor, which kept them in its own memory. That
+    saves the per-step copy of the replicated state (most of the snapshot cost), but when a rank dies after its
+    step's last collective and before its snapshot (the optimizer step), or when no rank survives, the restart
+    falls back to the last full copy, up to N steps back. See docs/architecture.md (L1)."""
     hang_timeout_s: float | None = None
     """Seconds this worker may go without a heartbeat inside `steps()` before `stalwart run` kills it as hung.
     None (the default): `stalwart run --hang-timeout`, whose default calibrates it from the step times
@@ -101,7 +110,7 @@ class JobConfig:
     elastically (`stalwart run --nnodes MIN:MAX` with MIN < MAX)."""
 
     def __post_init__(self) -> None:
-        for name in ("checkpoint_every", "keep_last", "log_every", "full_every"):
+        for name in ("checkpoint_every", "keep_last", "log_every", "full_every", "replicated_snapshot_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -161,6 +170,8 @@ class Job:
             else None
         )
         self._snapshot_s = 0.0
+        self._reform = self._memory is not None and reform.enabled()
+        self._versions: dict[int, int] | None = None  # live tensors' data pointer -> version, at self.step
         self._busy_step = False
         self._saved_once = False
         self.checkpointer = Checkpointer(
@@ -259,6 +270,7 @@ class Job:
                 )
         self.step = self.resumed_from = restored.step
         self._last_saved = restored.step if restored.tier == "durable" else None
+        reform.drop_stash()  # the tracked objects hold their own copy now
         seconds = time.monotonic() - started
         self.events.emit(
             "resumed",
@@ -271,21 +283,36 @@ class Job:
         return self.step
 
     def _load_from_memory(self) -> Restored | None:
-        """The newest snapshot every rank holds in node memory, if it is at least as new as the newest durable
-        checkpoint; None otherwise. Collective: every rank calls it, with or without a memory tier."""
-        mine = self._memory.steps() if self._memory is not None else []
+        """The newest state the ranks can rebuild from memory, if it is at least as new as the newest durable
+        checkpoint; None otherwise. Two sources: a full snapshot every rank holds in node memory, or a light
+        snapshot every rank holds plus the live tensors a survivor kept (recovery/reform.py), broadcast by the
+        lowest such rank. Collective: every rank calls it, with or without a memory tier."""
+        memory = self._memory
+        full = memory.steps() if memory is not None else []
+        light = memory.steps(light=True) if memory is not None else []
+        stash = reform.stashed()
+        live = stash.step if stash is not None and stash.world_size == self.world_size else -1
         newest_durable = self.checkpointer.newest_committed() if self.rank == 0 else -1
-        slots = [*mine, -1, -1][:2]
-        gathered = self.comm.all_gather_ints([*slots, newest_durable])
-        held = [{s for s in g[:2] if s >= 0} for g in gathered]
-        common = set.intersection(*held) if held else set()
-        step = max(common, default=-1)
-        if step < 0 or step < gathered[0][2]:
+        gathered = self.comm.all_gather_ints([*[*full, -1, -1][:2], *[*light, -1, -1][:2], live, newest_durable])
+        common_full = set.intersection(*[{s for s in g[:2] if s >= 0} for g in gathered])
+        common_light = set.intersection(*[{s for s in g[2:4] if s >= 0} for g in gathered])
+        holders = {g[4]: r for r, g in reversed(list(enumerate(gathered))) if g[4] >= 0}  # step -> lowest rank
+        by_live = max((s for s in common_light if s in holders), default=-1)
+        by_full = max(common_full, default=-1)
+        step = max(by_live, by_full)
+        if step < 0 or step < gathered[0][5]:
             return None
+        if by_live > by_full:
+            restored = self._load_light(by_live, holders[by_live])
+            if restored is not None:
+                return restored
+            if by_full < 0 or by_full < gathered[0][5]:
+                return None
+            step = by_full
         snapshot, problem = None, ""
         try:
-            assert self._memory is not None
-            snapshot = self._memory.load(step)
+            assert memory is not None
+            snapshot = memory.load(step)
         except CheckpointCorruptError as exc:
             problem = str(exc)
         if not all(v[0] for v in self.comm.all_gather_ints([int(snapshot is not None)])):
@@ -294,6 +321,46 @@ class Job:
         assert snapshot is not None
         where = f"node memory (step {step})"
         return Restored(step, self.world_size, snapshot.state, where, snapshot.bytes, tier="memory")
+
+    def _load_light(self, step: int, source: int) -> Restored | None:
+        """Every rank's light snapshot of `step`, with the live tensors broadcast from rank `source`'s stash."""
+        assert self._memory is not None
+        wanted: dict[str, tuple[torch.dtype, list[int]]] = {}
+        content, problem = None, ""
+        try:
+            wanted, content = self._memory.light(step)
+        except CheckpointCorruptError as exc:
+            problem = str(exc)
+        stash = reform.stashed()
+        if self.rank == source and content is not None:
+            have = stash.tensors if stash is not None else {}
+            missing = [t for t, (dt, shape) in wanted.items() if t not in have or have[t].dtype != dt
+                       or list(have[t].shape) != shape]  # fmt: skip
+            if missing:
+                content, problem = None, f"the survivor's live state lacks {missing[0]}"
+        if not all(v[0] for v in self.comm.all_gather_ints([int(content is not None)])):
+            self.events.emit("memory_snapshot_unusable", step=step, error=problem or "another rank's is not whole")
+            return None
+        layout, total = {}, 0
+        for tid in sorted(wanted):
+            dtype, shape = wanted[tid]
+            nbytes = math.prod(shape) * dtype.itemsize
+            layout[tid] = (total, nbytes, dtype, shape)
+            total += -(-nbytes // 64) * 64  # 64-byte aligned, so each view can take its dtype
+        buf = torch.empty(total, dtype=torch.uint8)
+        if self.rank == source:
+            assert stash is not None
+            with torch.no_grad():
+                for tid, (offset, nbytes, _, _) in layout.items():
+                    buf[offset : offset + nbytes].copy_(stash.tensors[tid].reshape(-1).view(torch.uint8))
+        self.comm.broadcast_tensor(buf, source)
+        live = {
+            tid: buf[offset : offset + nbytes].view(dtype).reshape(shape)
+            for tid, (offset, nbytes, dtype, shape) in layout.items()
+        }
+        snapshot = self._memory.load_light(step, content, live)
+        where = f"node memory (step {step}) and rank {source}'s live state"
+        return Restored(step, self.world_size, snapshot.state, where, snapshot.bytes + total, tier="peer")
 
     def _replicated_names(self) -> frozenset[str]:
         """The tracked objects written once for all ranks (see JobConfig.replicated)."""
@@ -324,6 +391,8 @@ class Job:
             raise ConfigError(f"max_steps must be >= 0, got {max_steps}")
         self._heartbeat.beat(self.step, PHASE_RESUME, self._hang.grace())
         self.resume()
+        if self._reform and self.config.replicated_snapshot_every > 1:
+            self._versions = self._live_versions()
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
         first = True
         while self.step < max_steps:
@@ -343,8 +412,10 @@ class Job:
             if not self._busy_step:
                 self._hang.observe(step_s)
             self._busy_step = False
+            if self._reform and self.config.replicated_snapshot_every > 1:
+                self._versions = self._live_versions()
             if self._memory is not None and self.step % self.config.snapshot_every == 0:
-                self._snapshot_s, _ = self._memory.snapshot(self.step, self._state(), self.checkpointer.replicated)
+                self._snapshot()
             if first or self.step % self.config.log_every == 0:
                 self._log_step(step_s)
                 first = False
@@ -396,6 +467,38 @@ class Job:
             self._last_saved = self.step
         return taken
 
+    def _snapshot(self) -> None:
+        """Copy the state into node memory: light every time under re-forming (the live tensors stay with the
+        survivors), full every `replicated_snapshot_every` snapshots, or full every time without re-forming."""
+        assert self._memory is not None
+        state, replicated = self._state(), self.checkpointer.replicated
+        seconds = 0.0
+        every = self.config.replicated_snapshot_every * self.config.snapshot_every
+        light = self._reform and every > self.config.snapshot_every and self._versions is not None
+        if light:
+            seconds, _ = self._memory.snapshot(self.step, state, replicated, live=set(self._versions or ()))
+        if not light or self.step % every == 0:
+            seconds += self._memory.snapshot(self.step, state, replicated)[0]
+        self._snapshot_s = seconds
+
+    def _live_versions(self) -> dict[int, int]:
+        """Data pointer -> version counter of every tensor a survivor can keep: the parameters of replicated
+        modules and the state of replicated optimizers. Any in-place write (an optimizer step) bumps a version,
+        so equal versions at a failure prove these tensors still hold the state of the last completed step."""
+        versions: dict[int, int] = {}
+        for name in self.checkpointer.replicated:
+            obj = self._objects[name]
+            if isinstance(obj, torch.nn.Module):
+                tensors: Iterable[torch.Tensor] = obj.parameters()
+            elif isinstance(obj, torch.optim.Optimizer):
+                tensors = (t for st in obj.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+            else:
+                continue
+            for t in tensors:
+                if type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu":
+                    versions[t.data_ptr()] = t._version
+        return versions
+
     def _state(self) -> dict[str, Any]:
         """The full training state of this rank, as checkpoints and memory snapshots hold it."""
         return {
@@ -423,7 +526,8 @@ class Job:
         place, see recovery/reform.py): the persister is killed, so a save in flight never commits, and nothing
         runs at interpreter exit. The process groups are aborted by the caller, all at once."""
         atexit.unregister(self.close)
-        self.events.emit("reforming", step=self.step)
+        kept = self._keep_live_state()
+        self.events.emit("reforming", step=self.step, kept_live_state=kept)
         self._heartbeat.close()
         if self._memory is not None:
             self._memory.close()
@@ -431,6 +535,19 @@ class Job:
         self.comm.forget()
         self._owns_process_group = False
         self.events.close()
+
+    def _keep_live_state(self) -> bool:
+        """Keep references to the live tensors for the next run if they still hold step `self.step`."""
+        if self.state is not JobState.RUNNING or self._versions is None or not self._versions:
+            return False
+        with contextlib.suppress(Exception):
+            if self._live_versions() == self._versions:
+                _, items = flatten(self._state(), self.rank, self.checkpointer.replicated)
+                ptrs = self._versions
+                live = {i.id: i.tensor for i in items if i.id.startswith("R/") and i.tensor.data_ptr() in ptrs}
+                reform.keep(reform.Stash(self.step, self.world_size, live))
+                return True
+        return False
 
     def _log_step(self, step_s: float) -> None:
         metrics = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in self._metrics.items()}

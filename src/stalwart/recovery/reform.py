@@ -7,8 +7,14 @@ while this worker was computing), the exception ends the script's run but not th
 unfinished save uncommitted, exactly as a dead worker's would), aborts every process group and frees their
 memory. The host then tells its agent it is re-armed, the agent joins the next round of torch elastic's
 rendezvous, and the host runs the script again with the new round's environment. Nothing is imported again and
-the device context stays; the new Job agrees with its peers on the newest snapshot every rank holds in node
-memory and restores it, so the interrupted step is redone and no finished step is lost.
+the device context stays; the new Job agrees with its peers on the newest step it can restore and restores
+it, so the interrupted step is redone and no finished step is lost.
+
+What a survivor keeps: when its failed run's replicated parameters and optimizer state were not modified since
+its last completed step (their version counters say so; a failure inside DDP's backward, before the optimizer
+step, is the usual case), `abandon()` keeps references to them (`Stash`). The replacement rank then receives
+them from the survivor by one broadcast, and the node memory tier only needs the small per-rank rest of the
+state every step (a light snapshot) plus a full copy now and then (`JobConfig.replicated_snapshot_every`).
 
 Why re-run the script rather than rewind inside it: the failure surfaces inside the user's loop body (DDP's
 allreduce raises from `loss.backward()`), where no library code can catch it and go on. Running the user's
@@ -24,8 +30,9 @@ import os
 import signal
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import FrameType
-from typing import Protocol
+from typing import Any, Protocol
 
 REFORM_ENV = "STALWART_REFORM"
 """Set to 1 by `stalwart run` when survivors re-form in place (the default; `--no-reform` turns it off)."""
@@ -44,6 +51,34 @@ class Abandonable(Protocol):
 
 
 _live: weakref.WeakSet[Abandonable] = weakref.WeakSet()
+
+
+@dataclass(frozen=True, slots=True)
+class Stash:
+    """The replicated tensors (parameters, optimizer state) a survivor kept from its failed run, by checkpoint
+    id, as they were after `step` completed; the next run hands them to every rank instead of reading a copy."""
+
+    step: int
+    world_size: int
+    tensors: dict[str, Any]
+
+
+_stash: Stash | None = None
+
+
+def keep(stash: Stash) -> None:
+    global _stash
+    _stash = stash
+
+
+def stashed() -> Stash | None:
+    return _stash
+
+
+def drop_stash() -> None:
+    """After a resume, the tensors belong to the new run's objects or were copied into them."""
+    global _stash
+    _stash = None
 
 
 def register(job: Abandonable) -> None:
