@@ -66,7 +66,10 @@ class Run:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
         env.update(STALWART_EVENT_LOG=str(self.log), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         job = ["-m", "stalwart.bench.recovery_job", "--out", str(self.workdir), "--steps", str(self.steps)]
-        if self.system == "torchrun":
+        if self.system == "torchft":
+            cmd = [sys.executable, "-m", "stalwart.bench.torchft_driver", "--out", str(self.workdir), "--steps",
+                   str(self.steps)]  # fmt: skip
+        elif self.system == "torchrun":
             if not self.stock:
                 env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
@@ -208,7 +211,8 @@ def measure_kills(
         if first is None:
             raise BenchError(f"{system}: no step completed after the kill at step {done}")
         to_step.append(first - mono)
-        survivor = _first_step_after(after, mono, rank=0)
+        # torchft's survivor is not restarted: its first step after the kill, whatever its round, is its stall.
+        survivor = _first_step_after(run.events if system == "torchft" else after, mono, rank=0)
         stall.append((survivor if survivor is not None else first) - mono)
         resumed = [e for e in run.events if e["event"] in ("resumed", "fresh_start") and e["mono"] > mono]
         lost.append(done - (resumed[0].get("step", 0) if resumed else done))
@@ -262,6 +266,9 @@ def measure_hang(system: str, workdir: Path, wait_s: float, progress: Progress, 
         while time.monotonic() < deadline and run.running():
             run.poll_events()
             found = [e["mono"] for e in run.events if e["event"] == "hang_detected" and e["mono"] > mono]
+            # torchft reports nothing; it has moved on once the survivor commits a step without the hung replica.
+            found += [e["mono"] for e in run.events if system == "torchft" and e["event"] == "step_done"
+                      and e["mono"] > mono and e.get("participants") == 1]  # fmt: skip
             if found:
                 return min(found) - mono
             time.sleep(0.05)
@@ -372,9 +379,13 @@ def run_bench(
         if len(reference) != NPROC:
             raise BenchError(f"the reference run failed; see {root / 'reference' / 'output.log'}")
         systems: dict[str, Any] = {}
-        for name in ("torchrun", "stalwart"):
+        torchft = importlib.util.find_spec("torchft") is not None
+        for name in ("torchrun", "torchft", "stalwart") if torchft else ("torchrun", "stalwart"):
+            expected = reference
+            if name == "torchft":  # its allreduce differs from DDP's: compare with its own fault-free run
+                expected = _reference_run(name, root / "torchft-reference", schedule[-1] + 60, progress)
             k = measure_kills(name, root / f"{name}-kills", schedule, progress, spares)
-            k["bitwise_identical"] = _results(root / f"{name}-kills") == reference
+            k["bitwise_identical"] = _results(root / f"{name}-kills") == expected
             hang = measure_hang(name, root / f"{name}-hang", hang_wait, progress, spares)
             good = None
             if goodput_seconds > 0:
@@ -388,7 +399,15 @@ def run_bench(
                     f"no hang detection: a SIGSTOPped rank was not reported within {hang_wait:.0f} s (survivors "
                     "wait for the collective timeout)"
                 )
-        systems["torchft"] = _torchft_entry()
+            if name == "torchft":
+                systems[name]["note"] = (
+                    "lighthouse + 2 replica groups, a dead replica restarted by the bench's driver at once; the "
+                    "survivor trains on alone (min_replica_size=1), so kill_to_step is the restarted replica's first "
+                    "committed step, hang_detect_s the survivor's first step without the stopped replica, and "
+                    "bitwise_identical compares with torchft's own fault-free run"
+                )
+        if not torchft:
+            systems["torchft"] = _torchft_entry()
         stock = stock_torchrun(root, stock_trials, 45.0, progress) if stock_trials else None
     base, ours = systems["torchrun"], systems["stalwart"]
     return {
@@ -408,11 +427,22 @@ def run_bench(
     }
 
 
+def _reference_run(system: str, workdir: Path, steps: int, progress: Progress) -> dict[int, str]:
+    progress(f"{system}: fault-free reference run of {steps} steps")
+    run = Run(system, workdir, steps=steps)
+    run.start()
+    try:
+        _wait(run, lambda: not run.running(), 900, f"{system}'s reference run")
+    finally:
+        run.stop()
+    results = _results(workdir)
+    if len(results) != NPROC:
+        raise BenchError(f"{system}: the reference run failed; see {workdir / 'output.log'}")
+    return results
+
+
 def _torchft_entry() -> dict[str, Any]:
     keys = ("kill_to_step_s_median", "kill_to_step_s_max", "steps_lost_max", "survivor_stall_s_median",
             "hang_detect_s", "goodput")  # fmt: skip
-    if importlib.util.find_spec("torchft") is None:
-        note = "torchft is not installed in this environment (pip install torchft); not measured"
-    else:
-        note = "torchft is installed, but its runner is not part of this bench yet; not measured"
+    note = "torchft is not installed in this environment (pip install 'stalwart[bench]' or torchft); not measured"
     return {**dict.fromkeys(keys), "note": note}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,8 @@ def _count(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True, highlight=False, soft_wrap=True)
+    # SIGTERM unwinds like Ctrl-C, so every run's `finally` ends the processes it started.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         report = run_bench(
             kills=args.kills,

@@ -338,15 +338,17 @@ class Job:
                        or list(have[t].shape) != shape]  # fmt: skip
             if missing:
                 content, problem = None, f"the survivor's live state lacks {missing[0]}"
-        if not all(v[0] for v in self.comm.all_gather_ints([int(content is not None)])):
-            self.events.emit("memory_snapshot_unusable", step=step, error=problem or "another rank's is not whole")
-            return None
         layout, total = {}, 0
         for tid in sorted(wanted):
             dtype, shape = wanted[tid]
             nbytes = math.prod(shape) * dtype.itemsize
             layout[tid] = (total, nbytes, dtype, shape)
             total += -(-nbytes // 64) * 64  # 64-byte aligned, so each view can take its dtype
+        agreed = self.comm.all_gather_ints([int(content is not None), total])
+        if not all(v[0] for v in agreed) or len({v[1] for v in agreed}) != 1:
+            error = problem or "another rank's is not whole, or lists other live tensors"
+            self.events.emit("memory_snapshot_unusable", step=step, error=error)
+            return None
         buf = torch.empty(total, dtype=torch.uint8)
         if self.rank == source:
             assert stash is not None
