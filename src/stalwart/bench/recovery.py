@@ -401,7 +401,9 @@ def run_bench(
                 )
             if name == "torchft":
                 systems[name]["note"] = (
-                    "lighthouse + 2 replica groups, a dead replica restarted by the bench's driver at once; the "
+                    "lighthouse + 2 replica groups (PureDistributedDataParallel: torchft's DistributedDataParallel "
+                    "crashes the survivor too, see bench/torchft_job.py), a dead replica restarted by the bench's "
+                    "driver at once; the "
                     "survivor trains on alone (min_replica_size=1), so kill_to_step is the restarted replica's first "
                     "committed step, hang_detect_s the survivor's first step without the stopped replica, and "
                     "bitwise_identical compares with torchft's own fault-free run"

@@ -1,5 +1,8 @@
 """The bench job of `stalwart bench recovery` under torchft: one replica group of one process, the same MLP,
-the same batches, the same AdamW as recovery_job.py, with torchft's Manager, DDP wrapper and optimizer wrapper.
+the same batches, the same AdamW as recovery_job.py, with torchft's Manager, optimizer wrapper and its
+PureDistributedDataParallel. Not its DistributedDataParallel: with torch 2.13 that wrapper's comm hook fails an
+assertion (`assert fut._fut`, torchft/ddp.py) when the allreduce meets a dead peer, so the survivor died with the
+victim at every kill tried here (3 of 3, and both then restarted from step 0: torchft keeps no checkpoint).
 
 Two of these run as two replica groups coordinated by a lighthouse (torchft_driver.py). A replica that dies is
 restarted by the driver; on joining, torchft heals it with a live peer's state, while the survivor keeps
@@ -36,7 +39,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=1152)
     p.add_argument("--batch", type=int, default=64)
     args = p.parse_args()
-    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchft import Manager, Optimizer, ProcessGroupGloo
+    from torchft.ddp import PureDistributedDataParallel
 
     torch.use_deterministic_algorithms(True)
     events = EventLog(args.out / "events.jsonl", role="worker", rank=args.replica, restart=args.restart)
@@ -68,7 +72,7 @@ def main() -> None:
         store_addr="127.0.0.1",
         store_port=store.port,
     )
-    ddp = DistributedDataParallel(manager, model)
+    ddp = PureDistributedDataParallel(manager, model)
     optim = Optimizer(manager, inner)
     events.emit("worker_started", world_size=2, local_rank=0)
     while manager.current_step() < args.steps:
