@@ -289,6 +289,31 @@ def test_delta_checkpoints_write_only_changed_tensors_and_restore_exactly(tmp_pa
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004"], "the old base goes with its deltas"
 
 
+def test_a_full_save_committing_unnoticed_is_still_the_base_of_the_next_delta(tmp_path: Path) -> None:
+    """keep_last=1, full_every=2. The full save of step 3 commits after the loop's last poll() and before the
+    next save looks for a base. The delta of step 4 must refer to step 3: a delta of step 1 (deleted when step 3
+    committed) would point at missing files, and its commit would delete step 3, the only good checkpoint."""
+    root = tmp_path / "ck"
+    frozen = torch.randn(64, 64)  # unchanged: a delta refers to its base's copy
+
+    def state(step: int) -> dict[str, Any]:
+        return {"step": step, "objects": {"m": {"frozen": frozen, "head": torch.full((8,), float(step))}}}
+
+    ck = _checkpointer(root, keep_last=1, full_every=2)
+    for step in (1, 2):  # full, delta of 1
+        assert ck.save(step, state(step), wait=True)
+    assert ck.save(3, state(3)), "a full save, left in flight"
+    ck.poll()  # the training loop's poll: step 3 may still be persisting, so nothing is noted yet
+    ck._bg.wait()  # step 3 commits now, before the next save (the interleaving, made deterministic)
+    assert ck.save(4, state(4), wait=True)
+    storage = LocalStorage(root)
+    assert layout.read_manifest(storage, 4).base == 3, "the newest full checkpoint is the base"
+    assert sorted(_committed(root)) == [3, 4], "the base is kept while its delta needs it"
+    restored = _checkpointer(root).load_latest()
+    assert restored is not None and restored.step == 4, "the newest checkpoint loads"
+    assert torch.equal(restored.state["objects"]["m"]["frozen"], frozen)
+
+
 def test_delta_bytes_written(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     frozen = torch.randn(256, 1024)

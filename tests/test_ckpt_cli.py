@@ -50,8 +50,16 @@ def test_list_verify_inspect_on_a_healthy_directory(tmp_path: Path, capsys: pyte
     assert _snapshot(root) == before, "reading changes nothing"
 
 
-def test_inspect_shows_the_bytes_a_delta_saved(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    root = tmp_path / "ck"
+@pytest.mark.parametrize("columns", ["40", "80", None])
+def test_inspect_shows_the_bytes_a_delta_saved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, columns: str | None
+) -> None:
+    # A path longer than any terminal, and narrow or unknown widths: no phrase may break across lines.
+    root = tmp_path.joinpath(*["a-long-directory-name"] * 12, "ck")
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
     _make(root, steps=(1, 2), full_every=2)
     assert main(["ckpt", "inspect", str(root), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import random
@@ -133,20 +134,27 @@ def test_max_restarts_is_honoured(launch: Any, tmp_path: Path) -> None:
     assert job.events("job_stopped")[0]["reason"] == "max_restarts"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGKILL])
 def test_no_orphaned_workers_when_the_launcher_dies(launch: Any, sig: signal.Signals) -> None:
-    job = launch(tiny_args("--steps", "100000", "--step-sleep", "0.05", "--workers", "1"))
+    job = launch(tiny_args("--steps", "100000", "--step-sleep", "0.05", "--workers", "1", "--every", "1000"))
     job.wait_for(lambda: len(job.events("step_done")) >= 2, 90, "training to start")
     workers = list(job.worker_pids().values())
     assert len(workers) == 2 and all(alive(p) for p in workers)
     pids = workers + _children(workers)
     assert len(pids) >= 4, "each worker runs a DataLoader worker process"
+    shm = sorted(Path("/dev/shm").glob(f"stalwart-*-{job.proc.pid}-*"))
+    assert {p.name.split("-")[1] for p in shm} == {"heartbeat", "snapshots"}, shm
     job.proc.send_signal(sig)
-    job.proc.wait(timeout=60)
+    code = job.proc.wait(timeout=60)
     deadline = time.monotonic() + 30
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(p) for p in pids), f"workers or their DataLoader workers outlived a {sig.name}ed launcher"
+    if sig != signal.SIGKILL:  # handled like torchrun: workers stopped, shared memory removed, an event, 128 + N
+        assert code == 128 + sig, job.output()[-2000:]
+        assert [e["reason"] for e in job.events("launcher_exit")] == [f"signal {sig.name}"]
+        assert not [p for p in shm if p.exists()], "the heartbeat board and the memory tier are removed"
+        assert f"received {sig.name}" in job.output()
 
 
 def _children(parents: list[int]) -> list[int]:
@@ -225,3 +233,42 @@ def test_launch_reports_the_workers_environment(tmp_path: Path) -> None:
         assert started["nproc_per_node"] == 1 and started["max_restarts"] == 3
     finally:
         job.reap()
+
+
+def _listeners(pids: list[int]) -> list[str]:
+    """ "address:port" of every listening TCP socket the processes hold (from /proc, like `ss -ltnp`)."""
+    inodes: set[str] = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            if len(raw) == 4:
+                addr = ipaddress.ip_address(raw[::-1])
+            else:  # four little-endian 32-bit words
+                addr = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
+            found.append(f"{addr}:{int(hex_port, 16)}")
+    return found
+
+
+def test_a_one_node_run_listens_on_loopback_only(launch: Any) -> None:
+    job = launch(tiny_args("--steps", "100000", "--step-sleep", "0.05", "--every", "1000"))
+    job.wait_for(lambda: len(job.events("step_done")) >= 4, 90, "training to start")
+    pids = [job.proc.pid, *job.worker_pids().values()]
+    pids += _children(pids)
+    listening = _listeners(pids)
+    # The agent's rendezvous store, rank 0's process-group store, gloo's pairs: all there, all on loopback.
+    assert len(listening) >= 2, listening
+    outside = [a for a in listening if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback]
+    assert not outside, f"listening beyond loopback: {outside} (all: {listening})"

@@ -121,3 +121,27 @@ def test_a_light_snapshot_leaves_the_live_tensors_out_and_takes_them_back_on_loa
     with pytest.raises(CheckpointCorruptError):
         tier.light(3)
     tier.close()
+
+
+def test_a_snapshot_image_kept_on_another_node_comes_back_whole_and_only_to_its_own_rank(tmp_path: Path) -> None:
+    lost, keeper = tmp_path / "lost", tmp_path / "keeper"
+    lost.mkdir(), keeper.mkdir()
+    mine = MemoryTier(lost, rank=1, world_size=2)
+    for step in (4, 5):
+        mine.snapshot(step, _state(step))
+    image = mine.image(5, light=False)
+    assert image and mine.image(3, light=False) == b"" and mine.image(5, light=True) == b""
+    ward = MemoryTier(keeper, rank=0, world_size=2)
+    assert not ward.store_ward(0, image[:-1], light=False), "a truncated image is refused"
+    assert not MemoryTier(keeper, rank=0, world_size=3).store_ward(0, image, light=False), "another world size"
+    assert ward.store_ward(0, image, light=False)
+    held = [h for h in ward.held(1) if h[2] == 1]
+    assert [(light, step) for _, light, _, step in held] == [(False, 5)]
+    back = ward.held_image(1, held[0][0])
+    assert back == image
+    (tmp_path / "new").mkdir()
+    fresh = MemoryTier(tmp_path / "new", rank=1, world_size=2)
+    assert not MemoryTier(tmp_path / "new", rank=0, world_size=2).install(back, light=False), "not rank 0's"
+    assert fresh.steps() == [] and fresh.install(back, light=False) and fresh.steps() == [5]
+    got = fresh.load(5).state["objects"]["m"]
+    assert torch.equal(got["w"], _state(5)["objects"]["m"]["w"])

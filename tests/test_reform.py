@@ -88,6 +88,53 @@ def test_light_snapshots_take_the_replicated_state_from_a_survivor(launch: Any, 
     _no_orphans(job)
 
 
+@pytest.mark.parametrize(
+    ("phase", "resumed_at"),
+    [
+        # After the step's collectives, before its snapshot and barrier: the survivor's barrier fails, its
+        # parameters stay at step 13, and step 14 is redone.
+        ("before_snapshot", 13),
+        # After the barrier: the survivor finishes step 14 (optimizer, scheduler); the victim's snapshot of 14,
+        # taken at its optimizer step, is whole, and the scheduler comes from the survivor.
+        ("after_barrier", 14),
+    ],
+)
+def test_a_rank_dying_after_the_last_collective_of_a_step_loses_at_most_that_step(
+    launch: Any, reference: Any, phase: str, resumed_at: int
+) -> None:
+    fault = f"kill_in_optimizer@rank=1,step=13,phase={phase}"
+    job = launch(tiny_args(*ARGS, "--replicated-snapshot-every", "20"), env=child_env(STALWART_FAULTS=fault))
+    assert job.wait(180) == 0, job.output()
+    assert [e["phase"] for e in job.events("fault_injected")] == [phase]
+    assert not job.events("light_snapshots_off"), "the tiny job's per-rank state is final at its optimizer step"
+    reforming = job.events("reforming")
+    assert [(e["step"], e["kept_live_state"]) for e in reforming] == [(resumed_at, True)]
+    resumed = [e for e in job.events("resumed") if e["restart"] == 1]
+    assert {(e["step"], e["tier"]) for e in resumed} == {(resumed_at, "peer")}, "at most the failed step is redone"
+    _assert_identical(job, reference)
+    _no_orphans(job)
+
+
+def test_light_snapshots_turn_off_when_per_rank_state_changes_after_the_optimizer_step(
+    launch: Any, reference: Any
+) -> None:
+    # Rank 1 dies after the commit barrier of step 14 (so its snapshot of step 14 was taken at its optimizer
+    # step), in a job whose per-rank scheduler is stepped after the optimizer: the end of the first checked
+    # step sees the change, turns light snapshots off and copies in full, so the restart uses a full copy.
+    args = tiny_args(*ARGS, "--replicated-snapshot-every", "20", "--per-rank-sched")
+    fault = "kill_in_optimizer@rank=1,step=13,phase=after_barrier"
+    job = launch(args, env=child_env(STALWART_FAULTS=fault))
+    assert job.wait(180) == 0, job.output()
+    off = job.events("light_snapshots_off")
+    # Seen at the first checked step of each run: step 2, and step 15 after the restart at step 13 (the first
+    # step of a run has no commit point: it may create the optimizer's state).
+    assert {e["step"] for e in off} == {2, 15} and "sched" in off[0]["reason"], off
+    resumed = [e for e in job.events("resumed") if e["restart"] == 1]
+    assert {(e["step"], e["tier"]) for e in resumed} == {(13, "memory")}, "full copies every step after that"
+    _assert_identical(job, reference)
+    _no_orphans(job)
+
+
 def test_without_a_survivor_the_newest_full_copy_or_checkpoint_is_used(launch: Any, reference: Any) -> None:
     # Both ranks die at step 13: no live state survives. Full memory copies come every 5 steps (step 10), the
     # durable checkpoints every 4 (step 12): the newer one wins.

@@ -68,6 +68,8 @@ def main() -> None:
     p.add_argument("--fsdp", action="store_true", help="shard model and optimizer with FSDP2 instead of DDP")
     p.add_argument("--snapshot-every", type=int, default=1, help="memory-tier snapshots (0: durable only)")
     p.add_argument("--replicated-snapshot-every", type=int, default=1, help=">1: light memory snapshots (L1)")
+    p.add_argument("--peer-replicas", type=int, default=1, help="L3: copies of each snapshot on other nodes")
+    p.add_argument("--per-rank-sched", action="store_true", help="the scheduler is per-rank state (not replicated)")
     p.add_argument("--busy-at", type=int, default=-1, help="at this step, a long stretch marked with job.busy()")
     p.add_argument("--busy-s", type=float, default=0.0)
     p.add_argument("--when-busy", default="wait", help="wait: every save happens (deterministic steps for tests)")
@@ -83,11 +85,13 @@ def main() -> None:
         checkpoint_every=args.every,
         log_every=1,
         allow_world_size_change=args.allow_resize,
-        # DDP keeps them equal on every rank: each tensor is written once. FSDP2's DTensors are written by shard.
-        replicated=() if args.fsdp else ("model", "optim"),
+        # DDP keeps them equal on every rank (the scheduler too): each is written once. FSDP2's DTensors are
+        # written by shard.
+        replicated=() if args.fsdp else ("model", "optim") if args.per_rank_sched else ("model", "optim", "sched"),
         when_busy=args.when_busy,
         snapshot_every=args.snapshot_every,
         replicated_snapshot_every=args.replicated_snapshot_every,
+        peer_replicas=args.peer_replicas,
     )
     torch.manual_seed(0)
     model = torch.nn.Sequential(

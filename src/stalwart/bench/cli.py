@@ -18,6 +18,7 @@ from rich.table import Table
 
 from stalwart.bench.checkpoint import GB, MB, SYSTEMS, BenchError, parse_size, run_bench, seconds_text
 from stalwart.errors import ConfigError
+from stalwart.telemetry.console import console as make_console
 
 EXIT_FAILED = 1
 LABELS = {
@@ -87,7 +88,7 @@ def main(argv: list[str]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; a failed measurement is one line on stderr and exit status 1."""
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    err = make_console(stderr=True)
     try:
         report = run_bench(args.size, args.saves, args.dir, lambda line: err.print(f"bench: {line}"))
     except BenchError as exc:
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report), flush=True)
     else:
         # Piped output gets room for the whole table instead of rich's default of 80 columns.
-        print_report(Console(highlight=False, width=None if sys.stdout.isatty() else 120), report)
+        print_report(make_console(), report)
     return 0
 
 

@@ -33,9 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.runtime.process import spawn
 from stalwart.telemetry.events import EventLog
 
 Progress = Callable[[str], None]
+LIGHT_EVERY = 20
+"""`replicated_snapshot_every` of the stalwart_light runs."""
 NPROC = 2
 
 
@@ -51,6 +54,8 @@ class Run:
     workdir: Path
     steps: int
     spares: int = 2
+    seconds: float | None = None
+    """A bound on the job's wall time (the hang and goodput runs stop it themselves long before)."""
     stock: bool = False
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
@@ -65,10 +70,13 @@ class Run:
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
         env.update(STALWART_EVENT_LOG=str(self.log), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        job = ["-m", "stalwart.bench.recovery_job", "--out", str(self.workdir), "--steps", str(self.steps)]
+        until = [] if self.seconds is None else ["--until", f"{time.time() + self.seconds:.0f}"]
+        job = ["-m", "stalwart.bench.recovery_job", "--out", str(self.workdir), "--steps", str(self.steps), *until]
+        if self.system == "stalwart_light":
+            job += ["--replicated-snapshot-every", str(LIGHT_EVERY)]
         if self.system == "torchft":
             cmd = [sys.executable, "-m", "stalwart.bench.torchft_driver", "--out", str(self.workdir), "--steps",
-                   str(self.steps)]  # fmt: skip
+                   str(self.steps), *until]  # fmt: skip
         elif self.system == "torchrun":
             if not self.stock:
                 env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -79,7 +87,8 @@ class Run:
                    "--spares", str(self.spares), "--event-log", str(self.log), *job]  # fmt: skip
         out = open(self.workdir / "output.log", "wb")  # noqa: SIM115 - closed with the process in stop()
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # Its own session (the bench signals the whole group), and SIGTERM to the launcher if the bench dies.
+        self.proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         out.close()
 
     def poll_events(self) -> list[dict[str, Any]]:
@@ -252,7 +261,7 @@ def _results(workdir: Path) -> dict[int, str]:
 
 def measure_hang(system: str, workdir: Path, wait_s: float, progress: Progress, spares: int = 2) -> float | None:
     """Seconds from SIGSTOPping rank 1 to the system's hang report; None if none came within `wait_s`."""
-    run = Run(system, workdir, steps=100_000, spares=spares)
+    run = Run(system, workdir, steps=100_000, spares=spares, seconds=300 + wait_s + 120)
     run.start()
     try:
         _wait(run, lambda: run.last_step() >= 60, 300, "step 60")
@@ -284,7 +293,7 @@ def measure_goodput(
     history (a redone step counts once) times `step_s`, the median step of the fault-free run. Counting a fixed
     step time, not each step's own, charges a system for everything that slows its steps or runs between them
     (snapshots, spares starting up), not only for the time it is down."""
-    run = Run(system, workdir, steps=1_000_000, spares=spares)
+    run = Run(system, workdir, steps=1_000_000, spares=spares, seconds=seconds + 120)
     run.start()
     started = run.started
     try:
@@ -362,6 +371,7 @@ def run_bench(
     parent: Path | None,
     progress: Progress,
     spares: int = 2,
+    light: bool = True,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="stalwart-bench-recovery-", dir=parent) as tmp:
@@ -380,7 +390,8 @@ def run_bench(
             raise BenchError(f"the reference run failed; see {root / 'reference' / 'output.log'}")
         systems: dict[str, Any] = {}
         torchft = importlib.util.find_spec("torchft") is not None
-        for name in ("torchrun", "torchft", "stalwart") if torchft else ("torchrun", "stalwart"):
+        names = ["torchrun", *(["torchft"] if torchft else []), "stalwart", *(["stalwart_light"] if light else [])]
+        for name in names:
             expected = reference
             if name == "torchft":  # its allreduce differs from DDP's: compare with its own fault-free run
                 expected = _reference_run(name, root / "torchft-reference", schedule[-1] + 60, progress)
@@ -408,6 +419,13 @@ def run_bench(
                     "committed step, hang_detect_s the survivor's first step without the stopped replica, and "
                     "bitwise_identical compares with torchft's own fault-free run"
                 )
+            if name == "stalwart_light":
+                systems[name]["note"] = (
+                    f"stalwart run with JobConfig(replicated_snapshot_every={LIGHT_EVERY}): light memory snapshots, "
+                    "the replicated state copied in full every "
+                    f"{LIGHT_EVERY} steps (a survivor keeps it live; if every rank dies at once up to "
+                    f"{LIGHT_EVERY - 1} steps are redone)"
+                )
         if not torchft:
             systems["torchft"] = _torchft_entry()
         stock = stock_torchrun(root, stock_trials, 45.0, progress) if stock_trials else None
@@ -424,6 +442,14 @@ def run_bench(
         "stock_torchrun": stock,
         "ratios": {
             "torchrun_over_stalwart_kill_to_step": base["kill_to_step_s_median"] / ours["kill_to_step_s_median"],
+            **(
+                {
+                    "torchrun_over_stalwart_light_kill_to_step": base["kill_to_step_s_median"]
+                    / systems["stalwart_light"]["kill_to_step_s_median"]
+                }
+                if "stalwart_light" in systems
+                else {}
+            ),
         },
         "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]},
     }

@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import stalwart
+from stalwart.runtime.process import die_with_parent
 
 
 def main() -> None:
@@ -26,11 +28,18 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=20)
     p.add_argument("--width", type=int, default=1152, help="3 layers of width^2: 4.0M parameters at 1152")
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--replicated-snapshot-every", type=int, default=1, help="JobConfig's; >1: light snapshots")
+    p.add_argument("--until", type=float, help="stop (exit 0, no result) at this time.time(): a bound on long runs")
     args = p.parse_args()
+    die_with_parent()  # under torchrun too: a launcher killed with SIGKILL leaves no worker behind
     torch.use_deterministic_algorithms(True)
     # DDP keeps model and optimizer equal on every rank: written (and snapshotted) once, split between ranks.
     job = stalwart.Job(
-        args.out / "ckpt", checkpoint_every=args.checkpoint_every, log_every=1, replicated=("model", "optim")
+        args.out / "ckpt",
+        checkpoint_every=args.checkpoint_every,
+        log_every=1,
+        replicated=("model", "optim"),
+        replicated_snapshot_every=args.replicated_snapshot_every,
     )
     torch.manual_seed(0)
     w = args.width
@@ -41,6 +50,8 @@ def main() -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     job.track(model=model, optim=optim)
     for step, _ in job.steps(max_steps=args.steps):
+        if args.until is not None and time.time() > args.until:
+            return
         g = torch.Generator().manual_seed(step * 1009 + job.rank)
         x = torch.randn(args.batch, w, generator=g)
         loss = (ddp(x) - x).pow(2).mean()

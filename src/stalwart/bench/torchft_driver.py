@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from stalwart.runtime.process import spawn
 
 REPLICAS = 2
 MAX_RESTARTS = 100
@@ -22,23 +25,28 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--until", type=float, help="stop the replicas and exit 0 at this time.time()")
     args = p.parse_args()
     from torchft.coordination import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=10)
-    env = {"RUST_LOG": "warn", **os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address()}
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=10)
+    # It listens on loopback only; its address() names the host, which may resolve to another interface.
+    address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
+    env = {"RUST_LOG": "warn", **os.environ, "TORCHFT_LIGHTHOUSE": address}
     restarts = [0] * REPLICAS
 
     def start(replica: int) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-m", "stalwart.bench.torchft_job", "--out", str(args.out), "--steps",
                str(args.steps), "--replica", str(replica), "--restart", str(restarts[replica])]  # fmt: skip
-        return subprocess.Popen(cmd, env=env)
+        return spawn(cmd, env=env, death_signal=signal.SIGKILL)  # replicas die with this driver
 
     procs = [start(r) for r in range(REPLICAS)]
     done = [False] * REPLICAS
     try:
         while not all(done):
             time.sleep(POLL_S)
+            if args.until is not None and time.time() > args.until:
+                break
             for r, proc in enumerate(procs):
                 code = proc.poll()
                 if code is None or done[r]:

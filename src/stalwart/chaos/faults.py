@@ -4,6 +4,10 @@
 
 Kinds:
   kill          the rank sends itself a signal (default SIGKILL) just before starting `step`
+  kill_in_optimizer  the rank is killed in the optimizer step of the step after `step` completed steps (after
+                the step's collectives), at `phase`: 'before_snapshot' (default: before its light memory
+                snapshot and the commit barrier) or 'after_barrier' (every rank has committed the step, this
+                one's parameters are unchanged); fires only under light snapshots (job/commit.py)
   kill_in_save  the rank is killed while saving the checkpoint of `step`, at `phase`:
                 'shard_half_written' (default: half its shard is on disk) or 'before_commit'
                 (every shard is durable, the manifest is not yet written; fires on rank 0, the committer)
@@ -29,9 +33,10 @@ from dataclasses import dataclass
 from stalwart.errors import ConfigError
 
 FAULTS_ENV = "STALWART_FAULTS"
-_KINDS = ("kill", "kill_in_save", "storage_error", "hang")
+_KINDS = ("kill", "kill_in_save", "kill_in_optimizer", "storage_error", "hang")
 _HOWS = ("sigstop", "sleep", "deadlock")
 _PHASES = ("shard_half_written", "before_commit")
+_OPTIMIZER_PHASES = ("before_snapshot", "after_barrier")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +70,7 @@ def parse_faults(spec: str) -> list[Fault]:
                 rank=int(fields.pop("rank")),
                 step=int(fields.pop("step")),
                 restart=int(fields.pop("restart", "0")),
-                phase=fields.pop("phase", "shard_half_written"),
+                phase=fields.pop("phase", "before_snapshot" if kind == "kill_in_optimizer" else "shard_half_written"),
                 signal=fields.pop("signal", "SIGKILL"),
                 errno=fields.pop("errno", "EIO"),
                 times=int(fields.pop("times", "1")),
@@ -75,7 +80,8 @@ def parse_faults(spec: str) -> list[Fault]:
             raise ConfigError(f"{FAULTS_ENV}: {item!r} needs integer rank= and step= ({exc})") from exc
         if fields:
             raise ConfigError(f"{FAULTS_ENV}: unknown keys {sorted(fields)} in {item!r}")
-        if fault.phase not in _PHASES or not hasattr(signal, fault.signal) or not hasattr(errno, fault.errno):
+        phases = _OPTIMIZER_PHASES if kind == "kill_in_optimizer" else _PHASES
+        if fault.phase not in phases or not hasattr(signal, fault.signal) or not hasattr(errno, fault.errno):
             raise ConfigError(f"{FAULTS_ENV}: bad phase or signal in {item!r}")
         if fault.how not in _HOWS:
             raise ConfigError(f"{FAULTS_ENV}: how= must be one of {', '.join(_HOWS)} in {item!r}")
@@ -102,6 +108,12 @@ class FaultInjector:
                 self._fire(f)
             elif f.kind == "hang" and f.step == step:
                 self._hang(f)
+
+    def in_optimizer(self, step: int, phase: str) -> None:
+        """Called at the commit point of the step after `step` completed steps (job/commit.py)."""
+        for f in self._faults:
+            if f.kind == "kill_in_optimizer" and f.step == step and f.phase == phase:
+                self._fire(f)
 
     def save_phase(self, step: int) -> str | None:
         """The phase of the save of `step` at which this rank is to die (the persister fires it)."""

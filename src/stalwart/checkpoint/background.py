@@ -156,6 +156,12 @@ class Background:
         """The step being persisted, or None."""
         return self._in_flight
 
+    def settled(self) -> tuple[int | None, dict[str, Any] | None]:
+        """(the step in flight or None, the reply of the last finished persist), read together: a reply that
+        arrives between two separate reads would be neither in flight nor noted."""
+        with self._lock:
+            return self._in_flight, (self._last if self._in_flight is None else None)
+
     def submit(self, step: int, build: Callable[[], dict[str, Any]]) -> None:
         """Mark `step` in flight now and send the request `build()` returns from the sender thread.
 
@@ -197,10 +203,11 @@ class Background:
         with self._lock:
             if self._in_flight != step:
                 return
+            # The event first: whoever wakes from wait() may read the event log at once.
+            self._events.emit(event, step=step, **fields)
             self._in_flight = None
             self._last = {"op": "done", "step": step, "ok": False, "committed": False}
             self._lock.notify_all()
-        self._events.emit(event, step=step, **fields)
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Block until nothing is in flight; the reply of the last persist (None if there was none)."""

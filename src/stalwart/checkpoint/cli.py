@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from rich.console import Console
 from rich.table import Table
 
 from stalwart.checkpoint import inspect, layout
 from stalwart.checkpoint.export import export_dcp
 from stalwart.checkpoint.storage import Storage, describe_error
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError, StalwartError
+from stalwart.telemetry.console import console
 
 EXIT_INVALID = 1
 
@@ -95,7 +95,7 @@ def _list(root: Storage, as_json: bool) -> int:
             f"{e.written_bytes:,}" if e.status == "committed" else "", created,
             e.problem or (e.path.rsplit("/", 1)[-1] if e.status == "quarantined" else ""),
         )  # fmt: skip
-    Console().print(table if entries else f"{root.display()}: no checkpoints")
+    console().print(table if entries else f"{root.display()}: no checkpoints")
     return 0
 
 
@@ -104,13 +104,13 @@ def _verify(root: Storage, step: int | None, as_json: bool) -> int:
     if as_json:
         print(json.dumps({"path": root.display(), "checkpoints": {str(s): p for s, p in results.items()}}))
     else:
-        console = Console()
+        out = console()
         if not results:
-            console.print(f"{root.display()}: no committed checkpoints")
+            out.print(f"{root.display()}: no committed checkpoints")
         for s, problems in results.items():
-            console.print(f"step {s}: " + ("[green]ok[/]" if not problems else f"[red]FAILED[/] ({len(problems)})"))
+            out.print(f"step {s}: " + ("[green]ok[/]" if not problems else f"[red]FAILED[/] ({len(problems)})"))
             for problem in problems:
-                console.print(f"  {problem}", highlight=False)
+                out.print(f"  {problem}", highlight=False)
     return EXIT_INVALID if any(results.values()) else 0
 
 
@@ -136,14 +136,14 @@ def _inspect(root: Storage, step: int | None, rank: int, as_json: bool) -> int:
                         for k, o in objects.items()},
         }))  # fmt: skip
         return 0
-    console = Console()
+    out = console()
     kind = "full checkpoint" if manifest.base is None else f"delta of step {manifest.base}"
     saved = (
         f", {state_bytes - written:,} bytes saved ({state_bytes / max(written, 1):.1f}x fewer)"
         if written < state_bytes
         else ""
     )
-    console.print(
+    out.print(
         f"step {manifest.step} in {root.display()}: {kind}, {manifest.world_size} ranks, {len(manifest.tensors)} "
         f"tensors, {state_bytes:,} bytes of state, {written:,} bytes written{saved}; created "
         f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created))}",
@@ -154,7 +154,7 @@ def _inspect(root: Storage, step: int | None, rank: int, as_json: bool) -> int:
         table.add_column(column, justify="right" if column in ("tensors", "bytes") else "left")
     for name, o in objects.items():
         table.add_row(name, str(o.tensors), f"{o.bytes:,}", ", ".join(sorted(o.dtypes)))
-    console.print(table)
+    out.print(table)
     return 0
 
 
@@ -169,7 +169,7 @@ def _export(root: Storage, step: int | None, rank: int, out: Path, as_json: bool
     if as_json:
         print(json.dumps(result))
     else:
-        Console().print(
+        console().print(
             f"exported step {result['step']} (rank {rank}: {', '.join(result['objects'])}) to {out} in DCP format",
             highlight=False,
         )

@@ -86,7 +86,8 @@ class Restored:
     source: str
     bytes: int = 0
     tier: str = "durable"
-    """Where it came from: "durable" (the checkpoint directory) or "memory" (node shared memory)."""
+    """Where it came from: "durable" (the checkpoint directory), "memory" (node shared memory), "peer" (a light
+    snapshot in node memory and a survivor's live state) or "replica" (a snapshot kept by another node)."""
 
 
 class Checkpointer:
@@ -198,7 +199,9 @@ class Checkpointer:
             fp = fingerprint([(i.id, dtype_name(i.tensor.dtype), tuple(i.tensor.shape)) for i in items if _shared(i)])
         except UnsavableStateError as exc:
             vote, unsavable = _UNSAVABLE, exc
-        busy = self._bg.in_flight
+        busy, finished = self._bg.settled()
+        if busy is None:
+            self._note(finished)  # a persist that ended since the last poll(): a base only from a noted commit
         base = self._next_base() if self._comm.rank == 0 else -1
         gathered = self._comm.all_gather_ints([vote, -1 if busy is None else busy, fp, base])
         if any(g[0] == _UNSAVABLE for g in gathered):

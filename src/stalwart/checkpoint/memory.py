@@ -1,12 +1,13 @@
 """The memory tier: each rank's latest snapshots in node shared memory that outlives the worker process (L2).
 
 `stalwart run` gives every worker a directory in /dev/shm (STALWART_SNAPSHOT_DIR) that the agent removes when it
-exits. A worker keeps two slot files there, `rank<R>.slot0` and `rank<R>.slot1`, and writes each snapshot into
-the older one, so a worker killed in the middle of a snapshot still leaves the previous one whole. After a
-restart the ranks agree on the newest step that every rank holds in one of its slots; since a rank is never more
-than one step ahead of its peers (a step ends with collectives), two slots always contain a common step. If that
-step is at least as new as the newest durable checkpoint, the job resumes from memory: no storage read, and at
-most the step that was interrupted is redone.
+exits. A worker keeps two slot files there, `local<L>.slot0` and `local<L>.slot1` (L: its local rank), and
+writes each snapshot into the older one, so a worker killed in the middle of a snapshot still leaves the
+previous one whole. After a restart the ranks agree on the newest step that every rank holds in one of its
+slots; since a rank is never more than one step ahead of its peers (a step ends with collectives), two slots
+always contain a common step. If that step is at least as new as the newest durable checkpoint, the job resumes
+from memory: no storage read, and at most the step that was interrupted is redone. Ward slots keep other
+nodes' ranks' snapshot images (peer replicas, L3, see checkpoint/replicas.py).
 
 A slot file is a 64-byte header, the request-like table of contents (skeleton and tensor table, JSON) and the
 tensor bytes. The header's `valid` word is cleared before anything else is written and set last, together with
@@ -135,6 +136,7 @@ class MemoryTier:
         self._toc_cache: dict[str, tuple[Any, bytes]] = {}
 
     def _slot_path(self, local_rank: int, index: int, kind: str = "slot") -> Path:
+        # kind: slot, light, and ward<k>.slot, ward<k>.light for the images kept for another node's rank (L3)
         return self.directory / f"local{local_rank:05d}.{kind}{index}"
 
     @classmethod
@@ -238,6 +240,64 @@ class MemoryTier:
                 return self._assemble(_read_slot(slot.path, h, step), step, index)
         raise CheckpointCorruptError(f"no memory slot holds step {step}")
 
+    # ---- peer replicas (L3, see checkpoint/replicas.py): images of whole slots, sent to and kept by other nodes
+
+    def image(self, step: int, *, light: bool) -> bytes:
+        """This rank's full (or light) snapshot of `step` as one slot image (header, table of contents, data),
+        to keep on another node; empty if no slot holds it whole."""
+        for slot in self._light if light else self._slots:
+            h = slot.header()
+            if h is not None and h[2] == step and h[3] == self.rank:
+                return _read_image(slot.path, h)
+        return b""
+
+    def _ward_slots(self, replica: int, light: bool) -> list[_Slot]:
+        return [_Slot(self._slot_path(self.local_rank, i, f"ward{replica}.{'light' if light else 'slot'}"))
+                for i in (0, 1)]  # fmt: skip
+
+    def store_ward(self, replica: int, image: bytes, *, light: bool) -> bool:
+        """Keep another rank's slot image (from `image`) in the older of this rank's two ward slots of
+        `replica`; False (nothing written) if it is not a whole image of this world size."""
+        if not _whole_image(image, self.world_size):
+            return False
+        target = self._older(self._ward_slots(replica, light))
+        try:
+            _write_image(target, image)
+        finally:
+            target.close()
+        return True
+
+    def held(self, replicas: int) -> list[tuple[int, bool, int, int]]:
+        """Every whole image of this world size in this rank's slots, its own and the ward slots of `replicas`
+        replicas: (source, light, rank, step). A source is a slot's number for `held_image`."""
+        found = []
+        for source, (slot, light) in enumerate(self._all_slots(replicas)):
+            h = slot.header()
+            if h is not None and h[4] == self.world_size:
+                found.append((source, light, int(h[3]), int(h[2])))
+        return found
+
+    def held_image(self, replicas: int, source: int) -> bytes:
+        """The image in slot `source` of `held`; empty if it is no longer whole."""
+        slot = self._all_slots(replicas)[source][0]
+        h = slot.header()
+        return _read_image(slot.path, h) if h is not None else b""
+
+    def _all_slots(self, replicas: int) -> list[tuple[_Slot, bool]]:
+        found = [(s, False) for s in self._slots] + [(s, True) for s in self._light]
+        for replica in range(replicas):
+            for light in (False, True):
+                found += [(s, light) for s in self._ward_slots(replica, light)]
+        return found
+
+    def install(self, image: bytes, *, light: bool) -> bool:
+        """Make an image of this rank's own snapshot, brought back from the node that kept it, one of this
+        rank's slots (the older); False (nothing written) if it is not a whole image of this rank."""
+        if not _whole_image(image, self.world_size) or HEADER.unpack_from(image)[3] != self.rank:
+            return False
+        _write_image(self._older(self._light if light else self._slots), image)
+        return True
+
     def light(self, step: int) -> tuple[dict[str, tuple[torch.dtype, list[int]]], Any]:
         """The tensors a light snapshot of `step` left to the survivors (id -> dtype, shape), and a handle for
         `load_light`; CheckpointCorruptError if this rank holds no light snapshot of `step`."""
@@ -248,8 +308,12 @@ class MemoryTier:
                 return {k: (dtype_from_name(v[0]), list(v[1])) for k, v in content.live.items()}, content
         raise CheckpointCorruptError(f"no light memory slot holds step {step}")
 
-    def load_light(self, step: int, content: Any, live: dict[str, torch.Tensor]) -> MemorySnapshot:
-        """The state of `step`: the light snapshot's own tensors, and `live` (from a survivor) for the rest."""
+    def load_light(
+        self, step: int, content: Any, live: dict[str, torch.Tensor], replicated: dict[str, Any] | None = None
+    ) -> MemorySnapshot:
+        """The state of `step`: the light snapshot's own tensors, and `live` (from a survivor) for the rest.
+        `replicated`: the survivor's skeletons of replicated objects (by name), which replace this snapshot's:
+        taken at the optimizer step, its non-tensor state of those objects may predate the step's end."""
 
         def fetch(tid: str) -> torch.Tensor:
             if tid in content.table:
@@ -258,7 +322,15 @@ class MemoryTier:
                 return live[tid]
             raise CheckpointCorruptError(f"tensor {tid} is in neither the light snapshot of step {step} nor a peer's")
 
-        state = unflatten(content.skeleton, fetch)
+        skeleton = content.skeleton
+        if replicated:
+            if not isinstance(skeleton, dict) or not isinstance(skeleton.get("objects"), dict):
+                raise CheckpointCorruptError(f"the memory snapshot of step {step} is not a stalwart state")
+            unknown = sorted(set(replicated) - set(skeleton["objects"]))
+            if unknown:
+                raise CheckpointCorruptError(f"the survivor's state names objects this snapshot lacks: {unknown}")
+            skeleton = {**skeleton, "objects": {**skeleton["objects"], **replicated}}
+        state = unflatten(skeleton, fetch)
         if not isinstance(state, dict) or "objects" not in state:
             raise CheckpointCorruptError(f"the memory snapshot of step {step} is not a stalwart state")
         return MemorySnapshot(step, state, len(content.data), -1)
@@ -298,6 +370,35 @@ class MemoryTier:
     def close(self) -> None:
         for slot in [*self._slots, *self._light]:
             slot.close()
+
+
+def _read_image(path: Path, header: tuple[int, ...]) -> bytes:
+    """A slot file's image (header, table of contents, data), or empty if it was overwritten while read."""
+    with open(path, "rb") as f:
+        image = f.read(header[6] + header[7])
+    again = HEADER.unpack_from(image) if len(image) >= HEADER_BYTES else None
+    return image if again is not None and again[1:4] == (1, header[2], header[3]) else b""
+
+
+def _whole_image(image: bytes, world_size: int) -> bool:
+    """Whether `image` is a valid slot image of this world size whose header covers exactly its bytes."""
+    if len(image) < HEADER_BYTES:
+        return False
+    magic, valid, _, rank, size, toc_len, data_offset, data_len = HEADER.unpack_from(image)
+    return (
+        (magic, valid, size) == (MAGIC, 1, world_size)
+        and 0 <= rank < size
+        and data_offset + data_len == len(image)
+        and HEADER_BYTES + toc_len <= data_offset
+    )
+
+
+def _write_image(target: _Slot, image: bytes) -> None:
+    """Write a slot image received from elsewhere: invalid while the body is written, its header last."""
+    m = target.ensure(len(image))
+    HEADER.pack_into(m, 0, MAGIC, 0, -1, 0, 0, 0, 0, 0)
+    m[HEADER_BYTES : len(image)] = image[HEADER_BYTES:]
+    m[:HEADER_BYTES] = image[:HEADER_BYTES]
 
 
 @dataclass(frozen=True, slots=True)

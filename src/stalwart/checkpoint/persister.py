@@ -18,7 +18,6 @@ Protocol: one JSON object per line on stdin (requests) and stdout (replies).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import mmap
@@ -35,6 +34,7 @@ import xxhash
 
 from stalwart.checkpoint import layout
 from stalwart.checkpoint.storage import LocalStorage, Storage, describe_error, open_storage
+from stalwart.runtime.process import die_with_parent
 from stalwart.telemetry.events import EventLog
 
 WRITE_CHUNK = 8 << 20
@@ -445,19 +445,9 @@ def _yield_cpu() -> None:
             os.nice(19)
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this process when the training process dies, so a killed worker leaves no persister behind."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def main() -> None:
     """The persister process: requests on stdin, replies on stdout, events to the job's event log."""
-    parent = os.getppid()
-    _die_with_parent()
-    if os.getppid() != parent:  # the parent died before the death signal was armed
-        os._exit(1)
+    die_with_parent()  # a killed worker leaves no persister behind
     _yield_cpu()
     log = json.loads(sys.argv[1])
     out_lock = threading.Lock()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from stalwart.errors import ConfigError
+from stalwart.runtime.process import first_line
 
 DIRECT_ALIGN = 4096
 IMAGE_CHUNK = 16 << 20
@@ -244,7 +245,9 @@ class FsspecStorage(Storage):
         try:
             self.fs, self.base = fsspec.url_to_fs(url, **opts)
         except (ImportError, ValueError) as exc:
-            raise ConfigError(f"checkpoint storage {url!r} cannot be opened: {_first_line(exc)}") from exc
+            raise ConfigError(
+                f"checkpoint storage {url!r} cannot be opened: {first_line(exc, with_type=True)}"
+            ) from exc
         if retries is not None:
             self.fs.retries = retries  # an attribute of S3FileSystem; the instance is ours (skip_instance_cache)
         self.base = self.base.rstrip("/")
@@ -322,9 +325,4 @@ def describe_error(exc: BaseException) -> str:
     """One line for an error from any store (OSError strerror, botocore messages, aiohttp errors)."""
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror} ({type(exc).__name__})" if not exc.filename else exc.strerror
-    return _first_line(exc)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+    return first_line(exc, with_type=True)

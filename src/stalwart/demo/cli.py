@@ -22,6 +22,7 @@ from rich.table import Table
 from stalwart.demo.runner import JobRun, run_job
 from stalwart.demo.summary import Summary, summarize
 from stalwart.errors import ConfigError
+from stalwart.telemetry.console import console as make_console
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,7 +51,7 @@ def main(argv: list[str]) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="stalwart-demo-"))
     if args.workdir and workdir.exists() and any(workdir.iterdir()):
         raise ConfigError(f"--workdir {workdir} is not empty; give a new or empty directory")
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     console.print(
         f"[bold]stalwart demo[/]: GPT on 2 CPU ranks, {args.steps} steps, checkpoint every "
         f"{args.checkpoint_every}; SIGKILL rank 1 at step {kill_at} (seed {seed}); work dir {workdir}"
@@ -115,4 +116,4 @@ def _print(console: Console, s: Summary) -> None:
     table.add_row("run with failure / reference", f"{s.faulty_run_s:.1f} s / {s.reference_run_s:.1f} s")
     verdict = "[green]yes[/]" if s.bitwise_identical else "[red]NO[/]"
     table.add_row("final parameters bitwise identical", verdict)
-    Console().print(table)
+    make_console().print(table)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.runtime.process import spawn
 from stalwart.telemetry.events import EventLog, read_events
 
 
@@ -56,7 +57,8 @@ def run_job(
     ]  # fmt: skip
     started = time.monotonic()
     with open(run.log, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # SIGTERM to the launcher if the demo dies, whatever killed it: it stops its workers and cleans up.
+        proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             _watch(run, proc, started + timeout_s, on_step)
         finally:

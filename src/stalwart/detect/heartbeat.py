@@ -16,6 +16,7 @@ slot: it reads again, or skips the slot until the next interval.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import struct
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HEARTBEAT_ENV = "STALWART_HEARTBEAT"
+BOARD_PREFIX = "stalwart-heartbeat-"
+"""A board's file name: the prefix, the launcher's pid and a random suffix (its memory tier shares the suffix)."""
 """Path of the agent's heartbeat board; unset when a worker is not started by `stalwart run`."""
 
 SLOT = struct.Struct("<qqqqqq")  # seq, pid, step, phase, beat_ns, deadline_ns
@@ -63,15 +66,40 @@ class Board:
 
     def __init__(self, slots: int, directory: str | None = None) -> None:
         base = Path(directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()))
-        self.path = base / f"stalwart-heartbeat-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.path = base / f"{BOARD_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.slots = slots
         size = max(slots, 1) * SLOT_BYTES
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # The board is created locked under a temporary name and then renamed: no other launcher's stale
+        # cleanup can ever find it unlocked. The lock is held (the descriptor open) for the board's lifetime.
+        hidden = self.path.with_name("." + self.path.name)
+        self._lock_fd: int | None = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(self._lock_fd, size)
+            os.rename(hidden, self.path)
+        except OSError:
+            os.close(self._lock_fd)
+            hidden.unlink(missing_ok=True)
+            raise
         self._map: mmap.mmap | None = _map(self.path, size)
+
+    @staticmethod
+    def abandoned(path: Path) -> bool:
+        """Whether the board at `path` has no living owner: its lock is free. Unlike a check of the pid in its
+        name, this holds for a reused pid and for a launcher in another pid namespace sharing /dev/shm."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False  # not ours to judge (another user's)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held: its launcher is alive
+        finally:
+            os.close(fd)  # closing also drops the probe's lock
+        return True
 
     def clear(self) -> None:
         """Forget every beat: a restarted worker starts unwatched until its first beat."""
@@ -95,6 +123,9 @@ class Board:
             self._map = None
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 class Heartbeat:

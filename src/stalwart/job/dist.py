@@ -10,13 +10,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from stalwart.errors import ConfigError
+from stalwart.runtime.store import tcp_store
 
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+"""Set by torch elastic when workers share the agent's store (torchrun's default) instead of rank 0 hosting one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +94,43 @@ class Comm:
         if self._group is not None:
             dist.broadcast(tensor, src=src, group=self._group)
 
+    def exchange(self, payload: bytes, send_to: int, recv_from: int) -> bytes:
+        """Send `payload` to rank `send_to` while receiving the payload rank `recv_from` sends to this rank (both
+        sides call it; lengths may differ). Point to point: only the two peers wait on each other."""
+        if self._group is None:
+            return payload
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        theirs = torch.empty(1, dtype=torch.int64)
+        _wait_all([dist.isend(length, send_to, group=self._group), dist.irecv(theirs, recv_from, group=self._group)])
+        out = torch.empty(int(theirs.item()), dtype=torch.uint8)
+        mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+        pending = []
+        if len(payload):
+            pending.append(dist.isend(mine, send_to, group=self._group))
+        if out.numel():
+            pending.append(dist.irecv(out, recv_from, group=self._group))
+        _wait_all(pending)
+        return out.numpy().tobytes()
+
+    def send_bytes(self, payload: bytes, dst: int) -> None:
+        """Send `payload` to rank `dst`, which calls `recv_bytes` (blocking, point to point)."""
+        if self._group is None:
+            return
+        dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst, group=self._group)
+        if payload:
+            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, group=self._group)
+
+    def recv_bytes(self, src: int) -> bytes:
+        """What rank `src` sends with `send_bytes`."""
+        if self._group is None:
+            return b""
+        length = torch.empty(1, dtype=torch.int64)
+        dist.recv(length, src, group=self._group)
+        out = torch.empty(int(length.item()), dtype=torch.uint8)
+        if out.numel():
+            dist.recv(out, src, group=self._group)
+        return out.numpy().tobytes()
+
     def broadcast_int(self, value: int) -> int:
         """Rank 0's value, on every rank."""
         if self._group is None:
@@ -97,6 +138,12 @@ class Comm:
         t = torch.tensor([value], dtype=torch.int64)
         dist.broadcast(t, src=0, group=self._group)
         return int(t.item())
+
+
+def _wait_all(works: list[Any]) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()
 
 
 def init_process_group(placement: Placement, timeout: timedelta) -> bool:
@@ -111,5 +158,22 @@ def init_process_group(placement: Placement, timeout: timedelta) -> bool:
         backend = "cuda:nccl,cpu:gloo"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=timeout)
+    store = _bootstrap_store(placement, timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        prefixed = dist.PrefixStore("default_pg", store)  # as env:// does
+        dist.init_process_group(
+            backend=backend, store=prefixed, rank=placement.rank, world_size=placement.world_size, timeout=timeout
+        )
     return True
+
+
+def _bootstrap_store(placement: Placement, timeout: timedelta) -> dist.Store | None:
+    """Rank 0's TCPStore for the process group, listening on MASTER_ADDR's address only (torch's env:// one
+    listens on every interface). None where torch's own env:// rendezvous applies: no MASTER_ADDR/MASTER_PORT,
+    or torchrun's shared agent store (the workers are its clients and listen on nothing)."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not addr or not port.isdigit() or os.environ.get(AGENT_STORE_ENV, "").lower() in ("1", "true"):
+        return None
+    return tcp_store(addr, int(port), is_server=placement.rank == 0, timeout=timeout, world_size=placement.world_size)

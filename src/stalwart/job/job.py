@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import io
 import math
 import os
 import secrets
@@ -35,14 +37,17 @@ from stalwart.chaos.faults import Fault, FaultInjector
 from stalwart.checkpoint import sharded
 from stalwart.checkpoint.manager import Checkpointer, Restored
 from stalwart.checkpoint.memory import MemoryTier
+from stalwart.checkpoint.replicas import MAX_REPLICAS, PeerReplicas
 from stalwart.checkpoint.serialize import check_loadable, flatten
 from stalwart.detect.hang import HANG_TIMEOUT_ENV, HangTimer, parse_timeout
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 from stalwart.job import lifecycle
+from stalwart.job.commit import StepCommit
 from stalwart.job.dist import Comm, Placement, init_process_group
 from stalwart.job.rng import capture_rng, restore_rng
 from stalwart.recovery import reform
+from stalwart.runtime.process import first_line
 from stalwart.telemetry.events import EventLog
 
 
@@ -73,7 +78,8 @@ class JobConfig:
     replicated: tuple[str, ...] | None = None
     """Tracked objects that are identical on every rank (a DDP model, its optimizer): each of their tensors is
     written once, by one rank, instead of once per rank. None (the default) picks tracked DistributedDataParallel
-    modules and the optimizers over their parameters. Per-rank objects are written by every rank."""
+    modules, the optimizers over their parameters and those optimizers' LR schedulers. Per-rank objects are
+    written by every rank."""
     full_every: int = 1
     """1: every checkpoint is full. N > 1: after a full checkpoint, the next N - 1 are deltas that store only the
     tensors that changed since it, zstd-compressed (worth it when most tensors do not change, e.g. fine-tuning)."""
@@ -95,10 +101,16 @@ class JobConfig:
     """1 (the default): every memory snapshot copies the whole state, so a restart loses at most the interrupted
     step whoever dies. N > 1, with survivors re-forming in place (`stalwart run`'s default): replicated parameters
     and optimizer state are copied only every N snapshots; the other snapshots copy the small per-rank rest (a
-    light snapshot) and a restart takes those tensors from a survivor, which kept them in its own memory. That
-    saves the per-step copy of the replicated state (most of the snapshot cost), but when a rank dies after its
-    step's last collective and before its snapshot (the optimizer step), or when no rank survives, the restart
-    falls back to the last full copy, up to N steps back. See docs/architecture.md (L1)."""
+    light snapshot, taken at the optimizer step behind a barrier, see job/commit.py) and a restart takes the
+    replicated state from a survivor, which kept it in its own memory. That saves the per-step copy of the
+    replicated state (most of the snapshot cost); when no rank survives, the restart falls back to the last full
+    copy, up to N - 1 steps back. CPU tensors only; see docs/architecture.md (L1)."""
+    peer_replicas: int = 1
+    """Under `stalwart run` on several nodes, keep each rank's memory snapshot also in the memory of this many
+    ranks on other nodes (L3, 0 to 3; 0: off), so that the ranks of a lost node resume from memory instead of the
+    durable checkpoint. Each snapshot is then also sent over the network: with full snapshots the rank's share of
+    the whole state (about 80 ms per 100 MB at 10 Gbit/s, per replica), with light ones
+    (`replicated_snapshot_every` > 1) only the small per-rank rest. Off on a single node."""
     hang_timeout_s: float | None = None
     """Seconds this worker may go without a heartbeat inside `steps()` before `stalwart run` kills it as hung.
     None (the default): `stalwart run --hang-timeout`, whose default calibrates it from the step times
@@ -117,6 +129,8 @@ class JobConfig:
         for name in ("collective_timeout_s", "persist_timeout_s"):
             if not isinstance(getattr(self, name), int | float) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
+        if not isinstance(self.peer_replicas, int) or not 0 <= self.peer_replicas <= MAX_REPLICAS:
+            raise ConfigError(f"peer_replicas must be an integer from 0 to {MAX_REPLICAS}, got {self.peer_replicas!r}")
         if not isinstance(self.snapshot_every, int) or self.snapshot_every < 0:
             raise ConfigError(f"snapshot_every must be an integer >= 0, got {self.snapshot_every!r}")
         if self.hang_timeout_s is not None and (
@@ -169,9 +183,14 @@ class Job:
             if self.config.snapshot_every
             else None
         )
+        self._replicas = PeerReplicas(
+            self._memory, self.comm, self.events, self.config.peer_replicas, _local_world_size()
+        )
         self._snapshot_s = 0.0
         self._reform = self._memory is not None and reform.enabled()
         self._versions: dict[int, int] | None = None  # live tensors' data pointer -> version, at self.step
+        self._commit: StepCommit | None = None  # light snapshots' commit point at the optimizer step
+        self._replicated_skeleton: tuple[int, dict[str, Any]] | None = None  # (step, skeleton) for a stash
         self._busy_step = False
         self._saved_once = False
         self.checkpointer = Checkpointer(
@@ -254,7 +273,7 @@ class Job:
                 obj.load_state_dict(objects[name])
             except (RuntimeError, ValueError, KeyError) as exc:
                 raise CheckpointMismatchError(
-                    f"checkpoint {restored.source} does not fit tracked object {name!r}: {_first_line(exc)}"
+                    f"checkpoint {restored.source} does not fit tracked object {name!r}: {first_line(exc)}"
                 ) from exc
         if restored.world_size == self.world_size:
             restore_rng(restored.state["rng"])
@@ -287,6 +306,7 @@ class Job:
         checkpoint; None otherwise. Two sources: a full snapshot every rank holds in node memory, or a light
         snapshot every rank holds plus the live tensors a survivor kept (recovery/reform.py), broadcast by the
         lowest such rank. Collective: every rank calls it, with or without a memory tier."""
+        from_replica = self._replicas.restore()  # a lost node's ranks get their images back first (L3)
         memory = self._memory
         full = memory.steps() if memory is not None else []
         light = memory.steps(light=True) if memory is not None else []
@@ -305,7 +325,7 @@ class Job:
         if by_live > by_full:
             restored = self._load_light(by_live, holders[by_live])
             if restored is not None:
-                return restored
+                return dataclasses.replace(restored, tier="replica") if from_replica else restored
             if by_full < 0 or by_full < gathered[0][5]:
                 return None
             step = by_full
@@ -319,8 +339,9 @@ class Job:
             self.events.emit("memory_snapshot_unusable", step=step, error=problem or "another rank's is not whole")
             return None
         assert snapshot is not None
-        where = f"node memory (step {step})"
-        return Restored(step, self.world_size, snapshot.state, where, snapshot.bytes, tier="memory")
+        where = f"{'a peer replica in another node' if from_replica else 'node'}'s memory (step {step})"
+        tier = "replica" if from_replica else "memory"
+        return Restored(step, self.world_size, snapshot.state, where, snapshot.bytes, tier=tier)
 
     def _load_light(self, step: int, source: int) -> Restored | None:
         """Every rank's light snapshot of `step`, with the live tensors broadcast from rank `source`'s stash."""
@@ -344,23 +365,43 @@ class Job:
             nbytes = math.prod(shape) * dtype.itemsize
             layout[tid] = (total, nbytes, dtype, shape)
             total += -(-nbytes // 64) * 64  # 64-byte aligned, so each view can take its dtype
-        agreed = self.comm.all_gather_ints([int(content is not None), total])
+        skeleton = b""  # the survivor's replicated objects' non-tensor state (see job/commit.py)
+        if self.rank == source and stash is not None and stash.skeleton is not None:
+            out = io.BytesIO()
+            torch.save(stash.skeleton, out)
+            skeleton = out.getvalue()
+        agreed = self.comm.all_gather_ints([int(content is not None), total, len(skeleton)])
         if not all(v[0] for v in agreed) or len({v[1] for v in agreed}) != 1:
             error = problem or "another rank's is not whole, or lists other live tensors"
             self.events.emit("memory_snapshot_unusable", step=step, error=error)
             return None
-        buf = torch.empty(total, dtype=torch.uint8)
+        skeleton_len = agreed[source][2]
+        buf = torch.empty(total + skeleton_len, dtype=torch.uint8)
         if self.rank == source:
             assert stash is not None
             with torch.no_grad():
                 for tid, (offset, nbytes, _, _) in layout.items():
                     buf[offset : offset + nbytes].copy_(stash.tensors[tid].reshape(-1).view(torch.uint8))
+                if skeleton:
+                    buf[total:].copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
         self.comm.broadcast_tensor(buf, source)
         live = {
             tid: buf[offset : offset + nbytes].view(dtype).reshape(shape)
             for tid, (offset, nbytes, dtype, shape) in layout.items()
         }
-        snapshot = self._memory.load_light(step, content, live)
+        snapshot, problem = None, ""
+        try:
+            replicated = None
+            if skeleton_len:
+                raw = io.BytesIO(buf[total:].numpy().tobytes())
+                replicated = torch.load(raw, map_location="cpu", weights_only=True)
+            snapshot = self._memory.load_light(step, content, live, replicated)
+        except Exception as exc:  # a skeleton naming tensors nobody holds, an unreadable one: agreed below
+            problem = first_line(exc)
+        if not all(v[0] for v in self.comm.all_gather_ints([int(snapshot is not None)])):
+            self.events.emit("memory_snapshot_unusable", step=step, error=problem or "another rank's is not whole")
+            return None
+        assert snapshot is not None
         where = f"node memory (step {step}) and rank {source}'s live state"
         return Restored(step, self.world_size, snapshot.state, where, snapshot.bytes + total, tier="peer")
 
@@ -381,6 +422,11 @@ class Job:
                 owned = [id(p) for group in obj.param_groups for p in group["params"]]
                 if owned and all(p in params for p in owned):
                     names.add(name)
+        for name, obj in self._objects.items():  # a scheduler steps a replicated optimizer the same everywhere
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and any(
+                getattr(obj, "optimizer", None) is self._objects[n] for n in names
+            ):
+                names.add(name)
         return frozenset(names)
 
     def steps(self, loader: Iterable[Any] | None = None, *, max_steps: int) -> Iterator[tuple[int, Any]]:
@@ -393,8 +439,10 @@ class Job:
             raise ConfigError(f"max_steps must be >= 0, got {max_steps}")
         self._heartbeat.beat(self.step, PHASE_RESUME, self._hang.grace())
         self.resume()
-        if self._reform and self.config.replicated_snapshot_every > 1:
+        if self._light_wanted():
             self._versions = self._live_versions()
+            self._remember_replicated_skeleton(self._state())
+            self._start_commit()
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
         first = True
         while self.step < max_steps:
@@ -408,16 +456,27 @@ class Job:
                 if self.step != self._last_saved:
                     self.save(wait=True)
                 break
-            yield self.step, batch
+            if self._commit is not None and not first and (self.step + 1) % self.config.snapshot_every == 0:
+                self._commit.arm(self.step, set(self._versions or ()))  # the first step may create optimizer state
+            try:
+                yield self.step, batch
+            except GeneratorExit:
+                with contextlib.suppress(reform.ReformRequested):
+                    reform.allow_requests()  # the loop was left: nothing to finish, nothing to re-form
+                raise
+            finally:
+                if self._commit is not None:
+                    self._commit.disarm()
             self.step += 1
             step_s = time.monotonic() - started
             if not self._busy_step:
                 self._hang.observe(step_s)
             self._busy_step = False
-            if self._reform and self.config.replicated_snapshot_every > 1:
+            if self._light_wanted():
                 self._versions = self._live_versions()
             if self._memory is not None and self.step % self.config.snapshot_every == 0:
                 self._snapshot()
+            reform.allow_requests()  # a re-forming request deferred by the commit point is raised here
             if first or self.step % self.config.log_every == 0:
                 self._log_step(step_s)
                 first = False
@@ -469,6 +528,29 @@ class Job:
             self._last_saved = self.step
         return taken
 
+    def _light_wanted(self) -> bool:
+        """Light snapshots: asked for, under re-forming, and not turned off by the commit point's check."""
+        off = self._commit is not None and self._commit.off is not None
+        return self._reform and self.config.replicated_snapshot_every > 1 and not off
+
+    def _start_commit(self) -> None:
+        """The commit point at the replicated optimizers' step (job/commit.py); without live tensors (CUDA
+        parameters, which are not version-checked) there is nothing for a survivor to keep and no light mode."""
+        optimizers = [o for n, o in self._objects.items()
+                      if n in self.checkpointer.replicated and isinstance(o, torch.optim.Optimizer)]  # fmt: skip
+        if self._memory is None or not self._versions or not optimizers:
+            return
+        self._commit = StepCommit(
+            self._memory,
+            self.comm,
+            self.events,
+            self._faults,
+            self._state,
+            self.checkpointer.replicated,
+            optimizers,
+            lambda step: self._replicas.push(step, light=True),
+        )
+
     def _snapshot(self) -> None:
         """Copy the state into node memory: light every time under re-forming (the live tensors stay with the
         survivors), full every `replicated_snapshot_every` snapshots, or full every time without re-forming."""
@@ -476,11 +558,31 @@ class Job:
         state, replicated = self._state(), self.checkpointer.replicated
         seconds = 0.0
         every = self.config.replicated_snapshot_every * self.config.snapshot_every
-        light = self._reform and every > self.config.snapshot_every and self._versions is not None
+        light = self._light_wanted() and every > self.config.snapshot_every and bool(self._versions)
+        full = not light or self.step % every == 0
+        push = "full" if full else ""  # which image goes to the peer replicas (L3): the one this step relies on
         if light:
-            seconds, _ = self._memory.snapshot(self.step, state, replicated, live=set(self._versions or ()))
-        if not light or self.step % every == 0:
+            live = set(self._versions or ())
+            commit = self._commit
+            if commit is not None and commit.committed(self.step):
+                # Taken (and sent to the replicas) at the optimizer step; it stands if the per-rank state has not
+                # changed since.
+                started = time.perf_counter()
+                push = ""
+                if not commit.check(state):  # it changed: overwrite both light slots, and copy in full
+                    for _ in range(2):
+                        self._memory.snapshot(self.step, state, replicated, live=live)
+                    full, push = True, "full"
+                seconds = commit.seconds + time.perf_counter() - started
+            else:
+                seconds, _ = self._memory.snapshot(self.step, state, replicated, live=live)
+                push = "light"
+            self._remember_replicated_skeleton(state)
+        if full:
             seconds += self._memory.snapshot(self.step, state, replicated)[0]
+        if push:
+            self._replicas.push(self.step, light=push == "light")
+            seconds += self._replicas.seconds
         self._snapshot_s = seconds
 
     def _live_versions(self) -> dict[int, int]:
@@ -501,10 +603,11 @@ class Job:
                     versions[t.data_ptr()] = t._version
         return versions
 
-    def _state(self) -> dict[str, Any]:
-        """The full training state of this rank, as checkpoints and memory snapshots hold it."""
+    def _state(self, step: int | None = None) -> dict[str, Any]:
+        """The full training state of this rank, as checkpoints and memory snapshots hold it (labelled `step`,
+        by default the completed steps)."""
         return {
-            "step": self.step,
+            "step": self.step if step is None else step,
             "objects": {name: obj.state_dict() for name, obj in self._objects.items()},
             "rng": capture_rng(),
             "world_size": self.world_size,
@@ -513,6 +616,7 @@ class Job:
     def close(self) -> None:
         """Stop the persister and release the process groups this job created (also run at interpreter exit).
         A persist still in flight is abandoned; the final checkpoint of steps() is durable before it returns."""
+        self._close_commit()
         self._heartbeat.close()
         if self._memory is not None:
             self._memory.close()
@@ -528,15 +632,23 @@ class Job:
         place, see recovery/reform.py): the persister is killed, so a save in flight never commits, and nothing
         runs at interpreter exit. The process groups are aborted by the caller, all at once."""
         atexit.unregister(self.close)
+        with contextlib.suppress(Exception):
+            self.checkpointer.abandon()  # first: the persister dies before anything else can go wrong
         kept = self._keep_live_state()
-        self.events.emit("reforming", step=self.step, kept_live_state=kept)
-        self._heartbeat.close()
+        for step in (self._close_commit, self._heartbeat.close, self.comm.forget):
+            with contextlib.suppress(Exception):
+                step()
         if self._memory is not None:
-            self._memory.close()
-        self.checkpointer.abandon()
-        self.comm.forget()
+            with contextlib.suppress(Exception):
+                self._memory.close()
         self._owns_process_group = False
+        with contextlib.suppress(Exception):
+            self.events.emit("reforming", step=self.step, kept_live_state=kept)
         self.events.close()
+
+    def _close_commit(self) -> None:
+        if self._commit is not None:
+            self._commit.close()
 
     def _keep_live_state(self) -> bool:
         """Keep references to the live tensors for the next run if they still hold step `self.step`."""
@@ -544,12 +656,24 @@ class Job:
             return False
         with contextlib.suppress(Exception):
             if self._live_versions() == self._versions:
-                _, items = flatten(self._state(), self.rank, self.checkpointer.replicated)
+                # Only the replicated objects: their state_dict() is local (no collective with the lost peer).
+                replicated = self.checkpointer.replicated
+                objects = {n: o.state_dict() for n, o in self._objects.items() if n in replicated}
+                _, items = flatten({"objects": objects}, self.rank, replicated)
                 ptrs = self._versions
                 live = {i.id: i.tensor for i in items if i.id.startswith("R/") and i.tensor.data_ptr() in ptrs}
-                reform.keep(reform.Stash(self.step, self.world_size, live))
+                got = self._replicated_skeleton
+                skeleton = got[1] if got is not None and got[0] == self.step else None
+                reform.keep(reform.Stash(self.step, self.world_size, live, skeleton))
                 return True
         return False
+
+    def _remember_replicated_skeleton(self, state: dict[str, Any]) -> None:
+        """The replicated objects' non-tensor state (a scheduler's epoch, the optimizer's hyperparameters) at
+        the completed step: a survivor hands it over with its live tensors (see job/commit.py)."""
+        replicated = self.checkpointer.replicated
+        objects = {n: state["objects"][n] for n in replicated}
+        self._replicated_skeleton = (self.step, flatten({"objects": objects}, self.rank, replicated)[0]["objects"])
 
     def _log_step(self, step_s: float) -> None:
         metrics = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in self._metrics.items()}
@@ -579,8 +703,3 @@ def _local_world_size() -> int:
     """LOCAL_WORLD_SIZE as torchrun and `stalwart run` set it; 1 when launched otherwise."""
     text = os.environ.get("LOCAL_WORLD_SIZE", "1")
     return int(text) if text.isdigit() and int(text) > 0 else 1
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -10,14 +10,13 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
-import signal
 import sys
 from types import TracebackType
 
 from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, PeerError, is_user_error
+from stalwart.runtime.process import die_with_parent, first_line
 
 AGENT_PID_ENV = "STALWART_AGENT_PID"
 """PID of the `stalwart run` process that started this worker."""
@@ -25,7 +24,6 @@ AGENT_PID_ENV = "STALWART_AGENT_PID"
 ELASTIC_ENV = "STALWART_ELASTIC"
 """Set to 1 by `stalwart run --nnodes MIN:MAX` (MIN < MAX): the world size may change between restarts."""
 
-_PR_SET_PDEATHSIG = 1
 _installed = False
 
 
@@ -37,7 +35,7 @@ def install_worker_safety_nets() -> None:
     agent_pid = os.environ.get(AGENT_PID_ENV)
     _install_error_hook(under_agent=bool(agent_pid))
     if agent_pid and agent_pid.isdigit() and sys.platform == "linux":
-        _die_with_parent(int(agent_pid))
+        _die_with_agent(int(agent_pid))
 
 
 def _install_error_hook(*, under_agent: bool) -> None:
@@ -48,8 +46,7 @@ def _install_error_hook(*, under_agent: bool) -> None:
             _exit_with_line(None if isinstance(exc, PeerError) else f"stalwart: error: {exc}", EXIT_USER_ERROR)
         if under_agent and is_peer_failure(exc):
             rank = os.environ.get("RANK", "?")
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            line = f"stalwart: rank {rank}: a collective failed, a peer is likely gone: {first}"
+            line = f"stalwart: rank {rank}: a collective failed, a peer is likely gone: {first_line(exc)}"
             _exit_with_line(line, EXIT_PEER_LOST)
         previous(tp, exc, tb)
 
@@ -71,8 +68,9 @@ def _exit_with_line(line: str | None, status: int) -> None:
 # remote errors and aborts, store timeouts. A user's bug (mismatched sizes, bad arguments) matches none of these
 # and keeps its full traceback.
 _PEER_LOST = re.compile(
-    r"Connection (reset|closed) by peer|Broken pipe|Socket Timeout|Timed out waiting|timed out after|"
-    r"remote process exited|NCCL communicator was aborted|ncclRemoteError|failed to recv|failed to send",
+    r"Connection (reset|closed) by peer|Connection refused|Broken pipe|Socket Timeout|Timed out waiting|"
+    r"timed out after|remote process exited|NCCL communicator was aborted|ncclRemoteError|failed to recv|"
+    r"failed to send",
     re.IGNORECASE,
 )
 
@@ -84,13 +82,7 @@ def is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and bool(_PEER_LOST.search(str(exc)))
 
 
-def _die_with_parent(agent_pid: int) -> None:
+def _die_with_agent(agent_pid: int) -> None:
     if os.getppid() != agent_pid:
         return  # started through a wrapper (--no-python, a shell): its parent is not the agent
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != agent_pid:  # the agent died before prctl took effect
-        os._exit(1)
+    die_with_parent(parent=agent_pid)

@@ -56,11 +56,14 @@ _live: weakref.WeakSet[Abandonable] = weakref.WeakSet()
 @dataclass(frozen=True, slots=True)
 class Stash:
     """The replicated tensors (parameters, optimizer state) a survivor kept from its failed run, by checkpoint
-    id, as they were after `step` completed; the next run hands them to every rank instead of reading a copy."""
+    id, as they were after `step` completed; the next run hands them to every rank instead of reading a copy.
+    `skeleton`: the replicated objects' state at that step with tensors as references (their non-tensor part,
+    e.g. a scheduler's), when the job recorded it; restores take it instead of the light snapshot's."""
 
     step: int
     world_size: int
     tensors: dict[str, Any]
+    skeleton: dict[str, Any] | None = None
 
 
 _stash: Stash | None = None
@@ -104,8 +107,38 @@ def is_reformable(exc: BaseException) -> bool:
     return False
 
 
+_deferring = False
+_pending = False
+
+
 def _raise_reform(signum: int, frame: FrameType | None) -> None:
+    global _pending
+    if _deferring:
+        _pending = True
+        return
     raise ReformRequested("the agent asked this worker to re-form: a peer failed")
+
+
+def defer_requests() -> None:
+    """From a step's commit point to its end (job/commit.py): every rank holds its snapshot of the step, so a
+    survivor finishes the step (optimizer, scheduler, bookkeeping; no collective) and re-forms after it, with
+    state that a replacement can match, instead of being interrupted half-way through its optimizer step."""
+    global _deferring
+    _deferring = True
+
+
+def allow_requests() -> None:
+    """End of the deferral: a request that came in the meantime is raised now."""
+    global _deferring, _pending
+    _deferring = False
+    if _pending:
+        _pending = False
+        raise ReformRequested("the agent asked this worker to re-form: a peer failed")
+
+
+def _reset_requests() -> None:
+    global _deferring, _pending
+    _deferring = _pending = False
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
@@ -121,11 +154,13 @@ def ignore_requests() -> None:
 def interruptible() -> Iterator[None]:
     """While the script runs, REFORM_SIGNAL raises ReformRequested in the main thread (at the next bytecode: a
     thread blocked in a collective gets there when the collective fails, as it does once the peer is gone)."""
+    _reset_requests()
     signal.signal(REFORM_SIGNAL, _raise_reform)
     try:
         yield
     finally:
         ignore_requests()
+        _reset_requests()
 
 
 def abandon() -> int:

@@ -143,8 +143,21 @@ class StalwartAgent(LocalElasticAgent):
         self._reforming = self._reform  # survivors stay only for a new round, not when the job is ending
         try:
             super()._restart_workers(worker_group)
+        except BaseException:
+            self._release_kept()  # the round failed (e.g. the rendezvous): no one will activate them
+            raise
         finally:
             self._reforming = False
+
+    def _release_kept(self) -> None:
+        for host in self._kept.values():
+            host.kill()
+        self._kept = {}
+
+    def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+        if not self._reforming:  # torch elastic's _stop_workers shuts down too, right after survivors were kept
+            self._release_kept()
+        super()._shutdown(*args, **kwargs)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         ctx = self._pcontext

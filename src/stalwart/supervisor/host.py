@@ -22,7 +22,6 @@ The host dies with the agent (parent-death signal), and exits quietly if stdin c
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -33,18 +32,10 @@ import threading
 from typing import IO, Any
 
 from stalwart.recovery import reform
+from stalwart.runtime.process import die_with_parent, first_line
 
 STATUS_FD_ENV = "STALWART_HOST_FD"
 WARM_ENV = "STALWART_HOST_WARM"
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    parent = os.getppid()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def _warm_up() -> None:
@@ -69,8 +60,11 @@ def _warm_up_politely() -> None:
     failure: list[BaseException] = []
 
     def run() -> None:
+        tid = threading.get_native_id()
         with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+        with contextlib.suppress(OSError, AttributeError):
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         try:
             _warm_up()
         except BaseException as exc:
@@ -110,15 +104,46 @@ def _run_script(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
+class _Baseline:
+    """What a run of the script may change in the process and the next run must not inherit: the working
+    directory, sys.excepthook (torch and stalwart wrap it), the standard streams, sys.path and the signal
+    handlers. Module globals of imported modules are not reset (nothing is imported again, by design)."""
+
+    def __init__(self) -> None:
+        self.cwd = os.getcwd()
+        self.excepthook = sys.excepthook
+        self.streams = (sys.stdout, sys.stderr)
+        self.path = list(sys.path)
+        self.handlers: dict[int, Any] = {}
+        for signum in signal.valid_signals():
+            with contextlib.suppress(OSError, ValueError):
+                self.handlers[signum] = signal.getsignal(signum)
+
+    def restore(self) -> None:
+        with contextlib.suppress(OSError):
+            os.chdir(self.cwd)
+        sys.excepthook = self.excepthook
+        sys.stdout, sys.stderr = self.streams
+        sys.path[:] = self.path
+        for signum, handler in self.handlers.items():
+            if signum == reform.REFORM_SIGNAL or handler is None:
+                continue
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                signal.signal(signum, handler)
+
+
 def _serve(control: IO[str], status: int) -> None:
     """Run activations until one ends for another reason than a peer's failure; never returns."""
     from stalwart.errors import EXIT_PEER_LOST
 
     ran = False
+    baseline = _Baseline()
     while True:
         line = control.readline()
         if not line:  # a spare never used, or a re-armed worker the agent no longer needs
             os._exit(EXIT_PEER_LOST if ran else 0)
+        if ran:
+            baseline.restore()
         ran = True
         argv = _apply(json.loads(line))
         lost: str | None = None
@@ -147,8 +172,7 @@ def _first_line(exc: BaseException) -> str:
     """The first sentence, without gloo's source location: "Read error [127.0.0.1]:17032: Connection reset by
     peer" rather than the two lines of advice that follow it."""
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(exc).strip())
-    first = text.splitlines()[0] if text else type(exc).__name__
-    return first.split(". ")[0]
+    return first_line(RuntimeError(text)).split(". ")[0] if text else type(exc).__name__
 
 
 def _say(line: str) -> None:
@@ -158,7 +182,7 @@ def _say(line: str) -> None:
 
 
 def main() -> None:
-    _die_with_parent()
+    die_with_parent()
     reform.ignore_requests()
     warm = os.environ.pop(WARM_ENV, "") == "1"
     status = int(os.environ.pop(STATUS_FD_ENV, "-1"))

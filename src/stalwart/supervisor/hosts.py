@@ -108,9 +108,9 @@ class Host:
         if self._status >= 0:
             os.close(self._status)
             self._status = -1
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        # The whole group, even if the host itself is gone: its children (a persister) may not be.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):

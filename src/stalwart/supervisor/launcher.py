@@ -25,27 +25,36 @@ What differs from torchrun, and why:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
 import os
 import shutil
+import signal
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 from stalwart.checkpoint.memory import SNAPSHOT_DIR_ENV
 from stalwart.detect.hang import HANG_TIMEOUT_ENV, parse_timeout
-from stalwart.detect.heartbeat import HEARTBEAT_ENV, Board
+from stalwart.detect.heartbeat import BOARD_PREFIX, HEARTBEAT_ENV, Board
 from stalwart.errors import EXIT_USER_ERROR, ConfigError
 from stalwart.job.lifecycle import AGENT_PID_ENV, ELASTIC_ENV
 from stalwart.recovery.reform import REFORM_ENV
+from stalwart.runtime.process import first_line
 from stalwart.supervisor.hosts import SparePool
+from stalwart.supervisor.rendezvous import rendezvous_handler
 from stalwart.telemetry.events import EVENT_LOG_ENV, EventLog
 
 DEFAULT_EVENT_LOG = "stalwart-logs/events.jsonl"
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 SPARES_ENV = "STALWART_SPARES"
+SNAPSHOTS_PREFIX = "stalwart-snapshots-"
+"""The memory tier's directory in /dev/shm; its suffix is its launcher's heartbeat board's."""
+LOOPBACK = "127.0.0.1"
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 DEFAULT_MAX_RESTARTS = 3
 """torchrun's default is 0, which turns any failure into a failed job; a resilience launcher should restart."""
 
@@ -83,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--spares",
         type=int,
         default=int(os.environ.get(SPARES_ENV, "0")),
-        help="hot spare processes this agent keeps ready (torch imported); a restart with at least "
-        "--nproc-per-node of them ready runs the workers in them instead of new interpreters (default 0)",
+        help="hot spare processes this agent keeps ready (torch imported, started at the lowest CPU priority); a "
+        "worker that dies is replaced by a ready spare instead of a new interpreter (default 0)",
     )
     parser.add_argument(
         "--no-reform",
@@ -136,9 +145,9 @@ def _validate(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--spares runs Python scripts in pre-started interpreters; it cannot be used with --no-python"
         )
-    if args.spares and _redirected(args):
-        raise ConfigError("--spares cannot be combined with --redirects or --tee (spares write to the launcher's own "
-                          "stdout and stderr)")  # fmt: skip
+    if args.spares and _spawned_only(args):
+        raise ConfigError(f"--spares cannot be combined with {_spawned_only(args)} (workers in pre-started spares "
+                          "write to the launcher's own stdout and stderr and are not re-bound)")  # fmt: skip
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
@@ -161,13 +170,22 @@ def _validate(args: argparse.Namespace) -> None:
         raise ConfigError(f"training script {script!r} does not exist")
 
 
-def _redirected(args: argparse.Namespace) -> bool:
-    return str(getattr(args, "redirects", "0")) != "0" or str(getattr(args, "tee", "0")) != "0"
+def _spawned_only(args: argparse.Namespace) -> str:
+    """The torchrun options that only processes spawned for the worker can honour (empty if none is set):
+    output redirection and filters, NUMA binding. Workers in hosts (spares, re-formed survivors) cannot."""
+    used = [
+        flag for flag, name in (("--redirects", "redirects"), ("--tee", "tee")) if str(getattr(args, name, "0")) != "0"
+    ]
+    used += [flag for flag, name in (("--duplicate-stdout-filters", "duplicate_stdout_filters"),
+                                     ("--duplicate-stderr-filters", "duplicate_stderr_filters"),
+                                     ("--numa-binding", "numa_binding")) if getattr(args, name, None)]  # fmt: skip
+    return ", ".join(used)
 
 
 def reforms(args: argparse.Namespace) -> bool:
-    """Whether survivors re-form in place: needs Python workers in hosts, which cannot redirect their output."""
-    return not (args.no_reform or args.no_python or _redirected(args))
+    """Whether survivors re-form in place: needs Python workers in hosts, which cannot redirect their output or
+    be NUMA-bound; with those options, or --no-python, a failure restarts every worker as torchrun does."""
+    return not (args.no_reform or args.no_python or _spawned_only(args))
 
 
 def _parse_nnodes(text: str) -> tuple[int, int]:
@@ -190,8 +208,51 @@ def _supported(target: Any, **kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+"""What stops the launcher cleanly (workers stopped, shared memory removed, `launcher_exit`), exit 128 + N."""
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """Turn STOP_SIGNALS into torch elastic's SignalException for the whole of `launch`.
+
+    torch installs the same handler only in `PContext.start()`, which never runs when workers live in host
+    processes; without it SIGTERM killed the launcher outright: no `finally`, no event, /dev/shm left behind.
+    A repeated signal while stopping is ignored, so the cleanup it started can finish.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    stopping = False
+
+    def handler(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def launch(args: argparse.Namespace, say: Any) -> int:
     """Run the agent until the workers succeed or fail for good; returns the process exit status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    with _stop_on_signals():
+        try:
+            return _launch(args, say)
+        except SignalException as exc:  # before the agent ran, or while cleaning up after it
+            say(f"received {exc.sigval.name}; stopped")
+            return 128 + int(exc.sigval)
+
+
+def _launch(args: argparse.Namespace, say: Any) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import config_from_args
 
     if "LOGLEVEL" not in os.environ:
@@ -199,8 +260,12 @@ def launch(args: argparse.Namespace, say: Any) -> int:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
     if args.standalone or (args.rdzv_backend == "c10d" and not args.rdzv_endpoint and str(args.nnodes) in ("1", "1:1")):
-        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        # One node: everything listens on loopback only (the rendezvous store, rank 0's store through
+        # MASTER_ADDR, gloo's connections); several nodes bind the addresses they are given.
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", f"{LOOPBACK}:0"
         args.rdzv_id = args.rdzv_id if args.rdzv_id != "none" else str(uuid.uuid4())
+        args.local_addr = args.local_addr or LOOPBACK
+        os.environ.setdefault(GLOO_IFNAME_ENV, "lo")
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's rule, without its banner
     os.environ.setdefault(SHARE_STORE_ENV, "1")
@@ -226,33 +291,38 @@ def launch(args: argparse.Namespace, say: Any) -> int:
     except OSError as exc:
         raise ConfigError(f"cannot create the heartbeat board in /dev/shm: {exc.strerror or exc}") from exc
     os.environ[HEARTBEAT_ENV] = str(board.path)
-    snapshots = board.path.with_name(board.path.name.replace("heartbeat", "snapshots"))
+    snapshots = board.path.with_name(SNAPSHOTS_PREFIX + board.path.name.removeprefix(BOARD_PREFIX))
     pool = SparePool(args.spares, events)
     try:
         snapshots.mkdir(mode=0o700)
         os.environ[SNAPSHOT_DIR_ENV] = str(snapshots)
         return _run_agent(args, config, cmd, cmd_args, events, board, pool, say)
+    except SignalException as exc:  # before the agent started its workers
+        events.emit("launcher_exit", reason=f"signal {exc.sigval.name}", exitcode=128 + int(exc.sigval))
+        raise
     finally:
         pool.close()
         board.close()
         shutil.rmtree(snapshots, ignore_errors=True)  # the memory tier lives exactly as long as the agent
 
 
-def _remove_stale_shared_memory() -> None:
-    """Heartbeat boards and memory-tier directories left in /dev/shm by launchers that were SIGKILLed."""
-    for entry in Path("/dev/shm").glob("stalwart-*-*-*"):
-        parts = entry.name.split("-")
-        if len(parts) < 4 or parts[1] not in ("heartbeat", "snapshots") or not parts[2].isdigit():
-            continue
-        try:
-            os.kill(int(parts[2]), 0)
-        except ProcessLookupError:
-            if entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
-        except PermissionError:
-            pass  # alive, another user's
+def _remove_stale_shared_memory(shm: Path = Path("/dev/shm")) -> list[Path]:
+    """Heartbeat boards and memory-tier directories left in /dev/shm by launchers that were SIGKILLed.
+
+    A launcher holds a lock on its board for its whole life; a board whose lock is free has no launcher, and
+    neither has the memory-tier directory next to it (`stalwart-snapshots-<same suffix>`). Returns what went.
+    """
+    removed = []
+    for board in shm.glob(f"{BOARD_PREFIX}*"):
+        if Board.abandoned(board):
+            board.unlink(missing_ok=True)
+            removed.append(board)
+    for snapshots in shm.glob(f"{SNAPSHOTS_PREFIX}*"):
+        board = shm / (BOARD_PREFIX + snapshots.name.removeprefix(SNAPSHOTS_PREFIX))
+        if not board.exists():  # its launcher's board is gone: the launcher is gone or removing it right now
+            shutil.rmtree(snapshots, ignore_errors=True)
+            removed.append(snapshots)
+    return removed
 
 
 def _run_agent(
@@ -268,7 +338,6 @@ def _run_agent(
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
     from stalwart.supervisor.agent import StalwartAgent
 
@@ -302,7 +371,7 @@ def _run_agent(
             local_world_size=config.nproc_per_node,
             entrypoint=cmd,
             args=tuple(cmd_args),
-            rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
+            rdzv_handler=rendezvous_handler(rdzv_parameters),
             max_restarts=config.max_restarts,
             monitor_interval=config.monitor_interval,
             master_addr=master_addr,
@@ -340,7 +409,7 @@ def _run_agent(
         return 128 + int(exc.sigval)
     except RendezvousError as exc:
         # Another node ended the job (closed the rendezvous) or the rendezvous timed out: one line, no traceback.
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         events.emit("launcher_exit", reason=f"rendezvous: {first}", exitcode=1, restarts=agent.restart_count)
         say(f"cannot re-form the job: {type(exc).__name__}: {first}")
         return 1

@@ -1,0 +1,67 @@
+"""TCPStores that listen on one address, never on every interface.
+
+torch's TCPStore server binds the wildcard address whatever host name it is given, so an unauthenticated
+key-value store (the rendezvous state, the process group's bootstrap) was reachable from any network the
+machine is on. A store created here listens on a socket bound to the address it was given: loopback for a
+one-node run, the rendezvous endpoint's or MASTER_ADDR's address on several nodes (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def bound_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host`'s address (port 0: one the OS picks). OSError if it cannot bind."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def tcp_store(
+    host: str,
+    port: int,
+    *,
+    is_server: bool,
+    timeout: timedelta,
+    world_size: int | None = None,
+    wait_for_workers: bool = True,
+) -> dist.TCPStore:
+    """torch's multi-tenant TCPStore; as the server, listening on `host`'s address only.
+
+    Raises OSError with errno EADDRINUSE when `is_server` and the address is taken (another process serves it).
+    """
+    if not is_server:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, multi_tenant=True)
+    sock = bound_listener(host, port)
+    try:
+        store = dist.TCPStore(
+            host,
+            sock.getsockname()[1],
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=wait_for_workers,
+            multi_tenant=True,
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the descriptor now
+    return store
+
+
+def address_in_use(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE

@@ -1,0 +1,47 @@
+"""The agent's rendezvous: torch elastic's c10d rendezvous, with its store bound to one address.
+
+torch's `c10d` backend creates a TCPStore that listens on every interface. This one is the same handler
+(`DynamicRendezvousHandler` over `C10dRendezvousBackend`, so several agents and torchrun interoperate), but the
+agent that hosts the store listens only on the endpoint's address: 127.0.0.1 for a one-node run, the address of
+`--rdzv-endpoint` on several nodes. Other backends (etcd, static, file stores) are torch's own.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from stalwart.runtime.store import address_in_use, tcp_store
+
+DEFAULT_PORT = 29400  # torch's c10d rendezvous default
+
+
+def rendezvous_handler(params: Any) -> Any:
+    """The RendezvousHandler for `params` (torch's RendezvousParameters)."""
+    from torch.distributed.elastic.rendezvous import registry
+
+    if params.backend != "c10d" or params.get("store_type", "tcp").strip().lower() != "tcp":
+        return registry.get_rendezvous_handler(params)
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    configured = params.get_as_bool("is_host")
+    is_host = configured if configured is not None else _matches_machine_hostname(host)
+    read_timeout = int(params.get_as_int("read_timeout", 60))
+    if read_timeout <= 0:
+        raise ValueError("The read timeout must be a positive integer.")
+    timeout = timedelta(seconds=read_timeout)
+    # As torch does: an agent that guessed it hosts the store but finds the port taken joins as a client (two
+    # agents of one job on the same machine, e.g. the tests' "nodes").
+    for is_server in dict.fromkeys([is_host, False]):
+        try:
+            store = tcp_store(host, port, is_server=is_server, timeout=timeout, wait_for_workers=False)
+            break
+        except (ValueError, RuntimeError, TimeoutError, OSError) as exc:
+            if not is_server or configured is not None or not (address_in_use(exc) or isinstance(exc, RuntimeError)):
+                raise RendezvousConnectionError(f"cannot reach the rendezvous store at {host}:{port}: {exc}") from exc
+    backend = C10dRendezvousBackend(store, params.run_id)
+    return create_handler(store, backend, params)
