@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # What CI runs: lint (ruff), format check, types (mypy), then the whole test suite.
+# --quick: the same checks and the tests not marked slow (still real processes; a few minutes), for development.
+# Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-echo "== ruff"; .venv/bin/ruff check src tests bench
-echo "== ruff format"; .venv/bin/ruff format --check src tests bench
+quick=()
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  quick=(-m "not slow")
+fi
+echo "== ruff"; .venv/bin/ruff check src tests
+echo "== ruff format"; .venv/bin/ruff format --check src tests
 echo "== mypy"; .venv/bin/mypy
-echo "== pytest"; .venv/bin/python -m pytest "$@"
+echo "== pytest"; .venv/bin/python -m pytest "${quick[@]}" "$@"

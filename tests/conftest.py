@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from stalwart.runtime.process import spawn
 from stalwart.telemetry.events import read_events
 
 TINY = Path(__file__).parent / "scripts" / "train_tiny.py"
@@ -49,7 +50,8 @@ class Launch:
         self.output_path = workdir / "output.log"
         cmd = [*prefix, sys.executable, "-m", "stalwart", "run", "--event-log", str(self.event_log), *args]
         self._out = open(self.output_path, "wb")  # noqa: SIM115 (closed in reap)
-        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+        # SIGTERM to the launcher if the test process dies (killed pytest, a crashed xdist worker).
+        self.proc = spawn(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         return [e for e in read_events(self.event_log) if kind is None or e["event"] == kind]
@@ -136,7 +138,7 @@ def open_checkpointer(root: Path | str, log: Path | None = None, **options: Any)
     from datetime import timedelta
 
     from stalwart.checkpoint import Checkpointer
-    from stalwart.job.dist import Comm, Placement
+    from stalwart.runtime.dist import Comm, Placement
     from stalwart.telemetry.events import EventLog
 
     comm = Comm(Placement(rank=0, world_size=1, local_rank=0, restart_count=0), timedelta(seconds=30))
@@ -151,3 +153,61 @@ def _close_checkpointers() -> Iterator[None]:
     yield
     while _OPEN_CHECKPOINTERS:
         _OPEN_CHECKPOINTERS.pop().close()
+
+
+# The quick tier (`scripts/test.sh --quick`) runs everything but these: the unit tests and one or two real
+# multi-process scenarios of each kind (a kill, a re-form, a signal to the launcher, the demo's leftovers).
+SLOW_MODULES = {
+    "test_bench_checkpoint.py",
+    "test_demo.py",
+    "test_exactly_once.py",
+    "test_multinode.py",
+    "test_s3.py",
+    "test_sharded.py",
+    "test_spares.py",
+}
+SLOW_TESTS = {
+    "test_launcher.py": (
+        "test_checkpoint_directory_not_shared_by_all_ranks_is_refused",
+        "test_state_that_cannot_be_checkpointed_stops_before_training",
+        "test_other_model_shape_and_world_size_are_refused",
+        "test_world_size_change_when_allowed_continues_at_the_global_position",
+        "test_max_restarts_is_honoured",
+        "test_no_orphaned_workers_when_the_launcher_dies[1]",
+        "test_no_orphaned_workers_when_the_launcher_dies[2]",
+        "test_no_orphaned_workers_when_the_launcher_dies[9]",
+        "test_twenty_kills_in_a_row_recover_every_time",
+        "test_same_script_under_torchrun_and_as_one_process",
+    ),
+    "test_resume.py": (
+        "test_sigkill_at_random_step_ends_bitwise_identical[2]",
+        "test_sigkill_at_random_step_ends_bitwise_identical[3]",
+        "test_memory_tier_resumes_from_the_last_completed_step",
+        "test_kill_inside_save_keeps_previous_checkpoint[0-before_commit]",
+        "test_corrupt_newest_shard_falls_back_on_every_rank",
+    ),
+    "test_reform.py": (
+        "test_survivors_keep_their_process_and_the_run_ends_bitwise_identical[hang",
+        "test_survivors_keep_their_process_and_the_run_ends_bitwise_identical[kill@rank=1,step=13;",
+        "test_light_snapshots",
+        "test_a_rank_dying_after_the_last_collective_of_a_step_loses_at_most_that_step",
+        "test_without_a_survivor_the_newest_full_copy_or_checkpoint_is_used",
+        "test_a_full_copy_newer_than_the_checkpoint_is_used_when_no_one_survives",
+        "test_with_spares_only_the_failed_rank_takes_one",
+        "test_no_reform_restarts_every_worker",
+    ),
+    "test_hang.py": (
+        "test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical[sleep]",
+        "test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical[deadlock]",
+        "test_a_long_stretch_marked_busy_is_not_a_hang",
+    ),
+    "test_leftovers.py": ("test_sigkill_of_bench_recovery_in_its_torchrun_phase_leaves_nothing",),
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path, _, name = item.nodeid.partition("::")
+        module = path.rsplit("/", 1)[-1]
+        if module in SLOW_MODULES or name.startswith(SLOW_TESTS.get(module, ("\0",))):
+            item.add_marker(pytest.mark.slow)

@@ -32,6 +32,11 @@ def _state(step: int) -> dict[str, Any]:
     return {"step": step, "objects": {"w": {"weight": torch.full((4, 4), float(step))}}}
 
 
+def _storage_error(spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A save's chaos that fails its first data writes (chaos/save_faults.py)."""
+    return None if spec is None else {"storage_error": spec}
+
+
 def _committed(root: Path) -> list[int]:
     return layout.committed_steps(LocalStorage(root))
 
@@ -238,7 +243,7 @@ def test_unwritable_directory_is_a_config_error(tmp_path: Path) -> None:
 def test_failing_store_is_retried_with_backoff_and_training_goes_on(tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
     faults = {2: {"errno": "ENOSPC", "times": 2}}
-    ck = _checkpointer(tmp_path / "ck", log=log, storage_fault=lambda step: faults.pop(step, None))
+    ck = _checkpointer(tmp_path / "ck", log=log, chaos=lambda step: _storage_error(faults.pop(step, None)))
     ck.save(1, _state(1), wait=True)
     assert ck.save(2, _state(2)) is True, "the snapshot is taken; the failing writes happen in the background"
     assert ck.save(3, _state(3)) is False, "one save in flight: the next request is skipped, not queued"
@@ -257,7 +262,7 @@ def test_store_failing_past_the_deadline_gives_up_and_keeps_the_previous(tmp_pat
     log = tmp_path / "events.jsonl"
     faults = {2: {"errno": "EIO", "times": 100}}
     ck = _checkpointer(
-        tmp_path / "ck", log=log, persist_timeout_s=1.0, storage_fault=lambda step: faults.pop(step, None)
+        tmp_path / "ck", log=log, persist_timeout_s=1.0, chaos=lambda step: _storage_error(faults.pop(step, None))
     )
     ck.save(1, _state(1), wait=True)
     assert ck.save(2, _state(2), wait=True) is False
@@ -350,7 +355,7 @@ def test_a_dead_persister_fails_that_save_and_the_next_one_works(tmp_path: Path)
 
     log = tmp_path / "events.jsonl"
     faults = {2: {"errno": "EIO", "times": 100}}
-    ck = _checkpointer(tmp_path / "ck", log=log, storage_fault=lambda step: faults.pop(step, None))
+    ck = _checkpointer(tmp_path / "ck", log=log, chaos=lambda step: _storage_error(faults.pop(step, None)))
     ck.save(1, _state(1), wait=True)
     ck.save(2, _state(2))
     proc = ck._bg._proc

@@ -11,7 +11,7 @@ import torch
 
 from stalwart.checkpoint import Checkpointer
 from stalwart.cli import main
-from stalwart.job.dist import Comm, Placement
+from stalwart.runtime.dist import Comm, Placement
 from stalwart.telemetry.events import EventLog
 
 

@@ -137,12 +137,15 @@ def test_light_snapshots_turn_off_when_per_rank_state_changes_after_the_optimize
 
 def test_without_a_survivor_the_newest_full_copy_or_checkpoint_is_used(launch: Any, reference: Any) -> None:
     # Both ranks die at step 13: no live state survives. Full memory copies come every 5 steps (step 10), the
-    # durable checkpoints every 4 (step 12): the newer one wins.
+    # durable checkpoints every 4 (step 12): the newer one wins. Whether the save of step 12 committed before
+    # the kill depends on the machine's speed; if it did not, the newest durable one is step 8 and memory wins.
     args = tiny_args(*ARGS, "--replicated-snapshot-every", "5")
     job = launch(args, env=child_env(STALWART_FAULTS="kill@rank=0,step=13;kill@rank=1,step=13"))
     assert job.wait(180) == 0, job.output()
+    committed = [e["step"] for e in job.events("checkpoint_committed") if e["restart"] == 0]
+    expected = (12, "durable") if 12 in committed else (10, "memory")
     resumed = [e for e in job.events("resumed") if e["restart"] == 1]
-    assert {(e["step"], e["tier"]) for e in resumed} == {(12, "durable")}
+    assert {(e["step"], e["tier"]) for e in resumed} == {expected}, committed
     _assert_identical(job, reference)
     _no_orphans(job)
 
@@ -182,7 +185,7 @@ def test_no_reform_restarts_every_worker(launch: Any, reference: Any) -> None:
 
 def test_a_host_rearms_after_a_peer_failure_and_runs_again(tmp_path: Path) -> None:
     """The host protocol without a job: a run that fails like a lost peer re-arms; the next activation runs."""
-    from stalwart.supervisor.hosts import Host
+    from stalwart.supervisor.host_pool import Host
 
     script = tmp_path / "script.py"
     script.write_text(

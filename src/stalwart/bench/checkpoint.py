@@ -257,7 +257,7 @@ class StalwartSave(Saver):
         super().__init__(directory)
         # Imported here: a checkpoint module under construction must not break the other systems' processes.
         from stalwart.checkpoint import Checkpointer
-        from stalwart.job.dist import Comm, Placement
+        from stalwart.runtime.dist import Comm, Placement
         from stalwart.telemetry.events import EventLog
 
         root = directory / "ckpt"

@@ -31,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from stalwart.errors import ConfigError
+from stalwart.runtime.env import FAULTS_ENV as FAULTS_ENV
 
-FAULTS_ENV = "STALWART_FAULTS"
 _KINDS = ("kill", "kill_in_save", "kill_in_optimizer", "storage_error", "hang")
 _HOWS = ("sigstop", "sleep", "deadlock")
 _PHASES = ("shard_half_written", "before_commit")
@@ -115,16 +115,18 @@ class FaultInjector:
             if f.kind == "kill_in_optimizer" and f.step == step and f.phase == phase:
                 self._fire(f)
 
-    def save_phase(self, step: int) -> str | None:
-        """The phase of the save of `step` at which this rank is to die (the persister fires it)."""
-        return next((f.phase for f in self._faults if f.kind == "kill_in_save" and f.step == step), None)
-
-    def storage_error(self, step: int) -> dict[str, object] | None:
-        """The write failures to inject into the persist of `step`, as the persister expects them."""
+    def save_chaos(self, step: int) -> dict[str, object] | None:
+        """The faults the persist of `step` is to meet, as its request carries them to the persister
+        (chaos/save_faults.py): `kill_phase` (kill_in_save) and `storage_error` ({errno, times})."""
+        chaos: dict[str, object] = {}
         for f in self._faults:
-            if f.kind == "storage_error" and f.step == step:
-                return {"errno": f.errno, "times": f.times}
-        return None
+            if f.step != step:
+                continue
+            if f.kind == "kill_in_save":
+                chaos["kill_phase"] = f.phase
+            elif f.kind == "storage_error":
+                chaos["storage_error"] = {"errno": f.errno, "times": f.times}
+        return chaos or None
 
     def _fire(self, fault: Fault) -> None:
         self._announce(fault)

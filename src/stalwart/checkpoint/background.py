@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from stalwart.checkpoint.persister import Persister
+from stalwart.checkpoint.request import PersistRequest
 from stalwart.telemetry.events import EventLog
 
 CLOSE_TIMEOUT_S = 30.0
@@ -33,11 +34,11 @@ class Background:
         self._in_flight: int | None = None
         self._last: dict[str, Any] | None = None
         self._proc: subprocess.Popen[str] | None = None
-        self._thread_queue: queue.Queue[dict[str, Any] | None] | None = None
+        self._thread_queue: queue.Queue[PersistRequest | None] | None = None
         self._thread_persister: Persister | None = None
         self._started = False
         self._reader: threading.Thread | None = None
-        self._outbox: queue.Queue[tuple[int, Callable[[], dict[str, Any]]] | None] = queue.Queue()
+        self._outbox: queue.Queue[tuple[int, Callable[[], PersistRequest]] | None] = queue.Queue()
         self._sender: threading.Thread | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -65,7 +66,7 @@ class Background:
         self._reader.start()
 
     def _start_thread(self) -> None:
-        q: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        q: queue.Queue[PersistRequest | None] = queue.Queue()
         persister = Persister(self._events, self._on_reply)
         self._thread_queue, self._thread_persister = q, persister
 
@@ -162,7 +163,7 @@ class Background:
         with self._lock:
             return self._in_flight, (self._last if self._in_flight is None else None)
 
-    def submit(self, step: int, build: Callable[[], dict[str, Any]]) -> None:
+    def submit(self, step: int, build: Callable[[], PersistRequest]) -> None:
         """Mark `step` in flight now and send the request `build()` returns from the sender thread.
 
         Building the request (pickling the skeleton, encoding a few hundred tensor entries) and writing it to
@@ -194,7 +195,7 @@ class Background:
                 continue
             try:
                 assert self._proc is not None and self._proc.stdin is not None
-                self._proc.stdin.write(json.dumps(req) + "\n")
+                self._proc.stdin.write(req.to_json() + "\n")
                 self._proc.stdin.flush()
             except (AssertionError, OSError, ValueError) as exc:
                 self._fail(step, "persister_died", error=str(exc) or "no persister")

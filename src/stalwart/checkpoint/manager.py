@@ -35,12 +35,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from stalwart.checkpoint import layout
 from stalwart.checkpoint.background import Background
+from stalwart.checkpoint.request import PersistRequest
 from stalwart.checkpoint.serialize import (
     TensorItem,
     assign_owners,
@@ -62,13 +63,8 @@ from stalwart.errors import (
     PeerError,
     UnsavableStateError,
 )
+from stalwart.runtime.dist import Comm, IntMessage
 from stalwart.telemetry.events import EventLog
-
-if TYPE_CHECKING:
-    from stalwart.job.dist import Comm
-
-FaultPhase = Callable[[int], str | None]
-"""Given a step, the phase of its save at which chaos kills this rank ('shard_half_written', 'before_commit')."""
 
 _OK, _UNSAVABLE = 1, -1  # a rank's vote on a save
 _VALID, _CORRUPT, _UNREADABLE, _MISMATCH = 1, 0, -1, -2  # a rank's vote on a checkpoint it tried to load
@@ -90,6 +86,20 @@ class Restored:
     snapshot in node memory and a survivor's live state) or "replica" (a snapshot kept by another node)."""
 
 
+@dataclass(frozen=True, slots=True)
+class SaveVote(IntMessage):
+    """What each rank says before a save; every rank then decides the same."""
+
+    vote: int
+    """_OK, or _UNSAVABLE when this rank's state cannot be checkpointed."""
+    in_flight: int
+    """The step this rank's persister is still writing, or -1."""
+    fingerprint: int
+    """Of the replicated tensors' names, dtypes and shapes: must be equal everywhere."""
+    base: int
+    """Rank 0's choice: the full checkpoint a delta refers to, or -1 for a full one."""
+
+
 class Checkpointer:
     """Saves and loads this rank's part of the job's checkpoints under one root (a path or an fsspec URL)."""
 
@@ -106,8 +116,7 @@ class Checkpointer:
         when_busy: str = "skip",
         persist_timeout_s: float = DEFAULT_PERSIST_TIMEOUT_S,
         storage_options: dict[str, Any] | None = None,
-        fault_phase: FaultPhase | None = None,
-        storage_fault: Callable[[int], dict[str, Any] | None] | None = None,
+        chaos: Callable[[int], dict[str, Any] | None] | None = None,
     ) -> None:
         self.url = os.fspath(root)
         self.storage: Storage = open_storage(self.url, storage_options)
@@ -121,8 +130,8 @@ class Checkpointer:
         self._full_every = full_every
         self._when_busy = when_busy
         self._persist_timeout_s = persist_timeout_s
-        self._fault_phase = fault_phase or (lambda step: None)
-        self._storage_fault = storage_fault or (lambda step: None)
+        self._chaos = chaos or (lambda step: None)
+        """The faults a save of a step is to meet (FaultInjector.save_chaos), carried to the persister."""
         self._attempt = 0
         self._staging = Staging()
         self._bg = Background(events, in_process=self.storage.process_local)
@@ -203,21 +212,21 @@ class Checkpointer:
         if busy is None:
             self._note(finished)  # a persist that ended since the last poll(): a base only from a noted commit
         base = self._next_base() if self._comm.rank == 0 else -1
-        gathered = self._comm.all_gather_ints([vote, -1 if busy is None else busy, fp, base])
-        if any(g[0] == _UNSAVABLE for g in gathered):
+        every = self._comm.gather(SaveVote(vote, -1 if busy is None else busy, fp, base))
+        if any(v.vote == _UNSAVABLE for v in every):
             raise unsavable or PeerError("another rank's state cannot be checkpointed; see its error")
-        if len({g[2] for g in gathered}) > 1:
+        if len({v.fingerprint for v in every}) > 1:
             raise UnsavableStateError(
                 "the replicated objects differ in structure between ranks (tensor names, shapes or dtypes); "
                 "list in replicated= only objects that are identical on every rank"
             )
-        in_flight = [g[1] for g in gathered if g[1] >= 0]
+        in_flight = [v.in_flight for v in every if v.in_flight >= 0]
         if in_flight:
             self._events.emit(
                 "checkpoint_skipped", step=step, reason=f"the save of step {in_flight[0]} is still persisting"
             )
             return False
-        chosen_base = None if gathered[0][3] < 0 else gathered[0][3]
+        chosen_base = None if every[0].base < 0 else every[0].base
         mine = self._owned(items)
         offsets, total = [], 0
         for item in mine:
@@ -231,33 +240,31 @@ class Checkpointer:
         self._events.emit("checkpoint_snapshot", step=step, stall_s=stall, bytes=total)
         if self._comm.rank == 0:
             self._since_full = 0 if chosen_base is None else self._since_full + 1
-        request = {
-            "op": "persist",
-            "step": step,
-            "token": token,
-            "rank": self._comm.rank,
-            "world_size": self._comm.world_size,
-            "coordinator": self._comm.rank == 0,
-            "keep_last": self._keep_last,
-            "url": self.url,
-            "options": self._options,
-            "staging": self._staging.spec(),
-            "base": chosen_base,
-            "snapshot_mono": started,
-            "deadline_s": self._persist_timeout_s,
-            "fault": self._fault_phase(step),
-            "storage_fault": self._storage_fault(step),
-            "wait": wait,
-        }
+        request = PersistRequest(
+            step=step,
+            token=token,
+            rank=self._comm.rank,
+            world_size=self._comm.world_size,
+            coordinator=self._comm.rank == 0,
+            keep_last=self._keep_last,
+            url=self.url,
+            options=self._options,
+            staging=self._staging.spec(),
+            base=chosen_base,
+            snapshot_mono=started,
+            deadline_s=self._persist_timeout_s,
+            chaos=self._chaos(step),
+            wait=wait,
+        )
         placed = [(i.id, o, i.nbytes, i.tensor.dtype, i.tensor.shape) for i, o in zip(mine, offsets, strict=True)]
 
-        def build() -> dict[str, Any]:
+        def build() -> PersistRequest:
             """The rest of the request, built on the sender thread after the stall: the skeleton's leaves are
             immutable values and its containers are new, so the training loop cannot change it meanwhile."""
             buf = io.BytesIO()
             torch.save(skeleton, buf)
-            request["skeleton"] = base64.b64encode(buf.getvalue()).decode("ascii")
-            request["tensors"] = [
+            request.skeleton = base64.b64encode(buf.getvalue()).decode("ascii")
+            request.tensors = [
                 {"id": tid, "offset": o, "nbytes": n, "dtype": dtype_name(dt), "shape": list(shape)}
                 for tid, o, n, dt, shape in placed
             ]

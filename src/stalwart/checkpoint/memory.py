@@ -41,9 +41,7 @@ from stalwart.checkpoint.serialize import (
 )
 from stalwart.checkpoint.staging import ViewCache, aligned, typed_view
 from stalwart.errors import CheckpointCorruptError
-
-SNAPSHOT_DIR_ENV = "STALWART_SNAPSHOT_DIR"
-"""Set by `stalwart run`: the node's shared-memory directory for the memory tier."""
+from stalwart.runtime.env import SNAPSHOT_DIR_ENV as SNAPSHOT_DIR_ENV
 
 MAGIC = 0x5354_414C_5741_5254  # "STALWART"
 HEADER = struct.Struct("<QqqqqqQQ")  # magic, valid, step, rank, world_size, toc_len, data_offset, data_len

@@ -18,12 +18,10 @@ Protocol: one JSON object per line on stdin (requests) and stdout (replies).
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import mmap
 import os
 import queue
-import signal
 import sys
 import threading
 import time
@@ -32,7 +30,9 @@ from typing import Any, BinaryIO
 
 import xxhash
 
+from stalwart.chaos.save_faults import SaveFaults, flaky
 from stalwart.checkpoint import layout
+from stalwart.checkpoint.request import PersistRequest
 from stalwart.checkpoint.storage import LocalStorage, Storage, describe_error, open_storage
 from stalwart.runtime.process import die_with_parent
 from stalwart.telemetry.events import EventLog
@@ -71,29 +71,31 @@ class Persister:
         self._retainer: threading.Thread | None = None
         self._prune_lock = threading.Lock()
         self.quitting = threading.Event()
+        self._faults = SaveFaults(None, 0, 0, events)  # the current save's (chaos/save_faults.py)
 
-    def handle(self, req: dict[str, Any]) -> None:
+    def handle(self, req: PersistRequest) -> None:
         started = time.monotonic()
-        step, ok, committed = int(req["step"]), False, None
+        step, ok, committed = req.step, False, None
         written = 0
         storage: Storage | None = None
         try:
-            storage = self._storage(req["url"], req.get("options"))
-            view = self._staging(req["staging"])
+            storage = flaky(self._storage(req.url, req.options), req)
+            self._faults = SaveFaults.of(req, self._events)
+            view = self._staging(req.staging)
             written = self._write_shard(storage, view, req)
             ok = True
-            if req["coordinator"]:
+            if req.coordinator:
                 committed = self._commit(storage, req)
         except Quit:
             self._events.emit("checkpoint_abandoned", step=step, reason="the job is closing")
         except _GaveUp as exc:
             self._events.emit("checkpoint_skipped", step=step, reason=str(exc))
-            if req["coordinator"]:
+            if req.coordinator:
                 committed = False
         except Exception as exc:  # a defect, not the store: report it and stay alive for the next save
             self._events.emit("checkpoint_skipped", step=step, reason=f"persister error: {describe_error(exc)}")
             ok, committed = False, False
-        prune_first = bool(req.get("wait"))  # a save the trainer waits on (a run's last) ends fully tidied
+        prune_first = req.wait  # a save the trainer waits on (a run's last) ends fully tidied
         if committed and storage is not None and prune_first:
             self._prune(storage, req)
         self._reply(
@@ -102,14 +104,14 @@ class Persister:
                 "step": step,
                 "ok": ok,
                 "committed": committed,
-                "full": req.get("base") is None,
+                "full": req.base is None,
                 "written_bytes": written,
                 "seconds": time.monotonic() - started,
             }
         )
         if committed and storage is not None and not prune_first:
             manifest, self._committed = self._committed, None
-            self._retention.put((storage, int(req["keep_last"]), manifest))
+            self._retention.put((storage, req.keep_last, manifest))
             if self._retainer is None:
                 self._retainer = threading.Thread(target=self._retain_loop, daemon=True, name="retention")
                 self._retainer.start()
@@ -127,12 +129,12 @@ class Persister:
 
     # -- the rank's own files ---------------------------------------------------------------------------------
 
-    def _write_shard(self, storage: Storage, view: memoryview, req: dict[str, Any]) -> int:
+    def _write_shard(self, storage: Storage, view: memoryview, req: PersistRequest) -> int:
         """Write the rank's data file, then its meta file; returns the bytes of data written."""
-        step, rank, token = int(req["step"]), int(req["rank"]), str(req["token"])
+        step, rank, token = req.step, req.rank, req.token
         step_dir = layout.step_dir_name(step)
         data_rel = f"{step_dir}/{layout.data_name(rank, token)}"
-        base = self._fulls.get(req.get("base"))  # type: ignore[arg-type]
+        base = self._fulls.get(req.base)  # type: ignore[arg-type]
         self._retrying(req, "directory", lambda: storage.makedirs(step_dir))
         if base is None and isinstance(storage, LocalStorage):
             entries = self._write_image(storage, view, req, data_rel)
@@ -144,7 +146,7 @@ class Persister:
             "rank": rank,
             "step": step,
             "token": token,
-            "skeleton": req["skeleton"],
+            "skeleton": req.skeleton,
             "tensors": {tid: e.to_json() for tid, e in entries.items()},
             "written_bytes": written,
         }
@@ -160,17 +162,13 @@ class Persister:
         return written
 
     def _write_image(
-        self, storage: LocalStorage, view: memoryview, req: dict[str, Any], data_rel: str
+        self, storage: LocalStorage, view: memoryview, req: PersistRequest, data_rel: str
     ) -> dict[str, layout.TensorEntry]:
         """A full checkpoint on a local filesystem: the data file is the staging memory as it is, written with
         O_DIRECT while this thread hashes the tensors (the write releases the GIL)."""
-        tensors: list[dict[str, Any]] = req["tensors"]
+        tensors: list[dict[str, Any]] = req.tensors
         length = max((int(t["offset"]) + int(t["nbytes"]) for t in tensors), default=0)
-        on_half = (
-            (lambda: self._kill_trainer(req, "shard_half_written"))
-            if req.get("fault") == "shard_half_written"
-            else None
-        )
+        on_half = self._faults.on_half_written
         failure: list[BaseException] = []
 
         def write() -> None:
@@ -204,32 +202,30 @@ class Persister:
         rel: str,
         view: memoryview,
         length: int,
-        req: dict[str, Any],
+        req: PersistRequest,
         on_half: Callable[[], None] | None,
     ) -> None:
-        self._inject_storage_fault(req)
-        storage.write_image(rel, view, length, on_half, slot=layout.recycle_slot(int(req["rank"])))
+        storage.write_image(rel, view, length, on_half, slot=layout.recycle_slot(req.rank))
 
     def _write_stream(
         self,
         storage: Storage,
         view: memoryview,
-        req: dict[str, Any],
+        req: PersistRequest,
         data_rel: str,
         base: dict[str, layout.TensorEntry] | None,
     ) -> dict[str, layout.TensorEntry]:
         """Object stores, and delta checkpoints: tensors one after another, each hashed as it goes; a delta
         skips tensors whose hash matches its base and compresses the others."""
-        tensors: list[dict[str, Any]] = req["tensors"]
+        tensors: list[dict[str, Any]] = req.tensors
         half = sum(int(t["nbytes"]) for t in tensors) // 2
-        fault = req.get("fault")
+        on_half = self._faults.on_half_written
         entries: dict[str, layout.TensorEntry] = {}
 
         def body(f: BinaryIO) -> None:
-            self._inject_storage_fault(req)
+            nonlocal on_half
             entries.clear()
             offset = done = 0
-            halfway_fired = False
             compressor = _zstd() if base is not None else None
             for t in tensors:
                 raw = view[int(t["offset"]) : int(t["offset"]) + int(t["nbytes"])]
@@ -247,17 +243,17 @@ class Persister:
                 )
                 offset += len(payload)
                 done += len(raw)
-                if fault == "shard_half_written" and not halfway_fired and done >= half:
-                    halfway_fired = True
-                    self._kill_trainer(req, fault)
+                if on_half is not None and done >= half:
+                    fire, on_half = on_half, None
+                    fire()
 
         self._retrying(req, "data", lambda: storage.write(data_rel, body, atomic=False))
         return entries
 
     # -- rank 0: the commit ------------------------------------------------------------------------------------
 
-    def _commit(self, storage: Storage, req: dict[str, Any]) -> bool:
-        step, token, world = int(req["step"]), str(req["token"]), int(req["world_size"])
+    def _commit(self, storage: Storage, req: PersistRequest) -> bool:
+        step, token, world = req.step, req.token, req.world_size
         step_dir = layout.step_dir_name(step)
         metas = self._wait_for_metas(storage, req)
         if metas is None:
@@ -277,11 +273,10 @@ class Persister:
             ranks=ranks,
             tensors=tensors,
             created=time.time(),
-            base=req.get("base"),
+            base=req.base,
             written_bytes=written,
         )
-        if req.get("fault") == "before_commit":
-            self._kill_trainer(req, "before_commit")
+        self._faults.before_commit()
         text = manifest.to_json().encode()
         self._retrying(req, "manifest", lambda: storage.write_bytes(f"{step_dir}/{layout.MANIFEST}", text))
         self._events.emit(
@@ -291,15 +286,15 @@ class Persister:
             written_bytes=written,
             kind="full" if manifest.base is None else "delta",
             base=manifest.base,
-            seconds=time.monotonic() - float(req["snapshot_mono"]),
+            seconds=time.monotonic() - req.snapshot_mono,
             path=storage.display(step_dir),
         )
         self._committed = manifest
         return True
 
-    def _prune(self, storage: Storage, req: dict[str, Any]) -> None:
+    def _prune(self, storage: Storage, req: PersistRequest) -> None:
         manifest, self._committed = self._committed, None
-        self._prune_now(storage, int(req["keep_last"]), manifest)
+        self._prune_now(storage, req.keep_last, manifest)
 
     def _prune_now(self, storage: Storage, keep_last: int, manifest: layout.Manifest | None) -> None:
         """Retention after a commit. For a save the trainer does not wait on, it runs on the retention thread:
@@ -317,12 +312,12 @@ class Persister:
         if removed:
             self._events.emit("checkpoint_pruned", step=manifest.step, removed=removed)
 
-    def _wait_for_metas(self, storage: Storage, req: dict[str, Any]) -> dict[int, bytes] | None:
-        step, token, world = int(req["step"]), str(req["token"]), int(req["world_size"])
+    def _wait_for_metas(self, storage: Storage, req: PersistRequest) -> dict[int, bytes] | None:
+        step, token, world = req.step, req.token, req.world_size
         step_dir = layout.step_dir_name(step)
         wanted = {layout.meta_name(r, token): r for r in range(1, world)}  # rank 0's own meta is in memory
         failed = {layout.failed_name(r, token): r for r in range(world)}
-        deadline = time.monotonic() + float(req["deadline_s"])
+        deadline = time.monotonic() + req.deadline_s
         poll = POLL_LOCAL_S if storage.local_path() is not None else POLL_REMOTE_S
         while wanted:
             if self.quitting.is_set():
@@ -338,7 +333,7 @@ class Persister:
                 break
             if time.monotonic() > deadline:
                 missing = sorted(r for n, r in wanted.items() if n not in names)
-                raise _GaveUp(f"ranks {missing} did not finish their shards within {req['deadline_s']} s")
+                raise _GaveUp(f"ranks {missing} did not finish their shards within {req.deadline_s} s")
             time.sleep(poll)
         metas: dict[int, bytes] = {0: self._own_meta}
         for name, rank in wanted.items():
@@ -348,9 +343,9 @@ class Persister:
 
     # -- failure handling --------------------------------------------------------------------------------------
 
-    def _retrying(self, req: dict[str, Any], what: str, op: Callable[[], Any]) -> Any:
+    def _retrying(self, req: PersistRequest, what: str, op: Callable[[], Any]) -> Any:
         """Run a storage operation until it succeeds or the persist deadline passes, backing off in between."""
-        deadline = float(req["snapshot_mono"]) + float(req["deadline_s"])
+        deadline = req.snapshot_mono + req.deadline_s
         delay = BACKOFF_START_S
         attempt = 0
         while True:
@@ -364,37 +359,21 @@ class Persister:
             except Exception as exc:
                 error = describe_error(exc)
                 if time.monotonic() + delay > deadline:
-                    self._events.emit("checkpoint_write_failed", step=req["step"], what=what, error=error)
+                    self._events.emit("checkpoint_write_failed", step=req.step, what=what, error=error)
                     self._leave_failed_marker(req)
                     raise _GaveUp(f"{what} could not be written: {error}") from exc
                 self._events.emit(
-                    "checkpoint_write_retry", step=req["step"], what=what, attempt=attempt, error=error, backoff_s=delay
+                    "checkpoint_write_retry", step=req.step, what=what, attempt=attempt, error=error, backoff_s=delay
                 )
                 if self.quitting.wait(delay):
                     raise Quit from exc
                 delay = min(delay * 2, BACKOFF_MAX_S)
 
-    def _leave_failed_marker(self, req: dict[str, Any]) -> None:
+    def _leave_failed_marker(self, req: PersistRequest) -> None:
         with contextlib.suppress(Exception):
-            storage = self._storage(req["url"], req.get("options"))
-            rel = f"{layout.step_dir_name(int(req['step']))}/{layout.failed_name(int(req['rank']), req['token'])}"
+            storage = self._storage(req.url, req.options)
+            rel = f"{layout.step_dir_name(req.step)}/{layout.failed_name(req.rank, req.token)}"
             storage.write_bytes(rel, b"")
-
-    def _inject_storage_fault(self, req: dict[str, Any]) -> None:
-        """Chaos: fail the first `times` write attempts of this save with `errno` (e.g. ENOSPC)."""
-        spec = req.get("storage_fault")
-        if not spec or spec.get("times", 0) <= 0:
-            return
-        spec["times"] -= 1
-        code = getattr(errno, spec["errno"])
-        raise OSError(code, os.strerror(code))
-
-    def _kill_trainer(self, req: dict[str, Any], phase: str) -> None:
-        """Chaos: the training process dies at this instant of its save (and this process with it)."""
-        self._events.emit("fault_injected", fault="kill_in_save", step=req["step"], phase=phase)
-        os.kill(int(req["staging"]["pid"]), signal.SIGKILL)
-        if int(req["staging"]["pid"]) != os.getpid():
-            os._exit(1)
 
     # -- resources ---------------------------------------------------------------------------------------------
 
@@ -462,7 +441,7 @@ def main() -> None:
 
     events = EventLog(log["path"], **{**log["common"], "source": "persister"})
     persister = Persister(events, reply)
-    requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
+    requests: queue.Queue[PersistRequest | None] = queue.Queue()
 
     def read_stdin() -> None:
         for line in sys.stdin:
@@ -470,7 +449,7 @@ def main() -> None:
             if msg["op"] == "quit":
                 persister.quitting.set()
                 break
-            requests.put(msg)
+            requests.put(PersistRequest.from_json(msg))
         persister.quitting.set()
         requests.put(None)
 

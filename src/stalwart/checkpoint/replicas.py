@@ -31,7 +31,7 @@ from stalwart.checkpoint.memory import MemoryTier
 from stalwart.telemetry.events import EventLog
 
 if TYPE_CHECKING:
-    from stalwart.job.dist import Comm
+    from stalwart.runtime.dist import Comm
 
 MAX_REPLICAS = 3
 """The most peer replicas a job may ask for; it bounds the fixed-size exchange of what each rank holds."""

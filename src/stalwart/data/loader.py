@@ -26,7 +26,7 @@ except ImportError:  # numpy is optional
 
 from stalwart.data import order
 from stalwart.errors import ConfigError
-from stalwart.job.dist import Placement
+from stalwart.runtime.dist import Placement
 
 
 class _LocalBatches(Sampler[list[tuple[int, int]]]):

@@ -16,8 +16,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-HANG_TIMEOUT_ENV = "STALWART_HANG_TIMEOUT"
-"""Seconds, or "auto" (the default): set by `stalwart run --hang-timeout`."""
+from stalwart.runtime.env import HANG_TIMEOUT_ENV as HANG_TIMEOUT_ENV
 
 FLOOR_S = 2.0
 CEILING_S = 1800.0

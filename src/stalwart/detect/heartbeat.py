@@ -26,7 +26,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-HEARTBEAT_ENV = "STALWART_HEARTBEAT"
+from stalwart.runtime.env import HEARTBEAT_ENV as HEARTBEAT_ENV
+
 BOARD_PREFIX = "stalwart-heartbeat-"
 """A board's file name: the prefix, the launcher's pid and a random suffix (its memory tier shares the suffix)."""
 """Path of the agent's heartbeat board; unset when a worker is not started by `stalwart run`."""

@@ -34,8 +34,8 @@ import torch
 
 from stalwart.chaos.faults import FaultInjector
 from stalwart.checkpoint.memory import MemoryTier
-from stalwart.job.dist import Comm
 from stalwart.recovery import reform
+from stalwart.runtime.dist import Comm
 from stalwart.telemetry.events import EventLog
 
 StateOf = Callable[[int], dict[str, Any]]

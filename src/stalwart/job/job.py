@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
-import io
-import math
 import os
 import secrets
 import time
@@ -35,18 +32,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.chaos.faults import Fault, FaultInjector
 from stalwart.checkpoint import sharded
-from stalwart.checkpoint.manager import Checkpointer, Restored
+from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.memory import MemoryTier
 from stalwart.checkpoint.replicas import MAX_REPLICAS, PeerReplicas
 from stalwart.checkpoint.serialize import check_loadable, flatten
 from stalwart.detect.hang import HANG_TIMEOUT_ENV, HangTimer, parse_timeout
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
-from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
+from stalwart.errors import CheckpointMismatchError, ConfigError
 from stalwart.job import lifecycle
 from stalwart.job.commit import StepCommit
-from stalwart.job.dist import Comm, Placement, init_process_group
 from stalwart.job.rng import capture_rng, restore_rng
 from stalwart.recovery import reform
+from stalwart.recovery.restore import Restorer
+from stalwart.runtime.dist import Comm, Placement, init_process_group
 from stalwart.runtime.process import first_line
 from stalwart.telemetry.events import EventLog
 
@@ -203,9 +201,9 @@ class Job:
             when_busy=self.config.when_busy,
             persist_timeout_s=self.config.persist_timeout_s,
             storage_options=self.config.storage_options,
-            fault_phase=self._faults.save_phase,
-            storage_fault=self._faults.storage_error,
+            chaos=self._faults.save_chaos,
         )
+        self._restorer = Restorer(self.comm, self.events, self.checkpointer, self._memory, self._replicas)
         self.state = JobState.CREATED
         self.step = 0
         self.resumed_from: int | None = None
@@ -253,7 +251,7 @@ class Job:
         allow = self.config.allow_world_size_change
         if allow is None:
             allow = os.environ.get(lifecycle.ELASTIC_ENV) == "1"
-        restored = self._load_from_memory() or self.checkpointer.load_latest(allow_world_size_change=allow)
+        restored = self._restorer.restore(allow_world_size_change=allow)
         self.state = JobState.RUNNING
         if restored is None:
             self.events.emit("fresh_start")
@@ -300,110 +298,6 @@ class Job:
             seconds=seconds,
         )
         return self.step
-
-    def _load_from_memory(self) -> Restored | None:
-        """The newest state the ranks can rebuild from memory, if it is at least as new as the newest durable
-        checkpoint; None otherwise. Two sources: a full snapshot every rank holds in node memory, or a light
-        snapshot every rank holds plus the live tensors a survivor kept (recovery/reform.py), broadcast by the
-        lowest such rank. Collective: every rank calls it, with or without a memory tier."""
-        from_replica = self._replicas.restore()  # a lost node's ranks get their images back first (L3)
-        memory = self._memory
-        full = memory.steps() if memory is not None else []
-        light = memory.steps(light=True) if memory is not None else []
-        stash = reform.stashed()
-        live = stash.step if stash is not None and stash.world_size == self.world_size else -1
-        newest_durable = self.checkpointer.newest_committed() if self.rank == 0 else -1
-        gathered = self.comm.all_gather_ints([*[*full, -1, -1][:2], *[*light, -1, -1][:2], live, newest_durable])
-        common_full = set.intersection(*[{s for s in g[:2] if s >= 0} for g in gathered])
-        common_light = set.intersection(*[{s for s in g[2:4] if s >= 0} for g in gathered])
-        holders = {g[4]: r for r, g in reversed(list(enumerate(gathered))) if g[4] >= 0}  # step -> lowest rank
-        by_live = max((s for s in common_light if s in holders), default=-1)
-        by_full = max(common_full, default=-1)
-        step = max(by_live, by_full)
-        if step < 0 or step < gathered[0][5]:
-            return None
-        if by_live > by_full:
-            restored = self._load_light(by_live, holders[by_live])
-            if restored is not None:
-                return dataclasses.replace(restored, tier="replica") if from_replica else restored
-            if by_full < 0 or by_full < gathered[0][5]:
-                return None
-            step = by_full
-        snapshot, problem = None, ""
-        try:
-            assert memory is not None
-            snapshot = memory.load(step)
-        except CheckpointCorruptError as exc:
-            problem = str(exc)
-        if not all(v[0] for v in self.comm.all_gather_ints([int(snapshot is not None)])):
-            self.events.emit("memory_snapshot_unusable", step=step, error=problem or "another rank's is not whole")
-            return None
-        assert snapshot is not None
-        where = f"{'a peer replica in another node' if from_replica else 'node'}'s memory (step {step})"
-        tier = "replica" if from_replica else "memory"
-        return Restored(step, self.world_size, snapshot.state, where, snapshot.bytes, tier=tier)
-
-    def _load_light(self, step: int, source: int) -> Restored | None:
-        """Every rank's light snapshot of `step`, with the live tensors broadcast from rank `source`'s stash."""
-        assert self._memory is not None
-        wanted: dict[str, tuple[torch.dtype, list[int]]] = {}
-        content, problem = None, ""
-        try:
-            wanted, content = self._memory.light(step)
-        except CheckpointCorruptError as exc:
-            problem = str(exc)
-        stash = reform.stashed()
-        if self.rank == source and content is not None:
-            have = stash.tensors if stash is not None else {}
-            missing = [t for t, (dt, shape) in wanted.items() if t not in have or have[t].dtype != dt
-                       or list(have[t].shape) != shape]  # fmt: skip
-            if missing:
-                content, problem = None, f"the survivor's live state lacks {missing[0]}"
-        layout, total = {}, 0
-        for tid in sorted(wanted):
-            dtype, shape = wanted[tid]
-            nbytes = math.prod(shape) * dtype.itemsize
-            layout[tid] = (total, nbytes, dtype, shape)
-            total += -(-nbytes // 64) * 64  # 64-byte aligned, so each view can take its dtype
-        skeleton = b""  # the survivor's replicated objects' non-tensor state (see job/commit.py)
-        if self.rank == source and stash is not None and stash.skeleton is not None:
-            out = io.BytesIO()
-            torch.save(stash.skeleton, out)
-            skeleton = out.getvalue()
-        agreed = self.comm.all_gather_ints([int(content is not None), total, len(skeleton)])
-        if not all(v[0] for v in agreed) or len({v[1] for v in agreed}) != 1:
-            error = problem or "another rank's is not whole, or lists other live tensors"
-            self.events.emit("memory_snapshot_unusable", step=step, error=error)
-            return None
-        skeleton_len = agreed[source][2]
-        buf = torch.empty(total + skeleton_len, dtype=torch.uint8)
-        if self.rank == source:
-            assert stash is not None
-            with torch.no_grad():
-                for tid, (offset, nbytes, _, _) in layout.items():
-                    buf[offset : offset + nbytes].copy_(stash.tensors[tid].reshape(-1).view(torch.uint8))
-                if skeleton:
-                    buf[total:].copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
-        self.comm.broadcast_tensor(buf, source)
-        live = {
-            tid: buf[offset : offset + nbytes].view(dtype).reshape(shape)
-            for tid, (offset, nbytes, dtype, shape) in layout.items()
-        }
-        snapshot, problem = None, ""
-        try:
-            replicated = None
-            if skeleton_len:
-                raw = io.BytesIO(buf[total:].numpy().tobytes())
-                replicated = torch.load(raw, map_location="cpu", weights_only=True)
-            snapshot = self._memory.load_light(step, content, live, replicated)
-        except Exception as exc:  # a skeleton naming tensors nobody holds, an unreadable one: agreed below
-            problem = first_line(exc)
-        if not all(v[0] for v in self.comm.all_gather_ints([int(snapshot is not None)])):
-            self.events.emit("memory_snapshot_unusable", step=step, error=problem or "another rank's is not whole")
-            return None
-        assert snapshot is not None
-        where = f"node memory (step {step}) and rank {source}'s live state"
-        return Restored(step, self.world_size, snapshot.state, where, snapshot.bytes + total, tier="peer")
 
     def _replicated_names(self) -> frozenset[str]:
         """The tracked objects written once for all ranks (see JobConfig.replicated)."""
@@ -628,7 +522,7 @@ class Job:
         self.events.close()
 
     def abandon(self) -> None:
-        """Drop this job after its group failed, without a collective (supervisor/host.py re-forms the worker in
+        """Drop this job after its group failed, without a collective (supervisor/worker_host.py re-forms the worker in
         place, see recovery/reform.py): the persister is killed, so a save in flight never commits, and nothing
         runs at interpreter exit. The process groups are aborted by the caller, all at once."""
         atexit.unregister(self.close)

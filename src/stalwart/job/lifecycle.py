@@ -11,18 +11,13 @@
 from __future__ import annotations
 
 import os
-import re
 import sys
 from types import TracebackType
 
-from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, PeerError, is_user_error
+from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, PeerError, is_peer_failure, is_user_error
+from stalwart.runtime.env import AGENT_PID_ENV as AGENT_PID_ENV
+from stalwart.runtime.env import ELASTIC_ENV as ELASTIC_ENV
 from stalwart.runtime.process import die_with_parent, first_line
-
-AGENT_PID_ENV = "STALWART_AGENT_PID"
-"""PID of the `stalwart run` process that started this worker."""
-
-ELASTIC_ENV = "STALWART_ELASTIC"
-"""Set to 1 by `stalwart run --nnodes MIN:MAX` (MIN < MAX): the world size may change between restarts."""
 
 _installed = False
 
@@ -62,24 +57,6 @@ def _exit_with_line(line: str | None, status: int) -> None:
         stream.write(line + "\n")
     stream.flush()
     os._exit(status)
-
-
-# What a collective raises when the other side of a connection is gone or silent: gloo's pair errors, NCCL's
-# remote errors and aborts, store timeouts. A user's bug (mismatched sizes, bad arguments) matches none of these
-# and keeps its full traceback.
-_PEER_LOST = re.compile(
-    r"Connection (reset|closed) by peer|Connection refused|Broken pipe|Socket Timeout|Timed out waiting|"
-    r"timed out after|remote process exited|NCCL communicator was aborted|ncclRemoteError|failed to recv|"
-    r"failed to send",
-    re.IGNORECASE,
-)
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """True for what a collective or the store raises when a peer is gone; False for a bug in this rank's code."""
-    if type(exc).__name__ in ("DistNetworkError", "DistStoreError"):  # torch.distributed's own, torch >= 2.2
-        return True
-    return isinstance(exc, RuntimeError) and bool(_PEER_LOST.search(str(exc)))
 
 
 def _die_with_agent(agent_pid: int) -> None:

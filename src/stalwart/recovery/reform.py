@@ -1,6 +1,6 @@
 """L1, the worker's side: a survivor of a peer's failure leaves its process group and waits to re-form in place.
 
-Under `stalwart run` every worker runs in a host process (supervisor/host.py) that can run the training script
+Under `stalwart run` every worker runs in a host process (supervisor/worker_host.py) that can run the training script
 again. When a collective fails because a peer died, or the agent asks with REFORM_SIGNAL (a peer died or hung
 while this worker was computing), the exception ends the script's run but not the process: the host calls
 `abandon()`, which drops every live `stalwart.Job` without a collective (its persister is killed, which leaves an
@@ -34,8 +34,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Protocol
 
-REFORM_ENV = "STALWART_REFORM"
-"""Set to 1 by `stalwart run` when survivors re-form in place (the default; `--no-reform` turns it off)."""
+from stalwart.runtime.env import REFORM_ENV as REFORM_ENV
 
 REFORM_SIGNAL: int = signal.SIGRTMIN + 4
 """Sent by the agent to a worker that must leave its group (a peer failed). A real-time signal, so that it meets
@@ -95,7 +94,7 @@ def enabled() -> bool:
 
 def is_reformable(exc: BaseException) -> bool:
     """True when `exc` (or what caused it) says a peer or the group is gone, not that this rank's code is wrong."""
-    from stalwart.job.lifecycle import is_peer_failure
+    from stalwart.errors import is_peer_failure
 
     seen: set[int] = set()
     current: BaseException | None = exc

@@ -6,7 +6,7 @@ torch elastic does the rendezvous, rank assignment, worker start/monitor/stop an
 - a worker that exits with EXIT_USER_ERROR (bad input) stops the job instead of using up the restarts;
 - survivors that exit with EXIT_PEER_LOST or are stopped with SIGTERM are reported as consequences, so the
   one-line summary names the root cause;
-- workers run in host processes (hosts.py): with a pool of hot spares, a replacement starts in a process that
+- workers run in host processes (host_pool.py): with a pool of hot spares, a replacement starts in a process that
   already imported torch; with re-forming (L1, recovery/reform.py), the survivors of a failure keep their
   processes and the next round of the rendezvous activates them again, so only the failed worker is replaced;
 - workers that stop beating on the heartbeat board (detect/heartbeat.py) past their deadline are killed as
@@ -27,7 +27,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from stalwart.detect.heartbeat import Beat, Board
 from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
-from stalwart.supervisor.hosts import Host, HostContext, SparePool, running_in
+from stalwart.supervisor.host_pool import Host, HostContext, SparePool, running_in
 from stalwart.telemetry.events import EventLog
 
 

@@ -8,7 +8,7 @@ What differs from torchrun, and why:
   shares the agent's store with restarted workers (the hang below).
 - Workers get a fresh TCPStore for each restart (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). With the shared agent
   store, torch 2.13's restarted workers read gloo addresses left by the dead round and hang or fail in
-  connectFullMesh; measured here (bench/restart_reliability.py, docs/benchmarks.md), stock torchrun recovered
+  connectFullMesh; measured here (stalwart/bench/restart_reliability.py, docs/benchmarks.md), stock torchrun recovered
   from one SIGKILL in 6 of 10 runs, stalwart run in 10 of 10.
 - Bad input (missing script, --nproc-per-node 0, unknown flags) ends in one line and exit 2 before anything
   starts; a worker's own bad-input exit (EXIT_USER_ERROR) stops the job instead of restarting it.
@@ -37,24 +37,30 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from stalwart.checkpoint.memory import SNAPSHOT_DIR_ENV
-from stalwart.detect.hang import HANG_TIMEOUT_ENV, parse_timeout
-from stalwart.detect.heartbeat import BOARD_PREFIX, HEARTBEAT_ENV, Board
+from stalwart.detect.hang import parse_timeout
+from stalwart.detect.heartbeat import BOARD_PREFIX, Board
 from stalwart.errors import EXIT_USER_ERROR, ConfigError
-from stalwart.job.lifecycle import AGENT_PID_ENV, ELASTIC_ENV
-from stalwart.recovery.reform import REFORM_ENV
+from stalwart.runtime.env import (
+    AGENT_PID_ENV,
+    ELASTIC_ENV,
+    EVENT_LOG_ENV,
+    GLOO_IFNAME_ENV,
+    HANG_TIMEOUT_ENV,
+    HEARTBEAT_ENV,
+    REFORM_ENV,
+    SHARE_STORE_ENV,
+    SNAPSHOT_DIR_ENV,
+    SPARES_ENV,
+)
 from stalwart.runtime.process import first_line
-from stalwart.supervisor.hosts import SparePool
+from stalwart.supervisor.host_pool import SparePool
 from stalwart.supervisor.rendezvous import rendezvous_handler
-from stalwart.telemetry.events import EVENT_LOG_ENV, EventLog
+from stalwart.telemetry.events import EventLog
 
 DEFAULT_EVENT_LOG = "stalwart-logs/events.jsonl"
-SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-SPARES_ENV = "STALWART_SPARES"
 SNAPSHOTS_PREFIX = "stalwart-snapshots-"
 """The memory tier's directory in /dev/shm; its suffix is its launcher's heartbeat board's."""
 LOOPBACK = "127.0.0.1"
-GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 DEFAULT_MAX_RESTARTS = 3
 """torchrun's default is 0, which turns any failure into a failed job; a resilience launcher should restart."""
 

@@ -17,8 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-EVENT_LOG_ENV = "STALWART_EVENT_LOG"
-"""Path of the event log; set by `stalwart run` for its workers, or by the user."""
+from stalwart.runtime.env import EVENT_LOG_ENV as EVENT_LOG_ENV
 
 
 class EventLog:

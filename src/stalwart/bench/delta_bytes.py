@@ -1,6 +1,6 @@
 """Bytes written by delta checkpoints on a fine-tuning-like run: a frozen 12-layer body, a trained head.
 
-    python bench/delta_bytes.py [--dir /tmp/delta-bench]
+    python -m stalwart.bench.delta_bytes [--dir /tmp/delta-bench]
 
 Saves 4 checkpoints with full_every=4 (one full, three deltas), 5 AdamW steps apart, prints each checkpoint's
 state bytes, bytes written and the ratio, and checks that the newest restores exactly.
@@ -17,7 +17,7 @@ import torch
 
 from stalwart.checkpoint import Checkpointer, layout
 from stalwart.checkpoint.storage import LocalStorage
-from stalwart.job.dist import Comm, Placement
+from stalwart.runtime.dist import Comm, Placement
 from stalwart.telemetry.events import EventLog
 
 

@@ -7,20 +7,19 @@ separate gloo group so it works next to NCCL training and never interleaves with
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from stalwart.errors import ConfigError
+from stalwart.runtime.env import AGENT_STORE_ENV as AGENT_STORE_ENV
+from stalwart.runtime.env import RESTART_COUNT_ENV as RESTART_COUNT_ENV
 from stalwart.runtime.store import tcp_store
-
-RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
-AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
-"""Set by torch elastic when workers share the agent's store (torchrun's default) instead of rank 0 hosting one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +43,26 @@ class Placement:
         if not 0 <= rank < world_size:
             raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
         return cls(rank=rank, world_size=world_size, local_rank=local_rank, restart_count=restart_count)
+
+
+class IntMessage:
+    """What ranks agree on through `Comm.gather`: a dataclass whose fields are ints, sent as int64s.
+
+    Named fields instead of positions in a list of integers (`gathered[0][3]`); subclasses are
+    `@dataclass(frozen=True, slots=True)`.
+    """
+
+    __slots__ = ()
+
+    def to_ints(self) -> list[int]:
+        return [int(getattr(self, f.name)) for f in dataclasses.fields(self)]  # type: ignore[arg-type]
+
+    @classmethod
+    def from_ints(cls: type[M], ints: list[int]) -> M:
+        return cls(*ints)
+
+
+M = TypeVar("M", bound=IntMessage)
 
 
 class Comm:
@@ -70,6 +89,10 @@ class Comm:
     def barrier(self) -> None:
         if self._group is not None:
             dist.barrier(group=self._group)
+
+    def gather(self, message: M) -> list[M]:
+        """Every rank's `message` (a dataclass of int fields, see IntMessage), indexed by rank."""
+        return [type(message).from_ints(v) for v in self.all_gather_ints(message.to_ints())]
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's list of int64 values, indexed by rank (lists must have equal length)."""

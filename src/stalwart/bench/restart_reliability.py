@@ -6,7 +6,7 @@ if the job then finishes within `--timeout` seconds. Both launchers run the same
 resumes under either), so the difference is the launcher alone. Prints one line per trial and a summary;
 `--json` ends with one JSON line. This is the seed of `stalwart bench recovery` (issue #4).
 
-    python bench/restart_reliability.py --trials 10
+    python -m stalwart.bench.restart_reliability --trials 10
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from stalwart.runtime.process import spawn
 from stalwart.telemetry.events import read_events
 
 LAUNCHERS = {
@@ -39,7 +40,7 @@ def trial(launcher: str, workdir: Path, kill_after: int, timeout_s: float) -> di
         cmd += ["--event-log", str(events)]
     cmd += ["-m", "stalwart.demo.train", "--out", str(workdir), "--steps", "60", "--checkpoint-every", "10"]
     log = open(workdir / "output.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # dies with us
     deadline = time.monotonic() + timeout_s
     killed_at = None
     try:
@@ -98,7 +99,7 @@ def main() -> None:
             results.append(r)
             k2s = f"{r['kill_to_step_s']:.2f} s" if r["kill_to_step_s"] is not None else "-"
             print(f"{name:9s} trial {i + 1:2d}: recovered={r['recovered']} exit={r['exitcode']} kill->step {k2s}")
-        times = [float(r["kill_to_step_s"]) for r in results if r["recovered"] and r["kill_to_step_s"] is not None]
+        times = [float(str(r["kill_to_step_s"])) for r in results if r["recovered"] and r["kill_to_step_s"] is not None]
         summary[name] = {
             "trials": len(results),
             "recovered": sum(1 for r in results if r["recovered"]),

@@ -1,4 +1,5 @@
-"""The agent's worker hosts (host.py): the pool of hot spares, the process context that runs workers in hosts,
+"""The agent's side of worker hosts (worker_host.py is the process itself): the pool of hot spares,
+the process context that runs workers in hosts,
 and what keeps a re-formed survivor in its process.
 
 A restart normally spawns fresh interpreters that import torch again (1.8-2.7 s on this machine before a
@@ -19,7 +20,6 @@ imports do not compete for CPU with workers that are recovering.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import signal
@@ -31,7 +31,8 @@ from typing import Any
 
 from stalwart.errors import EXIT_PEER_LOST
 from stalwart.recovery.reform import REFORM_SIGNAL
-from stalwart.supervisor.host import STATUS_FD_ENV, WARM_ENV
+from stalwart.runtime.env import HOST_STATUS_FD_ENV, HOST_WARM_ENV
+from stalwart.supervisor.host_protocol import Activation, HostStatus
 from stalwart.telemetry.events import EventLog
 
 REFILL_DELAY_S = 5.0
@@ -45,9 +46,9 @@ class Host:
 
     def __init__(self, *, warm: bool) -> None:
         read, write = os.pipe()
-        env = {**os.environ, STATUS_FD_ENV: str(write), WARM_ENV: "1" if warm else "0"}
+        env = {**os.environ, HOST_STATUS_FD_ENV: str(write), HOST_WARM_ENV: "1" if warm else "0"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stalwart.supervisor.host"],
+            [sys.executable, "-m", "stalwart.supervisor.worker_host"],
             stdin=subprocess.PIPE,
             env=env,
             pass_fds=(write,),
@@ -76,9 +77,10 @@ class Host:
             self._buffer += chunk
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:
-            if line == b"ready":
+            status = HostStatus.decode(line)
+            if status is HostStatus.READY:
                 self.ready = True
-            elif line == b"rearmed":
+            elif status is HostStatus.REARMED:
                 self.rearmed = True
 
     def poll_ready(self) -> bool:
@@ -94,7 +96,7 @@ class Host:
         assert self.proc.stdin is not None
         self.rearmed = False
         try:
-            self.proc.stdin.write((json.dumps({"argv": argv, "env": env}) + "\n").encode())
+            self.proc.stdin.write(Activation(argv, env).encode())
             self.proc.stdin.flush()
         except (OSError, ValueError):
             return False

@@ -1,9 +1,9 @@
 """A worker host: the process a worker runs in under `stalwart run`, which outlives one run of the script.
 
-`python -m stalwart.supervisor.host` is started by the agent (supervisor/hosts.py) in one of two ways:
+`python -m stalwart.supervisor.worker_host` is started by the agent (supervisor/host_pool.py) in one of two ways:
 - as a hot spare (STALWART_HOST_WARM=1): at the lowest CPU priority, so that it slows no training, it imports
   torch and stalwart's training-side modules, builds and steps a throwaway optimizer (torch 2.13 imports
-  torch._dynamo on the first optimizer step, about 1.3 s here) and writes "ready" on its status pipe;
+  torch._dynamo on the first optimizer step) and reports READY on its status pipe (host_protocol.py);
 - cold, for a worker that must start now and has no spare: it goes straight to its activation.
 
 An activation is one JSON line on stdin: the worker's argv (torchrun's `python -u script ...` or
@@ -12,7 +12,7 @@ stderr, the script run as `__main__`. An uncaught exception goes through `sys.ex
 interpreter, so stalwart's one-line error handling and exit codes apply unchanged.
 
 With STALWART_REFORM=1 (recovery/reform.py) a run that ends because a peer failed does not end the process:
-the host abandons the run's Jobs and process groups, writes "rearmed" on its status pipe and waits for the
+the host abandons the run's Jobs and process groups, reports REARMED on its status pipe and waits for the
 next activation, which the agent sends after the next round of the rendezvous. Any other ending, or the agent
 closing the pipe, ends the process as before.
 
@@ -22,7 +22,6 @@ The host dies with the agent (parent-death signal), and exits quietly if stdin c
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import runpy
@@ -32,10 +31,10 @@ import threading
 from typing import IO, Any
 
 from stalwart.recovery import reform
+from stalwart.runtime.env import HOST_STATUS_FD_ENV as STATUS_FD_ENV
+from stalwart.runtime.env import HOST_WARM_ENV as WARM_ENV
 from stalwart.runtime.process import die_with_parent, first_line
-
-STATUS_FD_ENV = "STALWART_HOST_FD"
-WARM_ENV = "STALWART_HOST_WARM"
+from stalwart.supervisor.host_protocol import Activation, HostStatus
 
 
 def _warm_up() -> None:
@@ -77,11 +76,11 @@ def _warm_up_politely() -> None:
         raise failure[0]
 
 
-def _apply(msg: dict[str, Any]) -> list[str]:
+def _apply(activation: Activation) -> list[str]:
     """Take the activation's environment; returns the argv without torchrun's interpreter flags."""
     os.environ.clear()
-    os.environ.update(msg["env"])
-    argv: list[str] = list(msg["argv"])
+    os.environ.update(activation.env)
+    argv = list(activation.argv)
     if "OMP_NUM_THREADS" in os.environ and os.environ["OMP_NUM_THREADS"].isdigit():
         import torch
 
@@ -145,7 +144,7 @@ def _serve(control: IO[str], status: int) -> None:
         if ran:
             baseline.restore()
         ran = True
-        argv = _apply(json.loads(line))
+        argv = _apply(Activation.decode(line))
         lost: str | None = None
         try:
             with reform.interruptible():
@@ -163,7 +162,7 @@ def _serve(control: IO[str], status: int) -> None:
         _say(f"stalwart: rank {os.environ.get('RANK', '?')}: {lost}; re-forming in place")
         reform.abandon()
         try:
-            os.write(status, b"rearmed\n")
+            os.write(status, HostStatus.REARMED.encode())
         except OSError:
             os._exit(EXIT_PEER_LOST)
 
@@ -191,7 +190,7 @@ def main() -> None:
     if status >= 0:
         os.set_inheritable(status, False)  # the worker's own children (its persister) must not hold it
         if warm:
-            os.write(status, b"ready\n")
+            os.write(status, HostStatus.READY.encode())
     # The agent's pipe moves off stdin, which becomes /dev/null as for any worker.
     control = os.fdopen(os.dup(0), "r", encoding="utf-8")
     devnull = os.open(os.devnull, os.O_RDONLY)

@@ -1,0 +1,82 @@
+"""Faults inside a checkpoint's persist, entering at the persister's seams: its storage and two instants.
+
+The persister runs in its own process and receives the faults a save should meet in its request (`chaos`:
+from STALWART_FAULTS through FaultInjector). It asks this module for a `SaveFaults` and calls it at its two
+instants, and writes through the storage `flaky()` returns; with no faults, the hooks do nothing and the
+storage is the real one, so the product path has no fault branches.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from stalwart.checkpoint.request import PersistRequest
+from stalwart.telemetry.events import EventLog
+
+SHARD_HALF_WRITTEN = "shard_half_written"
+BEFORE_COMMIT = "before_commit"
+
+
+@dataclass(slots=True)
+class SaveFaults:
+    """The kill_in_save fault of one save: the training process dies at `phase` (or nothing happens)."""
+
+    phase: str | None
+    step: int
+    trainer_pid: int
+    events: EventLog
+
+    @classmethod
+    def of(cls, req: PersistRequest, events: EventLog) -> SaveFaults:
+        chaos = req.chaos or {}
+        return cls(chaos.get("kill_phase"), req.step, int(req.staging["pid"]), events)
+
+    @property
+    def on_half_written(self) -> Callable[[], None] | None:
+        """Called once half of the rank's data is written; None when no fault waits there."""
+        return (lambda: self._kill(SHARD_HALF_WRITTEN)) if self.phase == SHARD_HALF_WRITTEN else None
+
+    def before_commit(self) -> None:
+        """Called on the committing rank after every shard is durable, before the manifest is written."""
+        if self.phase == BEFORE_COMMIT:
+            self._kill(BEFORE_COMMIT)
+
+    def _kill(self, phase: str) -> None:
+        """The training process dies at this instant of its save (and this process with it)."""
+        self.events.emit("fault_injected", fault="kill_in_save", step=self.step, phase=phase)
+        os.kill(self.trainer_pid, signal.SIGKILL)
+        if self.trainer_pid != os.getpid():
+            os._exit(1)
+
+
+def flaky(storage: Any, req: PersistRequest) -> Any:
+    """`storage`, or a copy of it (same class) whose first `times` data writes of this save fail with `errno`
+    (e.g. ENOSPC), as a full or failing disk would (storage_error fault)."""
+    spec = (req.chaos or {}).get("storage_error")
+    if not spec or int(spec.get("times", 0)) <= 0:
+        return storage
+    left = [int(spec["times"])]
+    code = getattr(errno, str(spec["errno"]))
+    wrapped = copy.copy(storage)
+
+    def failing(name: str) -> Callable[..., Any]:
+        real = getattr(storage, name)
+
+        def call(rel: str, *args: Any, **kwargs: Any) -> Any:
+            if left[0] > 0 and rel.endswith(".data"):  # the rank's data file, not its meta or the manifest
+                left[0] -= 1
+                raise OSError(code, os.strerror(code))
+            return real(rel, *args, **kwargs)
+
+        return call
+
+    for name in ("write", "write_image"):
+        if hasattr(storage, name):
+            setattr(wrapped, name, failing(name))
+    return wrapped

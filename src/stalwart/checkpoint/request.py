@@ -1,0 +1,49 @@
+"""A persist request: what the training side (manager.py, background.py) asks of its persister (persister.py).
+
+It crosses a process boundary as one JSON line, so every field is a JSON value; it is built in one place
+(`Checkpointer.save`) and read as attributes everywhere else. The persister process imports no torch, and
+neither does this module.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True, slots=True)
+class PersistRequest:
+    step: int
+    token: str
+    """Names this attempt's files: `<run token>-<attempt>`."""
+    rank: int
+    world_size: int
+    coordinator: bool
+    """Rank 0: waits for every rank's meta file and commits the manifest."""
+    keep_last: int
+    url: str
+    options: dict[str, Any] | None
+    """fsspec storage options."""
+    staging: dict[str, Any]
+    """The staging memory to read the tensors from (Staging.spec(): memfd, size, the trainer's pid)."""
+    base: int | None
+    """The full checkpoint a delta refers to; None for a full checkpoint."""
+    snapshot_mono: float
+    """CLOCK_MONOTONIC when the snapshot started: the persist deadline counts from here."""
+    deadline_s: float
+    chaos: dict[str, Any] | None = None
+    """Faults for this save (chaos/save_faults.py); None in production."""
+    wait: bool = False
+    """The trainer waits for this save (a run's last): retention runs before the reply."""
+    skeleton: str = ""
+    """The state's non-tensor structure, torch.save'd and base64-encoded (filled after the stall)."""
+    tensors: list[dict[str, Any]] = field(default_factory=list)
+    """id, offset, nbytes, dtype, shape of each tensor in staging (filled after the stall)."""
+
+    def to_json(self) -> str:
+        return json.dumps({"op": "persist", **asdict(self)})
+
+    @classmethod
+    def from_json(cls, msg: dict[str, Any]) -> PersistRequest:
+        return cls(**{k: v for k, v in msg.items() if k != "op"})

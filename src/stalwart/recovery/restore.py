@@ -1,0 +1,203 @@
+"""Where a (re)starting job's state comes from: the choice between the tiers of the recovery ladder.
+
+In order of preference, as long as it is at least as new as the newest durable checkpoint:
+1. a light snapshot every rank holds in node memory plus the live replicated tensors a survivor of the
+   failure kept (recovery/reform.py), broadcast by the lowest such rank (tier "peer", or "replica" when a
+   lost node's ranks got their images back from another node first, L3);
+2. a full snapshot every rank holds in node memory (tier "memory", or "replica");
+3. the newest durable checkpoint that verifies on every rank (tier "durable", Checkpointer.load_latest).
+Every step of the choice is agreed by all ranks; a rank that cannot use a tier vetoes it for everyone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+from dataclasses import dataclass
+
+import torch
+
+from stalwart.checkpoint.manager import Checkpointer, Restored
+from stalwart.checkpoint.memory import MemoryTier
+from stalwart.checkpoint.replicas import PeerReplicas
+from stalwart.errors import CheckpointCorruptError
+from stalwart.recovery import reform
+from stalwart.runtime.dist import Comm, IntMessage
+from stalwart.runtime.process import first_line
+from stalwart.telemetry.events import EventLog
+
+_SLOTS = 2  # a rank keeps two snapshots of each kind (double buffering), so it reports at most two steps
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """What one rank can restore from without storage, as all ranks gather it."""
+
+    full: tuple[int, ...]
+    """Steps of the full snapshots in its node memory."""
+    light: tuple[int, ...]
+    """Steps of its light snapshots (the per-rank rest; the replicated state comes from a survivor)."""
+    live: int
+    """The step its kept live replicated state holds (a survivor of a failure), or -1."""
+    newest_durable: int
+    """Rank 0 only: the newest committed durable checkpoint, or -1."""
+
+    def to_ints(self) -> list[int]:
+        def padded(steps: tuple[int, ...]) -> list[int]:
+            return [*steps, *[-1] * _SLOTS][:_SLOTS]
+
+        return [*padded(self.full), *padded(self.light), self.live, self.newest_durable]
+
+    @classmethod
+    def from_ints(cls, ints: list[int]) -> Holdings:
+        def steps(part: list[int]) -> tuple[int, ...]:
+            return tuple(s for s in part if s >= 0)
+
+        n = _SLOTS
+        return cls(steps(ints[:n]), steps(ints[n : 2 * n]), ints[2 * n], ints[2 * n + 1])
+
+
+@dataclass(frozen=True, slots=True)
+class LightReady(IntMessage):
+    """Each rank, before the survivor's live state is broadcast for a light snapshot."""
+
+    usable: int
+    """1 if this rank's light snapshot is whole (and, on the source, its live state has every tensor)."""
+    live_bytes: int
+    """The size of the live tensors the snapshot needs: equal on every rank."""
+    skeleton_bytes: int
+    """The source's replicated objects' non-tensor state, pickled; 0 elsewhere."""
+
+
+class Restorer:
+    """Chooses the tier and loads from it. Collective: every rank calls `restore()` together."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        events: EventLog,
+        checkpointer: Checkpointer,
+        memory: MemoryTier | None,
+        replicas: PeerReplicas,
+    ) -> None:
+        self._comm = comm
+        self._events = events
+        self._checkpointer = checkpointer
+        self._memory = memory
+        self._replicas = replicas
+
+    def restore(self, *, allow_world_size_change: bool) -> Restored | None:
+        """The newest state the job can resume from; None when there is none (a fresh start)."""
+        return self._from_memory() or self._checkpointer.load_latest(allow_world_size_change=allow_world_size_change)
+
+    def _from_memory(self) -> Restored | None:
+        """The newest state the ranks can rebuild from memory if it is at least as new as the newest durable
+        checkpoint; None otherwise. Collective: every rank calls it, with or without a memory tier."""
+        comm, memory = self._comm, self._memory
+        from_replica = self._replicas.restore()  # a lost node's ranks get their images back first (L3)
+        stash = reform.stashed()
+        mine = Holdings(
+            full=tuple(memory.steps()) if memory is not None else (),
+            light=tuple(memory.steps(light=True)) if memory is not None else (),
+            live=stash.step if stash is not None and stash.world_size == comm.world_size else -1,
+            newest_durable=self._checkpointer.newest_committed() if comm.rank == 0 else -1,
+        )
+        every = [Holdings.from_ints(v) for v in comm.all_gather_ints(mine.to_ints())]
+        newest_durable = every[0].newest_durable
+        common_full = set.intersection(*[set(h.full) for h in every])
+        common_light = set.intersection(*[set(h.light) for h in every])
+        holders = {h.live: r for r, h in reversed(list(enumerate(every))) if h.live >= 0}  # step -> lowest rank
+        by_live = max((s for s in common_light if s in holders), default=-1)
+        by_full = max(common_full, default=-1)
+        step = max(by_live, by_full)
+        if step < 0 or step < newest_durable:
+            return None
+        if by_live > by_full:
+            restored = self._from_light(by_live, holders[by_live])
+            if restored is not None:
+                return dataclasses.replace(restored, tier="replica") if from_replica else restored
+            if by_full < 0 or by_full < newest_durable:
+                return None
+            step = by_full
+        snapshot, problem = None, ""
+        try:
+            assert memory is not None
+            snapshot = memory.load(step)
+        except CheckpointCorruptError as exc:
+            problem = str(exc)
+        if not self._all_agree(snapshot is not None, step, problem):
+            return None
+        assert snapshot is not None
+        where = f"{'a peer replica in another node' if from_replica else 'node'}'s memory (step {step})"
+        tier = "replica" if from_replica else "memory"
+        return Restored(step, comm.world_size, snapshot.state, where, snapshot.bytes, tier=tier)
+
+    def _from_light(self, step: int, source: int) -> Restored | None:
+        """Every rank's light snapshot of `step`, with the live tensors broadcast from rank `source`'s stash."""
+        comm = self._comm
+        assert self._memory is not None
+        wanted: dict[str, tuple[torch.dtype, list[int]]] = {}
+        content, problem = None, ""
+        try:
+            wanted, content = self._memory.light(step)
+        except CheckpointCorruptError as exc:
+            problem = str(exc)
+        stash = reform.stashed()
+        if comm.rank == source and content is not None:
+            have = stash.tensors if stash is not None else {}
+            missing = [t for t, (dt, shape) in wanted.items() if t not in have or have[t].dtype != dt
+                       or list(have[t].shape) != shape]  # fmt: skip
+            if missing:
+                content, problem = None, f"the survivor's live state lacks {missing[0]}"
+        layout, total = {}, 0
+        for tid in sorted(wanted):
+            dtype, shape = wanted[tid]
+            nbytes = math.prod(shape) * dtype.itemsize
+            layout[tid] = (total, nbytes, dtype, shape)
+            total += -(-nbytes // 64) * 64  # 64-byte aligned, so each view can take its dtype
+        skeleton = b""  # the survivor's replicated objects' non-tensor state (see job/commit.py)
+        if comm.rank == source and stash is not None and stash.skeleton is not None:
+            out = io.BytesIO()
+            torch.save(stash.skeleton, out)
+            skeleton = out.getvalue()
+        agreed = comm.gather(LightReady(int(content is not None), total, len(skeleton)))
+        if not all(a.usable for a in agreed) or len({a.live_bytes for a in agreed}) != 1:
+            error = problem or "another rank's is not whole, or lists other live tensors"
+            self._events.emit("memory_snapshot_unusable", step=step, error=error)
+            return None
+        skeleton_len = agreed[source].skeleton_bytes
+        buf = torch.empty(total + skeleton_len, dtype=torch.uint8)
+        if comm.rank == source:
+            assert stash is not None
+            with torch.no_grad():
+                for tid, (offset, nbytes, _, _) in layout.items():
+                    buf[offset : offset + nbytes].copy_(stash.tensors[tid].reshape(-1).view(torch.uint8))
+                if skeleton:
+                    buf[total:].copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
+        comm.broadcast_tensor(buf, source)
+        live = {
+            tid: buf[offset : offset + nbytes].view(dtype).reshape(shape)
+            for tid, (offset, nbytes, dtype, shape) in layout.items()
+        }
+        snapshot, problem = None, ""
+        try:
+            replicated = None
+            if skeleton_len:
+                raw = io.BytesIO(buf[total:].numpy().tobytes())
+                replicated = torch.load(raw, map_location="cpu", weights_only=True)
+            snapshot = self._memory.load_light(step, content, live, replicated)
+        except Exception as exc:  # a skeleton naming tensors nobody holds, an unreadable one: agreed below
+            problem = first_line(exc)
+        if not self._all_agree(snapshot is not None, step, problem):
+            return None
+        assert snapshot is not None
+        where = f"node memory (step {step}) and rank {source}'s live state"
+        return Restored(step, comm.world_size, snapshot.state, where, snapshot.bytes + total, tier="peer")
+
+    def _all_agree(self, usable: bool, step: int, problem: str) -> bool:
+        """Whether every rank can use its snapshot of `step`; if not, an event names the first problem."""
+        if all(v[0] for v in self._comm.all_gather_ints([int(usable)])):
+            return True
+        self._events.emit("memory_snapshot_unusable", step=step, error=problem or "another rank's is not whole")
+        return False

@@ -1,0 +1,45 @@
+"""Every environment variable between the launcher and its workers, in one place.
+
+`stalwart run` sets the STALWART_* ones for its workers (a user may set a few by hand, as noted); torch elastic
+sets the TORCHELASTIC_* ones and torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. The modules
+that read a variable re-export its name from here.
+"""
+
+from __future__ import annotations
+
+# -- set by `stalwart run` for every worker ---------------------------------------------------------------------
+AGENT_PID_ENV = "STALWART_AGENT_PID"
+"""PID of the `stalwart run` process that started this worker (a worker dies with it)."""
+EVENT_LOG_ENV = "STALWART_EVENT_LOG"
+"""Path of the JSONL event log shared by the agent, the workers and their persisters; a user may set it."""
+HEARTBEAT_ENV = "STALWART_HEARTBEAT"
+"""Path of the agent's heartbeat board in /dev/shm."""
+HANG_TIMEOUT_ENV = "STALWART_HANG_TIMEOUT"
+"""Seconds, or "auto" (the default): `stalwart run --hang-timeout`."""
+SNAPSHOT_DIR_ENV = "STALWART_SNAPSHOT_DIR"
+"""The node's shared-memory directory for the memory tier."""
+REFORM_ENV = "STALWART_REFORM"
+"""1 when survivors re-form in place (the default; `--no-reform` sets 0)."""
+ELASTIC_ENV = "STALWART_ELASTIC"
+"""1 under `stalwart run --nnodes MIN:MAX` (MIN < MAX): the world size may change between restarts."""
+SPARES_ENV = "STALWART_SPARES"
+"""The default of `stalwart run --spares`."""
+
+# -- between the agent and a host process (supervisor/) ----------------------------------------------------------
+HOST_STATUS_FD_ENV = "STALWART_HOST_FD"
+"""The descriptor on which a host process reports to its agent (supervisor/host_protocol.py)."""
+HOST_WARM_ENV = "STALWART_HOST_WARM"
+"""1 for a hot spare: import torch and take a first optimizer step before waiting."""
+
+# -- set by a user or a test ---------------------------------------------------------------------------------------
+FAULTS_ENV = "STALWART_FAULTS"
+"""Fault injection by (rank, step): chaos/faults.py."""
+
+# -- torch's -------------------------------------------------------------------------------------------------------
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+"""Set by torch elastic when workers share the agent's store (torchrun's default) instead of rank 0 hosting one."""
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""1 (stalwart run's default): each restart's workers get a fresh store hosted by rank 0."""
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+"""Set to "lo" on a one-node run so gloo listens on loopback only."""
