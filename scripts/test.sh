@@ -13,4 +13,5 @@ fi
 echo "== ruff"; .venv/bin/ruff check src tests
 echo "== ruff format"; .venv/bin/ruff format --check src tests
 echo "== mypy"; .venv/bin/mypy
-echo "== pytest"; .venv/bin/python -m pytest "${quick[@]}" "$@"
+# Two tests at a time (pytest-xdist): each is a few processes that spend much of their time waiting.
+echo "== pytest"; .venv/bin/python -m pytest -n 2 "${quick[@]}" "$@"

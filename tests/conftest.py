@@ -176,7 +176,7 @@ SLOW_TESTS = {
         "test_no_orphaned_workers_when_the_launcher_dies[1]",
         "test_no_orphaned_workers_when_the_launcher_dies[2]",
         "test_no_orphaned_workers_when_the_launcher_dies[9]",
-        "test_twenty_kills_in_a_row_recover_every_time",
+        "test_ten_kills_in_a_row_recover_every_time",
         "test_same_script_under_torchrun_and_as_one_process",
     ),
     "test_resume.py": (
