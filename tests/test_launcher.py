@@ -41,6 +41,22 @@ def _one_error_line(stderr: str) -> str:
         (["run", "--max-restarts", "-1", str(TINY)], "--max-restarts must be >= 0"),
         (["run", "--nnodes", "2:1", str(TINY)], "--nnodes"),
         (["run", "--nnodes", "2", str(TINY)], "--rdzv-endpoint"),
+        # 192.0.2.1 (TEST-NET-1) is no address of this host: as the store's host it cannot bind there.
+        (
+            [
+                "run",
+                "--event-log",
+                "/dev/null",
+                "--nnodes",
+                "2",
+                "--rdzv-endpoint",
+                "192.0.2.1:29999",
+                "--rdzv-conf",
+                "is_host=1",
+                str(TINY),
+            ],
+            "cannot start the rendezvous at 192.0.2.1:29999",
+        ),
         (["run", "-m", "no_such_module_xyz"], "cannot be found"),
         (["frobnicate"], "unknown command"),
         (["demo", "--steps", "3"], "--steps"),

@@ -370,6 +370,10 @@ def _run_agent(
         nnodes=f"{config.min_nodes}:{config.max_nodes}",
         max_restarts=config.max_restarts,
     )
+    try:
+        rdzv_handler = rendezvous_handler(rdzv_parameters)
+    except (RendezvousError, ValueError) as exc:  # an address this host cannot bind or reach
+        raise ConfigError(f"cannot start the rendezvous at {config.rdzv_endpoint}: {first_line(exc)}") from exc
     spec = WorkerSpec(
         **_supported(
             WorkerSpec,
@@ -377,7 +381,7 @@ def _run_agent(
             local_world_size=config.nproc_per_node,
             entrypoint=cmd,
             args=tuple(cmd_args),
-            rdzv_handler=rendezvous_handler(rdzv_parameters),
+            rdzv_handler=rdzv_handler,
             max_restarts=config.max_restarts,
             monitor_interval=config.monitor_interval,
             master_addr=master_addr,
