@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from stalwart.checkpoint.request import PersistRequest
 from stalwart.telemetry.events import EventLog
 
 SHARD_HALF_WRITTEN = "shard_half_written"
@@ -33,9 +32,9 @@ class SaveFaults:
     events: EventLog
 
     @classmethod
-    def of(cls, req: PersistRequest, events: EventLog) -> SaveFaults:
-        chaos = req.chaos or {}
-        return cls(chaos.get("kill_phase"), req.step, int(req.staging["pid"]), events)
+    def of(cls, chaos: dict[str, Any] | None, step: int, trainer_pid: int, events: EventLog) -> SaveFaults:
+        """From a persist request's `chaos` field (FaultInjector.save_chaos)."""
+        return cls((chaos or {}).get("kill_phase"), step, trainer_pid, events)
 
     @property
     def on_half_written(self) -> Callable[[], None] | None:
@@ -55,10 +54,10 @@ class SaveFaults:
             os._exit(1)
 
 
-def flaky(storage: Any, req: PersistRequest) -> Any:
+def flaky(storage: Any, chaos: dict[str, Any] | None) -> Any:
     """`storage`, or a copy of it (same class) whose first `times` data writes of this save fail with `errno`
     (e.g. ENOSPC), as a full or failing disk would (storage_error fault)."""
-    spec = (req.chaos or {}).get("storage_error")
+    spec = (chaos or {}).get("storage_error")
     if not spec or int(spec.get("times", 0)) <= 0:
         return storage
     left = [int(spec["times"])]

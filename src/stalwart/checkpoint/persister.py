@@ -79,8 +79,8 @@ class Persister:
         written = 0
         storage: Storage | None = None
         try:
-            storage = flaky(self._storage(req.url, req.options), req)
-            self._faults = SaveFaults.of(req, self._events)
+            storage = flaky(self._storage(req.url, req.options), req.chaos)
+            self._faults = SaveFaults.of(req.chaos, req.step, int(req.staging["pid"]), self._events)
             view = self._staging(req.staging)
             written = self._write_shard(storage, view, req)
             ok = True
