@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from stalwart.checkpoint.persister import Persister
-from stalwart.checkpoint.request import PersistRequest
+from stalwart.checkpoint.request import PersistReply, PersistRequest
 from stalwart.telemetry.events import EventLog
 
 CLOSE_TIMEOUT_S = 30.0
@@ -32,7 +32,7 @@ class Background:
         self._in_process = in_process
         self._lock = threading.Condition()
         self._in_flight: int | None = None
-        self._last: dict[str, Any] | None = None
+        self._last: PersistReply | None = None
         self._proc: subprocess.Popen[str] | None = None
         self._thread_queue: queue.Queue[PersistRequest | None] | None = None
         self._thread_persister: Persister | None = None
@@ -81,7 +81,9 @@ class Background:
         with contextlib.suppress(OSError, ValueError):
             for line in stream:
                 with contextlib.suppress(json.JSONDecodeError):
-                    self._on_reply(json.loads(line))
+                    reply = PersistReply.from_json(json.loads(line))
+                    if reply is not None:
+                        self._on_reply(reply)
         stream.close()
         code = proc.wait()
         with self._lock:
@@ -92,15 +94,13 @@ class Background:
                         proc.stdin.close()
                 if self._in_flight is not None:
                     self._events.emit("persister_died", step=self._in_flight, exit_code=code)
-                    self._last = {"op": "done", "step": self._in_flight, "ok": False, "committed": False}
+                    self._last = PersistReply.failed(self._in_flight)
                     self._in_flight = None
                 self._lock.notify_all()
 
-    def _on_reply(self, msg: dict[str, Any]) -> None:
-        if msg.get("op") != "done":
-            return
+    def _on_reply(self, reply: PersistReply) -> None:
         with self._lock:
-            self._last = msg
+            self._last = reply
             self._in_flight = None
             self._lock.notify_all()
 
@@ -157,7 +157,7 @@ class Background:
         """The step being persisted, or None."""
         return self._in_flight
 
-    def settled(self) -> tuple[int | None, dict[str, Any] | None]:
+    def settled(self) -> tuple[int | None, PersistReply | None]:
         """(the step in flight or None, the reply of the last finished persist), read together: a reply that
         arrives between two separate reads would be neither in flight nor noted."""
         with self._lock:
@@ -207,10 +207,10 @@ class Background:
             # The event first: whoever wakes from wait() may read the event log at once.
             self._events.emit(event, step=step, **fields)
             self._in_flight = None
-            self._last = {"op": "done", "step": step, "ok": False, "committed": False}
+            self._last = PersistReply.failed(step)
             self._lock.notify_all()
 
-    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
+    def wait(self, timeout: float | None = None) -> PersistReply | None:
         """Block until nothing is in flight; the reply of the last persist (None if there was none)."""
         with self._lock:
             self._lock.wait_for(lambda: self._in_flight is None, timeout)

@@ -41,7 +41,7 @@ import torch
 
 from stalwart.checkpoint import layout
 from stalwart.checkpoint.background import Background
-from stalwart.checkpoint.request import PersistRequest
+from stalwart.checkpoint.request import PersistReply, PersistRequest
 from stalwart.checkpoint.serialize import (
     TensorItem,
     assign_owners,
@@ -295,15 +295,15 @@ class Checkpointer:
             self._note(self._bg.wait())
             self._events.emit("checkpoint_waited", seconds=time.monotonic() - waited)
 
-    def _note(self, reply: dict[str, Any] | None) -> None:
-        if reply and reply.get("committed") and reply.get("full"):
-            self._last_full = int(reply["step"])
+    def _note(self, reply: PersistReply | None) -> None:
+        if reply is not None and reply.committed and reply.full:
+            self._last_full = reply.step
 
     def wait_durable(self) -> bool:
         """Wait for the save in flight; whether it committed. Collective: every rank calls it."""
         reply = self._bg.wait()
         self._note(reply)
-        committed = bool(reply and reply.get("ok") and reply.get("committed"))  # rank 0's reply says
+        committed = bool(reply is not None and reply.ok and reply.committed)  # rank 0's reply says
         return self._comm.broadcast_int(int(committed)) == 1
 
     def poll(self) -> None:

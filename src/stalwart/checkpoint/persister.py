@@ -32,7 +32,7 @@ import xxhash
 
 from stalwart.chaos.save_faults import SaveFaults, flaky
 from stalwart.checkpoint import layout
-from stalwart.checkpoint.request import PersistRequest
+from stalwart.checkpoint.request import PersistReply, PersistRequest
 from stalwart.checkpoint.storage import LocalStorage, Storage, describe_error, open_storage
 from stalwart.runtime.process import die_with_parent
 from stalwart.telemetry.events import EventLog
@@ -45,7 +45,7 @@ BACKOFF_MAX_S = 30.0
 ZSTD_LEVEL = 3
 RETENTION_JOIN_S = 30.0
 
-Reply = Callable[[dict[str, Any]], None]
+Reply = Callable[[PersistReply], None]
 
 
 class Quit(Exception):
@@ -99,15 +99,14 @@ class Persister:
         if committed and storage is not None and prune_first:
             self._prune(storage, req)
         self._reply(
-            {
-                "op": "done",
-                "step": step,
-                "ok": ok,
-                "committed": committed,
-                "full": req.base is None,
-                "written_bytes": written,
-                "seconds": time.monotonic() - started,
-            }
+            PersistReply(
+                step=step,
+                ok=ok,
+                committed=committed,
+                full=req.base is None,
+                written_bytes=written,
+                seconds=time.monotonic() - started,
+            )
         )
         if committed and storage is not None and not prune_first:
             manifest, self._committed = self._committed, None
@@ -431,10 +430,10 @@ def main() -> None:
     log = json.loads(sys.argv[1])
     out_lock = threading.Lock()
 
-    def reply(msg: dict[str, Any]) -> None:
+    def reply(msg: PersistReply) -> None:
         try:
             with out_lock:
-                sys.stdout.write(json.dumps(msg) + "\n")
+                sys.stdout.write(msg.to_json() + "\n")
                 sys.stdout.flush()
         except (BrokenPipeError, ValueError):  # the training process is gone: so is the reason to run
             os._exit(0)

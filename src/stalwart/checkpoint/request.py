@@ -47,3 +47,33 @@ class PersistRequest:
     @classmethod
     def from_json(cls, msg: dict[str, Any]) -> PersistRequest:
         return cls(**{k: v for k, v in msg.items() if k != "op"})
+
+
+@dataclass(kw_only=True, slots=True)
+class PersistReply:
+    """The persister's answer to one request (one JSON line back), or the training side's own verdict when the
+    persister died or the request could not be sent."""
+
+    step: int
+    ok: bool
+    """This rank's shard was written."""
+    committed: bool | None = None
+    """Rank 0: the manifest was written (the checkpoint is visible); None on other ranks."""
+    full: bool = False
+    """A full checkpoint (a later delta may refer to it), not a delta."""
+    written_bytes: int = 0
+    seconds: float = 0.0
+
+    @classmethod
+    def failed(cls, step: int) -> PersistReply:
+        return cls(step=step, ok=False, committed=False)
+
+    def to_json(self) -> str:
+        return json.dumps({"op": "done", **asdict(self)})
+
+    @classmethod
+    def from_json(cls, msg: dict[str, Any]) -> PersistReply | None:
+        """The reply in a message from the persister; None for any other message."""
+        if msg.get("op") != "done":
+            return None
+        return cls(**{k: v for k, v in msg.items() if k != "op"})
