@@ -201,7 +201,10 @@ SLOW_TESTS = {
         "test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical[deadlock]",
         "test_a_long_stretch_marked_busy_is_not_a_hang",
     ),
-    "test_leftovers.py": ("test_sigkill_of_bench_recovery_in_its_torchrun_phase_leaves_nothing",),
+    "test_leftovers.py": (
+        "test_sigkill_of_bench_recovery_in_its_torchrun_phase_leaves_nothing",
+        "test_sigkill_of_bench_checkpoint_leaves_nothing",
+    ),
 }
 
 

@@ -87,3 +87,11 @@ def test_sigkill_of_bench_recovery_in_its_torchrun_phase_leaves_nothing(tmp_path
 def test_sigkill_of_the_demo_leaves_nothing(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "stalwart", "demo", "--steps", "100000", "--workdir", str(tmp_path / "w")]
     _kill_and_check(cmd, tmp_path, "stalwart.demo.train", min_processes=4)
+
+
+def test_sigkill_of_bench_checkpoint_leaves_nothing(tmp_path: Path) -> None:
+    # A guard more than a regression test: before the measuring processes got a parent-death signal, they
+    # also died here, of a broken pipe at their next write to the killed bench.
+    cmd = [sys.executable, "-m", "stalwart", "bench", "checkpoint", "--size", "64MB", "--saves", "20",
+           "--dir", str(tmp_path)]  # fmt: skip
+    _kill_and_check(cmd, tmp_path, "--system", min_processes=1)

@@ -56,8 +56,16 @@ def test_sigkill_at_random_step_ends_bitwise_identical(launch: Any, reference: A
     resumed = {e["step"] for e in job.events("resumed")}
     # Saves persist in the background: a kill right after a snapshot may come before its commit. The job
     # resumes from the newest checkpoint committed before the restart, at most one interval before the kill.
+    # When rank 0 is the victim, its persister dies with it and may have written a manifest without logging
+    # the event: then the resumed step is newer than the last logged commit, and still not after the kill.
     committed = [e["step"] for e in job.events("checkpoint_committed") if e["restart"] == 0]
-    assert resumed == ({max(committed)} if committed else set()), "resumed from the newest committed checkpoint"
+    newest = max(committed, default=0)
+    if not resumed:
+        assert not committed, "a committed checkpoint was ignored"
+    else:
+        assert len(resumed) == 1, resumed
+        (at,) = resumed
+        assert at == newest or (rank == 0 and newest < at <= step), f"resumed {at}; logged commits {committed}"
     _assert_same_as_reference(job, reference)
 
 

@@ -22,6 +22,7 @@ import platform
 import re
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from stalwart.errors import ConfigError, StalwartError
+from stalwart.runtime.process import spawn
 
 FLOOR = "floor"
 SYSTEMS = ("torch_save", "dcp_save", "dcp_async_save", "stalwart")
@@ -449,14 +451,18 @@ def run_child(name: str, size_bytes: int, saves: int, directory: Path, progress:
     started = time.perf_counter()
     cmd = [sys.executable, "-m", "stalwart.bench.checkpoint", "--system", name]
     cmd += ["--size-bytes", str(size_bytes), "--saves", str(saves), "--dir", str(directory)]
+    # The child dies with this process, whatever ends it (a measurement writes gigabytes).
+    proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, death_signal=signal.SIGKILL)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+        stdout, stderr = proc.communicate(timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
+        proc.kill()
+        proc.communicate()
         raise BenchError(f"measuring {name} took more than {CHILD_TIMEOUT_S} s; stopped it") from exc
-    lines = proc.stdout.strip().splitlines()
+    lines = stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        sys.stderr.write("".join(f"  | {line}\n" for line in proc.stderr.splitlines()[-15:]))
-        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        sys.stderr.write("".join(f"  | {line}\n" for line in stderr.splitlines()[-15:]))
+        last = (stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         raise BenchError(f"measuring {name} failed: {last}")
     try:
         result: dict[str, Any] = json.loads(lines[-1])

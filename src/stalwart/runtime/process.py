@@ -50,7 +50,7 @@ def _arm_in_child(sig: int, parent: int) -> Callable[[], None]:
     return arm
 
 
-def spawn(cmd: list[str], *, death_signal: int = signal.SIGTERM, **popen: Any) -> subprocess.Popen[bytes]:
+def spawn(cmd: list[str], *, death_signal: int = signal.SIGTERM, **popen: Any) -> subprocess.Popen[Any]:
     """`subprocess.Popen(cmd, **popen)` whose child gets `death_signal` when this process dies.
 
     The default, SIGTERM, lets a launcher child (`stalwart run`, torchrun) stop its own workers and clean up;
