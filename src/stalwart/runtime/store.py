@@ -8,7 +8,6 @@ one-node run, the rendezvous endpoint's or MASTER_ADDR's address on several node
 
 from __future__ import annotations
 
-import errno
 import socket
 from datetime import timedelta
 
@@ -40,7 +39,7 @@ def tcp_store(
 ) -> dist.TCPStore:
     """torch's multi-tenant TCPStore; as the server, listening on `host`'s address only.
 
-    Raises OSError with errno EADDRINUSE when `is_server` and the address is taken (another process serves it).
+    Raises OSError when `is_server` and the address cannot be bound (taken, or not this host's).
     """
     if not is_server:
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, multi_tenant=True)
@@ -61,7 +60,3 @@ def tcp_store(
         raise
     sock.detach()  # the store's server owns the descriptor now
     return store
-
-
-def address_in_use(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE

@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from stalwart.runtime.store import address_in_use, tcp_store
+from stalwart.runtime.store import tcp_store
 
 DEFAULT_PORT = 29400  # torch's c10d rendezvous default
 
@@ -41,7 +41,7 @@ def rendezvous_handler(params: Any) -> Any:
             store = tcp_store(host, port, is_server=is_server, timeout=timeout, wait_for_workers=False)
             break
         except (ValueError, RuntimeError, TimeoutError, OSError) as exc:
-            if not is_server or configured is not None or not (address_in_use(exc) or isinstance(exc, RuntimeError)):
+            if not is_server or configured is not None:
                 raise RendezvousConnectionError(f"cannot reach the rendezvous store at {host}:{port}: {exc}") from exc
     backend = C10dRendezvousBackend(store, params.run_id)
     return create_handler(store, backend, params)

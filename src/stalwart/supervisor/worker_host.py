@@ -33,7 +33,7 @@ from typing import IO, Any
 from stalwart.recovery import reform
 from stalwart.runtime.env import HOST_STATUS_FD_ENV as STATUS_FD_ENV
 from stalwart.runtime.env import HOST_WARM_ENV as WARM_ENV
-from stalwart.runtime.process import die_with_parent, first_line
+from stalwart.runtime.process import die_with_parent
 from stalwart.supervisor.host_protocol import Activation, HostStatus
 
 
@@ -171,7 +171,7 @@ def _first_line(exc: BaseException) -> str:
     """The first sentence, without gloo's source location: "Read error [127.0.0.1]:17032: Connection reset by
     peer" rather than the two lines of advice that follow it."""
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(exc).strip())
-    return first_line(RuntimeError(text)).split(". ")[0] if text else type(exc).__name__
+    return text.splitlines()[0].split(". ")[0] if text else type(exc).__name__
 
 
 def _say(line: str) -> None:
