@@ -135,15 +135,11 @@ _OPEN_CHECKPOINTERS: list[Any] = []
 
 def open_checkpointer(root: Path | str, log: Path | None = None, **options: Any) -> Any:
     """A one-rank Checkpointer (token "t") whose persister is stopped after the test, pass or fail."""
-    from datetime import timedelta
-
     from stalwart.checkpoint import Checkpointer
-    from stalwart.runtime.dist import Comm, Placement
     from stalwart.telemetry.events import EventLog
 
-    comm = Comm(Placement(rank=0, world_size=1, local_rank=0, restart_count=0), timedelta(seconds=30))
     options.setdefault("keep_last", 3)
-    ck = Checkpointer(root, comm, EventLog(log), token="t", **options)
+    ck = Checkpointer.standalone(root, events=EventLog(log), token="t", **options)
     _OPEN_CHECKPOINTERS.append(ck)
     return ck
 

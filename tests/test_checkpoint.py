@@ -17,8 +17,9 @@ import torch
 import xxhash
 
 from conftest import open_checkpointer
-from stalwart.checkpoint import Checkpointer, layout
-from stalwart.checkpoint.serialize import check_loadable
+from stalwart.checkpoint import Checkpointer
+from stalwart.checkpoint.format import layout
+from stalwart.checkpoint.format.serialize import check_loadable
 from stalwart.checkpoint.storage import LocalStorage
 from stalwart.errors import CheckpointMismatchError, ConfigError, NoValidCheckpointError, UnsavableStateError
 from stalwart.telemetry.events import read_events

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stalwart.checkpoint.memory import HEADER_BYTES, MemoryTier
+from stalwart.checkpoint.tiers.memory import HEADER_BYTES, MemoryTier
 from stalwart.errors import CheckpointCorruptError
 
 
@@ -66,7 +66,7 @@ def test_a_snapshot_torn_by_a_dying_writer_is_never_listed(tmp_path: Path) -> No
 
 WRITER = """
 import sys, torch
-from stalwart.checkpoint.memory import MemoryTier
+from stalwart.checkpoint.tiers.memory import MemoryTier
 MemoryTier(sys.argv[1], 0, 1).snapshot(4, {"step": 4, "objects": {"m": {"w": torch.full((3,), 4.0)}}})
 """
 

@@ -24,7 +24,8 @@ import torch
 from moto.server import ThreadedMotoServer
 
 from conftest import Launch, child_env, open_checkpointer, tiny_args
-from stalwart.checkpoint import Checkpointer, layout
+from stalwart.checkpoint import Checkpointer
+from stalwart.checkpoint.format import layout
 from stalwart.errors import ConfigError
 from stalwart.telemetry.events import read_events
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import Launch, child_env, tiny_args
-from stalwart.checkpoint.sharded import checked_info, shard_extent
+from stalwart.checkpoint.format.sharded import checked_info, shard_extent
 from stalwart.errors import CheckpointCorruptError
 
 STEPS = 12
@@ -127,7 +127,7 @@ PARTIAL = """
 import torch, torch.distributed as dist, tempfile, os
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial
-from stalwart.checkpoint.serialize import flatten
+from stalwart.checkpoint.format.serialize import flatten
 from stalwart.errors import UnsavableStateError
 dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))

@@ -40,7 +40,7 @@ def _demo(argv: list[str]) -> int:
 
 
 def _ckpt(argv: list[str]) -> int:
-    from stalwart.checkpoint.cli import main
+    from stalwart.checkpoint.tools.cli import main
 
     return main(argv)
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import stalwart
-from stalwart.checkpoint.sharded import shard_extent
+from stalwart.checkpoint.format.sharded import shard_extent
 
 SHAPES = {  # name: (global shape, placements on the (2, 2) mesh)
     "hsdp": ((10, 3), (Replicate(), Shard(0))),  # replicated across dim 0 of the mesh, sharded across dim 1

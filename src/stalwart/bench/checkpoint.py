@@ -259,13 +259,10 @@ class StalwartSave(Saver):
         super().__init__(directory)
         # Imported here: a checkpoint module under construction must not break the other systems' processes.
         from stalwart.checkpoint import Checkpointer
-        from stalwart.runtime.dist import Comm, Placement
-        from stalwart.telemetry.events import EventLog
 
         root = directory / "ckpt"
         root.mkdir()
-        self._comm = Comm(Placement(rank=0, world_size=1, local_rank=0, restart_count=0), timedelta(seconds=60))
-        self._ck: Any = Checkpointer(root, self._comm, EventLog(None), keep_last=2, token="bench")
+        self._ck: Any = Checkpointer.standalone(root, keep_last=2, token="bench")
         self._wait: Callable[[], Any] | None = getattr(self._ck, "wait_durable", None)
         self._in_flight: Callable[[], Any] | None = getattr(self._ck, "persist_in_flight", None)
 
@@ -285,7 +282,6 @@ class StalwartSave(Saver):
 
     def close(self) -> None:
         getattr(self._ck, "close", lambda: None)()
-        self._comm.close()
 
 
 SAVERS: dict[str, type[Saver]] = {

@@ -11,14 +11,11 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
-from datetime import timedelta
 
 import torch
 
-from stalwart.checkpoint import Checkpointer, layout
-from stalwart.checkpoint.storage import LocalStorage
-from stalwart.runtime.dist import Comm, Placement
-from stalwart.telemetry.events import EventLog
+from stalwart.checkpoint import Checkpointer
+from stalwart.checkpoint.tools.inspect import list_entries, open_root
 
 
 def main() -> None:
@@ -32,8 +29,7 @@ def main() -> None:
     body.requires_grad_(False)
     model = torch.nn.Sequential(body, head)
     optim = torch.optim.AdamW(head.parameters(), lr=1e-3)
-    comm = Comm(Placement(rank=0, world_size=1, local_rank=0, restart_count=0), timedelta(seconds=60))
-    ck = Checkpointer(root, comm, EventLog(None), keep_last=10, token="d", full_every=4)
+    ck = Checkpointer.standalone(root, keep_last=10, full_every=4)
     try:
         for step in range(1, 5):
             for _ in range(5):
@@ -43,20 +39,16 @@ def main() -> None:
                 optim.step()
             state = {"step": step, "objects": {"model": model.state_dict(), "optim": optim.state_dict()}}
             ck.save(step, state, wait=True)
-        storage = LocalStorage(root)
-        for step in range(1, 5):
-            m = layout.read_manifest(storage, step)
-            kind = "full" if m.base is None else f"delta of {m.base}"
-            ratio = m.state_bytes / max(m.written_bytes, 1)
-            sizes = f"state {m.state_bytes:>11,} B  written {m.written_bytes:>11,} B"
-            print(f"step {step}: {kind:10} {sizes}  {ratio:.1f}x")
+        for e in sorted(list_entries(open_root(root)), key=lambda e: e.step):  # what `stalwart ckpt list` shows
+            ratio = e.bytes / max(e.written_bytes, 1)
+            sizes = f"state {e.bytes:>11,} B  written {e.written_bytes:>11,} B"
+            print(f"step {e.step}: {e.kind:10} {sizes}  {ratio:.1f}x")
         restored = ck.load_latest()
         assert restored is not None
         exact = all(torch.equal(restored.state["objects"]["model"][k], v) for k, v in model.state_dict().items())
         print(f"newest restores exactly: {exact}")
     finally:
         ck.close()
-        comm.close()
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
 

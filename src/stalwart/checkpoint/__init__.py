@@ -9,7 +9,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stalwart.checkpoint.manager import Checkpointer, Restored
+    from stalwart.checkpoint.load.rank_state import Restored
+    from stalwart.checkpoint.manager import Checkpointer
 
 __all__ = ["Checkpointer", "Restored"]
 

@@ -2,14 +2,14 @@
 
 A save has two halves. The snapshot (here, on the training thread) agrees with the other ranks that a save
 starts, flattens the state into a skeleton and tensors, and copies this rank's tensors into its staging memory;
-that copy is the whole stall. The persist (persister.py, another process) hashes and writes the rank's data and
-meta files and, on rank 0, waits for every rank's meta file and writes the manifest last: that write is the
-commit. A crash at any instant before it leaves the previous checkpoint the newest loadable one.
+that copy is the whole stall. The persist (save/persister.py, another process) hashes and writes the rank's data
+and meta files and, on rank 0, waits for every rank's meta file and writes the manifest last (save/commit.py):
+that write is the commit. A crash at any instant before it leaves the previous checkpoint the newest loadable one.
 
 Replicated objects (`replicated=`, e.g. a DDP model and its optimizer) are written once: each of their tensors
 is owned by one rank, chosen by a pure function of the tensor sizes, so the ranks write disjoint parts in
 parallel. Sharded tensors (DTensor: FSDP2, tensor parallelism) are written shard by shard by one rank holding
-each shard (sharded.py). Everything else is per-rank state, written by its rank.
+each shard (format/sharded.py). Everything else is per-rank state, written by its rank.
 
 At most one save per rank is in flight. The rule for a save requested while one is still persisting
 (`when_busy`): "skip" (the default) skips it on every rank, agreed through one small collective, with a
@@ -35,27 +35,25 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 
-from stalwart.checkpoint import layout
-from stalwart.checkpoint.background import Background
-from stalwart.checkpoint.request import PersistReply, PersistRequest
-from stalwart.checkpoint.serialize import (
+from stalwart.checkpoint.format import layout
+from stalwart.checkpoint.format.serialize import (
     TensorItem,
     assign_owners,
-    dtype_from_name,
     dtype_name,
     fingerprint,
     flatten,
-    unflatten,
 )
-from stalwart.checkpoint.staging import Staging, aligned
+from stalwart.checkpoint.load.rank_state import CORRUPT, MISMATCH, VALID, Restored, try_load
+from stalwart.checkpoint.save.background import Background
+from stalwart.checkpoint.save.request import PersistReply, PersistRequest
+from stalwart.checkpoint.save.staging import Staging, aligned
 from stalwart.checkpoint.storage import Storage, describe_error, open_storage
-from stalwart.checkpoint.verify import read_tensor, read_verified_meta, retrying
 from stalwart.errors import (
-    CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     ConfigError,
@@ -63,27 +61,13 @@ from stalwart.errors import (
     PeerError,
     UnsavableStateError,
 )
-from stalwart.runtime.dist import Comm, IntMessage
+from stalwart.runtime.dist import Comm, IntMessage, Placement
 from stalwart.telemetry.events import EventLog
 
 _OK, _UNSAVABLE = 1, -1  # a rank's vote on a save
-_VALID, _CORRUPT, _UNREADABLE, _MISMATCH = 1, 0, -1, -2  # a rank's vote on a checkpoint it tried to load
 SHARED_DIR_TIMEOUT_S = 10.0
 DEFAULT_PERSIST_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True, slots=True)
-class Restored:
-    """A checkpoint that was loaded: its step, the world size that wrote it, and this rank's state."""
-
-    step: int
-    world_size: int
-    state: dict[str, Any]
-    source: str
-    bytes: int = 0
-    tier: str = "durable"
-    """Where it came from: "durable" (the checkpoint directory), "memory" (node shared memory), "peer" (a light
-    snapshot in node memory and a survivor's live state) or "replica" (a snapshot kept by another node)."""
+STANDALONE_TIMEOUT = timedelta(seconds=60)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,12 +117,30 @@ class Checkpointer:
         self._chaos = chaos or (lambda step: None)
         """The faults a save of a step is to meet (FaultInjector.save_chaos), carried to the persister."""
         self._attempt = 0
+        self._own_comm = False  # standalone(): the one-rank group is ours to close
         self._staging = Staging()
         self._bg = Background(events, in_process=self.storage.process_local)
         self._last_full: int | None = None  # rank 0: newest committed full checkpoint (a delta's base)
         self._since_full = 0
         self._prepare_root()
         self._bg.start()
+
+    @classmethod
+    def standalone(
+        cls, root: str | os.PathLike[str], *, events: EventLog | None = None, **options: Any
+    ) -> Checkpointer:
+        """A Checkpointer for one process outside a Job (a benchmark, an evaluation script, a conversion tool):
+        it owns a one-rank group, which needs no process group or port, and closes it in `close()`. `options`
+        are the constructor's keywords (keep_last, full_every, when_busy, ...)."""
+        options.setdefault("token", "standalone")
+        comm = Comm(Placement(rank=0, world_size=1, local_rank=0, restart_count=0), STANDALONE_TIMEOUT)
+        try:
+            ck = cls(root, comm, events or EventLog(None), **options)
+        except BaseException:
+            comm.close()
+            raise
+        ck._own_comm = True
+        return ck
 
     @property
     def root(self) -> str:
@@ -315,6 +317,8 @@ class Checkpointer:
         """Stop the persister (an unfinished persist is abandoned, never half-committed) and free staging."""
         self._bg.close()
         self._staging.close()
+        if self._own_comm:
+            self._comm.close()
 
     def abandon(self) -> None:
         """Kill the persister without waiting: the group failed, so a save in flight can never commit."""
@@ -347,13 +351,15 @@ class Checkpointer:
         first_problem: str | None = None
         unreadable_only = True
         for step in steps:
-            restored, verdict, problem = self._try_load(step, allow_world_size_change)
+            restored, verdict, problem = try_load(
+                self.storage, step, self._comm.rank, self._comm.world_size, allow_resize=allow_world_size_change
+            )
             votes = [v[0] for v in self._comm.all_gather_ints([verdict])]
-            if _MISMATCH in votes:
-                if verdict == _MISMATCH:
+            if MISMATCH in votes:
+                if verdict == MISMATCH:
                     raise CheckpointMismatchError(problem)
                 raise PeerError("the checkpoint does not fit this job; see another rank's error")
-            if all(v == _VALID for v in votes):
+            if all(v == VALID for v in votes):
                 assert restored is not None
                 self._quarantine(corrupt)
                 if self._comm.rank == 0:
@@ -362,7 +368,7 @@ class Checkpointer:
             if problem:
                 first_problem = first_problem or problem
                 self._events.emit("checkpoint_invalid", step=step, error=problem)
-            if _CORRUPT in votes:
+            if CORRUPT in votes:
                 corrupt.append(step)
                 unreadable_only = False
         if not steps:
@@ -391,78 +397,6 @@ class Checkpointer:
                     self._events.emit("checkpoint_quarantine_failed", step=step, error=describe_error(exc))
         self._comm.barrier()  # no rank writes a new save of that step until it has been moved aside
 
-    def _try_load(self, step: int, allow_resize: bool) -> tuple[Restored | None, int, str | None]:
-        """(restored, verdict, problem). Size, checksum and format failures are _CORRUPT; an I/O error that
-        persists over a few attempts is _UNREADABLE (maybe passing: reported, never quarantined); a valid
-        checkpoint written at another world size, when that is not allowed, is _MISMATCH."""
-        where = self.storage.display(layout.step_dir_name(step))
-        try:
-            manifest = retrying(lambda: layout.read_manifest(self.storage, step))
-        except CheckpointMismatchError as exc:
-            return None, _MISMATCH, str(exc)
-        except CheckpointCorruptError as exc:
-            return None, _CORRUPT, str(exc)
-        except FileNotFoundError:
-            return None, _CORRUPT, f"{where}/{layout.MANIFEST} disappeared"
-        except Exception as exc:
-            return None, _UNREADABLE, f"{where}/{layout.MANIFEST} cannot be read: {describe_error(exc)}"
-        if manifest.world_size != self._comm.world_size and not allow_resize:
-            return (
-                None,
-                _MISMATCH,
-                (
-                    f"checkpoint {where} was written by {manifest.world_size} ranks and this job has "
-                    f"{self._comm.world_size}; relaunch with the same world size or allow a world-size change "
-                    "(docs/checkpoints.md)"
-                ),
-            )
-        source = self._comm.rank % manifest.world_size
-        try:
-            state, nbytes = load_rank_state(self.storage, manifest, source)
-        except CheckpointCorruptError as exc:
-            return None, _CORRUPT, str(exc)
-        except Exception as exc:
-            return None, _UNREADABLE, f"checkpoint {where} cannot be read: {describe_error(exc)}"
-        return Restored(step, manifest.world_size, state, where, nbytes), _VALID, None
-
 
 def _shared(item: TensorItem) -> bool:
     return item.id.startswith("R/")
-
-
-def load_rank_state(
-    storage: Storage, manifest: layout.Manifest, rank: int, *, tensors: bool = True
-) -> tuple[dict[str, Any], int]:
-    """Rank `rank`'s state of a checkpoint, every byte verified: (state, bytes of tensors read). Without
-    `tensors`, only the meta file and skeleton are read and checked (tensors come back empty).
-
-    Raises CheckpointCorruptError on proof of damage (a checksum, a size, a missing file or tensor) and other
-    exceptions for I/O errors (maybe passing)."""
-    step_dir = layout.step_dir_name(manifest.step)
-    meta = read_verified_meta(storage, f"{step_dir}/{manifest.ranks[rank].meta}", manifest.ranks[rank])
-    try:
-        skeleton_bytes = base64.b64decode(str(meta["skeleton"]).encode("ascii"), validate=True)
-        skeleton = torch.load(io.BytesIO(skeleton_bytes), map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickle and zip errors come in many types
-        raise CheckpointCorruptError(f"the skeleton of rank {rank} in {step_dir} cannot be read safely: {exc}") from exc
-    files: dict[str, bytes] = {}
-    read = 0
-
-    def fetch(tid: str) -> torch.Tensor:
-        nonlocal read
-        entry = manifest.tensors.get(tid)
-        if entry is None:
-            raise CheckpointCorruptError(f"tensor {tid} of {step_dir} is not in its manifest")
-        if not tensors:
-            return torch.empty(0)
-        raw = read_tensor(storage, entry, files)
-        read += entry.nbytes
-        t = torch.frombuffer(bytearray(raw), dtype=dtype_from_name(entry.dtype)) if raw else None
-        if t is None:
-            return torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
-        return t.reshape(entry.shape)
-
-    state = unflatten(skeleton, fetch)
-    if not isinstance(state, dict) or "objects" not in state:
-        raise CheckpointCorruptError(f"rank {rank} of {step_dir} does not hold a stalwart state")
-    return state, read

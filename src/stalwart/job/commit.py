@@ -3,14 +3,14 @@
 Why: a full memory snapshot copies the whole training state every step (about 5 ms of a 52 ms step in
 `stalwart bench recovery`). Under re-forming (L1) the survivors of a failure keep the replicated state
 (parameters, optimizer state) in their own memory, so each step only the small per-rank rest needs a copy (a
-light snapshot, see checkpoint/memory.py). That is sound only if, whenever a survivor's parameters reach step
+light snapshot, see checkpoint/tiers/memory.py). That is sound only if, whenever a survivor's parameters reach step
 N+1, every rank holds a light snapshot of step N+1. Taken at the end of the step, it is not: a rank that dies
 after the step's last collective lets its peers finish the step while its own snapshot of N+1 never happens, and
 the restart falls back to the last full copy, up to `replicated_snapshot_every` steps back.
 
 The commit point closes that window. A pre-hook on the replicated optimizers takes the light snapshot of step
 N+1 before the optimizer changes anything, sends it to the rank's peer replicas on other nodes (L3,
-checkpoint/replicas.py), then waits on a barrier of stalwart's own gloo group. No rank changes its parameters
+checkpoint/tiers/replicas.py), then waits on a barrier of stalwart's own gloo group. No rank changes its parameters
 before every rank holds its snapshot of N+1, and every peer replica too: a rank that dies before the barrier
 leaves its peers at step N (their barrier fails, their optimizer has not run), one that dies after it has left
 its snapshot.
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from stalwart.chaos.faults import FaultInjector
-from stalwart.checkpoint.memory import MemoryTier
+from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.recovery import reform
 from stalwart.runtime.dist import Comm
 from stalwart.telemetry.events import EventLog

@@ -31,11 +31,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.chaos.faults import Fault, FaultInjector
-from stalwart.checkpoint import sharded
+from stalwart.checkpoint.format import sharded
+from stalwart.checkpoint.format.serialize import check_loadable, flatten
 from stalwart.checkpoint.manager import Checkpointer
-from stalwart.checkpoint.memory import MemoryTier
-from stalwart.checkpoint.replicas import MAX_REPLICAS, PeerReplicas
-from stalwart.checkpoint.serialize import check_loadable, flatten
+from stalwart.checkpoint.tiers.memory import MemoryTier
+from stalwart.checkpoint.tiers.replicas import MAX_REPLICAS, PeerReplicas
 from stalwart.detect.hang import HANG_TIMEOUT_ENV, HangTimer, parse_timeout
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
 from stalwart.errors import CheckpointMismatchError, ConfigError

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from stalwart.checkpoint.manager import Checkpointer, Restored
-from stalwart.checkpoint.memory import MemoryTier
-from stalwart.checkpoint.replicas import PeerReplicas
+from stalwart.checkpoint.load.rank_state import Restored
+from stalwart.checkpoint.manager import Checkpointer
+from stalwart.checkpoint.tiers.memory import MemoryTier
+from stalwart.checkpoint.tiers.replicas import PeerReplicas
 from stalwart.errors import CheckpointCorruptError
 from stalwart.recovery import reform
 from stalwart.runtime.dist import Comm, IntMessage

@@ -7,7 +7,7 @@ previous one whole. After a restart the ranks agree on the newest step that ever
 slots; since a rank is never more than one step ahead of its peers (a step ends with collectives), two slots
 always contain a common step. If that step is at least as new as the newest durable checkpoint, the job resumes
 from memory: no storage read, and at most the step that was interrupted is redone. Ward slots keep other
-nodes' ranks' snapshot images (peer replicas, L3, see checkpoint/replicas.py).
+nodes' ranks' snapshot images (peer replicas, L3, see checkpoint/tiers/replicas.py).
 
 A slot file is a 64-byte header, the request-like table of contents (skeleton and tensor table, JSON) and the
 tensor bytes. The header's `valid` word is cleared before anything else is written and set last, together with
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from stalwart.checkpoint.serialize import (
+from stalwart.checkpoint.format.serialize import (
     TensorItem,
     assign_owners,
     dtype_from_name,
@@ -39,7 +39,7 @@ from stalwart.checkpoint.serialize import (
     flatten,
     unflatten,
 )
-from stalwart.checkpoint.staging import ViewCache, aligned, typed_view
+from stalwart.checkpoint.save.staging import ViewCache, aligned, typed_view
 from stalwart.errors import CheckpointCorruptError
 from stalwart.runtime.env import SNAPSHOT_DIR_ENV as SNAPSHOT_DIR_ENV
 
@@ -238,7 +238,7 @@ class MemoryTier:
                 return self._assemble(_read_slot(slot.path, h, step), step, index)
         raise CheckpointCorruptError(f"no memory slot holds step {step}")
 
-    # ---- peer replicas (L3, see checkpoint/replicas.py): images of whole slots, sent to and kept by other nodes
+    # ---- peer replicas (L3, see checkpoint/tiers/replicas.py): images of whole slots, sent to and kept by other nodes
 
     def image(self, step: int, *, light: bool) -> bytes:
         """This rank's full (or light) snapshot of `step` as one slot image (header, table of contents, data),

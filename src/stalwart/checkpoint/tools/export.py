@@ -18,9 +18,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from stalwart.checkpoint import layout, sharded
-from stalwart.checkpoint.inspect import read_shard
+from stalwart.checkpoint.format import layout, sharded
 from stalwart.checkpoint.storage import Storage
+from stalwart.checkpoint.tools.inspect import read_shard
 from stalwart.errors import ConfigError
 
 META_KEY = "stalwart"

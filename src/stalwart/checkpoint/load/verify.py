@@ -8,8 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from stalwart.checkpoint import layout
-from stalwart.checkpoint.persister import xxh3
+from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.storage import Storage
 from stalwart.errors import CheckpointCorruptError
 
@@ -38,7 +37,7 @@ def read_verified_meta(storage: Storage, rel: str, entry: layout.RankEntry) -> d
         raise CheckpointCorruptError(f"shard {where} is missing") from exc
     if len(data) != entry.bytes:
         raise CheckpointCorruptError(f"shard {where} has {len(data)} bytes, its manifest says {entry.bytes}")
-    if xxh3(data) != entry.xxh3:
+    if layout.xxh3(data) != entry.xxh3:
         raise CheckpointCorruptError(f"shard {where} fails its xxh3 check")
     try:
         meta = json.loads(data)
@@ -73,6 +72,6 @@ def read_tensor(storage: Storage, entry: layout.TensorEntry, files: dict[str, by
         raw = stored
     if len(raw) != entry.nbytes:
         raise CheckpointCorruptError(f"tensor {where} has {len(raw)} bytes, its manifest says {entry.nbytes}")
-    if xxh3(raw) != entry.xxh3:
+    if layout.xxh3(raw) != entry.xxh3:
         raise CheckpointCorruptError(f"tensor {where} fails its xxh3 check")
     return raw

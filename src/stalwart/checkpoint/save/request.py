@@ -1,4 +1,4 @@
-"""A persist request: what the training side (manager.py, background.py) asks of its persister (persister.py).
+"""A persist request and its reply: what the training side (manager.py, background.py) asks of its persister.
 
 It crosses a process boundary as one JSON line, so every field is a JSON value; it is built in one place
 (`Checkpointer.save`) and read as attributes everywhere else. The persister process imports no torch, and

@@ -1,16 +1,15 @@
 """The persist half of a save: from the staging area to durable storage, off the training thread.
 
-Each rank has one persister. By default it is a child process (`python -m stalwart.checkpoint.persister`) that
+Each rank has one persister. By default it is a child process (`python -m stalwart.checkpoint.save.persister`) that
 imports no torch, so it starts in a fraction of a second, and takes no GIL time from training: hashing,
 compressing and writing run in another interpreter at a lower CPU priority. For a store only this process can
 see (`memory://`) it runs as a thread of the training process instead.
 
 A request names a step, the staging memory (a memfd of the training process, opened through /proc) and the
 tensors in it. The persister hashes every tensor (xxh3), writes the rank's data file and then its meta file,
-retrying with backoff while the store fails (outage, ENOSPC, timeouts) until the persist deadline. Rank 0's
-persister is also the coordinator: it waits for every rank's meta file (or a rank's `.failed` marker), writes
-the manifest last, which commits the checkpoint, and applies retention. Training never waits for any of this
-except for the final checkpoint of a run.
+retrying with backoff while the store fails (retry.py) until the persist deadline. Rank 0's persister also
+commits the checkpoint (commit.py): it writes the manifest last and applies retention. Training never waits for
+any of this except for the final checkpoint of a run.
 
 Protocol: one JSON object per line on stdin (requests) and stdout (replies).
 """
@@ -28,32 +27,19 @@ import time
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-import xxhash
-
 from stalwart.chaos.save_faults import SaveFaults, flaky
-from stalwart.checkpoint import layout
-from stalwart.checkpoint.request import PersistReply, PersistRequest
+from stalwart.checkpoint.format import layout
+from stalwart.checkpoint.save.commit import Committer
+from stalwart.checkpoint.save.request import PersistReply, PersistRequest
+from stalwart.checkpoint.save.retry import GaveUp, Quit, Retrier
 from stalwart.checkpoint.storage import LocalStorage, Storage, describe_error, open_storage
 from stalwart.runtime.process import die_with_parent
 from stalwart.telemetry.events import EventLog
 
 WRITE_CHUNK = 8 << 20
-POLL_LOCAL_S = 0.01
-POLL_REMOTE_S = 0.2
-BACKOFF_START_S = 0.5
-BACKOFF_MAX_S = 30.0
 ZSTD_LEVEL = 3
-RETENTION_JOIN_S = 30.0
 
 Reply = Callable[[PersistReply], None]
-
-
-class Quit(Exception):
-    """The training process asked the persister to stop (it is closing)."""
-
-
-def xxh3(data: memoryview | bytes) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
 
 
 class Persister:
@@ -66,16 +52,15 @@ class Persister:
         self._maps: dict[tuple[int, int, int], mmap.mmap] = {}
         self._fulls: dict[int, dict[str, layout.TensorEntry]] = {}  # this rank's newest full checkpoints
         self._own_meta = b""
-        self._committed: layout.Manifest | None = None  # rank 0: the checkpoint just committed, to prune after
-        self._retention: queue.Queue[tuple[Storage, int, layout.Manifest | None] | None] = queue.Queue()
-        self._retainer: threading.Thread | None = None
-        self._prune_lock = threading.Lock()
         self.quitting = threading.Event()
+        self._retrier = Retrier(events, self.quitting, lambda req: self._storage(req.url, req.options))
+        self._committer = Committer(events, self._retrier, self.quitting)
         self._faults = SaveFaults(None, 0, 0, events)  # the current save's (chaos/save_faults.py)
 
     def handle(self, req: PersistRequest) -> None:
         started = time.monotonic()
         step, ok, committed = req.step, False, None
+        manifest: layout.Manifest | None = None
         written = 0
         storage: Storage | None = None
         try:
@@ -85,10 +70,11 @@ class Persister:
             written = self._write_shard(storage, view, req)
             ok = True
             if req.coordinator:
-                committed = self._commit(storage, req)
+                manifest = self._committer.commit(storage, req, self._own_meta, self._faults)
+                committed = True
         except Quit:
             self._events.emit("checkpoint_abandoned", step=step, reason="the job is closing")
-        except _GaveUp as exc:
+        except GaveUp as exc:
             self._events.emit("checkpoint_skipped", step=step, reason=str(exc))
             if req.coordinator:
                 committed = False
@@ -96,8 +82,8 @@ class Persister:
             self._events.emit("checkpoint_skipped", step=step, reason=f"persister error: {describe_error(exc)}")
             ok, committed = False, False
         prune_first = req.wait  # a save the trainer waits on (a run's last) ends fully tidied
-        if committed and storage is not None and prune_first:
-            self._prune(storage, req)
+        if manifest is not None and storage is not None and prune_first:
+            self._committer.prune(storage, req.keep_last, manifest)
         self._reply(
             PersistReply(
                 step=step,
@@ -108,23 +94,12 @@ class Persister:
                 seconds=time.monotonic() - started,
             )
         )
-        if committed and storage is not None and not prune_first:
-            manifest, self._committed = self._committed, None
-            self._retention.put((storage, req.keep_last, manifest))
-            if self._retainer is None:
-                self._retainer = threading.Thread(target=self._retain_loop, daemon=True, name="retention")
-                self._retainer.start()
-
-    def _retain_loop(self) -> None:
-        while (item := self._retention.get()) is not None:
-            storage, keep_last, manifest = item
-            self._prune_now(storage, keep_last, manifest)
+        if manifest is not None and storage is not None and not prune_first:
+            self._committer.prune_later(storage, req.keep_last, manifest)
 
     def finish(self) -> None:
         """Let queued retention finish (bounded), at exit."""
-        if self._retainer is not None:
-            self._retention.put(None)
-            self._retainer.join(RETENTION_JOIN_S)
+        self._committer.finish()
 
     # -- the rank's own files ---------------------------------------------------------------------------------
 
@@ -134,7 +109,7 @@ class Persister:
         step_dir = layout.step_dir_name(step)
         data_rel = f"{step_dir}/{layout.data_name(rank, token)}"
         base = self._fulls.get(req.base)  # type: ignore[arg-type]
-        self._retrying(req, "directory", lambda: storage.makedirs(step_dir))
+        self._retrier.run(req, "directory", lambda: storage.makedirs(step_dir))
         if base is None and isinstance(storage, LocalStorage):
             entries = self._write_image(storage, view, req, data_rel)
         else:
@@ -153,7 +128,7 @@ class Persister:
         meta_rel = f"{step_dir}/{layout.meta_name(rank, token)}"
         # Atomic: rank 0 polls for this name and must never read it half-written. Its directory fsync also
         # makes the data file's name durable.
-        self._retrying(req, "meta", lambda: storage.write(meta_rel, _writer(self._own_meta)))
+        self._retrier.run(req, "meta", lambda: storage.write(meta_rel, _writer(self._own_meta)))
         if base is None:
             self._fulls[step] = dict(entries)
             while len(self._fulls) > 2:  # the newest full one, and the one before while it may still commit
@@ -172,7 +147,7 @@ class Persister:
 
         def write() -> None:
             try:
-                self._retrying(req, "data", lambda: self._image_once(storage, data_rel, view, length, req, on_half))
+                self._retrier.run(req, "data", lambda: self._image_once(storage, data_rel, view, length, req, on_half))
             except BaseException as exc:
                 failure.append(exc)
 
@@ -186,7 +161,7 @@ class Persister:
                 int(t["nbytes"]),
                 t["dtype"],
                 tuple(int(d) for d in t["shape"]),
-                xxh3(view[int(t["offset"]) : int(t["offset"]) + int(t["nbytes"])]),
+                layout.xxh3(view[int(t["offset"]) : int(t["offset"]) + int(t["nbytes"])]),
             )
             for t in tensors
         }
@@ -228,7 +203,7 @@ class Persister:
             compressor = _zstd() if base is not None else None
             for t in tensors:
                 raw = view[int(t["offset"]) : int(t["offset"]) + int(t["nbytes"])]
-                digest = xxh3(raw)
+                digest = layout.xxh3(raw)
                 old = base.get(t["id"]) if base is not None else None
                 shape = tuple(int(d) for d in t["shape"])
                 if old is not None and old.xxh3 == digest and old.dtype == t["dtype"] and old.shape == shape:
@@ -246,133 +221,8 @@ class Persister:
                     fire, on_half = on_half, None
                     fire()
 
-        self._retrying(req, "data", lambda: storage.write(data_rel, body, atomic=False))
+        self._retrier.run(req, "data", lambda: storage.write(data_rel, body, atomic=False))
         return entries
-
-    # -- rank 0: the commit ------------------------------------------------------------------------------------
-
-    def _commit(self, storage: Storage, req: PersistRequest) -> bool:
-        step, token, world = req.step, req.token, req.world_size
-        step_dir = layout.step_dir_name(step)
-        metas = self._wait_for_metas(storage, req)
-        if metas is None:
-            return False
-        ranks, tensors, written = [], {}, 0
-        for rank in range(world):
-            raw = metas[rank]
-            parsed = json.loads(raw)
-            ranks.append(layout.RankEntry(layout.meta_name(rank, token), len(raw), xxh3(raw)))
-            for tid, entry in parsed["tensors"].items():
-                tensors[tid] = layout.TensorEntry.from_json(entry)
-            written += int(parsed["written_bytes"])
-        manifest = layout.Manifest(
-            step=step,
-            world_size=world,
-            token=token,
-            ranks=ranks,
-            tensors=tensors,
-            created=time.time(),
-            base=req.base,
-            written_bytes=written,
-        )
-        self._faults.before_commit()
-        text = manifest.to_json().encode()
-        self._retrying(req, "manifest", lambda: storage.write_bytes(f"{step_dir}/{layout.MANIFEST}", text))
-        self._events.emit(
-            "checkpoint_committed",
-            step=step,
-            bytes=manifest.state_bytes,
-            written_bytes=written,
-            kind="full" if manifest.base is None else "delta",
-            base=manifest.base,
-            seconds=time.monotonic() - req.snapshot_mono,
-            path=storage.display(step_dir),
-        )
-        self._committed = manifest
-        return True
-
-    def _prune(self, storage: Storage, req: PersistRequest) -> None:
-        manifest, self._committed = self._committed, None
-        self._prune_now(storage, req.keep_last, manifest)
-
-    def _prune_now(self, storage: Storage, keep_last: int, manifest: layout.Manifest | None) -> None:
-        """Retention after a commit. For a save the trainer does not wait on, it runs on the retention thread:
-        unlinking an old 100 MB file takes longer than writing the manifest, and neither the trainer nor the
-        next persist need wait for it. A step still being written has no manifest and is newer than every
-        committed one, so retention never takes it for an interrupted save."""
-        if manifest is None:
-            return
-        try:
-            with self._prune_lock:  # a waited-on save prunes on the persist thread: never two at once
-                removed = layout.prune(storage, keep_last, manifest)
-        except Exception as exc:  # the commit stands; old checkpoints go after a later save
-            self._events.emit("checkpoint_prune_failed", step=manifest.step, error=describe_error(exc))
-            return
-        if removed:
-            self._events.emit("checkpoint_pruned", step=manifest.step, removed=removed)
-
-    def _wait_for_metas(self, storage: Storage, req: PersistRequest) -> dict[int, bytes] | None:
-        step, token, world = req.step, req.token, req.world_size
-        step_dir = layout.step_dir_name(step)
-        wanted = {layout.meta_name(r, token): r for r in range(1, world)}  # rank 0's own meta is in memory
-        failed = {layout.failed_name(r, token): r for r in range(world)}
-        deadline = time.monotonic() + req.deadline_s
-        poll = POLL_LOCAL_S if storage.local_path() is not None else POLL_REMOTE_S
-        while wanted:
-            if self.quitting.is_set():
-                raise Quit
-            try:
-                names = set(storage.listdir(step_dir))
-            except Exception:  # an outage while polling: keep waiting until the deadline
-                names = set()
-            gave_up = sorted(failed[n] for n in names & set(failed))
-            if gave_up:
-                raise _GaveUp(f"rank {gave_up[0]} could not write its shard")
-            if set(wanted) <= names:
-                break
-            if time.monotonic() > deadline:
-                missing = sorted(r for n, r in wanted.items() if n not in names)
-                raise _GaveUp(f"ranks {missing} did not finish their shards within {req.deadline_s} s")
-            time.sleep(poll)
-        metas: dict[int, bytes] = {0: self._own_meta}
-        for name, rank in wanted.items():
-            rel = f"{step_dir}/{name}"
-            metas[rank] = self._retrying(req, "meta read", lambda rel=rel: storage.read(rel))  # type: ignore[misc]
-        return metas
-
-    # -- failure handling --------------------------------------------------------------------------------------
-
-    def _retrying(self, req: PersistRequest, what: str, op: Callable[[], Any]) -> Any:
-        """Run a storage operation until it succeeds or the persist deadline passes, backing off in between."""
-        deadline = req.snapshot_mono + req.deadline_s
-        delay = BACKOFF_START_S
-        attempt = 0
-        while True:
-            if self.quitting.is_set():
-                raise Quit
-            attempt += 1
-            try:
-                return op()
-            except _NOT_RETRIED:
-                raise
-            except Exception as exc:
-                error = describe_error(exc)
-                if time.monotonic() + delay > deadline:
-                    self._events.emit("checkpoint_write_failed", step=req.step, what=what, error=error)
-                    self._leave_failed_marker(req)
-                    raise _GaveUp(f"{what} could not be written: {error}") from exc
-                self._events.emit(
-                    "checkpoint_write_retry", step=req.step, what=what, attempt=attempt, error=error, backoff_s=delay
-                )
-                if self.quitting.wait(delay):
-                    raise Quit from exc
-                delay = min(delay * 2, BACKOFF_MAX_S)
-
-    def _leave_failed_marker(self, req: PersistRequest) -> None:
-        with contextlib.suppress(Exception):
-            storage = self._storage(req.url, req.options)
-            rel = f"{layout.step_dir_name(req.step)}/{layout.failed_name(req.rank, req.token)}"
-            storage.write_bytes(rel, b"")
 
     # -- resources ---------------------------------------------------------------------------------------------
 
@@ -390,14 +240,6 @@ class Persister:
             with open(f"/proc/{key[0]}/fd/{key[1]}", "rb") as f:
                 self._maps[key] = mmap.mmap(f.fileno(), key[2], prot=mmap.PROT_READ) if key[2] else mmap.mmap(-1, 1)
         return memoryview(self._maps[key])
-
-
-_NOT_RETRIED = (NameError, TypeError, AttributeError, KeyError, AssertionError, ImportError)
-"""Defects, not storage trouble: retrying them would only hide them until the deadline."""
-
-
-class _GaveUp(Exception):
-    """This save cannot be completed; the previous checkpoint stays the newest."""
 
 
 def _zstd() -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from stalwart.checkpoint import sharded
+from stalwart.checkpoint.format import sharded
 from stalwart.errors import CheckpointCorruptError, UnsavableStateError
 
 # Exact types: weights_only loading rebuilds these and nothing else. isinstance would let subclasses through

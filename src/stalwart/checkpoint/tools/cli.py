@@ -10,9 +10,10 @@ from typing import NoReturn
 
 from rich.table import Table
 
-from stalwart.checkpoint import inspect, layout
-from stalwart.checkpoint.export import export_dcp
+from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.storage import Storage, describe_error
+from stalwart.checkpoint.tools import inspect
+from stalwart.checkpoint.tools.export import export_dcp
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError, StalwartError
 from stalwart.telemetry.console import console
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from stalwart.checkpoint import layout
-from stalwart.checkpoint.manager import load_rank_state
-from stalwart.checkpoint.sharded import SavedShard
+from stalwart.checkpoint.format import layout
+from stalwart.checkpoint.format.sharded import SavedShard
+from stalwart.checkpoint.load.rank_state import load_rank_state
+from stalwart.checkpoint.load.verify import read_tensor
 from stalwart.checkpoint.storage import Storage, describe_error, open_storage
-from stalwart.checkpoint.verify import read_tensor
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 
 

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
 from stalwart.checkpoint.storage import Storage
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 
@@ -37,6 +39,11 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _QUARANTINED_DIR = re.compile(r"^step_(\d{8,})\.invalid-(\d+)$")
 _DATA_FILE = re.compile(r"^step_\d{8,}/rank\d{5,}\.[A-Za-z0-9_-]+\.data$")
 _META_FILE = re.compile(r"^rank\d{5,}\.[A-Za-z0-9_-]+\.meta\.json$")
+
+
+def xxh3(data: memoryview | bytes) -> str:
+    """The checksum of every tensor and meta file in a manifest."""
+    return xxhash.xxh3_64_hexdigest(data)
 
 
 def step_dir_name(step: int) -> str:

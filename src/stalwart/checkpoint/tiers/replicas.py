@@ -1,6 +1,6 @@
 """Peer replicas of memory snapshots (L3): each rank's snapshot is also kept in the memory of ranks on other nodes.
 
-Why: node memory (L2, checkpoint/memory.py) outlives a dead worker but not a dead node. When a node is lost, its
+Why: node memory (L2, checkpoint/tiers/memory.py) outlives a dead worker but not a dead node. When a node is lost, its
 ranks' snapshots went with it, and without a copy elsewhere every rank falls back to the durable checkpoint:
 up to `checkpoint_every` steps back, plus a read from storage. As in Gemini (SOSP'23), a rank's snapshot image is
 sent to ranks on other nodes, which keep it in their own node memory; a replacement node gets it back from them.
@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from stalwart.checkpoint.memory import MemoryTier
+from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.telemetry.events import EventLog
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import IO, Any
 
-from stalwart.checkpoint.persister import Persister
-from stalwart.checkpoint.request import PersistReply, PersistRequest
+from stalwart.checkpoint.save.persister import Persister
+from stalwart.checkpoint.save.request import PersistReply, PersistRequest
 from stalwart.telemetry.events import EventLog
 
 CLOSE_TIMEOUT_S = 30.0
@@ -54,7 +54,7 @@ class Background:
 
     def _start_process(self) -> None:
         log = {"path": str(self._events.path) if self._events.path else None, "common": self._events.common}
-        cmd = [sys.executable, "-m", "stalwart.checkpoint.persister", json.dumps(log)]
+        cmd = [sys.executable, "-m", "stalwart.checkpoint.save.persister", json.dumps(log)]
         self._proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, close_fds=True
         )

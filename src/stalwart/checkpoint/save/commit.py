@@ -1,0 +1,138 @@
+"""Where a checkpoint becomes visible: rank 0's persister writes the manifest last, then applies retention.
+
+Every rank's persister writes its data file and then its meta file. Rank 0's persister (the coordinator) waits
+for every rank's meta file, or for a rank's `.failed` marker, until the persist deadline; it then writes
+`manifest.json`, listing each rank's meta file with its xxh3 and every tensor. That write is the commit: a
+crash at any instant before it leaves the previous checkpoint the newest loadable one (load/verify.py reads a
+checkpoint back only through its manifest). Retention runs after the commit, on its own thread, because
+unlinking an old 100 MB file takes longer than writing the manifest and nobody needs to wait for it.
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+
+from stalwart.chaos.save_faults import SaveFaults
+from stalwart.checkpoint.format import layout
+from stalwart.checkpoint.save.request import PersistRequest
+from stalwart.checkpoint.save.retry import GaveUp, Quit, Retrier
+from stalwart.checkpoint.storage import Storage, describe_error
+from stalwart.telemetry.events import EventLog
+
+POLL_LOCAL_S = 0.01
+POLL_REMOTE_S = 0.2
+RETENTION_JOIN_S = 30.0
+
+
+class Committer:
+    """Rank 0's half of a save: gather the ranks' meta files, write the manifest, prune old checkpoints."""
+
+    def __init__(self, events: EventLog, retrier: Retrier, quitting: threading.Event) -> None:
+        self._events = events
+        self._retrier = retrier
+        self._quitting = quitting
+        self._retention: queue.Queue[tuple[Storage, int, layout.Manifest] | None] = queue.Queue()
+        self._retainer: threading.Thread | None = None
+        self._prune_lock = threading.Lock()
+
+    def commit(self, storage: Storage, req: PersistRequest, own_meta: bytes, faults: SaveFaults) -> layout.Manifest:
+        """Write the manifest of `req.step` once every rank's meta file is there; raises GaveUp otherwise."""
+        step, token, world = req.step, req.token, req.world_size
+        step_dir = layout.step_dir_name(step)
+        metas = self._wait_for_metas(storage, req, own_meta)
+        ranks, tensors, written = [], {}, 0
+        for rank in range(world):
+            raw = metas[rank]
+            parsed = json.loads(raw)
+            ranks.append(layout.RankEntry(layout.meta_name(rank, token), len(raw), layout.xxh3(raw)))
+            for tid, entry in parsed["tensors"].items():
+                tensors[tid] = layout.TensorEntry.from_json(entry)
+            written += int(parsed["written_bytes"])
+        manifest = layout.Manifest(
+            step=step,
+            world_size=world,
+            token=token,
+            ranks=ranks,
+            tensors=tensors,
+            created=time.time(),
+            base=req.base,
+            written_bytes=written,
+        )
+        faults.before_commit()
+        text = manifest.to_json().encode()
+        self._retrier.run(req, "manifest", lambda: storage.write_bytes(f"{step_dir}/{layout.MANIFEST}", text))
+        self._events.emit(
+            "checkpoint_committed",
+            step=step,
+            bytes=manifest.state_bytes,
+            written_bytes=written,
+            kind="full" if manifest.base is None else "delta",
+            base=manifest.base,
+            seconds=time.monotonic() - req.snapshot_mono,
+            path=storage.display(step_dir),
+        )
+        return manifest
+
+    def _wait_for_metas(self, storage: Storage, req: PersistRequest, own_meta: bytes) -> dict[int, bytes]:
+        step, token, world = req.step, req.token, req.world_size
+        step_dir = layout.step_dir_name(step)
+        wanted = {layout.meta_name(r, token): r for r in range(1, world)}  # rank 0's own meta is in memory
+        failed = {layout.failed_name(r, token): r for r in range(world)}
+        deadline = time.monotonic() + req.deadline_s
+        poll = POLL_LOCAL_S if storage.local_path() is not None else POLL_REMOTE_S
+        while wanted:
+            if self._quitting.is_set():
+                raise Quit
+            try:
+                names = set(storage.listdir(step_dir))
+            except Exception:  # an outage while polling: keep waiting until the deadline
+                names = set()
+            gave_up = sorted(failed[n] for n in names & set(failed))
+            if gave_up:
+                raise GaveUp(f"rank {gave_up[0]} could not write its shard")
+            if set(wanted) <= names:
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(r for n, r in wanted.items() if n not in names)
+                raise GaveUp(f"ranks {missing} did not finish their shards within {req.deadline_s} s")
+            time.sleep(poll)
+        metas: dict[int, bytes] = {0: own_meta}
+        for name, rank in wanted.items():
+            rel = f"{step_dir}/{name}"
+            metas[rank] = self._retrier.run(req, "meta read", lambda rel=rel: storage.read(rel))  # type: ignore[misc]
+        return metas
+
+    # -- retention ---------------------------------------------------------------------------------------------
+
+    def prune_later(self, storage: Storage, keep_last: int, manifest: layout.Manifest) -> None:
+        """Retention on the retention thread, so neither the trainer nor the next persist waits for it."""
+        self._retention.put((storage, keep_last, manifest))
+        if self._retainer is None:
+            self._retainer = threading.Thread(target=self._retain_loop, daemon=True, name="retention")
+            self._retainer.start()
+
+    def _retain_loop(self) -> None:
+        while (item := self._retention.get()) is not None:
+            self.prune(*item)
+
+    def prune(self, storage: Storage, keep_last: int, manifest: layout.Manifest) -> None:
+        """Retention after a commit. A step still being written has no manifest and is newer than every
+        committed one, so retention never takes it for an interrupted save."""
+        try:
+            with self._prune_lock:  # a waited-on save prunes on the persist thread: never two at once
+                removed = layout.prune(storage, keep_last, manifest)
+        except Exception as exc:  # the commit stands; old checkpoints go after a later save
+            self._events.emit("checkpoint_prune_failed", step=manifest.step, error=describe_error(exc))
+            return
+        if removed:
+            self._events.emit("checkpoint_pruned", step=manifest.step, removed=removed)
+
+    def finish(self) -> None:
+        """Let queued retention finish (bounded), at exit."""
+        if self._retainer is not None:
+            self._retention.put(None)
+            self._retainer.join(RETENTION_JOIN_S)
