@@ -93,6 +93,25 @@ def test_memory_tier_resumes_from_the_last_completed_step(launch: Any, reference
     _assert_same_as_reference(job, reference)
 
 
+def test_budgeted_snapshots_resume_from_the_newest_one_every_rank_holds(launch: Any, reference: Any) -> None:
+    """snapshot_every="auto": snapshots every `interval` steps, chosen from measured costs, the same on every
+    rank; a kill redoes at most the steps since the newest snapshot (or durable checkpoint)."""
+    from stalwart.policy.snapshot import WARMUP, interval_for
+
+    args = tiny_args("--steps", str(STEPS), "--snapshot-every", "auto", "--snapshot-budget", "0.005")
+    job = launch(args, env=child_env(STALWART_FAULTS="kill@rank=1,step=13"))
+    assert job.wait(180) == 0, job.output()
+    decisions = [e for e in job.events("snapshot_interval") if e["restart"] == 0]
+    assert decisions and decisions[0]["step"] == WARMUP, decisions
+    for d in decisions:
+        assert d["step_s"] > 0 and d["snapshot_s"] > 0 and d["budget"] == 0.005
+        assert d["interval"] == interval_for(d["snapshot_s"], d["step_s"], d["budget"])
+    largest = max(d["interval"] for d in decisions if d["step"] < 13)
+    (resumed,) = {(e["step"], e["tier"]) for e in job.events("resumed")}
+    assert 13 - largest <= resumed[0] <= 13, (resumed, decisions)
+    _assert_same_as_reference(job, reference)
+
+
 @pytest.mark.parametrize(("rank", "phase"), [(1, "shard_half_written"), (0, "before_commit")])
 def test_kill_inside_save_keeps_previous_checkpoint(launch: Any, reference: Any, rank: int, phase: str) -> None:
     fault = f"kill_in_save@rank={rank},step=12,phase={phase}"

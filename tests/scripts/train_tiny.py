@@ -53,6 +53,10 @@ class _Holder:
         self.state = state
 
 
+def _every(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ckpt", required=True)
@@ -66,7 +70,8 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--allow-resize", action="store_true")
     p.add_argument("--fsdp", action="store_true", help="shard model and optimizer with FSDP2 instead of DDP")
-    p.add_argument("--snapshot-every", type=int, default=1, help="memory-tier snapshots (0: durable only)")
+    p.add_argument("--snapshot-every", type=_every, default=1, help="memory-tier snapshots (0: durable only; auto)")
+    p.add_argument("--snapshot-budget", type=float, default=0.03, help="with --snapshot-every auto")
     p.add_argument("--replicated-snapshot-every", type=int, default=1, help=">1: light memory snapshots (L1)")
     p.add_argument("--peer-replicas", type=int, default=1, help="L3: copies of each snapshot on other nodes")
     p.add_argument("--per-rank-sched", action="store_true", help="the scheduler is per-rank state (not replicated)")
@@ -90,6 +95,7 @@ def main() -> None:
         replicated=() if args.fsdp else ("model", "optim") if args.per_rank_sched else ("model", "optim", "sched"),
         when_busy=args.when_busy,
         snapshot_every=args.snapshot_every,
+        snapshot_budget=args.snapshot_budget,
         replicated_snapshot_every=args.replicated_snapshot_every,
         peer_replicas=args.peer_replicas,
     )

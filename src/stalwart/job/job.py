@@ -42,6 +42,7 @@ from stalwart.errors import CheckpointMismatchError, ConfigError
 from stalwart.job import lifecycle
 from stalwart.job.commit import StepCommit
 from stalwart.job.rng import capture_rng, restore_rng
+from stalwart.policy.snapshot import SnapshotSchedule
 from stalwart.recovery import reform
 from stalwart.recovery.restore import Restorer
 from stalwart.runtime.dist import Comm, Placement, init_process_group
@@ -90,11 +91,16 @@ class JobConfig:
     """How long a background persist keeps retrying a failing store before that save is given up."""
     storage_options: dict[str, Any] | None = None
     """Passed to fsspec for a checkpoint_dir URL (e.g. {"endpoint_url": ...} for s3://)."""
-    snapshot_every: int = 1
+    snapshot_every: int | str = "auto"
     """Under `stalwart run`, copy the training state into node shared memory every this many steps (0: never).
     Those snapshots outlive a dead worker, so a restart resumes from the newest one held by every rank instead
-    of the durable checkpoint: nothing is read from storage and at most the interrupted step is redone. The
-    cost is one memory copy of this rank's state per snapshot (`snapshot_s` in step_done events)."""
+    of the durable checkpoint: nothing is read from storage, and only the steps since that snapshot are redone.
+    The cost is one memory copy of this rank's state per snapshot (`snapshot_s` in step_done events). "auto"
+    (the default): as often as `snapshot_budget` allows, from the measured step time and snapshot cost
+    (policy/snapshot.py), so the copy costs about that fraction of training time whatever the model size; a
+    `snapshot_interval` event records each choice and its inputs. 1: every step, whatever it costs."""
+    snapshot_budget: float = 0.03
+    """With snapshot_every="auto": the fraction of training time memory snapshots may take (0 < b < 1)."""
     replicated_snapshot_every: int = 1
     """1 (the default): every memory snapshot copies the whole state, so a restart loses at most the interrupted
     step whoever dies. N > 1, with survivors re-forming in place (`stalwart run`'s default): replicated parameters
@@ -129,8 +135,12 @@ class JobConfig:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
         if not isinstance(self.peer_replicas, int) or not 0 <= self.peer_replicas <= MAX_REPLICAS:
             raise ConfigError(f"peer_replicas must be an integer from 0 to {MAX_REPLICAS}, got {self.peer_replicas!r}")
-        if not isinstance(self.snapshot_every, int) or self.snapshot_every < 0:
-            raise ConfigError(f"snapshot_every must be an integer >= 0, got {self.snapshot_every!r}")
+        if self.snapshot_every != "auto" and (
+            not isinstance(self.snapshot_every, int) or isinstance(self.snapshot_every, bool) or self.snapshot_every < 0
+        ):
+            raise ConfigError(f'snapshot_every must be "auto" or an integer >= 0, got {self.snapshot_every!r}')
+        if not isinstance(self.snapshot_budget, int | float) or not 0 < self.snapshot_budget < 1:
+            raise ConfigError(f"snapshot_budget must be a fraction between 0 and 1, got {self.snapshot_budget!r}")
         if self.hang_timeout_s is not None and (
             not isinstance(self.hang_timeout_s, int | float) or not 0 < self.hang_timeout_s < float("inf")
         ):
@@ -178,7 +188,7 @@ class Job:
             MemoryTier.from_env(
                 self.placement.rank, self.placement.world_size, self.placement.local_rank, _local_world_size()
             )
-            if self.config.snapshot_every
+            if self.config.snapshot_every != 0
             else None
         )
         self._replicas = PeerReplicas(
@@ -188,6 +198,7 @@ class Job:
         self._reform = self._memory is not None and reform.enabled()
         self._versions: dict[int, int] | None = None  # live tensors' data pointer -> version, at self.step
         self._commit: StepCommit | None = None  # light snapshots' commit point at the optimizer step
+        self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self.config.snapshot_budget, 0)
         self._replicated_skeleton: tuple[int, dict[str, Any]] | None = None  # (step, skeleton) for a stash
         self._busy_step = False
         self._saved_once = False
@@ -337,6 +348,7 @@ class Job:
             self._versions = self._live_versions()
             self._remember_replicated_skeleton(self._state())
             self._start_commit()
+        self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self.config.snapshot_budget, self.step)
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
         first = True
         while self.step < max_steps:
@@ -350,7 +362,7 @@ class Job:
                 if self.step != self._last_saved:
                     self.save(wait=True)
                 break
-            if self._commit is not None and not first and (self.step + 1) % self.config.snapshot_every == 0:
+            if self._commit is not None and not first and self._schedule.due(self.step + 1):
                 self._commit.arm(self.step, set(self._versions or ()))  # the first step may create optimizer state
             try:
                 yield self.step, batch
@@ -365,11 +377,13 @@ class Job:
             step_s = time.monotonic() - started
             if not self._busy_step:
                 self._hang.observe(step_s)
+                self._schedule.observe_step(step_s)
             self._busy_step = False
             if self._light_wanted():
                 self._versions = self._live_versions()
-            if self._memory is not None and self.step % self.config.snapshot_every == 0:
+            if self._memory is not None and self._schedule.due(self.step):
                 self._snapshot()
+                self._plan_snapshots()
             reform.allow_requests()  # a re-forming request deferred by the commit point is raised here
             if first or self.step % self.config.log_every == 0:
                 self._log_step(step_s)
@@ -422,6 +436,33 @@ class Job:
             self._last_saved = self.step
         return taken
 
+    def _fixed_snapshot_every(self) -> int | None:
+        """The fixed snapshot interval, or None for the budgeted one. Light snapshots are cheap by design and
+        their full copies are counted in steps, so under them "auto" means every step."""
+        every = self.config.snapshot_every
+        if every == "auto":
+            return 1 if self._light_wanted() else None
+        return max(int(every), 1)  # 0: no memory tier, so no snapshot is ever due
+
+    def _plan_snapshots(self) -> None:
+        """After a snapshot: the next one's step, from costs every rank agrees on (policy/snapshot.py)."""
+
+        def agree(step_s: float, snapshot_s: float) -> tuple[float, float]:
+            mine = [round(step_s * 1e6), round(snapshot_s * 1e6)]
+            gathered = self.comm.all_gather_ints(mine)
+            return max(g[0] for g in gathered) / 1e6, max(g[1] for g in gathered) / 1e6
+
+        decision = self._schedule.taken(self.step, self._snapshot_s, agree)
+        if decision is not None and self.is_main:
+            self.events.emit(
+                "snapshot_interval",
+                step=decision.step,
+                interval=decision.interval,
+                step_s=decision.step_s,
+                snapshot_s=decision.snapshot_s,
+                budget=decision.budget,
+            )
+
     def _light_wanted(self) -> bool:
         """Light snapshots: asked for, under re-forming, and not turned off by the commit point's check."""
         off = self._commit is not None and self._commit.off is not None
@@ -451,8 +492,9 @@ class Job:
         assert self._memory is not None
         state, replicated = self._state(), self.checkpointer.replicated
         seconds = 0.0
-        every = self.config.replicated_snapshot_every * self.config.snapshot_every
-        light = self._light_wanted() and every > self.config.snapshot_every and bool(self._versions)
+        snapshot_every = self._schedule.interval  # fixed under light snapshots (see _fixed_snapshot_every)
+        every = self.config.replicated_snapshot_every * snapshot_every
+        light = self._light_wanted() and every > snapshot_every and bool(self._versions)
         full = not light or self.step % every == 0
         push = "full" if full else ""  # which image goes to the peer replicas (L3): the one this step relies on
         if light:
@@ -573,6 +615,7 @@ class Job:
         metrics = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in self._metrics.items()}
         if self._memory is not None:
             metrics["snapshot_s"] = self._snapshot_s
+            metrics["snapshot_every"] = self._schedule.interval
         self.events.emit("step_done", step=self.step, step_s=step_s, **metrics)
 
     def _announce(self, fault: Fault) -> None:

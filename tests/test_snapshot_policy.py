@@ -1,0 +1,88 @@
+"""The budgeted memory-snapshot interval (policy/snapshot.py): from measured costs, the same on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalwart.errors import ConfigError
+from stalwart.job.job import JobConfig
+from stalwart.policy.snapshot import MAX_INTERVAL, WARMUP, SnapshotSchedule, interval_for
+
+
+def test_the_interval_keeps_the_copy_within_the_budget() -> None:
+    assert interval_for(0.005, 0.052, 0.03) == 4  # the bench job on 2 cores: 5 ms copy, 52 ms step
+    assert interval_for(0.55, 0.057, 0.03) == 322  # the 487M-parameter MLP on an H100
+    assert interval_for(0.001, 0.1, 0.03) == 1  # cheaper than the budget: every step
+    assert interval_for(0.03, 1.0, 0.03) == 1  # exactly the budget
+    assert interval_for(0.0, 0.0, 0.03) == 1
+    assert interval_for(1.0, 0.0, 0.03) == MAX_INTERVAL
+    for snap, step in [(0.005, 0.052), (0.55, 0.057), (0.2, 0.01)]:
+        k = interval_for(snap, step, 0.03)
+        assert snap / (k * step) <= 0.03 < snap / ((k - 1) * step) if k > 1 else True
+
+
+def _run(schedule: SnapshotSchedule, steps: int, step_s: float, snap_s: float, peers: float = 0.0) -> list[int]:
+    """Drive a schedule as the Job does; `peers` is another rank's snapshot cost, for the agreement."""
+    taken = []
+    agreed = []
+
+    def agree(mine_step: float, mine_snap: float) -> tuple[float, float]:
+        agreed.append((mine_step, mine_snap))
+        return mine_step, max(mine_snap, peers)
+
+    for step in range(schedule.next_step, steps + 1):
+        schedule.observe_step(step_s)
+        if schedule.due(step):
+            taken.append(step)
+            schedule.taken(step, snap_s, agree)
+    return taken
+
+
+def test_after_the_warmup_snapshots_follow_the_budget() -> None:
+    schedule = SnapshotSchedule(None, 0.03, start=0)
+    taken = _run(schedule, 40, step_s=0.05, snap_s=0.006)  # interval 4
+    assert taken[:WARMUP] == [1, 2, 3]
+    assert taken[WARMUP:] == [7, 11, 15, 19, 23, 27, 31, 35, 39]
+    assert schedule.interval == 4
+
+
+def test_the_slowest_rank_sets_the_interval_for_everyone() -> None:
+    schedule = SnapshotSchedule(None, 0.03, start=100)
+    taken = _run(schedule, 140, step_s=0.05, snap_s=0.001, peers=0.012)  # another rank copies 12 ms: interval 8
+    assert taken == [101, 102, 103, 111, 119, 127, 135]
+
+
+def test_a_decision_is_reported_with_its_inputs_after_the_warmup_and_when_the_interval_changes() -> None:
+    schedule = SnapshotSchedule(None, 0.03, start=0)
+    decisions = []
+    for step in range(1, 60):
+        schedule.observe_step(0.05)
+        if schedule.due(step):
+            decisions.append(schedule.taken(step, 0.006 if step < 30 else 0.0005, lambda a, b: (a, b)))
+    made = [(d.step, d.interval, d.step_s, d.snapshot_s) for d in decisions if d is not None]
+    assert made == [(3, 4, 0.05, 0.006), (31, 1, 0.05, 0.0005)]
+    cheap = SnapshotSchedule(None, 0.03, start=0)
+    first = [cheap.taken(step, 0.0001, lambda a, b: (0.05, b)) for step in (1, 2, 3, 4)]
+    assert [d is not None for d in first] == [False, False, True, False], "the first decision, even of 1 step"
+
+
+def test_a_fixed_interval_counts_from_step_zero_whatever_the_resume_step() -> None:
+    schedule = SnapshotSchedule(5, 0.03, start=13)
+    assert _run(schedule, 40, step_s=0.05, snap_s=1.0) == [15, 20, 25, 30, 35, 40]
+
+
+@pytest.mark.parametrize("bad", [-1, "often", 1.5, True])
+def test_a_bad_snapshot_every_is_one_clear_error(bad: object) -> None:
+    with pytest.raises(ConfigError, match="snapshot_every"):
+        JobConfig(checkpoint_dir="x", snapshot_every=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, 1, -0.1, "3%"])
+def test_a_bad_snapshot_budget_is_one_clear_error(bad: object) -> None:
+    with pytest.raises(ConfigError, match="snapshot_budget"):
+        JobConfig(checkpoint_dir="x", snapshot_budget=bad)  # type: ignore[arg-type]
+
+
+def test_the_default_is_the_budgeted_interval() -> None:
+    config = JobConfig(checkpoint_dir="x")
+    assert (config.snapshot_every, config.snapshot_budget) == ("auto", 0.03)
