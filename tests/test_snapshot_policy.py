@@ -85,4 +85,4 @@ def test_a_bad_snapshot_budget_is_one_clear_error(bad: object) -> None:
 
 def test_the_default_is_the_budgeted_interval() -> None:
     config = JobConfig(checkpoint_dir="x")
-    assert (config.snapshot_every, config.snapshot_budget) == ("auto", 0.03)
+    assert (config.snapshot_every, config.snapshot_budget) == ("auto", 0.02)

@@ -99,8 +99,9 @@ class JobConfig:
     (the default): as often as `snapshot_budget` allows, from the measured step time and snapshot cost
     (policy/snapshot.py), so the copy costs about that fraction of training time whatever the model size; a
     `snapshot_interval` event records each choice and its inputs. 1: every step, whatever it costs."""
-    snapshot_budget: float = 0.03
-    """With snapshot_every="auto": the fraction of training time memory snapshots may take (0 < b < 1)."""
+    snapshot_budget: float = 0.02
+    """With snapshot_every="auto": the fraction of training time memory snapshots may take (0 < b < 1). 2% leaves
+    room for the durable checkpoints' stall and the per-step bookkeeping within 3% of step time."""
     replicated_snapshot_every: int = 1
     """1 (the default): every memory snapshot copies the whole state, so a restart loses at most the interrupted
     step whoever dies. N > 1, with survivors re-forming in place (`stalwart run`'s default): replicated parameters
@@ -382,8 +383,9 @@ class Job:
             if self._light_wanted():
                 self._versions = self._live_versions()
             if self._memory is not None and self._schedule.due(self.step):
+                snapshot_started = time.perf_counter()
                 self._snapshot()
-                self._plan_snapshots()
+                self._plan_snapshots(time.perf_counter() - snapshot_started)
             reform.allow_requests()  # a re-forming request deferred by the commit point is raised here
             if first or self.step % self.config.log_every == 0:
                 self._log_step(step_s)
@@ -444,15 +446,16 @@ class Job:
             return 1 if self._light_wanted() else None
         return max(int(every), 1)  # 0: no memory tier, so no snapshot is ever due
 
-    def _plan_snapshots(self) -> None:
-        """After a snapshot: the next one's step, from costs every rank agrees on (policy/snapshot.py)."""
+    def _plan_snapshots(self, seconds: float) -> None:
+        """After a snapshot that took `seconds` on the training thread (gathering the state, the copy, the
+        replicas): the next one's step, from costs every rank agrees on (policy/snapshot.py)."""
 
         def agree(step_s: float, snapshot_s: float) -> tuple[float, float]:
             mine = [round(step_s * 1e6), round(snapshot_s * 1e6)]
             gathered = self.comm.all_gather_ints(mine)
             return max(g[0] for g in gathered) / 1e6, max(g[1] for g in gathered) / 1e6
 
-        decision = self._schedule.taken(self.step, self._snapshot_s, agree)
+        decision = self._schedule.taken(self.step, seconds, agree)
         if decision is not None and self.is_main:
             self.events.emit(
                 "snapshot_interval",

@@ -1,0 +1,154 @@
+"""`stalwart bench overhead`: what stalwart costs a training step, with its defaults and with each tier alone.
+
+The same job (overhead_job.py: one rank, an MLP, AdamW) runs plain, without stalwart, and under `stalwart run`
+in each configuration of CONFIGS, in `rounds` rounds whose order rotates, so that a machine that drifts (a
+shared VM's step time moved by 30% between runs here) weighs on every configuration alike. A configuration's
+ratio is its median step time over the plain one's, all rounds pooled. Means are reported too: a durable
+checkpoint every 100 steps hides from a median. The inline overhead is measured inside each run: the time
+between the end of one step's body and the start of the next (stalwart's work on the training thread) over the
+body's time; it is free of the drift between runs but misses what background work takes from the body. The
+floor is one copy of the whole state into preallocated host memory: what a snapshot every step costs at least.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stalwart.bench.checkpoint import machine_info, make_run_dir
+from stalwart.errors import StalwartError
+from stalwart.runtime.process import spawn
+from stalwart.telemetry.events import read_events
+
+NEVER = 10**9
+CONFIGS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "durable_only": {"snapshot_every": 0},
+    "memory_only": {"checkpoint_every": NEVER},
+    "memory_every_step": {"snapshot_every": 1, "checkpoint_every": NEVER},
+}
+"""JobConfig keywords per configuration. memory_every_step is what the memory tier cost before the budget."""
+RUN_TIMEOUT_S = 900
+
+Progress = Callable[[str], None]
+
+
+class BenchError(StalwartError):
+    """A measurement could not be made; one line says why."""
+
+
+def run_bench(
+    *,
+    params: int,
+    device: str,
+    steps: int,
+    warmup: int,
+    batch: int,
+    configs: list[str],
+    rounds: int,
+    parent: Path | None,
+    progress: Progress,
+) -> dict[str, Any]:
+    run_dir, created = make_run_dir(parent)
+    started = time.perf_counter()
+    try:
+        job = {"params": params, "device": device, "steps": steps, "warmup": warmup, "batch": batch}
+        order: list[str | None] = [None, *configs]  # None: plain
+        runs: dict[str | None, list[dict[str, Any]]] = {name: [] for name in order}
+        for r in range(rounds):
+            for name in order[r % len(order) :] + order[: r % len(order)]:
+                label = f"{name or 'plain'}, round {r + 1} of {rounds}"
+                where = run_dir / f"{name or 'plain'}-{r}"
+                runs[name].append(_run(where, label, None if name is None else CONFIGS[name], job, progress))
+        machine = machine_info(run_dir)
+    finally:
+        shutil.rmtree(created, ignore_errors=True)
+    plain = runs.pop(None)
+    return build_report(plain, runs, job, machine, time.perf_counter() - started)  # type: ignore[arg-type]
+
+
+def _run(workdir: Path, label: str, config: dict[str, Any] | None, job: dict[str, Any], progress: Progress) -> dict:
+    workdir.mkdir(parents=True)
+    result = workdir / "result.json"
+    args = ["-m", "stalwart.bench.overhead_job", "--result", str(result), "--params", str(job["params"]),
+            "--batch", str(job["batch"]), "--steps", str(job["steps"]), "--warmup", str(job["warmup"]),
+            "--device", job["device"]]  # fmt: skip
+    log = workdir / "events.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
+    if config is None:
+        cmd = [sys.executable, *args, "--mode", "plain"]
+    else:
+        cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", "1", "--event-log", str(log), *args,
+               "--mode", "stalwart", "--ckpt", str(workdir / "ckpt"), "--config", json.dumps(config)]  # fmt: skip
+    progress(f"{label}: started")
+    clock = time.perf_counter()
+    with open(workdir / "output.log", "wb") as out:
+        proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+        try:
+            code = proc.wait(RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            proc.kill()
+            proc.wait()
+            raise BenchError(f"{label} ran for more than {RUN_TIMEOUT_S} s; stopped it") from exc
+    if code != 0 or not result.exists():
+        tail = (workdir / "output.log").read_text(errors="replace").strip().splitlines()[-15:]
+        sys.stderr.write("".join(f"  | {line}\n" for line in tail))
+        raise BenchError(f"{label} failed (exit status {code}); its output's end is above")
+    measured: dict[str, Any] = json.loads(result.read_text())
+    if config is not None:
+        intervals = [e["interval"] for e in read_events(log) if e["event"] == "snapshot_interval"]
+        measured["snapshot_every"] = intervals[-1] if intervals else (config.get("snapshot_every", 1) or None)
+    median = statistics.median(measured["step_times"])
+    progress(f"{label}: done in {time.perf_counter() - clock:.1f} s (median step {median * 1e3:.2f} ms)")
+    return measured
+
+
+def _pooled(runs: list[dict[str, Any]], key: str) -> list[float]:
+    return [t for r in runs for t in r[key]]
+
+
+def build_report(
+    plain: list[dict[str, Any]],
+    results: dict[str, list[dict[str, Any]]],
+    job: dict[str, Any],
+    machine: dict[str, Any],
+    seconds: float,
+) -> dict[str, Any]:
+    pooled = _pooled(plain, "step_times")
+    plain_s, plain_mean = statistics.median(pooled), statistics.fmean(pooled)
+    configs = {}
+    for name, runs in results.items():
+        steps, bodies = _pooled(runs, "step_times"), _pooled(runs, "body_times")
+        step_s, mean_s = statistics.median(steps), statistics.fmean(steps)
+        configs[name] = {
+            "step_s": step_s,
+            "ratio": step_s / plain_s,
+            "mean_step_s": mean_s,
+            "mean_ratio": mean_s / plain_mean,
+            "inline_overhead": (mean_s - statistics.fmean(bodies)) / statistics.fmean(bodies),
+            "snapshot_every": runs[-1].get("snapshot_every"),
+            "config": CONFIGS[name],
+        }
+    memcpy_s = statistics.median(p["memcpy_s"] for p in plain)
+    medians = [statistics.median(p["step_times"]) for p in plain]
+    return {
+        "plain_step_s": plain_s,
+        "plain_mean_step_s": plain_mean,
+        "plain_spread": max(medians) / min(medians),
+        "rounds": len(plain),
+        "configs": configs,
+        "floor": {"memcpy_s": memcpy_s, "every_step_ratio": (plain_s + memcpy_s) / plain_s},
+        "params": plain[0]["params"],
+        "state_bytes": plain[0]["state_bytes"],
+        **{k: job[k] for k in ("device", "steps", "warmup", "batch")},
+        "machine": machine,
+        "seconds": seconds,
+    }

@@ -1,0 +1,55 @@
+"""`stalwart bench overhead`: one small run end to end, its JSON shape, and one-line errors on bad input.
+
+No timing thresholds: the step times depend on the machine (and on this VM they drift by 20% between runs); the
+test checks that each figure is measured and that the configurations really differ where they must.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from stalwart.cli import main
+
+
+def test_a_small_run_reports_plain_and_each_configuration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "overhead", "--params", "20k", "--steps", "30", "--warmup", "5", "--rounds", "1",
+            "--configs", "default,durable_only,memory_every_step", "--json", "--dir", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)  # stdout is exactly one JSON object
+    assert set(report["configs"]) == {"default", "durable_only", "memory_every_step"}
+    assert report["plain_step_s"] > 0 and 15_000 < report["params"] < 25_000
+    for name, c in report["configs"].items():
+        for key in ("step_s", "ratio", "mean_step_s", "mean_ratio"):
+            assert math.isfinite(c[key]) and c[key] > 0, (name, key)
+        assert math.isfinite(c["inline_overhead"]), name
+        assert c["ratio"] == pytest.approx(c["step_s"] / report["plain_step_s"])
+    assert report["configs"]["durable_only"]["snapshot_every"] is None
+    assert report["configs"]["memory_every_step"]["snapshot_every"] == 1
+    assert report["configs"]["default"]["snapshot_every"] >= 1  # the budgeted interval it chose
+    assert report["floor"]["memcpy_s"] > 0 and report["floor"]["every_step_ratio"] > 1
+    for label in ("plain", "default", "durable_only", "memory_every_step"):
+        assert f"{label}, round 1 of 1: done" in err
+    assert list(tmp_path.iterdir()) == []  # the bench removed its own directory, and nothing else
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--params", "lots"], "--params"),
+        (["--params", "10"], "--params"),
+        (["--configs", "default,fast"], "unknown configuration 'fast'"),
+        (["--device", "tpu"], "--device"),
+        (["--steps", "10", "--warmup", "9"], "--warmup"),
+        (["--rounds", "0"], "--rounds"),
+    ],
+)
+def test_bad_flags_are_one_line_and_exit_2(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "overhead", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
