@@ -182,6 +182,7 @@ SLOW_TESTS = {
         "test_memory_tier_resumes_from_the_last_completed_step",
         "test_kill_inside_save_keeps_previous_checkpoint[0-before_commit]",
         "test_corrupt_newest_shard_falls_back_on_every_rank",
+        "test_budgeted_snapshots_resume_from_the_newest_one_every_rank_holds",
     ),
     "test_reform.py": (
         "test_survivors_keep_their_process_and_the_run_ends_bitwise_identical[hang",
@@ -197,6 +198,7 @@ SLOW_TESTS = {
         "test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical[sleep]",
         "test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical[deadlock]",
         "test_a_long_stretch_marked_busy_is_not_a_hang",
+        "test_a_stopped_survivor_is_killed_at_once_in_any_phase[kill@rank=0,step=8;",
     ),
     "test_leftovers.py": (
         "test_sigkill_of_bench_recovery_in_its_torchrun_phase_leaves_nothing",

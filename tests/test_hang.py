@@ -104,13 +104,43 @@ def test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical(launch:
         assert [(e["rank"], e["cause"]) for e in detected] == [(1, "stopped by a signal")]
     else:  # a deadlock looks like waiting in a collective from outside: every overdue rank goes
         assert 1 in {e["rank"] for e in detected}
-    assert all(e["silent_s"] >= e["timeout_s"] for e in detected)
+    # A stopped rank is killed as soon as it is seen stopped; any other only after its deadline.
+    assert all(e["silent_s"] >= e["timeout_s"] for e in detected if e["cause"] == "no progress")
     assert "hung at step 12" in job.output()
     assert len(job.events("restarting")) == 1
     results, expected = job.results(), reference.results()
     assert [results[r]["sha256"] for r in (0, 1)] == [expected[r]["sha256"] for r in (0, 1)]
     assert [results[r]["seen"] for r in (0, 1)] == [expected[r]["seen"] for r in (0, 1)]
     assert not [pid for pid in job.worker_pids(restart=0).values() if alive(pid)], "no orphaned worker"
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [
+        "hang@rank=1,step=12;kill@rank=0,step=12",  # a stop and a kill at once
+        # right after a restart, in the start's grace period: the stop is not waited for until a deadline
+        "kill@rank=0,step=8;hang@rank=1,step=10,restart=1;kill@rank=0,step=10,restart=1",
+    ],
+)
+def test_a_stopped_survivor_is_killed_at_once_in_any_phase(launch: Any, faults: str) -> None:
+    from stalwart.supervisor.host_pool import REARM_TIMEOUT_S
+
+    args = tiny_args("--steps", "24", "--step-sleep", "0.05")
+    reference = launch(args, name="reference")
+    assert reference.wait(120) == 0, reference.output()
+    job = launch(args, name="compound", env=child_env(STALWART_FAULTS=faults))
+    assert job.wait(180) == 0, job.output()
+    stops = [e for e in job.events("hang_detected") if e["cause"] == "stopped by a signal"]
+    assert [e["rank"] for e in stops] == [1], job.events("hang_detected")
+    # Killed before its heartbeat deadline (the 300 s grace after a start, or the calibrated step timeout):
+    # the stop itself is the proof.
+    assert stops[0]["timeout_s"] is None or stops[0]["silent_s"] < stops[0]["timeout_s"], stops
+    # No survivor was waited for until the re-arm timeout: a stopped one cannot re-arm.
+    assert all(e["seconds"] < REARM_TIMEOUT_S for e in job.events("survivors_rearmed")), job.events("survivors_rearmed")
+    results, expected = job.results(), reference.results()
+    assert [results[r]["sha256"] for r in (0, 1)] == [expected[r]["sha256"] for r in (0, 1)]
+    assert [results[r]["seen"] for r in (0, 1)] == [expected[r]["seen"] for r in (0, 1)]
+    assert not [pid for restart in (0, 1) for pid in job.worker_pids(restart=restart).values() if alive(pid)]
 
 
 def test_a_long_stretch_marked_busy_is_not_a_hang(launch: Any) -> None:

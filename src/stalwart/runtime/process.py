@@ -69,3 +69,18 @@ def first_line(exc: BaseException, *, with_type: bool = False) -> str:
         return type(exc).__name__
     line = text.splitlines()[0]
     return f"{type(exc).__name__}: {line}" if with_type else line
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat ('R', 'S', 'D', 'T' stopped, 't' traced, 'Z'...), '?' when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def stopped(pid: int) -> bool:
+    """Stopped by a signal (SIGSTOP, SIGTSTP): it cannot act on SIGTERM, or anything else, until continued. A
+    process stopped by a debugger ('t') is not counted: someone is looking at it."""
+    return process_state(pid) == "T"

@@ -27,6 +27,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from stalwart.detect.heartbeat import Beat, Board
 from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
+from stalwart.runtime.process import process_state, stopped
 from stalwart.supervisor.host_pool import Host, HostContext, SparePool, running_in
 from stalwart.telemetry.events import EventLog
 
@@ -41,15 +42,6 @@ def signal_name(exitcode: int) -> str | None:
         return f"signal {-exitcode}"
 
 
-def process_state(pid: int) -> str:
-    """The state letter of /proc/<pid>/stat ('R', 'S', 'D', 'T' stopped, 'Z'...), or '?' when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -58,6 +50,11 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return process_state(pid) != "Z"
+
+
+STOP_CONFIRM_S = 0.5
+"""How long a worker must stay stopped (state T) before it is killed: a SIGSTOP followed at once by SIGCONT (job
+control in a terminal) is not a hang."""
 
 
 class StalwartAgent(LocalElasticAgent):
@@ -84,6 +81,7 @@ class StalwartAgent(LocalElasticAgent):
         self._failed_at: float | None = None
         self._pids: dict[int, int] = {}  # local rank -> pid of the current workers
         self._hung: dict[int, str] = {}  # global rank -> why it was killed as hung
+        self._stopped_since: dict[int, int] = {}  # pid -> monotonic ns when it was first seen stopped
         self.user_error = False
 
     @property
@@ -160,6 +158,7 @@ class StalwartAgent(LocalElasticAgent):
         super()._shutdown(*args, **kwargs)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._kill_stopped(worker_group)  # it would neither re-arm nor act on SIGTERM: never wait for it
         ctx = self._pcontext
         if self._reforming and isinstance(ctx, HostContext):
             started = time.monotonic()
@@ -173,6 +172,7 @@ class StalwartAgent(LocalElasticAgent):
         super()._stop_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._check_stopped(worker_group)
         if self._board is not None:
             self._check_hangs(worker_group, self._board)
         if self._spares is not None:
@@ -182,6 +182,37 @@ class StalwartAgent(LocalElasticAgent):
             self._failed_at = time.monotonic()
             self._report_failure(result)
         return result
+
+    def _check_stopped(self, worker_group: WorkerGroup) -> None:
+        """Kill a worker stopped by a signal once it has stayed stopped for STOP_CONFIRM_S, whatever its
+        heartbeat deadline (a start's grace period is 300 s): a stopped process makes no progress, answers no
+        signal but SIGKILL, and stalls every peer waiting for it in a collective. Its peers then fail or re-form
+        as after any death."""
+        if self._hung:
+            return
+        now = time.monotonic_ns()
+        seen = {pid: self._stopped_since.get(pid, now) for pid in self._pids.values() if stopped(pid)}
+        self._stopped_since = seen
+        confirmed = {pid for pid, since in seen.items() if now - since >= STOP_CONFIRM_S * 1e9}
+        victims = [w for w in worker_group.workers if self._pids.get(w.local_rank) in confirmed]
+        board = self._board
+        for worker in victims:
+            pid = self._pids[worker.local_rank]
+            beat = board.read(worker.local_rank) if board is not None else None
+            beat = beat if beat is not None and beat.pid == pid else None
+            self._kill_hung(worker, pid, beat, "stopped by a signal", now, (now - seen[pid]) / 1e9)
+
+    def _kill_stopped(self, worker_group: WorkerGroup) -> None:
+        """At a restart: a worker stopped by a signal is killed now, with the event that says why."""
+        now = time.monotonic_ns()
+        for worker in worker_group.workers:
+            pid = self._pids.get(worker.local_rank)
+            if pid is None or worker.global_rank in self._hung or not stopped(pid):
+                continue
+            beat = self._board.read(worker.local_rank) if self._board is not None else None
+            beat = beat if beat is not None and beat.pid == pid else None
+            since = self._stopped_since.get(pid, now)
+            self._kill_hung(worker, pid, beat, "stopped by a signal", now, (now - since) / 1e9)
 
     def _check_hangs(self, worker_group: WorkerGroup, board: Board) -> None:
         """Kill workers that stopped beating; torch elastic then sees them fail and the usual restart follows.
@@ -202,28 +233,32 @@ class StalwartAgent(LocalElasticAgent):
         overdue = [(w, b) for w, b in watched if now > b.deadline_ns]
         if not overdue:
             return
-        stopped = [(w, b) for w, b in watched if process_state(b.pid) in ("T", "t")]
-        for worker, beat in stopped or overdue:
+        halted = [(w, b) for w, b in watched if process_state(b.pid) in ("T", "t")]
+        for worker, beat in halted or overdue:
+            cause = "stopped by a signal" if (worker, beat) in halted else "no progress"
+            self._kill_hung(worker, beat.pid, beat, cause, now, (now - beat.beat_ns) / 1e9)
+
+    def _kill_hung(self, worker: Any, pid: int, beat: Beat | None, cause: str, now: int, silent: float) -> None:
+        if beat is not None:
             silent = (now - beat.beat_ns) / 1e9
-            timeout = (beat.deadline_ns - beat.beat_ns) / 1e9
-            state = "stopped by a signal" if (worker, beat) in stopped else "no progress"
-            self._events.emit(
-                "hang_detected",
-                rank=worker.global_rank,
-                local_rank=worker.local_rank,
-                worker_pid=beat.pid,
-                step=beat.step,
-                phase=beat.phase_name,
-                silent_s=round(silent, 3),
-                timeout_s=round(timeout, 3),
-                cause=state,
-                restart=self.restart_count,
-            )
-            self._hung[worker.global_rank] = (
-                f"hung at step {beat.step} ({state}; no heartbeat for {silent:.1f} s, timeout {timeout:.1f} s)"
-            )
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(beat.pid, signal.SIGKILL)
+        timeout = (beat.deadline_ns - beat.beat_ns) / 1e9 if beat is not None and beat.deadline_ns else None
+        self._events.emit(
+            "hang_detected",
+            rank=worker.global_rank,
+            local_rank=worker.local_rank,
+            worker_pid=pid,
+            step=beat.step if beat is not None else None,
+            phase=beat.phase_name if beat is not None else None,
+            silent_s=round(silent, 3),
+            timeout_s=round(timeout, 3) if timeout is not None else None,
+            cause=cause,
+            restart=self.restart_count,
+        )
+        where = f"at step {beat.step} " if beat is not None else ""
+        limit = f", timeout {timeout:.1f} s" if timeout is not None else ""
+        self._hung[worker.global_rank] = f"hung {where}({cause}; no heartbeat for {silent:.1f} s{limit})"
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
     def _report_failure(self, result: RunResult) -> None:
         causes, consequences = [], []

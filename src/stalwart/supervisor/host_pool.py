@@ -32,6 +32,7 @@ from typing import Any
 from stalwart.errors import EXIT_PEER_LOST
 from stalwart.recovery.reform import REFORM_SIGNAL
 from stalwart.runtime.env import HOST_STATUS_FD_ENV, HOST_WARM_ENV
+from stalwart.runtime.process import stopped
 from stalwart.supervisor.host_protocol import Activation, HostStatus
 from stalwart.telemetry.events import EventLog
 
@@ -66,6 +67,10 @@ class Host:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def stopped(self) -> bool:
+        """Stopped by a signal (runtime/process.stopped): the host or the worker it became."""
+        return stopped(self.proc.pid)
 
     def _read_status(self) -> None:
         while self._status >= 0 and select.select([self._status], [], [], 0)[0]:
@@ -217,7 +222,8 @@ class HostContext:
         asked: set[int] = set()
         end = time.monotonic() + timeout
         while True:
-            pending = [r for r, h in self._workers.items() if h.alive() and not h.poll_rearmed()]
+            # A stopped survivor cannot re-arm until it is continued: it is not waited for, and close() kills it.
+            pending = [r for r, h in self._workers.items() if h.alive() and not h.poll_rearmed() and not h.stopped()]
             for rank in pending:
                 if rank not in asked:
                     self._workers[rank].ask_to_reform()
@@ -231,6 +237,9 @@ class HostContext:
         return kept
 
     def close(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        for host in self._workers.values():
+            if host.alive() and host.stopped():  # it would act on death_sig only once continued: never wait
+                host.kill()
         alive = [h for h in self._workers.values() if h.alive()]
         for host in alive:
             with contextlib.suppress(ProcessLookupError, PermissionError):
