@@ -190,6 +190,7 @@ SLOW_TESTS = {
         "test_light_snapshots",
         "test_a_rank_dying_after_the_last_collective_of_a_step_loses_at_most_that_step",
         "test_without_a_survivor_the_newest_full_copy_or_checkpoint_is_used",
+        "test_under_the_defaults_without_a_survivor",
         "test_a_full_copy_newer_than_the_checkpoint_is_used_when_no_one_survives",
         "test_with_spares_only_the_failed_rank_takes_one",
         "test_no_reform_restarts_every_worker",

@@ -83,6 +83,13 @@ def test_a_bad_snapshot_budget_is_one_clear_error(bad: object) -> None:
         JobConfig(checkpoint_dir="x", snapshot_budget=bad)  # type: ignore[arg-type]
 
 
-def test_the_default_is_the_budgeted_interval() -> None:
+@pytest.mark.parametrize("bad", [0, -3, "sometimes", 2.0, False])
+def test_a_bad_replicated_snapshot_every_is_one_clear_error(bad: object) -> None:
+    with pytest.raises(ConfigError, match="replicated_snapshot_every"):
+        JobConfig(checkpoint_dir="x", replicated_snapshot_every=bad)  # type: ignore[arg-type]
+
+
+def test_the_defaults_are_budgeted_full_copies_and_light_snapshots() -> None:
     config = JobConfig(checkpoint_dir="x")
     assert (config.snapshot_every, config.snapshot_budget) == ("auto", 0.02)
+    assert config.replicated_snapshot_every == "auto"

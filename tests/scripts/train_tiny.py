@@ -72,7 +72,7 @@ def main() -> None:
     p.add_argument("--fsdp", action="store_true", help="shard model and optimizer with FSDP2 instead of DDP")
     p.add_argument("--snapshot-every", type=_every, default=1, help="memory-tier snapshots (0: durable only; auto)")
     p.add_argument("--snapshot-budget", type=float, default=0.03, help="with --snapshot-every auto")
-    p.add_argument("--replicated-snapshot-every", type=int, default=1, help=">1: light memory snapshots (L1)")
+    p.add_argument("--replicated-snapshot-every", type=_every, default=1, help=">1 or auto: light snapshots (L1)")
     p.add_argument("--peer-replicas", type=int, default=1, help="L3: copies of each snapshot on other nodes")
     p.add_argument("--per-rank-sched", action="store_true", help="the scheduler is per-rank state (not replicated)")
     p.add_argument("--busy-at", type=int, default=-1, help="at this step, a long stretch marked with job.busy()")

@@ -102,14 +102,15 @@ class JobConfig:
     snapshot_budget: float = 0.02
     """With snapshot_every="auto": the fraction of training time memory snapshots may take (0 < b < 1). 2% leaves
     room for the durable checkpoints' stall and the per-step bookkeeping within 3% of step time."""
-    replicated_snapshot_every: int = 1
-    """1 (the default): every memory snapshot copies the whole state, so a restart loses at most the interrupted
-    step whoever dies. N > 1, with survivors re-forming in place (`stalwart run`'s default): replicated parameters
-    and optimizer state are copied only every N snapshots; the other snapshots copy the small per-rank rest (a
+    replicated_snapshot_every: int | str = "auto"
+    """Light snapshots: under re-forming (`stalwart run`'s default), the survivors of a failure keep the replicated
+    parameters and optimizer state in their own memory, so a snapshot need copy only the small per-rank rest (a
     light snapshot, taken at the optimizer step behind a barrier, see job/commit.py) and a restart takes the
-    replicated state from a survivor, which kept it in its own memory. That saves the per-step copy of the
-    replicated state (most of the snapshot cost); when no rank survives, the restart falls back to the last full
-    copy, up to N - 1 steps back. CPU tensors only; see docs/architecture.md (L1)."""
+    replicated state from a survivor: at most the interrupted step is redone. The whole state is still copied now
+    and then, for a failure that leaves no survivor. "auto" (the default, with snapshot_every="auto" and more
+    than one rank): a light snapshot every step and full copies within half the snapshot budget. N > 1: light
+    snapshots, full copies every N snapshots. 1: every snapshot is full. CPU tensors only (on GPUs every
+    snapshot is full); see docs/architecture.md (L1)."""
     peer_replicas: int = 1
     """Under `stalwart run` on several nodes, keep each rank's memory snapshot also in the memory of this many
     ranks on other nodes (L3, 0 to 3; 0: off), so that the ranks of a lost node resume from memory instead of the
@@ -127,7 +128,14 @@ class JobConfig:
     elastically (`stalwart run --nnodes MIN:MAX` with MIN < MAX)."""
 
     def __post_init__(self) -> None:
-        for name in ("checkpoint_every", "keep_last", "log_every", "full_every", "replicated_snapshot_every"):
+        if self.replicated_snapshot_every != "auto" and (
+            not isinstance(self.replicated_snapshot_every, int)
+            or isinstance(self.replicated_snapshot_every, bool)
+            or self.replicated_snapshot_every < 1
+        ):
+            got = self.replicated_snapshot_every
+            raise ConfigError(f'replicated_snapshot_every must be "auto" or a positive integer, got {got!r}')
+        for name in ("checkpoint_every", "keep_last", "log_every", "full_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -349,7 +357,7 @@ class Job:
             self._versions = self._live_versions()
             self._remember_replicated_skeleton(self._state())
             self._start_commit()
-        self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self.config.snapshot_budget, self.step)
+        self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self._full_budget(), self.step)
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
         first = True
         while self.step < max_steps:
@@ -363,7 +371,7 @@ class Job:
                 if self.step != self._last_saved:
                     self.save(wait=True)
                 break
-            if self._commit is not None and not first and self._schedule.due(self.step + 1):
+            if self._commit is not None and not first and (self._light_always() or self._schedule.due(self.step + 1)):
                 self._commit.arm(self.step, set(self._versions or ()))  # the first step may create optimizer state
             try:
                 yield self.step, batch
@@ -382,10 +390,12 @@ class Job:
             self._busy_step = False
             if self._light_wanted():
                 self._versions = self._live_versions()
-            if self._memory is not None and self._schedule.due(self.step):
+            full_due = self._schedule.due(self.step)
+            if self._memory is not None and (full_due or self._light_always()):
                 snapshot_started = time.perf_counter()
-                self._snapshot()
-                self._plan_snapshots(time.perf_counter() - snapshot_started)
+                self._snapshot(full_due)
+                if full_due:  # every rank, at the same steps: the plan is agreed in a collective
+                    self._plan_snapshots(time.perf_counter() - snapshot_started)
             reform.allow_requests()  # a re-forming request deferred by the commit point is raised here
             if first or self.step % self.config.log_every == 0:
                 self._log_step(step_s)
@@ -439,12 +449,22 @@ class Job:
         return taken
 
     def _fixed_snapshot_every(self) -> int | None:
-        """The fixed snapshot interval, or None for the budgeted one. Light snapshots are cheap by design and
-        their full copies are counted in steps, so under them "auto" means every step."""
+        """The fixed snapshot interval, or None for the budgeted one. Under light snapshots with a fixed
+        replicated_snapshot_every, full copies are counted in snapshots, so "auto" means every step; under
+        "auto" ones (_light_always), the schedule is that of the full copies."""
         every = self.config.snapshot_every
         if every == "auto":
-            return 1 if self._light_wanted() else None
+            return 1 if self.config.replicated_snapshot_every != "auto" and self._light_wanted() else None
         return max(int(every), 1)  # 0: no memory tier, so no snapshot is ever due
+
+    def _full_budget(self) -> float:
+        """Under light snapshots every step, full copies only matter when no rank survives: half the budget."""
+        return self.config.snapshot_budget / (2 if self._light_always() else 1)
+
+    def _light_always(self) -> bool:
+        """A light snapshot every step, full copies on the budgeted schedule: replicated_snapshot_every="auto"
+        where light snapshots work (a commit point exists: CPU replicated state under re-forming)."""
+        return self.config.replicated_snapshot_every == "auto" and self._commit is not None and self._light_wanted()
 
     def _plan_snapshots(self, seconds: float) -> None:
         """After a snapshot that took `seconds` on the training thread (gathering the state, the copy, the
@@ -469,7 +489,10 @@ class Job:
     def _light_wanted(self) -> bool:
         """Light snapshots: asked for, under re-forming, and not turned off by the commit point's check."""
         off = self._commit is not None and self._commit.off is not None
-        return self._reform and self.config.replicated_snapshot_every > 1 and not off
+        every = self.config.replicated_snapshot_every
+        auto = self.config.snapshot_every == "auto" and self.world_size > 1
+        asked = auto if every == "auto" else int(every) > 1
+        return self._reform and asked and not off
 
     def _start_commit(self) -> None:
         """The commit point at the replicated optimizers' step (job/commit.py); without live tensors (CUDA
@@ -489,16 +512,22 @@ class Job:
             lambda step: self._replicas.push(step, light=True),
         )
 
-    def _snapshot(self) -> None:
+    def _snapshot(self, full_due: bool) -> None:
         """Copy the state into node memory: light every time under re-forming (the live tensors stay with the
-        survivors), full every `replicated_snapshot_every` snapshots, or full every time without re-forming."""
+        survivors) with a full copy when one is due (`full_due` under "auto" light snapshots, else every
+        `replicated_snapshot_every` snapshots), or full every time without re-forming."""
         assert self._memory is not None
         state, replicated = self._state(), self.checkpointer.replicated
         seconds = 0.0
-        snapshot_every = self._schedule.interval  # fixed under light snapshots (see _fixed_snapshot_every)
-        every = self.config.replicated_snapshot_every * snapshot_every
-        light = self._light_wanted() and every > snapshot_every and bool(self._versions)
-        full = not light or self.step % every == 0
+        if self._light_always():
+            light = bool(self._versions)
+            full = not light or full_due
+        else:
+            fixed = self.config.replicated_snapshot_every
+            snapshot_every = self._schedule.interval  # fixed under light snapshots (see _fixed_snapshot_every)
+            every = (fixed if isinstance(fixed, int) else 1) * snapshot_every
+            light = self._light_wanted() and every > snapshot_every and bool(self._versions)
+            full = not light or self.step % every == 0
         push = "full" if full else ""  # which image goes to the peer replicas (L3): the one this step relies on
         if light:
             live = set(self._versions or ())
