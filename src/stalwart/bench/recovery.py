@@ -37,8 +37,8 @@ from stalwart.runtime.process import spawn
 from stalwart.telemetry.events import EventLog
 
 Progress = Callable[[str], None]
-LIGHT_EVERY = 20
-"""`replicated_snapshot_every` of the stalwart_light runs."""
+FULL_EVERY_STEP = ["--snapshot-every", "1", "--replicated-snapshot-every", "1"]
+"""The stalwart_full runs' job options: a full memory snapshot every step (the defaults before the budget)."""
 NPROC = 2
 
 
@@ -72,8 +72,8 @@ class Run:
         env.update(STALWART_EVENT_LOG=str(self.log), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         until = [] if self.seconds is None else ["--until", f"{time.time() + self.seconds:.0f}"]
         job = ["-m", "stalwart.bench.recovery_job", "--out", str(self.workdir), "--steps", str(self.steps), *until]
-        if self.system == "stalwart_light":
-            job += ["--replicated-snapshot-every", str(LIGHT_EVERY)]
+        if self.system == "stalwart_full":
+            job += FULL_EVERY_STEP
         if self.system == "torchft":
             cmd = [sys.executable, "-m", "stalwart.bench.torchft_driver", "--out", str(self.workdir), "--steps",
                    str(self.steps), *until]  # fmt: skip
@@ -371,7 +371,7 @@ def run_bench(
     parent: Path | None,
     progress: Progress,
     spares: int = 2,
-    light: bool = True,
+    full: bool = True,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="stalwart-bench-recovery-", dir=parent) as tmp:
@@ -390,7 +390,7 @@ def run_bench(
             raise BenchError(f"the reference run failed; see {root / 'reference' / 'output.log'}")
         systems: dict[str, Any] = {}
         torchft = importlib.util.find_spec("torchft") is not None
-        names = ["torchrun", *(["torchft"] if torchft else []), "stalwart", *(["stalwart_light"] if light else [])]
+        names = ["torchrun", *(["torchft"] if torchft else []), "stalwart", *(["stalwart_full"] if full else [])]
         for name in names:
             expected = reference
             if name == "torchft":  # its allreduce differs from DDP's: compare with its own fault-free run
@@ -419,12 +419,15 @@ def run_bench(
                     "committed step, hang_detect_s the survivor's first step without the stopped replica, and "
                     "bitwise_identical compares with torchft's own fault-free run"
                 )
-            if name == "stalwart_light":
+            if name == "stalwart":
                 systems[name]["note"] = (
-                    f"stalwart run with JobConfig(replicated_snapshot_every={LIGHT_EVERY}): light memory snapshots, "
-                    "the replicated state copied in full every "
-                    f"{LIGHT_EVERY} steps (a survivor keeps it live; if every rank dies at once up to "
-                    f"{LIGHT_EVERY - 1} steps are redone)"
+                    "stalwart run with JobConfig's defaults: a light memory snapshot every step (the survivor keeps "
+                    "the replicated state live), full copies within half the 2% snapshot budget"
+                )
+            if name == "stalwart_full":
+                systems[name]["note"] = (
+                    "stalwart run with JobConfig(snapshot_every=1, replicated_snapshot_every=1): a full memory "
+                    "snapshot every step, the defaults before the snapshot budget"
                 )
         if not torchft:
             systems["torchft"] = _torchft_entry()
@@ -444,10 +447,10 @@ def run_bench(
             "torchrun_over_stalwart_kill_to_step": base["kill_to_step_s_median"] / ours["kill_to_step_s_median"],
             **(
                 {
-                    "torchrun_over_stalwart_light_kill_to_step": base["kill_to_step_s_median"]
-                    / systems["stalwart_light"]["kill_to_step_s_median"]
+                    "torchrun_over_stalwart_full_kill_to_step": base["kill_to_step_s_median"]
+                    / systems["stalwart_full"]["kill_to_step_s_median"]
                 }
-                if "stalwart_light" in systems
+                if "stalwart_full" in systems
                 else {}
             ),
         },

@@ -2,9 +2,9 @@
 
 Runs the 2-worker CPU job (gloo, a 4M-parameter MLP, a checkpoint every 20 steps) under each system: SIGKILLs of
 a worker at random steps, a SIGSTOPped worker, and a goodput run with a worker killed every 30 s. stalwart runs
-twice: with its defaults (a full memory snapshot every step) and as stalwart_light (light snapshots, see
-JobConfig.replicated_snapshot_every). Takes about 30 minutes with the defaults (the goodput runs are 5 minutes
-each); progress goes to stderr.
+twice: with its defaults (light memory snapshots every step, full copies on a cost budget) and as
+stalwart_full (a full memory snapshot every step, the defaults before the budget). Takes about 30 minutes with
+the defaults (the goodput runs are 5 minutes each); progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills in the goodput run")
     p.add_argument("--stock-trials", type=int, default=3, help="single-kill runs of stock torchrun (default 3)")
     p.add_argument("--spares", type=int, default=2, help="stalwart run --spares for stalwart's runs (default 2)")
-    p.add_argument("--no-light", action="store_true", help="skip the stalwart_light runs (light memory snapshots)")
+    p.add_argument("--no-full", action="store_true", help="skip the stalwart_full runs (a full snapshot every step)")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill steps (default 0)")
     p.add_argument("--dir", type=Path, help="where the runs write (default: a new temporary directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of tables")
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             stock_trials=args.stock_trials,
             seed=args.seed,
             spares=max(0, args.spares),
-            light=not args.no_light,
+            full=not args.no_full,
             parent=args.dir,
             progress=lambda line: err.print(f"bench: {line}"),
         )

@@ -45,6 +45,7 @@ def main() -> None:
         checkpoint_every=args.checkpoint_every,
         log_every=1,
         replicated=("model", "optim"),
+        snapshot_every=args.snapshot_every,
         replicated_snapshot_every=args.replicated_snapshot_every,
     )
     torch.manual_seed(0)
