@@ -71,6 +71,20 @@ def test_a_fixed_interval_counts_from_step_zero_whatever_the_resume_step() -> No
     assert _run(schedule, 40, step_s=0.05, snap_s=1.0) == [15, 20, 25, 30, 35, 40]
 
 
+def test_jitter_in_the_costs_does_not_move_the_interval() -> None:
+    schedule = SnapshotSchedule(None, 0.02, start=0)
+    intervals = []
+    for step in range(1, 400):
+        schedule.observe_step(0.063)
+        if schedule.due(step):
+            cost = [0.0051, 0.0043, 0.0047, 0.0038, 0.0052][step % 5]  # asks for 5, 4, 4, 4 or 5 steps
+            schedule.taken(step, cost, lambda a, b: (a, b))
+            intervals.append(schedule.interval)
+    assert len(set(intervals[3:])) == 1, intervals
+    schedule.taken(400, 0.05, lambda a, b: (0.063, b))  # ten times the cost: the interval follows
+    assert schedule.interval == interval_for(0.05, 0.063, 0.02)
+
+
 @pytest.mark.parametrize("bad", [-1, "often", 1.5, True])
 def test_a_bad_snapshot_every_is_one_clear_error(bad: object) -> None:
     with pytest.raises(ConfigError, match="snapshot_every"):

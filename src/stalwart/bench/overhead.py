@@ -34,8 +34,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "durable_only": {"snapshot_every": 0},
     "memory_only": {"checkpoint_every": NEVER},
     "memory_every_step": {"snapshot_every": 1, "checkpoint_every": NEVER},
+    "default_spares": {},
 }
 """JobConfig keywords per configuration. memory_every_step is what the memory tier cost before the budget."""
+LAUNCHER: dict[str, list[str]] = {"default_spares": ["--spares", "2"]}
+"""`stalwart run` options beyond the defaults: two hot spares warming up (at idle priority) while the job trains."""
 RUN_TIMEOUT_S = 900
 
 Progress = Callable[[str], None]
@@ -67,7 +70,8 @@ def run_bench(
             for name in order[r % len(order) :] + order[: r % len(order)]:
                 label = f"{name or 'plain'}, round {r + 1} of {rounds}"
                 where = run_dir / f"{name or 'plain'}-{r}"
-                runs[name].append(_run(where, label, None if name is None else CONFIGS[name], job, progress))
+                config = None if name is None else CONFIGS[name]
+                runs[name].append(_run(where, label, config, job, progress, LAUNCHER.get(name or "", [])))
         machine = machine_info(run_dir)
     finally:
         shutil.rmtree(created, ignore_errors=True)
@@ -75,7 +79,14 @@ def run_bench(
     return build_report(plain, runs, job, machine, time.perf_counter() - started)  # type: ignore[arg-type]
 
 
-def _run(workdir: Path, label: str, config: dict[str, Any] | None, job: dict[str, Any], progress: Progress) -> dict:
+def _run(
+    workdir: Path,
+    label: str,
+    config: dict[str, Any] | None,
+    job: dict[str, Any],
+    progress: Progress,
+    launcher: list[str],
+) -> dict[str, Any]:
     workdir.mkdir(parents=True)
     result = workdir / "result.json"
     args = ["-m", "stalwart.bench.overhead_job", "--result", str(result), "--params", str(job["params"]),
@@ -86,8 +97,9 @@ def _run(workdir: Path, label: str, config: dict[str, Any] | None, job: dict[str
     if config is None:
         cmd = [sys.executable, *args, "--mode", "plain"]
     else:
-        cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", "1", "--event-log", str(log), *args,
-               "--mode", "stalwart", "--ckpt", str(workdir / "ckpt"), "--config", json.dumps(config)]  # fmt: skip
+        cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", "1", "--event-log", str(log),
+               *launcher, *args, "--mode", "stalwart", "--ckpt", str(workdir / "ckpt"),
+               "--config", json.dumps(config)]  # fmt: skip
     progress(f"{label}: started")
     clock = time.perf_counter()
     with open(workdir / "output.log", "wb") as out:
@@ -136,6 +148,7 @@ def build_report(
             "inline_overhead": (mean_s - statistics.fmean(bodies)) / statistics.fmean(bodies),
             "snapshot_every": runs[-1].get("snapshot_every"),
             "config": CONFIGS[name],
+            "launcher": LAUNCHER.get(name, []),
         }
     memcpy_s = statistics.median(p["memcpy_s"] for p in plain)
     medians = [statistics.median(p["step_times"]) for p in plain]

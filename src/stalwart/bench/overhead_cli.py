@@ -1,7 +1,8 @@
 """`stalwart bench overhead`: the step time of the same job plain and under stalwart, per configuration.
 
 Runs one rank of an MLP with AdamW without stalwart and under `stalwart run` with its defaults, with the
-durable tier alone, with the memory tier alone (budgeted interval) and with a memory snapshot every step, and
+durable tier alone, with the memory tier alone (budgeted interval), with a memory snapshot every step and with
+two hot spares warming up beside it (`--spares 2`), and
 prints each configuration's median step time over the plain one (the ratio), the time stalwart takes on the
 training thread between steps (inline), the snapshot interval it chose, and the floor: one copy of the state
 into host memory, what a snapshot every step costs at the least.

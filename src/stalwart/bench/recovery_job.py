@@ -32,9 +32,8 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=20)
     p.add_argument("--width", type=int, default=1152, help="3 layers of width^2: 4.0M parameters at 1152")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument(
-        "--replicated-snapshot-every", type=_every, default="auto", help="JobConfig's (default: its default)"
-    )
+    p.add_argument("--snapshot-every", type=_every, default="auto", help="as JobConfig's")
+    p.add_argument("--replicated-snapshot-every", type=_every, default="auto", help="as JobConfig's")
     p.add_argument("--until", type=float, help="stop (exit 0, no result) at this time.time(): a bound on long runs")
     args = p.parse_args()
     die_with_parent()  # under torchrun too: a launcher killed with SIGKILL leaves no worker behind

@@ -26,6 +26,10 @@ WARMUP = 3
 STEP_WINDOW = 32
 """Step times kept for the median that the interval is computed from."""
 MAX_INTERVAL = 10_000
+HYSTERESIS = 1.25
+"""The interval in force is kept while it is within this factor of the one the latest costs ask for: step and
+copy times jitter by 10-20% on a shared machine, and an interval that flips between 7 and 9 says nothing. The
+cost may then exceed the budget by up to this factor until the next snapshot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +77,8 @@ class SnapshotSchedule:
         step_s = statistics.median(self._steps) if self._steps else 0.0
         step_s, snapshot_s = agree(step_s, snapshot_s)
         interval = 1 if self._taken < WARMUP else interval_for(snapshot_s, step_s, self.budget)
+        if self._taken > WARMUP and interval / HYSTERESIS <= self.interval <= interval * HYSTERESIS:
+            interval = self.interval  # noise in the measurements: keep the interval in force
         self.next_step = step + interval
         if self._taken != WARMUP and interval == self.interval:
             return None
