@@ -163,7 +163,10 @@ SLOW_MODULES = {
     "test_spares.py",
 }
 SLOW_TESTS = {
-    "test_bench_overhead.py": ("test_a_small_run_reports_plain_and_each_configuration",),
+    "test_bench_overhead.py": (
+        "test_a_small_run_reports_plain_and_each_configuration",
+        "test_two_ranks_run_plain_under_torchrun",
+    ),
     "test_launcher.py": (
         "test_checkpoint_directory_not_shared_by_all_ranks_is_refused",
         "test_state_that_cannot_be_checkpointed_stops_before_training",

@@ -31,10 +31,25 @@ def test_a_small_run_reports_plain_and_each_configuration(tmp_path: Path, capsys
     assert report["configs"]["durable_only"]["snapshot_every"] is None
     assert report["configs"]["memory_every_step"]["snapshot_every"] == 1
     assert report["configs"]["default"]["snapshot_every"] >= 1  # the budgeted interval it chose
+    assert report["configs"]["default"]["full_copy_budget"] == 0.02, "one rank: no light snapshots, the whole budget"
     assert report["floor"]["memcpy_s"] > 0 and report["floor"]["every_step_ratio"] > 1
     for label in ("plain", "default", "durable_only", "memory_every_step"):
         assert f"{label}, round 1 of 1: done" in err
     assert list(tmp_path.iterdir()) == []  # the bench removed its own directory, and nothing else
+
+
+def test_two_ranks_run_plain_under_torchrun_and_the_defaults_take_light_snapshots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "overhead", "--nproc", "2", "--params", "20k", "--steps", "30", "--warmup", "5",
+            "--rounds", "1", "--configs", "default", "--json", "--dir", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["nproc"] == 2
+    default = report["configs"]["default"]
+    assert default["step_s"] > 0 and default["optimizer_step_s"] > 0 and report["plain_optimizer_step_s"] > 0
+    assert default["snapshot_every"] >= 1  # the full copies' budgeted interval, beside a light snapshot every step
+    assert default["full_copy_budget"] == 0.01, "light snapshots every step: full copies get half the budget"
 
 
 @pytest.mark.parametrize(
@@ -46,6 +61,7 @@ def test_a_small_run_reports_plain_and_each_configuration(tmp_path: Path, capsys
         (["--device", "tpu"], "--device"),
         (["--steps", "10", "--warmup", "9"], "--warmup"),
         (["--rounds", "0"], "--rounds"),
+        (["--nproc", "0"], "--nproc"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

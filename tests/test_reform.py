@@ -123,7 +123,10 @@ def test_a_rank_dying_after_the_last_collective_of_a_step_loses_at_most_that_ste
     reforming = job.events("reforming")
     assert [(e["step"], e["kept_live_state"]) for e in reforming] == [(resumed_at, True)]
     resumed = [e for e in job.events("resumed") if e["restart"] == 1]
-    assert {(e["step"], e["tier"]) for e in resumed} == {(resumed_at, "peer")}, "at most the failed step is redone"
+    # Under "auto", a full copy on the budget's schedule may hold that step too; memory is then preferred.
+    tiers = {"peer", "memory"} if light == "auto" else {"peer"}
+    assert {e["step"] for e in resumed} == {resumed_at}, "at most the failed step is redone"
+    assert {e["tier"] for e in resumed} <= tiers, resumed
     _assert_identical(job, reference)
     _no_orphans(job)
 

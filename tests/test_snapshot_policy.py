@@ -6,7 +6,7 @@ import pytest
 
 from stalwart.errors import ConfigError
 from stalwart.job.job import JobConfig
-from stalwart.policy.snapshot import MAX_INTERVAL, WARMUP, SnapshotSchedule, interval_for
+from stalwart.policy.snapshot import LIGHT_SAMPLES, MAX_INTERVAL, WARMUP, LightCost, SnapshotSchedule, interval_for
 
 
 def test_the_interval_keeps_the_copy_within_the_budget() -> None:
@@ -83,6 +83,18 @@ def test_jitter_in_the_costs_does_not_move_the_interval() -> None:
     assert len(set(intervals[3:])) == 1, intervals
     schedule.taken(400, 0.05, lambda a, b: (0.063, b))  # ten times the cost: the interval follows
     assert schedule.interval == interval_for(0.05, 0.063, 0.02)
+
+
+def test_light_snapshots_are_judged_on_their_measured_cost_after_enough_samples() -> None:
+    cost = LightCost(0.01)
+    for _ in range(LIGHT_SAMPLES - 1):
+        cost.observe(0.004)
+    assert not cost.judged(), "too few samples to judge"
+    cost.observe(0.004)
+    assert cost.judged() and cost.mine() == 0.004
+    assert cost.too_dear(0.004, 0.067), "4 ms of a 67 ms step is over 1%: full copies instead"
+    assert not cost.too_dear(0.0006, 0.067), "0.6 ms is within it"
+    assert not cost.too_dear(0.004, 0.0), "no step time measured: nothing to judge"
 
 
 @pytest.mark.parametrize("bad", [-1, "often", 1.5, True])

@@ -6,7 +6,9 @@ shared VM's step time moved by 30% between runs here) weighs on every configurat
 ratio is its median step time over the plain one's, all rounds pooled. Means are reported too: a durable
 checkpoint every 100 steps hides from a median. The inline overhead is measured inside each run: the time
 between the end of one step's body and the start of the next (stalwart's work on the training thread) over the
-body's time; it is free of the drift between runs but misses what background work takes from the body. The
+body's time; it is free of the drift between runs but misses what background work takes from the body, and
+the commit point of light snapshots, which runs inside the optimizer step: the optimizer step's own median
+time is reported for that (plain and per configuration). The
 floor is one copy of the whole state into preallocated host memory: what a snapshot every step costs at least.
 """
 
@@ -58,12 +60,13 @@ def run_bench(
     configs: list[str],
     rounds: int,
     parent: Path | None,
+    nproc: int = 1,
     progress: Progress,
 ) -> dict[str, Any]:
     run_dir, created = make_run_dir(parent)
     started = time.perf_counter()
     try:
-        job = {"params": params, "device": device, "steps": steps, "warmup": warmup, "batch": batch}
+        job = {"params": params, "device": device, "steps": steps, "warmup": warmup, "batch": batch, "nproc": nproc}
         order: list[str | None] = [None, *configs]  # None: plain
         runs: dict[str | None, list[dict[str, Any]]] = {name: [] for name in order}
         for r in range(rounds):
@@ -94,10 +97,14 @@ def _run(
             "--device", job["device"]]  # fmt: skip
     log = workdir / "events.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
-    if config is None:
+    nproc = str(job["nproc"])
+    if config is None and nproc == "1":
         cmd = [sys.executable, *args, "--mode", "plain"]
+    elif config is None:  # torchrun's own defaults (it sets OMP_NUM_THREADS=1 for several ranks, as stalwart run)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc,
+               *args, "--mode", "plain"]  # fmt: skip
     else:
-        cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", "1", "--event-log", str(log),
+        cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", nproc, "--event-log", str(log),
                *launcher, *args, "--mode", "stalwart", "--ckpt", str(workdir / "ckpt"),
                "--config", json.dumps(config)]  # fmt: skip
     progress(f"{label}: started")
@@ -116,8 +123,12 @@ def _run(
         raise BenchError(f"{label} failed (exit status {code}); its output's end is above")
     measured: dict[str, Any] = json.loads(result.read_text())
     if config is not None:
-        intervals = [e["interval"] for e in read_events(log) if e["event"] == "snapshot_interval"]
-        measured["snapshot_every"] = intervals[-1] if intervals else (config.get("snapshot_every", 1) or None)
+        decisions = [e for e in read_events(log) if e["event"] == "snapshot_interval"]
+        measured["snapshot_every"] = (
+            decisions[-1]["interval"] if decisions else (config.get("snapshot_every", 1) or None)
+        )
+        # Half the budget goes to full copies when light snapshots are taken every step (JobConfig).
+        measured["full_copy_budget"] = decisions[-1]["budget"] if decisions else None
     median = statistics.median(measured["step_times"])
     progress(f"{label}: done in {time.perf_counter() - clock:.1f} s (median step {median * 1e3:.2f} ms)")
     return measured
@@ -136,6 +147,7 @@ def build_report(
 ) -> dict[str, Any]:
     pooled = _pooled(plain, "step_times")
     plain_s, plain_mean = statistics.median(pooled), statistics.fmean(pooled)
+    plain_optimizer_s = statistics.median(_pooled(plain, "optimizer_times"))
     configs = {}
     for name, runs in results.items():
         steps, bodies = _pooled(runs, "step_times"), _pooled(runs, "body_times")
@@ -146,7 +158,9 @@ def build_report(
             "mean_step_s": mean_s,
             "mean_ratio": mean_s / plain_mean,
             "inline_overhead": (mean_s - statistics.fmean(bodies)) / statistics.fmean(bodies),
+            "optimizer_step_s": statistics.median(_pooled(runs, "optimizer_times")),
             "snapshot_every": runs[-1].get("snapshot_every"),
+            "full_copy_budget": runs[-1].get("full_copy_budget"),
             "config": CONFIGS[name],
             "launcher": LAUNCHER.get(name, []),
         }
@@ -155,13 +169,14 @@ def build_report(
     return {
         "plain_step_s": plain_s,
         "plain_mean_step_s": plain_mean,
+        "plain_optimizer_step_s": plain_optimizer_s,
         "plain_spread": max(medians) / min(medians),
         "rounds": len(plain),
         "configs": configs,
         "floor": {"memcpy_s": memcpy_s, "every_step_ratio": (plain_s + memcpy_s) / plain_s},
         "params": plain[0]["params"],
         "state_bytes": plain[0]["state_bytes"],
-        **{k: job[k] for k in ("device", "steps", "warmup", "batch")},
+        **{k: job[k] for k in ("device", "steps", "warmup", "batch", "nproc")},
         "machine": machine,
         "seconds": seconds,
     }

@@ -46,6 +46,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=list(CONFIGS),
         help=f"comma-separated, of {', '.join(CONFIGS)} (default: all)",
     )
+    p.add_argument(
+        "--nproc", type=_count, default=1, help="ranks (DDP over gloo; plain runs under torchrun; default 1)"
+    )
     p.add_argument("--rounds", type=_count, default=2, help="runs of each configuration, order rotating (default 2)")
     p.add_argument("--dir", type=Path, help="where the runs write (default: a new temporary directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of tables")
@@ -91,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
             batch=args.batch or (1024 if cuda else 64),
             configs=args.configs,
             rounds=args.rounds,
+            nproc=args.nproc,
             parent=args.dir,
             progress=lambda line: err.print(f"bench: {line}"),
         )
@@ -108,21 +112,24 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     m = report["machine"]
     console.print(
         f"machine: {m['cpu_count']} CPUs, torch {m['torch']}, python {m['python']}; device {report['device']}\n"
-        f"job: one rank, MLP of {report['params'] / 1e6:,.1f}M parameters + AdamW "
+        f"job: {report['nproc']} rank(s), MLP of {report['params'] / 1e6:,.1f}M parameters + AdamW "
         f"({report['state_bytes'] / 1e6:,.0f} MB of state), batch {report['batch']}, "
         f"{report['steps']} steps, the first {report['warmup']} left out"
     )
     table = Table(title="step time under stalwart ÷ plain")
-    for column in ("configuration", "median step", "ratio", "mean step", "mean ratio", "inline", "snapshot every"):
+    columns = ("configuration", "median step", "ratio", "mean step", "mean ratio", "inline", "optimizer step",
+               "snapshot every")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="left" if column == "configuration" else "right", no_wrap=True)
     table.add_row("plain (no stalwart)", f"{report['plain_step_s'] * 1e3:.2f} ms", "1.00×",
-                  f"{report['plain_mean_step_s'] * 1e3:.2f} ms", "1.00×", "", "")  # fmt: skip
+                  f"{report['plain_mean_step_s'] * 1e3:.2f} ms", "1.00×", "",
+                  f"{report['plain_optimizer_step_s'] * 1e3:.2f} ms", "")  # fmt: skip
     for name, c in report["configs"].items():
         every = c["snapshot_every"]
         table.add_row(
             name, f"{c['step_s'] * 1e3:.2f} ms", f"{c['ratio']:.3f}×", f"{c['mean_step_s'] * 1e3:.2f} ms",
             f"{c['mean_ratio']:.3f}×", f"{100 * c['inline_overhead']:+.2f}%",
-            "never" if not every else f"{every} steps",
+            f"{c['optimizer_step_s'] * 1e3:.2f} ms", "never" if not every else f"{every} steps",
         )  # fmt: skip
     console.print(table)
     floor = report["floor"]

@@ -1,7 +1,8 @@
-"""The job `stalwart bench overhead` times: one rank, an MLP of about --params parameters, AdamW.
+"""The job `stalwart bench overhead` times: an MLP of about --params parameters, AdamW, on one rank or several.
 
-`--mode plain` is the loop without stalwart (started with plain `python`); `--mode stalwart` is the same loop
-under `stalwart.Job` (started with `stalwart run`), configured by `--config` (JobConfig keywords as JSON). The
+`--mode plain` is the loop without stalwart (started with plain `python`, or torchrun for several ranks: then
+DDP over gloo); `--mode stalwart` is the same loop under `stalwart.Job` (started with `stalwart run`),
+configured by `--config` (JobConfig keywords as JSON). Rank 0 writes the result. The
 time of a step is from the start of one loop body to the start of the next, so whatever stalwart does between
 two steps (snapshot, checkpoint, heartbeat) is inside it; the body's own time is recorded too, so the time
 stalwart takes on the training thread is measured in the same process at the same moment, free of the drift
@@ -16,6 +17,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -76,27 +78,36 @@ def main() -> None:
     args = p.parse_args()
     die_with_parent()
     job: Any = None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.mode == "stalwart":
         import stalwart
 
         job = stalwart.Job(args.ckpt, **json.loads(args.config))
+    elif world > 1:  # under torchrun
+        torch.distributed.init_process_group("gloo")
+    rank = int(os.environ.get("RANK", "0"))
     model, optim, width = build(args.params, args.device)
+    # Several ranks: DDP, tracked as such, so stalwart's defaults see replicated state (light snapshots).
+    trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     if job is not None:
-        job.track(model=model, optim=optim)
+        job.track(model=trained, optim=optim)
         steps = job.steps(max_steps=args.steps)
     else:
         steps = ((step, None) for step in range(args.steps))
     cuda = args.device.startswith("cuda")
     starts: list[float] = []
     bodies: list[float] = []
+    optimizer: list[float] = []
     for step, _ in steps:
         starts.append(time.perf_counter())
-        g = torch.Generator().manual_seed(step)
+        g = torch.Generator().manual_seed(step * 1009 + rank)
         x = torch.randn(args.batch, width, generator=g).to(args.device)
-        loss = (model(x) - x).pow(2).mean()
+        loss = (trained(x) - x).pow(2).mean()
         optim.zero_grad()
         loss.backward()
-        optim.step()
+        before = time.perf_counter()
+        optim.step()  # under light snapshots this holds stalwart's commit point (a capture and a barrier)
+        optimizer.append(time.perf_counter() - before)
         if cuda:
             torch.cuda.synchronize()
         bodies.append(time.perf_counter() - starts[-1])
@@ -106,15 +117,19 @@ def main() -> None:
     result: dict[str, Any] = {
         "step_times": times,
         "body_times": bodies[args.warmup : len(times) + args.warmup],
+        "optimizer_times": optimizer[args.warmup : len(times) + args.warmup],
         "params": sum(t.numel() for t in model.parameters()),
         "threads": torch.get_num_threads(),
         "state_bytes": sum(t.numel() * t.element_size() for t in tensors),
     }
     if job is None:
         result["memcpy_s"] = memcpy_s(tensors)
+        if world > 1:
+            torch.distributed.destroy_process_group()
     else:
         job.close()
-    args.result.write_text(json.dumps(result))
+    if rank == 0:
+        args.result.write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from stalwart.errors import CheckpointMismatchError, ConfigError
 from stalwart.job import lifecycle
 from stalwart.job.commit import StepCommit
 from stalwart.job.rng import capture_rng, restore_rng
-from stalwart.policy.snapshot import SnapshotSchedule
+from stalwart.policy.snapshot import LightCost, SnapshotSchedule
 from stalwart.recovery import reform
 from stalwart.recovery.restore import Restorer
 from stalwart.runtime.dist import Comm, Placement, init_process_group
@@ -208,6 +208,7 @@ class Job:
         self._versions: dict[int, int] | None = None  # live tensors' data pointer -> version, at self.step
         self._commit: StepCommit | None = None  # light snapshots' commit point at the optimizer step
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self.config.snapshot_budget, 0)
+        self._light_cost = LightCost(self.config.snapshot_budget / 2)
         self._replicated_skeleton: tuple[int, dict[str, Any]] | None = None  # (step, skeleton) for a stash
         self._busy_step = False
         self._saved_once = False
@@ -358,6 +359,7 @@ class Job:
             self._remember_replicated_skeleton(self._state())
             self._start_commit()
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self._full_budget(), self.step)
+        self._light_cost = LightCost(self.config.snapshot_budget / 2)
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
         first = True
         while self.step < max_steps:
@@ -475,6 +477,8 @@ class Job:
             gathered = self.comm.all_gather_ints(mine)
             return max(g[0] for g in gathered) / 1e6, max(g[1] for g in gathered) / 1e6
 
+        if self._light_always() and self._light_cost.judged():
+            self._judge_light()
         decision = self._schedule.taken(self.step, seconds, agree)
         if decision is not None and self.is_main:
             self.events.emit(
@@ -485,6 +489,22 @@ class Job:
                 snapshot_s=decision.snapshot_s,
                 budget=decision.budget,
             )
+
+    def _judge_light(self) -> None:
+        """Under "auto": keep light snapshots only while they cost at most their half of the budget, decided
+        alike on every rank from the largest light cost and step time (policy/snapshot.LightCost)."""
+        mine = [round(self._light_cost.mine() * 1e6), round(self._schedule.step_s() * 1e6)]
+        gathered = self.comm.all_gather_ints(mine)
+        light_s, step_s = max(g[0] for g in gathered) / 1e6, max(g[1] for g in gathered) / 1e6
+        if not self._light_cost.too_dear(light_s, step_s):
+            return
+        assert self._commit is not None
+        self._commit.off = (
+            f"light snapshots cost {light_s * 1e3:.2f} ms per step of {step_s * 1e3:.1f} ms, over their budget "
+            f"of {100 * self._light_cost.budget:g}%: full copies on the budget instead"
+        )
+        self.events.emit("light_snapshots_off", step=self.step, reason=self._commit.off, light_s=light_s)
+        self._schedule.budget = self.config.snapshot_budget
 
     def _light_wanted(self) -> bool:
         """Light snapshots: asked for, under re-forming, and not turned off by the commit point's check."""
@@ -546,6 +566,7 @@ class Job:
                 seconds, _ = self._memory.snapshot(self.step, state, replicated, live=live)
                 push = "light"
             self._remember_replicated_skeleton(state)
+            self._light_cost.observe(seconds)
         if full:
             seconds += self._memory.snapshot(self.step, state, replicated)[0]
         if push:

@@ -58,6 +58,10 @@ class SnapshotSchedule:
         """A completed step's time, without its snapshot."""
         self._steps.append(seconds)
 
+    def step_s(self) -> float:
+        """The median of the recent step times (this rank's)."""
+        return statistics.median(self._steps) if self._steps else 0.0
+
     def due(self, step: int) -> bool:
         """Whether the state after `step` completed steps is to be snapshotted. A fixed interval counts from
         step 0, so every rank agrees whatever step it resumed at."""
@@ -74,8 +78,7 @@ class SnapshotSchedule:
         self._taken += 1
         if self.every is not None:
             return None
-        step_s = statistics.median(self._steps) if self._steps else 0.0
-        step_s, snapshot_s = agree(step_s, snapshot_s)
+        step_s, snapshot_s = agree(self.step_s(), snapshot_s)
         interval = 1 if self._taken < WARMUP else interval_for(snapshot_s, step_s, self.budget)
         if self._taken > WARMUP and interval / HYSTERESIS <= self.interval <= interval * HYSTERESIS:
             interval = self.interval  # noise in the measurements: keep the interval in force
@@ -93,3 +96,38 @@ def interval_for(snapshot_s: float, step_s: float, budget: float) -> int:
     if step_s <= 0 or budget <= 0:
         return MAX_INTERVAL
     return max(1, min(MAX_INTERVAL, math.ceil(snapshot_s / (budget * step_s) - 1e-9)))
+
+
+LIGHT_SAMPLES = 32
+"""Light snapshots measured before their cost is judged (and the least a run keeps them)."""
+
+
+class LightCost:
+    """Whether light snapshots every step stay within their half of the budget, judged from their measured cost.
+
+    Why: a light snapshot copies little, but it waits on a barrier of every rank at the optimizer step (the
+    commit point). On two busy CPU cores that wait measured 4-5 ms per step, more than a full copy of the bench
+    job's 48 MB; on a large model a full copy is far dearer than a barrier. So neither is right everywhere, and
+    the job measures: after LIGHT_SAMPLES light snapshots, if the median of the largest rank's cost is over
+    `budget` of the step time, light snapshots are turned off for the run (every rank decides alike, from
+    gathered values) and full copies take the whole budget."""
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self._costs: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._seen = 0
+
+    def observe(self, seconds: float) -> None:
+        """One step's light-snapshot cost on this rank (its capture, barrier and end-of-step check)."""
+        self._costs.append(seconds)
+        self._seen += 1
+
+    def mine(self) -> float:
+        return statistics.median(self._costs) if self._costs else 0.0
+
+    def judged(self) -> bool:
+        return self._seen >= LIGHT_SAMPLES
+
+    def too_dear(self, light_s: float, step_s: float) -> bool:
+        """With the agreed (largest) light cost and step time: over the budget."""
+        return step_s > 0 and light_s > self.budget * step_s
