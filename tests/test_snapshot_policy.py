@@ -117,5 +117,5 @@ def test_a_bad_replicated_snapshot_every_is_one_clear_error(bad: object) -> None
 
 def test_the_defaults_are_budgeted_full_copies_and_light_snapshots() -> None:
     config = JobConfig(checkpoint_dir="x")
-    assert (config.snapshot_every, config.snapshot_budget) == ("auto", 0.02)
+    assert (config.snapshot_every, config.snapshot_budget) == ("auto", 0.01)
     assert config.replicated_snapshot_every == "auto"

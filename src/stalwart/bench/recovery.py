@@ -421,8 +421,9 @@ def run_bench(
                 )
             if name == "stalwart":
                 systems[name]["note"] = (
-                    "stalwart run with JobConfig's defaults: a light memory snapshot every step (the survivor keeps "
-                    "the replicated state live), full copies within half the 2% snapshot budget"
+                    "stalwart run with JobConfig's defaults: memory snapshots within a 1% budget of step time (light "
+                    "ones every step while they cost at most half of it, the survivor keeping the replicated state "
+                    "live; full copies on the budget's interval)"
                 )
             if name == "stalwart_full":
                 systems[name]["note"] = (

@@ -99,9 +99,11 @@ class JobConfig:
     (the default): as often as `snapshot_budget` allows, from the measured step time and snapshot cost
     (policy/snapshot.py), so the copy costs about that fraction of training time whatever the model size; a
     `snapshot_interval` event records each choice and its inputs. 1: every step, whatever it costs."""
-    snapshot_budget: float = 0.02
-    """With snapshot_every="auto": the fraction of training time memory snapshots may take (0 < b < 1). 2% leaves
-    room for the durable checkpoints' stall and the per-step bookkeeping within 3% of step time."""
+    snapshot_budget: float = 0.01
+    """With snapshot_every="auto": the fraction of training time memory snapshots may take on the training thread
+    (0 < b < 1). Their whole cost is larger: on 2 ranks sharing 2 cores the steps slowed by about 2.7x the
+    snapshot's own time (the copy competes for memory bandwidth and caches), so 1% keeps the whole, with the
+    durable checkpoints' stall, near 3% (`stalwart bench overhead`, docs/benchmarks.md)."""
     replicated_snapshot_every: int | str = "auto"
     """Light snapshots: under re-forming (`stalwart run`'s default), the survivors of a failure keep the replicated
     parameters and optimizer state in their own memory, so a snapshot need copy only the small per-rank rest (a

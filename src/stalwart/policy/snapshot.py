@@ -2,7 +2,7 @@
 
 Why: a memory snapshot copies this rank's whole state. On two CPU cores that is about 9% of a step of the
 bench job; on an H100 a 487M-parameter state took 10x the step itself. Taken every step, it is the dominant
-cost of fault tolerance. With a budget b (JobConfig.snapshot_budget, default 2%), a snapshot that costs c
+cost of fault tolerance. With a budget b (JobConfig.snapshot_budget, default 1%), a snapshot that costs c
 seconds is taken every k = ceil(c / (b * t)) steps of t seconds, so it costs at most about b of the training
 time; a failure then redoes up to k - 1 more steps than with a snapshot every step. That is the trade-off,
 and it is chosen from measurements, not guessed: the interval is recomputed at every snapshot.
