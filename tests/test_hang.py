@@ -10,10 +10,23 @@ from typing import Any
 
 import pytest
 
-from conftest import alive, child_env, tiny_args
+from conftest import Launch, alive, child_env, tiny_args
 from stalwart.detect import hang
 from stalwart.detect.hang import HangTimer, parse_timeout
 from stalwart.detect.heartbeat import PHASE_STEP, SLOT_BYTES, Board, Heartbeat
+
+HANG_ARGS = tiny_args("--steps", "24", "--step-sleep", "0.05")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    """The fault-free run every hang test compares with (one per module and xdist worker)."""
+    job = Launch(tmp_path_factory.mktemp("reference"), HANG_ARGS, child_env())
+    try:
+        assert job.wait(120) == 0, job.output()
+        return job.results()
+    finally:
+        job.reap()
 
 
 def test_timer_gives_grace_until_it_has_seen_a_few_steps() -> None:
@@ -92,11 +105,8 @@ def test_beats_cross_processes_and_torn_slots_are_not_read(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("how", ["sigstop", "sleep", "deadlock"])
-def test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical(launch: Any, how: str) -> None:
-    args = tiny_args("--steps", "24", "--step-sleep", "0.05")
-    reference = launch(args, name="reference")
-    assert reference.wait(120) == 0, reference.output()
-    job = launch(args, name="hang", env=child_env(STALWART_FAULTS=f"hang@rank=1,step=12,how={how}"))
+def test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical(launch: Any, reference: Any, how: str) -> None:
+    job = launch(HANG_ARGS, name="hang", env=child_env(STALWART_FAULTS=f"hang@rank=1,step=12,how={how}"))
     assert job.wait(180) == 0, job.output()
     detected = job.events("hang_detected")
     assert detected and {e["step"] for e in detected} == {12}
@@ -108,7 +118,7 @@ def test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical(launch:
     assert all(e["silent_s"] >= e["timeout_s"] for e in detected if e["cause"] == "no progress")
     assert "hung at step 12" in job.output()
     assert len(job.events("restarting")) == 1
-    results, expected = job.results(), reference.results()
+    results, expected = job.results(), reference
     assert [results[r]["sha256"] for r in (0, 1)] == [expected[r]["sha256"] for r in (0, 1)]
     assert [results[r]["seen"] for r in (0, 1)] == [expected[r]["seen"] for r in (0, 1)]
     assert not [pid for pid in job.worker_pids(restart=0).values() if alive(pid)], "no orphaned worker"
@@ -122,13 +132,10 @@ def test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical(launch:
         "kill@rank=0,step=8;hang@rank=1,step=10,restart=1;kill@rank=0,step=10,restart=1",
     ],
 )
-def test_a_stopped_survivor_is_killed_at_once_in_any_phase(launch: Any, faults: str) -> None:
+def test_a_stopped_survivor_is_killed_at_once_in_any_phase(launch: Any, reference: Any, faults: str) -> None:
     from stalwart.supervisor.host_pool import REARM_TIMEOUT_S
 
-    args = tiny_args("--steps", "24", "--step-sleep", "0.05")
-    reference = launch(args, name="reference")
-    assert reference.wait(120) == 0, reference.output()
-    job = launch(args, name="compound", env=child_env(STALWART_FAULTS=faults))
+    job = launch(HANG_ARGS, name="compound", env=child_env(STALWART_FAULTS=faults))
     assert job.wait(180) == 0, job.output()
     stops = [e for e in job.events("hang_detected") if e["cause"] == "stopped by a signal"]
     assert [e["rank"] for e in stops] == [1], job.events("hang_detected")
@@ -137,7 +144,7 @@ def test_a_stopped_survivor_is_killed_at_once_in_any_phase(launch: Any, faults: 
     assert stops[0]["timeout_s"] is None or stops[0]["silent_s"] < stops[0]["timeout_s"], stops
     # No survivor was waited for until the re-arm timeout: a stopped one cannot re-arm.
     assert all(e["seconds"] < REARM_TIMEOUT_S for e in job.events("survivors_rearmed")), job.events("survivors_rearmed")
-    results, expected = job.results(), reference.results()
+    results, expected = job.results(), reference
     assert [results[r]["sha256"] for r in (0, 1)] == [expected[r]["sha256"] for r in (0, 1)]
     assert [results[r]["seen"] for r in (0, 1)] == [expected[r]["seen"] for r in (0, 1)]
     assert not [pid for restart in (0, 1) for pid in job.worker_pids(restart=restart).values() if alive(pid)]

@@ -81,8 +81,10 @@ LIGHT = {
 """Light snapshots with full copies every 20 steps, and with JobConfig's defaults (full copies on a budget)."""
 
 
-@pytest.mark.parametrize("light", ["20", "auto"])
-@pytest.mark.parametrize("fault", ["kill@rank=1,step=13", "hang@rank=0,step=13,how=sigstop"])
+@pytest.mark.parametrize(
+    ("fault", "light"),
+    [("kill@rank=1,step=13", "20"), ("hang@rank=0,step=13,how=sigstop", "20"), ("kill@rank=1,step=13", "auto")],
+)
 def test_light_snapshots_take_the_replicated_state_from_a_survivor(
     launch: Any, reference: Any, fault: str, light: str
 ) -> None:
@@ -100,16 +102,16 @@ def test_light_snapshots_take_the_replicated_state_from_a_survivor(
     _no_orphans(job)
 
 
-@pytest.mark.parametrize("light", ["20", "auto"])
 @pytest.mark.parametrize(
-    ("phase", "resumed_at"),
+    ("phase", "resumed_at", "light"),
     [
         # After the step's collectives, before its snapshot and barrier: the survivor's barrier fails, its
         # parameters stay at step 13, and step 14 is redone.
-        ("before_snapshot", 13),
+        ("before_snapshot", 13, "20"),
         # After the barrier: the survivor finishes step 14 (optimizer, scheduler); the victim's snapshot of 14,
         # taken at its optimizer step, is whole, and the scheduler comes from the survivor.
-        ("after_barrier", 14),
+        ("after_barrier", 14, "20"),
+        ("after_barrier", 14, "auto"),  # the same under JobConfig's defaults
     ],
 )
 def test_a_rank_dying_after_the_last_collective_of_a_step_loses_at_most_that_step(
