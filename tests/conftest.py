@@ -163,10 +163,7 @@ SLOW_MODULES = {
     "test_spares.py",
 }
 SLOW_TESTS = {
-    "test_bench_overhead.py": (
-        "test_a_small_run_reports_plain_and_each_configuration",
-        "test_two_ranks_run_plain_under_torchrun",
-    ),
+    "test_bench_overhead.py": ("test_a_small_run_reports_plain_and_each_configuration",),
     "test_launcher.py": (
         "test_checkpoint_directory_not_shared_by_all_ranks_is_refused",
         "test_state_that_cannot_be_checkpointed_stops_before_training",
@@ -212,8 +209,13 @@ SLOW_TESTS = {
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    slow = set()
     for item in items:
         path, _, name = item.nodeid.partition("::")
         module = path.rsplit("/", 1)[-1]
         if module in SLOW_MODULES or name.startswith(SLOW_TESTS.get(module, ("\0",))):
             item.add_marker(pytest.mark.slow)
+            slow.add(item.nodeid)
+    # The long tests first (a stable sort: each group keeps its order), so that the short ones fill the workers
+    # at the end instead of one long test running alone while the others idle.
+    items.sort(key=lambda item: item.nodeid not in slow)
