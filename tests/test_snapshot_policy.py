@@ -24,10 +24,8 @@ def test_the_interval_keeps_the_copy_within_the_budget() -> None:
 def _run(schedule: SnapshotSchedule, steps: int, step_s: float, snap_s: float, peers: float = 0.0) -> list[int]:
     """Drive a schedule as the Job does; `peers` is another rank's snapshot cost, for the agreement."""
     taken = []
-    agreed = []
 
     def agree(mine_step: float, mine_snap: float) -> tuple[float, float]:
-        agreed.append((mine_step, mine_snap))
         return mine_step, max(mine_snap, peers)
 
     for step in range(schedule.next_step, steps + 1):

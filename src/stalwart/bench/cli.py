@@ -56,7 +56,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--size", type=_size, default=100 * MB, help="model + AdamW state: 100MB, 1GB or <N>MB (default 100MB)"
     )
-    p.add_argument("--saves", type=_positive, default=3, help="timed saves per system, after one warm-up (default 3)")
+    p.add_argument(
+        "--saves", type=positive_int, default=3, help="timed saves per system, after one warm-up (default 3)"
+    )
     p.add_argument(
         "--dir",
         type=Path,
@@ -75,7 +77,8 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type of the bench sub-commands' counts (recovery and overhead use it too)."""
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
     return int(text)

@@ -22,6 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from stalwart.bench.cli import positive_int
 from stalwart.bench.overhead import CONFIGS, BenchError, run_bench
 from stalwart.telemetry.console import console as make_console
 
@@ -37,9 +38,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model trains (default cpu)")
     p.add_argument("--params", type=_params, help="model parameters: 4M, 400M, 1.5B (default 4M; 400M on cuda)")
-    p.add_argument("--batch", type=_count, help="batch size (default 64; 1024 on cuda)")
-    p.add_argument("--steps", type=_count, default=300, help="steps per run (default 300)")
-    p.add_argument("--warmup", type=_count, default=20, help="first steps left out of the times (default 20)")
+    p.add_argument("--batch", type=positive_int, help="batch size (default 64; 1024 on cuda)")
+    p.add_argument("--steps", type=positive_int, default=300, help="steps per run (default 300)")
+    p.add_argument("--warmup", type=positive_int, default=20, help="first steps left out of the times (default 20)")
     p.add_argument(
         "--configs",
         type=_configs,
@@ -47,19 +48,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"comma-separated, of {', '.join(CONFIGS)} (default: all)",
     )
     p.add_argument(
-        "--nproc", type=_count, default=1, help="ranks (DDP over gloo; plain runs under torchrun; default 1)"
+        "--nproc", type=positive_int, default=1, help="ranks (DDP over gloo; plain runs under torchrun; default 1)"
     )
-    p.add_argument("--rounds", type=_count, default=2, help="runs of each configuration, order rotating (default 2)")
+    p.add_argument(
+        "--rounds", type=positive_int, default=2, help="runs of each configuration, order rotating (default 2)"
+    )
     p.add_argument("--dir", type=Path, help="where the runs write (default: a new temporary directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of tables")
     p.set_defaults(run=run)
     return p
-
-
-def _count(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
-    return int(text)
 
 
 def _params(text: str) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from stalwart.bench.cli import positive_int
 from stalwart.bench.recovery import BenchError, run_bench
 from stalwart.telemetry.console import console as make_console
 
@@ -30,8 +31,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--kills", type=_count, default=5, help="SIGKILLs per system in the kill phase (default 5)")
-    p.add_argument("--gap", type=_count, default=160, help="steps between kills, at most (default 160)")
+    p.add_argument("--kills", type=positive_int, default=5, help="SIGKILLs per system in the kill phase (default 5)")
+    p.add_argument("--gap", type=positive_int, default=160, help="steps between kills, at most (default 160)")
     p.add_argument("--hang-wait", type=float, default=30.0, help="seconds to wait for a hang report (default 30)")
     p.add_argument("--goodput-seconds", type=float, default=300.0, help="goodput run length, 0 to skip (default 300)")
     p.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills in the goodput run")
@@ -43,12 +44,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of tables")
     p.set_defaults(run=run)
     return p
-
-
-def _count(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
-    return int(text)
 
 
 def run(args: argparse.Namespace) -> int:

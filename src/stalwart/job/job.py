@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import secrets
 import time
@@ -483,14 +484,7 @@ class Job:
             self._judge_light()
         decision = self._schedule.taken(self.step, seconds, agree)
         if decision is not None and self.is_main:
-            self.events.emit(
-                "snapshot_interval",
-                step=decision.step,
-                interval=decision.interval,
-                step_s=decision.step_s,
-                snapshot_s=decision.snapshot_s,
-                budget=decision.budget,
-            )
+            self.events.emit("snapshot_interval", **dataclasses.asdict(decision))
 
     def _judge_light(self) -> None:
         """Under "auto": keep light snapshots only while they cost at most their half of the budget, decided
