@@ -160,10 +160,12 @@ def test_without_a_survivor_the_newest_full_copy_or_checkpoint_is_used(launch: A
     args = tiny_args(*ARGS, "--replicated-snapshot-every", "5")
     job = launch(args, env=child_env(STALWART_FAULTS="kill@rank=0,step=13;kill@rank=1,step=13"))
     assert job.wait(180) == 0, job.output()
+    # The commit event can also die with rank 0's persister just after the manifest was written: then step 12
+    # is used although no event names it.
     committed = [e["step"] for e in job.events("checkpoint_committed") if e["restart"] == 0]
-    expected = (12, "durable") if 12 in committed else (10, "memory")
+    allowed = [{(12, "durable")}] if 12 in committed else [{(10, "memory")}, {(12, "durable")}]
     resumed = [e for e in job.events("resumed") if e["restart"] == 1]
-    assert {(e["step"], e["tier"]) for e in resumed} == {expected}, committed
+    assert {(e["step"], e["tier"]) for e in resumed} in allowed, committed
     _assert_identical(job, reference)
     _no_orphans(job)
 
@@ -184,8 +186,10 @@ def test_under_the_defaults_without_a_survivor_the_newest_full_copy_or_checkpoin
         full |= set(range(d["step"], end + 1, d["interval"]))
     committed = [e["step"] for e in job.events("checkpoint_committed") if e["restart"] == 0]
     newest = max(max(s for s in full if s <= 13), *committed)
+    # As above, step 12's commit event can die with rank 0's persister after its manifest was written.
+    allowed = [{newest}] if 12 in committed or newest >= 12 else [{newest}, {12}]
     resumed = [e for e in job.events("resumed") if e["restart"] == 1]
-    assert {e["step"] for e in resumed} == {newest}, (resumed, decisions, committed)
+    assert {e["step"] for e in resumed} in allowed, (resumed, decisions, committed)
     assert {e["tier"] for e in resumed} <= {"memory", "durable"}
     _assert_identical(job, reference)
     _no_orphans(job)

@@ -32,6 +32,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -258,7 +259,6 @@ def launch(args: argparse.Namespace, say: Any) -> int:
 
 
 def _launch(args: argparse.Namespace, say: Any) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import config_from_args
 
     if "LOGLEVEL" not in os.environ:
@@ -290,7 +290,24 @@ def _launch(args: argparse.Namespace, say: Any) -> int:
 
     os.environ[HANG_TIMEOUT_ENV] = str(args.hang_timeout)
     os.environ[REFORM_ENV] = "1" if reforms(args) else "0"
-    config, cmd, cmd_args = config_from_args(args)  # several nodes must share a run id: keep torchrun's "none"
+    # torch elastic makes a log directory per run (attempt and rank folders, error files) and, with no
+    # --log-dir, leaves it in /tmp for ever: one per run. Ours lives as long as the launcher.
+    own_logs = Path(tempfile.mkdtemp(prefix="stalwart-logs-")) if args.log_dir is None else None
+    if own_logs is not None:
+        args.log_dir = str(own_logs)
+    try:
+        config, cmd, cmd_args = config_from_args(args)  # several nodes must share a run id: keep torchrun's "none"
+        return _launch_with_board(args, config, cmd, cmd_args, events, say)
+    finally:
+        if own_logs is not None:
+            shutil.rmtree(own_logs, ignore_errors=True)
+
+
+def _launch_with_board(
+    args: argparse.Namespace, config: Any, cmd: Any, cmd_args: list[str], events: EventLog, say: Any
+) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     _remove_stale_shared_memory()
     try:
         board = Board(int(config.nproc_per_node))

@@ -100,6 +100,8 @@ class Background:
 
     def _on_reply(self, reply: PersistReply) -> None:
         with self._lock:
+            if reply.step != self._in_flight:  # a reply to a save already reported failed is not this save's
+                return
             self._last = reply
             self._in_flight = None
             self._lock.notify_all()
@@ -190,13 +192,16 @@ class Background:
             with self._lock:
                 if self._in_flight != step:  # the persister died meanwhile; that save is already reported
                     continue
+                # The process this save was meant for, read with the check: if it dies after this, the write
+                # fails; it must never go to a successor started for the next save.
+                proc = self._proc
             if self._thread_queue is not None:
                 self._thread_queue.put(req)
                 continue
             try:
-                assert self._proc is not None and self._proc.stdin is not None
-                self._proc.stdin.write(req.to_json() + "\n")
-                self._proc.stdin.flush()
+                assert proc is not None and proc.stdin is not None
+                proc.stdin.write(req.to_json() + "\n")
+                proc.stdin.flush()
             except (AssertionError, OSError, ValueError) as exc:
                 self._fail(step, "persister_died", error=str(exc) or "no persister")
 
