@@ -78,7 +78,7 @@ def test_foreign_checkpoint_directory_is_refused_without_restarts(launch: Any, t
     foreign.mkdir(parents=True)
     (foreign / "model.bin").write_bytes(b"someone else's")
     job = launch(tiny_args(), name="job")
-    assert job.wait(120) == EXIT_USER_ERROR
+    assert job.wait(120) == EXIT_USER_ERROR, job.output()
     lines = _worker_error_lines(job.output())
     assert len(lines) == 1 and "did not write" in lines[0], job.output()
     assert "Traceback" not in job.output()
@@ -88,14 +88,14 @@ def test_foreign_checkpoint_directory_is_refused_without_restarts(launch: Any, t
 
 def test_checkpoint_directory_not_shared_by_all_ranks_is_refused(launch: Any) -> None:
     job = launch(tiny_args("--ckpt-per-rank"))
-    assert job.wait(120) == EXIT_USER_ERROR
+    assert job.wait(120) == EXIT_USER_ERROR, job.output()
     lines = _worker_error_lines(job.output())
     assert len(lines) == 1 and "rank 1 cannot see the checkpoint directory" in lines[0], job.output()
 
 
 def test_state_that_cannot_be_checkpointed_stops_before_training(launch: Any) -> None:
     job = launch(tiny_args("--unsavable-on-rank", "0"))
-    assert job.wait(120) == EXIT_USER_ERROR
+    assert job.wait(120) == EXIT_USER_ERROR, job.output()
     assert "numpy.float64" in _worker_error_lines(job.output())[0]
     assert {e["restart"] for e in job.events("worker_spawned")} == {0}
     assert not job.events("step_done")
@@ -105,7 +105,7 @@ def test_unwritable_checkpoint_directory(launch: Any, tmp_path: Path) -> None:
     (tmp_path / "job").mkdir()
     (tmp_path / "job" / "blocker").write_text("a file where a directory should be")
     job = launch([*tiny_args()[:-4], "--ckpt", "blocker/ckpt", "--out", "out"], name="job")
-    assert job.wait(120) == EXIT_USER_ERROR
+    assert job.wait(120) == EXIT_USER_ERROR, job.output()
     assert "not writable" in _worker_error_lines(job.output())[0]
 
 

@@ -31,6 +31,9 @@ HOST_STATUS_FD_ENV = "STALWART_HOST_FD"
 HOST_WARM_ENV = "STALWART_HOST_WARM"
 """1 for a hot spare: import torch and take a first optimizer step before waiting."""
 
+ZYGOTE_ENV = "STALWART_ZYGOTE"
+"""0: start worker hosts as new interpreters instead of forking them from the zygote (supervisor/zygote.py)."""
+
 # -- set by a user or a test ---------------------------------------------------------------------------------------
 FAULTS_ENV = "STALWART_FAULTS"
 """Fault injection by (rank, step): chaos/faults.py."""

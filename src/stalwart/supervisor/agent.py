@@ -29,6 +29,7 @@ from stalwart.detect.heartbeat import Beat, Board
 from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.runtime.process import process_state, stopped
 from stalwart.supervisor.host_pool import Host, HostContext, SparePool, running_in
+from stalwart.supervisor.zygote import Zygote
 from stalwart.telemetry.events import EventLog
 
 
@@ -65,6 +66,7 @@ class StalwartAgent(LocalElasticAgent):
         say: Callable[[str], None],
         board: Board | None = None,
         spares: SparePool | None = None,
+        zygote: Zygote | None = None,
         hosts: bool = False,
         reform: bool = False,
         **kwargs: Any,
@@ -74,6 +76,7 @@ class StalwartAgent(LocalElasticAgent):
         self._say = say
         self._board = board
         self._spares = spares
+        self._zygote = zygote
         self._hosts = hosts or spares is not None or reform
         self._reform = reform
         self._reforming = False
@@ -104,7 +107,7 @@ class StalwartAgent(LocalElasticAgent):
             spares = self._spares.take(len(missing), all_or_none=False) if self._spares is not None else []
             from_spares = {s.pid for s in spares}
             plan.update(zip(missing, spares, strict=False))
-            with running_in(plan, reform=self._reform):
+            with running_in(plan, reform=self._reform, zygote=self._zygote):
                 pids = super()._start_workers(worker_group)
             if self._spares is not None and len(spares) < len(missing):
                 self._spares.schedule_refill()  # after the start, so spares do not slow it down
@@ -123,6 +126,8 @@ class StalwartAgent(LocalElasticAgent):
         return pids
 
     def _emit_spawned(self, worker_group: WorkerGroup, from_spares: set[int], kept: set[int]) -> None:
+        context = getattr(self, "_pcontext", None)
+        forked = context.forked() if isinstance(context, HostContext) else set()
         for worker in worker_group.workers:
             pid = self._pids[worker.local_rank]
             self._events.emit(
@@ -135,6 +140,7 @@ class StalwartAgent(LocalElasticAgent):
                 master=f"{worker_group.master_addr}:{worker_group.master_port}",
                 spare=pid in from_spares,
                 kept=pid in kept,
+                forked=pid in forked,
             )
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:

@@ -34,6 +34,7 @@ from stalwart.recovery.reform import REFORM_SIGNAL
 from stalwart.runtime.env import HOST_STATUS_FD_ENV, HOST_WARM_ENV
 from stalwart.runtime.process import stopped
 from stalwart.supervisor.host_protocol import Activation, HostStatus
+from stalwart.supervisor.zygote import ForkedProcess, Zygote
 from stalwart.telemetry.events import EventLog
 
 REFILL_DELAY_S = 5.0
@@ -45,18 +46,23 @@ in a collective leaves when it fails, at once once the peer's sockets are closed
 class Host:
     """One host process. A warm one is `ready` once it has imported torch; a worker in one may re-arm."""
 
-    def __init__(self, *, warm: bool) -> None:
-        read, write = os.pipe()
-        env = {**os.environ, HOST_STATUS_FD_ENV: str(write), HOST_WARM_ENV: "1" if warm else "0"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stalwart.supervisor.worker_host"],
-            stdin=subprocess.PIPE,
-            env=env,
-            pass_fds=(write,),
-            start_new_session=True,  # as torch elastic starts workers: a signal to the group reaches children
-        )
-        os.close(write)
-        self._status = read
+    def __init__(self, *, warm: bool, zygote: Zygote | None = None) -> None:
+        forked = zygote.fork_host(warm=warm) if zygote is not None else None
+        self.proc: subprocess.Popen[bytes] | ForkedProcess
+        if forked is not None:
+            self.proc, self._status = forked
+        else:  # a new interpreter
+            read, write = os.pipe()
+            env = {**os.environ, HOST_STATUS_FD_ENV: str(write), HOST_WARM_ENV: "1" if warm else "0"}
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "stalwart.supervisor.worker_host"],
+                stdin=subprocess.PIPE,
+                env=env,
+                pass_fds=(write,),
+                start_new_session=True,  # as torch elastic starts workers: a signal to the group reaches children
+            )
+            os.close(write)
+            self._status = read
         self._buffer = b""
         self.ready = not warm
         self.rearmed = False
@@ -67,6 +73,10 @@ class Host:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def ended_unreported(self) -> bool:
+        """Ended, its exit code not known yet (a forked host, whose parent is the zygote: zygote.py)."""
+        return isinstance(self.proc, ForkedProcess) and self.proc.ended_unreported()
 
     def stopped(self) -> bool:
         """Stopped by a signal (runtime/process.stopped): the host or the worker it became."""
@@ -125,9 +135,10 @@ class Host:
 
 
 class SparePool:
-    def __init__(self, target: int, events: EventLog) -> None:
+    def __init__(self, target: int, events: EventLog, zygote: Zygote | None = None) -> None:
         self.target = target
         self._events = events
+        self.zygote = zygote
         self._idle: list[Host] = []
         self._refill_at: float | None = None
 
@@ -146,7 +157,7 @@ class SparePool:
         self._refill_at = None
         started = []
         while len(self._idle) < self.target:
-            spare = Host(warm=True)
+            spare = Host(warm=True, zygote=self.zygote)
             self._idle.append(spare)
             started.append(spare.pid)
         if started:
@@ -185,6 +196,10 @@ class HostContext:
     def pids(self) -> dict[int, int]:
         return {rank: host.pid for rank, host in self._workers.items()}
 
+    def forked(self) -> set[int]:
+        """Pids of the workers whose hosts the zygote forked (the others are new interpreters)."""
+        return {host.pid for host in self._workers.values() if isinstance(host.proc, ForkedProcess)}
+
     def wait(self, timeout: float = -1, period: float = 1) -> Any:
         expiry = time.monotonic() + (timeout if timeout >= 0 else float("inf"))
         while True:
@@ -198,6 +213,10 @@ class HostContext:
         from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
         codes = {rank: host.proc.poll() for rank, host in self._workers.items()}
+        if any(codes[rank] is None and host.ended_unreported() for rank, host in self._workers.items()):
+            # A worker that ended first must be reported with its own exit code (bad input, say), not left out
+            # while a survivor that re-armed because of it is reported alone: wait for the zygote's report.
+            return None
         rearmed = {rank for rank, host in self._workers.items() if self._reform and host.poll_rearmed()}
         failed = {rank for rank, code in codes.items() if code not in (None, 0)} | rearmed
         if not failed and any(code is None for code in codes.values()):
@@ -253,7 +272,7 @@ class HostContext:
 
 
 @contextlib.contextmanager
-def running_in(plan: dict[int, Host], *, reform: bool) -> Iterator[None]:
+def running_in(plan: dict[int, Host], *, reform: bool, zygote: Zygote | None = None) -> Iterator[None]:
     """While active, torch elastic's `start_processes` activates the hosts of `plan` (local rank -> host)
     instead of spawning processes. A host that cannot be activated (it died meanwhile) is replaced by a cold one."""
     import torch.distributed.elastic.agent.server.local_elastic_agent as lea
@@ -266,10 +285,10 @@ def running_in(plan: dict[int, Host], *, reform: bool) -> Iterator[None]:
         for rank in sorted(envs):
             env = {**os.environ, **envs[rank]}
             argv = [str(a) for a in args[rank]]
-            host = plan.pop(rank, None) or Host(warm=False)
+            host = plan.pop(rank, None) or Host(warm=False, zygote=zygote)
             if not host.activate(argv, env):
                 host.kill()
-                host = Host(warm=False)
+                host = Host(warm=False, zygote=zygote)
                 host.activate(argv, env)
             workers[rank] = host
         for host in plan.values():

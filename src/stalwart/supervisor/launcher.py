@@ -56,6 +56,7 @@ from stalwart.runtime.env import (
 from stalwart.runtime.process import first_line
 from stalwart.supervisor.host_pool import SparePool
 from stalwart.supervisor.rendezvous import rendezvous_handler
+from stalwart.supervisor.zygote import Zygote
 from stalwart.telemetry.events import EventLog
 
 DEFAULT_EVENT_LOG = "stalwart-logs/events.jsonl"
@@ -259,6 +260,16 @@ def launch(args: argparse.Namespace, say: Any) -> int:
 
 
 def _launch(args: argparse.Namespace, say: Any) -> int:
+    # First, while this process has one thread: the zygote that forks every worker host (supervisor/zygote.py).
+    zygote = Zygote.start()
+    try:
+        return _launch_with_zygote(args, say, zygote)
+    finally:
+        if zygote is not None:
+            zygote.close()
+
+
+def _launch_with_zygote(args: argparse.Namespace, say: Any, zygote: Zygote | None) -> int:
     from torch.distributed.run import config_from_args
 
     if "LOGLEVEL" not in os.environ:
@@ -297,14 +308,20 @@ def _launch(args: argparse.Namespace, say: Any) -> int:
         args.log_dir = str(own_logs)
     try:
         config, cmd, cmd_args = config_from_args(args)  # several nodes must share a run id: keep torchrun's "none"
-        return _launch_with_board(args, config, cmd, cmd_args, events, say)
+        return _launch_with_board(args, config, cmd, cmd_args, events, say, zygote)
     finally:
         if own_logs is not None:
             shutil.rmtree(own_logs, ignore_errors=True)
 
 
 def _launch_with_board(
-    args: argparse.Namespace, config: Any, cmd: Any, cmd_args: list[str], events: EventLog, say: Any
+    args: argparse.Namespace,
+    config: Any,
+    cmd: Any,
+    cmd_args: list[str],
+    events: EventLog,
+    say: Any,
+    zygote: Zygote | None,
 ) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -315,7 +332,7 @@ def _launch_with_board(
         raise ConfigError(f"cannot create the heartbeat board in /dev/shm: {exc.strerror or exc}") from exc
     os.environ[HEARTBEAT_ENV] = str(board.path)
     snapshots = board.path.with_name(SNAPSHOTS_PREFIX + board.path.name.removeprefix(BOARD_PREFIX))
-    pool = SparePool(args.spares, events)
+    pool = SparePool(args.spares, events, zygote)
     try:
         snapshots.mkdir(mode=0o700)
         os.environ[SNAPSHOT_DIR_ENV] = str(snapshots)
@@ -416,6 +433,7 @@ def _run_agent(
         say=say,
         board=board,
         spares=pool if pool.target else None,
+        zygote=pool.zygote,
         reform=reforms(args),
         **_supported(
             StalwartAgent.__mro__[1],

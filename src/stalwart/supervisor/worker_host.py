@@ -37,15 +37,22 @@ from stalwart.runtime.process import die_with_parent
 from stalwart.supervisor.host_protocol import Activation, HostStatus
 
 
-def _warm_up() -> None:
-    """Import what a training script imports first, and pay torch's lazy first-use costs now."""
+def import_training_side() -> None:
+    """Import what a training script imports first (the zygote does this once for every host it forks)."""
     import torch
+    import torch._dynamo  # torch 2.13 imports it at the first optimizer step: 0.6 s
     import torch.distributed
-    import torch.nn.parallel
+    import torch.nn.parallel  # noqa: F401
 
     import stalwart
     import stalwart.job.job  # noqa: F401
 
+
+def _warm_up() -> None:
+    """Import what a training script imports first, and pay torch's lazy first-use costs now."""
+    import torch
+
+    import_training_side()
     param = torch.nn.Parameter(torch.zeros(2))
     optim = torch.optim.AdamW([param], lr=0.1)
     param.grad = torch.ones(2)
@@ -180,23 +187,67 @@ def _say(line: str) -> None:
     stream.flush()
 
 
-def main() -> None:
-    die_with_parent()
-    reform.ignore_requests()
-    warm = os.environ.pop(WARM_ENV, "") == "1"
-    status = int(os.environ.pop(STATUS_FD_ENV, "-1"))
+def _host(control_fd: int, status: int, *, warm: bool) -> None:
+    """Warm up if a spare, say READY, and serve activations from `control_fd`; never returns."""
     if warm:
         _warm_up_politely()
     if status >= 0:
         os.set_inheritable(status, False)  # the worker's own children (its persister) must not hold it
         if warm:
             os.write(status, HostStatus.READY.encode())
-    # The agent's pipe moves off stdin, which becomes /dev/null as for any worker.
-    control = os.fdopen(os.dup(0), "r", encoding="utf-8")
+    os.set_inheritable(control_fd, False)
+    control = os.fdopen(control_fd, "r", encoding="utf-8")
+    # stdin becomes /dev/null, as for any worker.
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
     _serve(control, status)
+
+
+def run_forked(control_fd: int, status: int, *, warm: bool) -> int:
+    """A host forked by the zygote (zygote.py): as `main`, and returns the exit code a new interpreter would have
+    had. The caller ends the process with it: the zygote's frames below this one must never run on."""
+    import atexit
+    import traceback
+
+    reform.ignore_requests()
+    try:
+        _host(control_fd, status, warm=warm)
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    # What an interpreter does at exit: wait for the script's non-daemon threads, run atexit, flush.
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
+    return code
+
+
+def _exit_code(code: object) -> int:
+    """sys.exit's argument as the interpreter turns it into an exit status."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    with contextlib.suppress(BaseException):
+        print(code, file=sys.stderr)
+    return 1
+
+
+def main() -> None:
+    die_with_parent()
+    reform.ignore_requests()
+    warm = os.environ.pop(WARM_ENV, "") == "1"
+    status = int(os.environ.pop(STATUS_FD_ENV, "-1"))
+    # The agent's pipe moves off stdin.
+    _host(os.dup(0), status, warm=warm)
 
 
 if __name__ == "__main__":
