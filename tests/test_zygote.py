@@ -65,6 +65,15 @@ def test_forked_hosts_report_exit_codes_and_are_fresh_processes(tmp_path: Path) 
     assert hosts[0]["random"] != hosts[1]["random"], "each fork reseeds Python's generator"
 
 
+def test_a_zygote_that_loaded_the_cuda_driver_does_not_fork() -> None:
+    from stalwart.supervisor.zygote import cuda_driver_loaded
+
+    lib = "7f2a1c000000-7f2a1c200000 r-xp 00000000 08:01 1234 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15"
+    torch = "7f2a1c000000-7f2a1c200000 r-xp 00000000 08:01 1234 /venv/lib/torch/lib/libtorch_cpu.so"
+    assert cuda_driver_loaded(f"{torch}\n{lib}\n")
+    assert not cuda_driver_loaded(f"{torch}\n")
+
+
 def _zygote_of(launcher: int) -> int | None:
     """The launcher's child that is the parent of a worker host."""
     for stat in Path("/proc").glob("[0-9]*/stat"):

@@ -104,6 +104,8 @@ class Zygote:
                     if not self._receive(max(0.0, end - time.monotonic())) and time.monotonic() >= end:
                         raise TimeoutError("the zygote did not answer")
                 pid = self._forked.pop(ident)
+                if pid < 0:
+                    raise ValueError("the zygote cannot fork safely")
         except (OSError, TimeoutError, ValueError):
             self.alive = False
             for fd in (control_w, status_r):  # ours; the host's ends are closed below
@@ -189,6 +191,18 @@ class ForkedProcess:
             os.kill(self.pid, signal.SIGKILL)
 
 
+def cuda_driver_loaded(maps: str | None = None) -> bool:
+    """True if this process has the CUDA driver library mapped (something called into CUDA, even only to count
+    devices): a forked child could then not use the GPU. `maps` is /proc/self/maps' text, read when None."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:
+            return False
+    return any(line.rsplit("/", 1)[-1].startswith("libcuda.so") for line in maps.splitlines())
+
+
 def _exists(pid: int) -> bool:
     """Running or a zombie nobody reaped yet (a host whose zygote died is reaped by init)."""
     try:
@@ -222,6 +236,7 @@ class _Serve:
         from stalwart.supervisor.worker_host import import_training_side
 
         import_training_side()
+        safe = not cuda_driver_loaded()  # a fork of a process that initialised CUDA cannot use the GPU
         while True:
             waiting: list[Any] = [self._sock, self._wake_r]
             readable = select.select(waiting, [], [])[0]
@@ -234,7 +249,7 @@ class _Serve:
                 if not msg:  # the launcher closed its end: it is stopping
                     return
                 request = json.loads(msg)
-                pid = self._fork(fds, warm=bool(request.get("warm")))
+                pid = self._fork(fds, warm=bool(request.get("warm"))) if safe else -1
                 for fd in fds:
                     os.close(fd)
                 self._send({"op": "forked", "id": request["id"], "pid": pid})
