@@ -13,7 +13,7 @@ fi
 echo "== ruff"; .venv/bin/ruff check src tests
 echo "== ruff format"; .venv/bin/ruff format --check src tests
 echo "== mypy"; .venv/bin/mypy
-# Two tests at a time (pytest-xdist): each is a few processes that spend much of their time waiting. Three were
-# faster (792-813 s against 895 s) but two timing-sensitive tests failed in one of three runs: not yet safe.
+# Two tests at a time (pytest-xdist): each is a few processes that spend much of their time waiting; on two cores
+# more workers gained little (792-813 s against 895 s before the zygote) and made timing-sensitive tests flaky.
 # worksteal: an idle worker takes queued tests from the busy one, so no long test is left to run alone at the end.
 echo "== pytest"; .venv/bin/python -m pytest -n 2 --dist worksteal --durations=15 "${quick[@]}" "$@"

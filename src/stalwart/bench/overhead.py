@@ -65,6 +65,7 @@ def run_bench(
 ) -> dict[str, Any]:
     run_dir, created = make_run_dir(parent)
     started = time.perf_counter()
+    failed = False
     try:
         job = {"params": params, "device": device, "steps": steps, "warmup": warmup, "batch": batch, "nproc": nproc}
         order: list[str | None] = [None, *configs]  # None: plain
@@ -76,8 +77,12 @@ def run_bench(
                 config = None if name is None else CONFIGS[name]
                 runs[name].append(_run(where, label, config, job, progress, LAUNCHER.get(name or "", [])))
         machine = machine_info(run_dir)
+    except BenchError:
+        failed = True  # the failed run's whole output stays for a look (the error names it)
+        raise
     finally:
-        shutil.rmtree(created, ignore_errors=True)
+        if not failed:
+            shutil.rmtree(created, ignore_errors=True)
     plain = runs.pop(None)
     return build_report(plain, runs, job, machine, time.perf_counter() - started)  # type: ignore[arg-type]
 
@@ -118,9 +123,9 @@ def _run(
             proc.wait()
             raise BenchError(f"{label} ran for more than {RUN_TIMEOUT_S} s; stopped it") from exc
     if code != 0 or not result.exists():
-        tail = (workdir / "output.log").read_text(errors="replace").strip().splitlines()[-15:]
+        tail = (workdir / "output.log").read_text(errors="replace").strip().splitlines()[-40:]
         sys.stderr.write("".join(f"  | {line}\n" for line in tail))
-        raise BenchError(f"{label} failed (exit status {code}); its output's end is above")
+        raise BenchError(f"{label} failed (exit status {code}); its output's end is above, all of it in {workdir}")
     measured: dict[str, Any] = json.loads(result.read_text())
     if config is not None:
         decisions = [e for e in read_events(log) if e["event"] == "snapshot_interval"]
