@@ -48,23 +48,39 @@ def test_two_nodes_recover_from_a_killed_worker(launch: Any, tmp_path: Path) -> 
     assert two_nodes["sha256"] == one_node["sha256"], "two nodes with a failure end where one clean node does"
 
 
-@pytest.mark.parametrize("snapshots", ["full", "light"])
+@pytest.mark.parametrize(("snapshots", "hosts"), [("full", "loopback"), ("light", "netns")])
 def test_a_killed_node_is_replaced_and_the_job_ends_bitwise_identical(
-    launch: Any, tmp_path: Path, snapshots: str
+    launch: Any, tmp_path: Path, snapshots: str, hosts: str, request: pytest.FixtureRequest
 ) -> None:
     """A whole "node" dies (its agent SIGKILLed; its worker dies with it) and a new agent takes its place. The lost
     node's memory snapshots went with it, but a copy of each is kept by the other node (a peer replica, L3): the
     new node's rank gets its snapshot back from there and nothing is read from storage. With light snapshots the
-    replica is the small per-rank rest and the parameters come from the surviving rank's live state."""
+    replica is the small per-rank rest and the parameters come from the surviving rank's live state. Nodes are
+    two agents on loopback, or two hosts with their own addresses in network namespaces (`two_hosts`)."""
     port = _free_port()
     job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "30"]
     job_args += ["--step-sleep", "0.1", "--every", "100"]  # the only durable checkpoint is the last one
     if snapshots == "light":
         job_args += ["--replicated-snapshot-every", "20"]
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "3"]
-    first = launch([*common, *job_args], name="node0")  # first, so that it hosts the rendezvous store
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "3"]
+    per_node: list[tuple[list[str], dict[str, str], tuple[str, ...]]] = []
+    if hosts == "netns":
+        two: list[tuple[str, str, str]] = request.getfixturevalue("two_hosts")
+        for i, (ns, dev, addr) in enumerate(two):
+            args = ["--rdzv-endpoint", f"{two[0][2]}:{port}", "--rdzv-conf", f"is_host={int(i == 0)}"]
+            per_node.append(
+                ([*args, "--local-addr", addr], child_env(GLOO_SOCKET_IFNAME=dev), ("ip", "netns", "exec", ns))
+            )
+    else:
+        per_node = [(["--rdzv-endpoint", f"127.0.0.1:{port}"], child_env(), ())] * 2
+
+    def node(i: int, name: str) -> Any:
+        args, env, prefix = per_node[i]
+        return launch([*common, *args, *job_args], name=name, env=env, prefix=prefix)
+
+    first = node(0, "node0")  # first, so that it hosts the rendezvous store
     first.wait_for(lambda: first.events("launcher_started"), 60, "the first agent")
-    victim = launch([*common, *job_args], name="node1")
+    victim = node(1, "node1")
     victim.wait_for(lambda: [e for e in victim.events("step_done") if e["step"] >= 10], 180, "step 10")
     worker = victim.worker_pids(restart=0)
     os.kill(victim.proc.pid, signal.SIGKILL)
@@ -75,7 +91,7 @@ def test_a_killed_node_is_replaced_and_the_job_ends_bitwise_identical(
                 break
             time.sleep(0.05)
         assert not alive(pid), "the dead node's worker died with its agent"
-    replacement = launch([*common, *job_args], name="node1-again")
+    replacement = node(1, "node1-again")
     for node in (first, replacement):
         assert node.wait(240) == 0, node.output()
     survivor_tier = "peer" if snapshots == "light" else "memory"

@@ -33,6 +33,7 @@ DRIVER = textwrap.dedent(
         proc.stdin.write(Activation([script], env).encode())
         proc.stdin.flush()
         report["hosts"].append({"pid": proc.pid, "code": proc.wait(60)})
+    report["zygote_comm"] = open(f"/proc/{zygote.pid}/comm").read().strip()  # named before its first fork
     print(json.dumps(report))
     """
 )
@@ -40,7 +41,8 @@ SCRIPT = textwrap.dedent(
     """
     import json, os, random, sys
     print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "random": random.random(),
-                      "torch_loaded": "torch._dynamo" in sys.modules}), flush=True)
+                      "torch_loaded": "torch._dynamo" in sys.modules,
+                      "comm": open("/proc/self/comm").read().strip()}), flush=True)
     sys.exit(int(os.environ["EXIT_WITH"]))
     """
 )
@@ -62,6 +64,8 @@ def test_forked_hosts_report_exit_codes_and_are_fresh_processes(tmp_path: Path) 
         assert host["ppid"] == report["zygote"], "a host is the zygote's child"
         assert host["sid"] == host["pid"], "in its own session, as torch elastic starts workers"
         assert host["torch_loaded"], "forked after the zygote imported the training side"
+        assert host["comm"] == Path(sys.executable).name[:15], "named as an interpreter started for it"
+    assert report["zygote_comm"] == "stalwart-zygote"
     assert hosts[0]["random"] != hosts[1]["random"], "each fork reseeds Python's generator"
 
 

@@ -24,6 +24,7 @@ host's two pipe ends (its activation stdin, its status pipe) as SCM_RIGHTS descr
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import select
@@ -45,6 +46,7 @@ UNREPORTED_GRACE_S = 2.0
 """How long a host that ended may go without an exit code from the zygote before it is counted as running again
 (a zygote stopped by a signal must not stall the agent for ever)."""
 MAX_PACKET = 65536
+_PR_SET_NAME = 15
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -64,6 +66,9 @@ class Zygote:
         self._exits: dict[int, int] = {}
         self._forked: dict[int, int] = {}
         self.alive = True
+        """The zygote is there: it reaps its hosts and reports their exit codes."""
+        self.forking = True
+        """It forks on request; False after it refused, failed or did not answer (new interpreters from then on)."""
 
     @classmethod
     def start(cls) -> Zygote | None:
@@ -89,7 +94,7 @@ class Zygote:
 
     def fork_host(self, *, warm: bool) -> tuple[ForkedProcess, int] | None:
         """A new host forked by the zygote and the read end of its status pipe; None if the zygote cannot."""
-        if not self.alive:
+        if not (self.alive and self.forking):
             return None
         control_r, control_w = os.pipe()
         status_r, status_w = os.pipe()
@@ -101,13 +106,16 @@ class Zygote:
                 socket.send_fds(self._sock, [msg], [control_r, status_w])
                 end = time.monotonic() + REPLY_TIMEOUT_S
                 while ident not in self._forked:
-                    if not self._receive(max(0.0, end - time.monotonic())) and time.monotonic() >= end:
-                        raise TimeoutError("the zygote did not answer")
+                    if not self._receive(max(0.0, end - time.monotonic())):
+                        if not self.alive:
+                            raise OSError("the zygote is gone")
+                        if time.monotonic() >= end:
+                            raise TimeoutError("the zygote did not answer")
                 pid = self._forked.pop(ident)
                 if pid < 0:
                     raise ValueError("the zygote cannot fork safely")
         except (OSError, TimeoutError, ValueError):
-            self.alive = False
+            self.forking = False
             for fd in (control_w, status_r):  # ours; the host's ends are closed below
                 with contextlib.suppress(OSError):
                     os.close(fd)
@@ -135,14 +143,16 @@ class Zygote:
             return False
         msg = json.loads(data)
         if msg.get("op") == "forked":
-            self._forked[int(msg["id"])] = int(msg["pid"])
+            pid = int(msg["pid"])
+            self._forked[int(msg["id"])] = pid
+            self._exits.pop(pid, None)  # a pid the kernel reused: the exit noted under it was an older host's
         elif msg.get("op") == "exit":
             self._exits[int(msg["pid"])] = int(msg["code"])
         return True
 
     def close(self) -> None:
         """Stop forking; hosts still running end with the zygote (their parent-death signal)."""
-        self.alive = False
+        self.alive = self.forking = False
         with contextlib.suppress(OSError):
             self._sock.close()
         with contextlib.suppress(ChildProcessError, OSError):
@@ -191,6 +201,12 @@ class ForkedProcess:
             os.kill(self.pid, signal.SIGKILL)
 
 
+def _name_process(name: bytes) -> None:
+    """Set this process's short name (/proc/self/comm, 15 bytes), which top and `ps -o comm` show."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+
+
 def cuda_driver_loaded(maps: str | None = None) -> bool:
     """True if this process has the CUDA driver library mapped (something called into CUDA, even only to count
     devices): a forked child could then not use the GPU. `maps` is /proc/self/maps' text, read when None."""
@@ -225,6 +241,7 @@ class _Serve:
 
     def run(self) -> None:
         die_with_parent(signal.SIGKILL, parent=self._launcher)
+        _name_process(b"stalwart-zygote")  # its command line is the launcher's; top and ps -o comm tell them apart
         for sig in STOP_SIGNALS:  # a terminal's Ctrl-C reaches the launcher's group: the launcher handles it
             signal.signal(sig, signal.SIG_IGN)
         from stalwart.recovery import reform
@@ -288,6 +305,7 @@ class _Serve:
     def _become_host(self, zygote: int) -> None:
         """Undo what is the zygote's own in a forked child: its session, signals, socket and random state."""
         os.setsid()  # as torch elastic starts workers: a signal to the group reaches the host's children
+        _name_process(os.path.basename(sys.executable).encode())  # as an interpreter started for it would be
         die_with_parent(signal.SIGKILL, parent=zygote)
         signal.set_wakeup_fd(-1)
         for fd in (self._wake_r, self._wake_w):
