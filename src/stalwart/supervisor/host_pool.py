@@ -4,7 +4,9 @@ and what keeps a re-formed survivor in its process.
 
 A restart normally spawns fresh interpreters that import torch again (1.8-2.7 s on this machine before a
 worker can do anything). Under `stalwart run` workers run in host processes instead, so that:
-- with `--spares N` the agent keeps N hosts that have already paid that cost (`SparePool`);
+- a host is forked from the zygote (zygote.py), which imported torch once, in milliseconds; without one it is
+  a new interpreter;
+- with `--spares N` the agent keeps N hosts that are ready before they are needed (`SparePool`);
 - with re-forming on (the default, recovery/reform.py), a survivor of a peer's failure keeps its process: it
   re-arms and the next round activates it again.
 
@@ -14,7 +16,7 @@ pids/wait/close interface as torch elastic's process contexts, so monitoring, fa
 shutdown work as for spawned workers.
 
 The pool is refilled `REFILL_DELAY_S` after it was used (and after the first start), so that the spares'
-imports do not compete for CPU with workers that are recovering.
+start-up (their imports, when there is no zygote) does not compete for CPU with workers that are recovering.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """A worker host: the process a worker runs in under `stalwart run`, which outlives one run of the script.
 
-`python -m stalwart.supervisor.worker_host` is started by the agent (supervisor/host_pool.py) in one of two ways:
+A host is normally forked from the zygote (supervisor/zygote.py, then `run_forked`), which imported the
+training side once; without a zygote, `python -m stalwart.supervisor.worker_host` is started by the agent
+(supervisor/host_pool.py). Either way it starts in one of two ways:
 - as a hot spare (STALWART_HOST_WARM=1): at the lowest CPU priority, so that it slows no training, it imports
   torch and stalwart's training-side modules, builds and steps a throwaway optimizer (torch 2.13 imports
   torch._dynamo on the first optimizer step) and reports READY on its status pipe (host_protocol.py);
