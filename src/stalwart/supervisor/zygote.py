@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import json
 import os
 import select
@@ -253,6 +254,11 @@ class _Serve:
         from stalwart.supervisor.worker_host import import_training_side
 
         import_training_side()
+        # What is imported stays for the process's life: out of the collector's sight, a full collection in a
+        # host (a re-forming survivor runs one to free its failed run) no longer walks torch's million objects
+        # (230 ms), and the collector does not write to pages the hosts share with the zygote.
+        gc.collect()
+        gc.freeze()
         safe = not cuda_driver_loaded()  # a fork of a process that initialised CUDA cannot use the GPU
         while True:
             waiting: list[Any] = [self._sock, self._wake_r]
