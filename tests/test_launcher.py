@@ -293,3 +293,26 @@ def test_a_one_node_run_listens_on_loopback_only(launch: Any) -> None:
     assert len(listening) >= 2, listening
     outside = [a for a in listening if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback]
     assert not outside, f"listening beyond loopback: {outside} (all: {listening})"
+
+
+def test_a_one_node_rendezvous_skips_the_random_start_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch sleeps a random 0-0.3 s before joining round 0 (the start and the first restart) to spread several
+    nodes' joins; one node has nothing to spread, so that sleep is skipped, and polling delays are kept."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
+
+    from stalwart.supervisor.rendezvous import rendezvous_handler
+
+    delays: list[object] = []
+
+    def record(seconds: object) -> None:
+        delays.append(seconds)
+
+    monkeypatch.setattr(dynamic_rendezvous, "_delay", record)
+    params = RendezvousParameters("c10d", "127.0.0.1:0", "one-node", 1, 1, is_host="1")
+    handler = rendezvous_handler(params)
+    try:
+        handler.next_rendezvous()
+    finally:
+        handler.shutdown()
+    assert not [d for d in delays if isinstance(d, tuple)], delays
+    assert dynamic_rendezvous._delay is record, "torch's own delay function is back in place"

@@ -8,6 +8,8 @@ agent that hosts the store listens only on the endpoint's address: 127.0.0.1 for
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -44,4 +46,29 @@ def rendezvous_handler(params: Any) -> Any:
             if not is_server or configured is not None:
                 raise RendezvousConnectionError(f"cannot reach the rendezvous store at {host}:{port}: {exc}") from exc
     backend = C10dRendezvousBackend(store, params.run_id)
-    return create_handler(store, backend, params)
+    handler = create_handler(store, backend, params)
+    if params.max_nodes == 1:
+        handler.next_rendezvous = functools.partial(_without_start_skew, handler.next_rendezvous)  # type: ignore[method-assign]
+    return handler
+
+
+def _without_start_skew(next_rendezvous: Callable[[], Any]) -> Any:
+    """`next_rendezvous()` without the random 0-0.3 s sleep torch takes while the round is still 0 (at the start
+    and at the first restart), meant to spread several nodes' first joins over time. With one node there is
+    nothing to spread, and the sleep was the larger part of a restart's rendezvous (0.31 s of a 0.57 s recovery
+    measured once). Delays of a set length (polling for other nodes) are kept."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    delay = getattr(dynamic_rendezvous, "_delay", None)
+    if delay is None:  # another torch: as it is
+        return next_rendezvous()
+
+    def fixed_delays_only(seconds: float | tuple[float, float]) -> None:
+        if not isinstance(seconds, tuple):
+            delay(seconds)
+
+    dynamic_rendezvous._delay = fixed_delays_only
+    try:
+        return next_rendezvous()
+    finally:
+        dynamic_rendezvous._delay = delay
