@@ -474,24 +474,22 @@ class Job:
     def _plan_snapshots(self, seconds: float) -> None:
         """After a snapshot that took `seconds` on the training thread (gathering the state, the copy, the
         replicas): the next one's step, from costs every rank agrees on (policy/snapshot.py)."""
-
-        def agree(step_s: float, snapshot_s: float) -> tuple[float, float]:
-            mine = [round(step_s * 1e6), round(snapshot_s * 1e6)]
-            gathered = self.comm.all_gather_ints(mine)
-            return max(g[0] for g in gathered) / 1e6, max(g[1] for g in gathered) / 1e6
-
         if self._light_always() and self._light_cost.judged():
             self._judge_light()
-        decision = self._schedule.taken(self.step, seconds, agree)
+        decision = self._schedule.taken(self.step, seconds, self._largest)
         if decision is not None and self.is_main:
             self.events.emit("snapshot_interval", **dataclasses.asdict(decision))
+
+    def _largest(self, first_s: float, second_s: float) -> tuple[float, float]:
+        """Each of two durations at its largest over the ranks (one collective, microseconds as integers): what
+        every rank's decisions are taken from, so that all decide alike."""
+        gathered = self.comm.all_gather_ints([round(first_s * 1e6), round(second_s * 1e6)])
+        return max(g[0] for g in gathered) / 1e6, max(g[1] for g in gathered) / 1e6
 
     def _judge_light(self) -> None:
         """Under "auto": keep light snapshots only while they cost at most their half of the budget, decided
         alike on every rank from the largest light cost and step time (policy/snapshot.LightCost)."""
-        mine = [round(self._light_cost.mine() * 1e6), round(self._schedule.step_s() * 1e6)]
-        gathered = self.comm.all_gather_ints(mine)
-        light_s, step_s = max(g[0] for g in gathered) / 1e6, max(g[1] for g in gathered) / 1e6
+        light_s, step_s = self._largest(self._light_cost.mine(), self._schedule.step_s())
         if not self._light_cost.too_dear(light_s, step_s):
             return
         assert self._commit is not None

@@ -260,16 +260,16 @@ def launch(args: argparse.Namespace, say: Any) -> int:
 
 
 def _launch(args: argparse.Namespace, say: Any) -> int:
-    # First, while this process has one thread: the zygote that forks every worker host (supervisor/zygote.py).
-    zygote = Zygote.start()
-    try:
-        return _launch_with_zygote(args, say, zygote)
-    finally:
+    with contextlib.ExitStack() as cleanup:
+        # First, while this process has one thread: the zygote that forks every worker host (supervisor/zygote.py).
+        zygote = Zygote.start()
         if zygote is not None:
-            zygote.close()
+            cleanup.callback(zygote.close)
+        return _launch_with(args, say, zygote, cleanup)
 
 
-def _launch_with_zygote(args: argparse.Namespace, say: Any, zygote: Zygote | None) -> int:
+def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, cleanup: contextlib.ExitStack) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import config_from_args
 
     if "LOGLEVEL" not in os.environ:
@@ -303,28 +303,10 @@ def _launch_with_zygote(args: argparse.Namespace, say: Any, zygote: Zygote | Non
     os.environ[REFORM_ENV] = "1" if reforms(args) else "0"
     # torch elastic makes a log directory per run (attempt and rank folders, error files) and, with no
     # --log-dir, leaves it in /tmp for ever: one per run. Ours lives as long as the launcher.
-    own_logs = Path(tempfile.mkdtemp(prefix="stalwart-logs-")) if args.log_dir is None else None
-    if own_logs is not None:
-        args.log_dir = str(own_logs)
-    try:
-        config, cmd, cmd_args = config_from_args(args)  # several nodes must share a run id: keep torchrun's "none"
-        return _launch_with_board(args, config, cmd, cmd_args, events, say, zygote)
-    finally:
-        if own_logs is not None:
-            shutil.rmtree(own_logs, ignore_errors=True)
-
-
-def _launch_with_board(
-    args: argparse.Namespace,
-    config: Any,
-    cmd: Any,
-    cmd_args: list[str],
-    events: EventLog,
-    say: Any,
-    zygote: Zygote | None,
-) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
+    if args.log_dir is None:
+        args.log_dir = tempfile.mkdtemp(prefix="stalwart-logs-")
+        cleanup.callback(shutil.rmtree, args.log_dir, ignore_errors=True)
+    config, cmd, cmd_args = config_from_args(args)  # several nodes must share a run id: keep torchrun's "none"
     _remove_stale_shared_memory()
     try:
         board = Board(int(config.nproc_per_node))

@@ -38,7 +38,7 @@ import time
 from typing import IO, Any
 
 from stalwart.runtime.env import ZYGOTE_ENV
-from stalwart.runtime.process import die_with_parent
+from stalwart.runtime.process import die_with_parent, process_state
 
 REPLY_TIMEOUT_S = 60.0
 """How long the launcher waits for the zygote to fork a host (its first fork waits for its imports) before it
@@ -221,12 +221,8 @@ def cuda_driver_loaded(maps: str | None = None) -> bool:
 
 
 def _exists(pid: int) -> bool:
-    """Running or a zombie nobody reaped yet (a host whose zygote died is reaped by init)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    """Running or stopped, not a zombie nor gone (a host whose zygote died is reaped by init)."""
+    return process_state(pid) not in ("Z", "?")
 
 
 # -- the zygote's side -------------------------------------------------------------------------------------------
