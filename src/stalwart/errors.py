@@ -38,6 +38,11 @@ class PeerError(ConfigError):
     """Another rank (rank 0) found a user error and printed it; this rank exits quietly with the same status."""
 
 
+class PeerGone(StalwartError, RuntimeError):
+    """A peer of a barrier outside the process groups (runtime/local_barrier.py) ended or never came: the
+    counterpart of a collective's connection error, and handled the same way (re-forming)."""
+
+
 class CheckpointError(StalwartError):
     """A checkpoint cannot be written or used."""
 
@@ -76,6 +81,6 @@ _PEER_LOST = re.compile(
 
 def is_peer_failure(exc: BaseException) -> bool:
     """True for what a collective or the store raises when a peer is gone; False for a bug in this rank's code."""
-    if type(exc).__name__ in ("DistNetworkError", "DistStoreError"):  # torch.distributed's own, torch >= 2.2
-        return True
+    if isinstance(exc, PeerGone) or type(exc).__name__ in ("DistNetworkError", "DistStoreError"):
+        return True  # the latter two: torch.distributed's own, torch >= 2.2
     return isinstance(exc, RuntimeError) and bool(_PEER_LOST.search(str(exc)))

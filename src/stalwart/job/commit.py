@@ -10,8 +10,9 @@ the restart falls back to the last full copy, up to `replicated_snapshot_every` 
 
 The commit point closes that window. A pre-hook on the replicated optimizers takes the light snapshot of step
 N+1 before the optimizer changes anything, sends it to the rank's peer replicas on other nodes (L3,
-checkpoint/tiers/replicas.py), then waits on a barrier of stalwart's own gloo group. No rank changes its parameters
-before every rank holds its snapshot of N+1, and every peer replica too: a rank that dies before the barrier
+checkpoint/tiers/replicas.py), then waits on a barrier of every rank (a shared page when all are on one node,
+runtime/local_barrier.py; else stalwart's own gloo group). No rank changes its parameters before every rank
+holds its snapshot of N+1, and every peer replica too: a rank that dies before the barrier
 leaves its peers at step N (their barrier fails, their optimizer has not run), one that dies after it has left
 its snapshot.
 
@@ -35,7 +36,6 @@ import torch
 from stalwart.chaos.faults import FaultInjector
 from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.recovery import reform
-from stalwart.runtime.dist import Comm
 from stalwart.telemetry.events import EventLog
 
 StateOf = Callable[[int], dict[str, Any]]
@@ -48,7 +48,7 @@ class StepCommit:
     def __init__(
         self,
         memory: MemoryTier,
-        comm: Comm,
+        barrier: Callable[[], float | None],
         events: EventLog,
         faults: FaultInjector,
         state_of: StateOf,
@@ -57,7 +57,7 @@ class StepCommit:
         push: Callable[[int], None],
     ) -> None:
         self._memory = memory
-        self._comm = comm
+        self._barrier = barrier
         self._events = events
         self._faults = faults
         self._state_of = state_of
@@ -97,9 +97,11 @@ class StepCommit:
         self._rank_state = _copy(self._per_rank(state))
         self._committed = step
         self._push(step)  # to the peer replicas on other nodes (L3), before any rank's parameters move
-        self._comm.barrier()  # raises if a peer is gone: this rank's parameters then stay at the previous step
+        work = time.perf_counter() - started
+        cost = self._barrier()  # raises if a peer is gone: this rank's parameters then stay at the previous step
         reform.defer_requests()  # committed: finish the step before re-forming (the job allows them at its end)
-        self.seconds += time.perf_counter() - started
+        # A barrier that knows its own cost (the ranks' skew is not: the next collective would wait for it too)
+        self.seconds += work + (time.perf_counter() - started - work if cost is None else cost)
         self._faults.in_optimizer(self._step, "after_barrier")
 
     def check(self, state: dict[str, Any]) -> bool:

@@ -21,7 +21,7 @@ import os
 import secrets
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -47,6 +47,7 @@ from stalwart.policy.snapshot import LightCost, SnapshotSchedule
 from stalwart.recovery import reform
 from stalwart.recovery.restore import Restorer
 from stalwart.runtime.dist import Comm, Placement, init_process_group
+from stalwart.runtime.local_barrier import LocalBarrier
 from stalwart.runtime.process import first_line
 from stalwart.telemetry.events import EventLog
 
@@ -187,6 +188,7 @@ class Job:
         restart, token = self.comm.broadcast_ints(
             [self.placement.restart_count, secrets.randbits(48)] if self.rank == 0 else [0, 0]
         )
+        self._token = f"{restart}x{token:012x}"
         self._faults = FaultInjector.from_env(self.rank, self.placement.restart_count, self._announce)
         self._heartbeat = Heartbeat.from_env(self.placement.local_rank)
         fixed = self.config.hang_timeout_s
@@ -210,6 +212,8 @@ class Job:
         self._reform = self._memory is not None and reform.enabled()
         self._versions: dict[int, int] | None = None  # live tensors' data pointer -> version, at self.step
         self._commit: StepCommit | None = None  # light snapshots' commit point at the optimizer step
+        self._local_barrier: LocalBarrier | None = None  # its barrier when every rank is on this node
+        self._commits = 0  # commit points started (each names its own barrier)
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self.config.snapshot_budget, 0)
         self._light_cost = LightCost(self.config.snapshot_budget / 2)
         self._replicated_skeleton: tuple[int, dict[str, Any]] | None = None  # (step, skeleton) for a stash
@@ -220,7 +224,7 @@ class Job:
             self.comm,
             self.events,
             keep_last=self.config.keep_last,
-            token=f"{restart}x{token:012x}",
+            token=self._token,
             full_every=self.config.full_every,
             when_busy=self.config.when_busy,
             persist_timeout_s=self.config.persist_timeout_s,
@@ -517,7 +521,7 @@ class Job:
             return
         self._commit = StepCommit(
             self._memory,
-            self.comm,
+            self._commit_barrier(),
             self.events,
             self._faults,
             self._state,
@@ -629,9 +633,28 @@ class Job:
             self.events.emit("reforming", step=self.step, kept_live_state=kept)
         self.events.close()
 
+    def _commit_barrier(self) -> Callable[[], float | None]:
+        """The commit point's barrier: through a shared page when every rank is on this node (a gloo barrier
+        costs milliseconds of thread hand-offs, runtime/local_barrier.py), else stalwart's gloo group."""
+        memory = self._memory
+        if memory is None or memory.local_world_size != self.world_size:
+            return self.comm.barrier
+        self._commits += 1
+        self._local_barrier = LocalBarrier(
+            memory.directory,
+            f"{self._token}-{self._commits}",
+            memory.local_rank,
+            memory.local_world_size,
+            self.config.collective_timeout_s,
+        )
+        return self._local_barrier.wait
+
     def _close_commit(self) -> None:
         if self._commit is not None:
             self._commit.close()
+        if self._local_barrier is not None:
+            self._local_barrier.close()
+            self._local_barrier = None
 
     def _keep_live_state(self) -> bool:
         """Keep references to the live tensors for the next run if they still hold step `self.step`."""
