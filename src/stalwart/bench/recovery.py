@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -288,11 +289,12 @@ def measure_hang(system: str, workdir: Path, wait_s: float, progress: Progress, 
 
 def measure_goodput(
     system: str, workdir: Path, seconds: float, kill_every: float, step_s: float, progress: Progress, spares: int = 2
-) -> float:
+) -> tuple[float, dict[str, float]]:
     """Productive time kept over wall time, with rank 1 killed every `kill_every` seconds: the steps in the final
     history (a redone step counts once) times `step_s`, the median step of the fault-free run. Counting a fixed
     step time, not each step's own, charges a system for everything that slows its steps or runs between them
-    (snapshots, spares starting up), not only for the time it is down."""
+    (snapshots, spares starting up), not only for the time it is down. Returns the goodput and where the rest of
+    the wall time went (`badput`)."""
     run = Run(system, workdir, steps=1_000_000, spares=spares, seconds=seconds + 120)
     run.start()
     started = run.started
@@ -314,10 +316,41 @@ def measure_goodput(
         end = time.monotonic()
     finally:
         run.stop()
-    first = min((e["step"] for e in run.events if e["event"] == "step_done" and e.get("rank") == 0), default=1)
-    kept = {e["step"] for e in run.events if e["event"] == "step_done" and e.get("rank") == 0 and e["mono"] <= end}
-    final = max(kept, default=0)  # steps 1..final are the history; a redone step counts once
-    return (final - first + 1) * step_s / (end - started) if kept else 0.0
+    done = [(e["mono"], e["step"]) for e in run.events
+            if e["event"] == "step_done" and e.get("rank") == 0 and e["mono"] <= end]  # fmt: skip
+    if not done:
+        return 0.0, {}
+    first = min(step for _, step in done)
+    final = max(step for _, step in done)  # steps first..final are the history; a redone step counts once
+    kills = [e["mono"] for e in run.events if e["event"] == "fault_injected" and e["mono"] <= end]
+    badput = goodput_badput(sorted(done), kills, started, end, step_s)
+    return (final - first + 1) * step_s / (end - started), badput
+
+
+def goodput_badput(
+    done: list[tuple[float, int]], kills: list[float], started: float, end: float, step_s: float
+) -> dict[str, float]:
+    """Where the wall time not spent on kept steps went, in seconds, from rank 0's completed steps (time, step),
+    sorted, and the kills' times; each step is counted at `step_s`:
+    - `startup`: from the launch to the start of the first step;
+    - `recovery`: from each kill to the start of the next completed step (the system's down time);
+    - `redone`: steps done a second time after a restart;
+    - `tail`: the unfinished step at the end of the run;
+    - `slower_steps`: the rest, training time above `step_s` per step (snapshots, checkpoint stalls, spares
+      starting, contention, noise).
+    With the kept steps' time they add up to the wall time."""
+    badput = {"startup": done[0][0] - step_s - started, "recovery": 0.0, "redone": 0.0, "tail": end - done[-1][0]}
+    best = done[0][1]
+    for (before, _), (after, step) in itertools.pairwise(done):
+        killed = [k for k in kills if before < k <= after]
+        if killed:
+            badput["recovery"] += max(0.0, after - step_s - killed[-1])
+        if step <= best:
+            badput["redone"] += step_s
+        best = max(best, step)
+    kept = (best - done[0][1] + 1) * step_s
+    badput["slower_steps"] = (end - started) - kept - sum(badput.values())
+    return badput
 
 
 def stock_torchrun(workdir: Path, trials: int, timeout: float, progress: Progress) -> dict[str, Any]:
@@ -345,7 +378,9 @@ def stock_torchrun(workdir: Path, trials: int, timeout: float, progress: Progres
 # ---------------------------------------------------------------------------------------------- the report
 
 
-def summarize(kills: dict[str, Any], hang_s: float | None, goodput: float | None) -> dict[str, Any]:
+def summarize(
+    kills: dict[str, Any], hang_s: float | None, goodput: float | None, badput: dict[str, float] | None = None
+) -> dict[str, Any]:
     return {
         "kill_to_step_s_median": statistics.median(kills["kill_to_step_s"]),
         "kill_to_step_s_max": max(kills["kill_to_step_s"]),
@@ -353,6 +388,7 @@ def summarize(kills: dict[str, Any], hang_s: float | None, goodput: float | None
         "survivor_stall_s_median": statistics.median(kills["survivor_stall_s"]),
         "hang_detect_s": hang_s,
         "goodput": goodput,
+        "badput_s": badput,
         "bitwise_identical": kills["bitwise_identical"],
         "step_s_median": kills["step_s_median"],
         "samples": kills,
@@ -398,13 +434,13 @@ def run_bench(
             k = measure_kills(name, root / f"{name}-kills", schedule, progress, spares)
             k["bitwise_identical"] = _results(root / f"{name}-kills") == expected
             hang = measure_hang(name, root / f"{name}-hang", hang_wait, progress, spares)
-            good = None
+            good, badput = None, None
             if goodput_seconds > 0:
                 progress(f"{name}: goodput run of {goodput_seconds:.0f} s, rank 1 killed every {kill_every:.0f} s")
-                good = measure_goodput(
+                good, badput = measure_goodput(
                     name, root / f"{name}-goodput", goodput_seconds, kill_every, reference_step_s, progress, spares
                 )
-            systems[name] = summarize(k, hang, good)
+            systems[name] = summarize(k, hang, good, badput)
             if name == "torchrun" and hang is None:
                 systems[name]["note"] = (
                     f"no hang detection: a SIGSTOPped rank was not reported within {hang_wait:.0f} s (survivors "
