@@ -28,6 +28,41 @@ def test_rng_roundtrip_covers_python_numpy_torch() -> None:
     assert first[:2] == second[:2] and torch.equal(first[2], second[2])
 
 
+def _numpy_matches(captured: dict[str, object]) -> bool:
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    n = captured["numpy"]
+    assert isinstance(n, dict)
+    return (
+        np.array_equal(n["keys"].numpy(), keys.astype(np.int64))
+        and (n["kind"], n["pos"], n["has_gauss"], n["cached"]) == (kind, pos, has_gauss, cached)
+    )
+
+
+def test_rng_capture_follows_every_move_of_the_generators_it_skips_reading() -> None:
+    """capture_rng reuses the previous capture of numpy's and Python's generators when they have not moved; a
+    cached Gaussian used up without the words moving must still be seen."""
+    np.random.seed(3)
+    assert _numpy_matches(capture_rng())
+    assert _numpy_matches(capture_rng())  # unchanged: the reused capture is still right
+    np.random.rand(5)
+    assert _numpy_matches(capture_rng())
+    np.random.randn()  # draws two, caches one: has_gauss 1
+    got = capture_rng()
+    assert _numpy_matches(got) and got["numpy"]["has_gauss"] == 1
+    np.random.randn()  # uses the cached one: the words do not move, has_gauss 0
+    got = capture_rng()
+    assert _numpy_matches(got) and got["numpy"]["has_gauss"] == 0
+    np.random.seed(3)
+    assert _numpy_matches(capture_rng())
+    before = capture_rng()["python"]["state"]
+    assert capture_rng()["python"]["state"] is before  # Python's generator did not move: the same tensor
+    random.random()
+    after = capture_rng()
+    assert not torch.equal(after["python"]["state"], before)
+    restore_rng(after)
+    assert random.getstate()[1] == tuple(after["python"]["state"].tolist())
+
+
 def _train(ckpt: Path, steps: int, seed: int = 0) -> tuple[torch.Tensor, list[float]]:
     random.seed(seed)
     np.random.seed(seed)

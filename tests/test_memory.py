@@ -123,6 +123,37 @@ def test_a_light_snapshot_leaves_the_live_tensors_out_and_takes_them_back_on_loa
     tier.close()
 
 
+
+def test_a_light_snapshot_from_the_per_rank_part_reuses_the_replicated_part_and_needs_the_survivors(
+    tmp_path: Path,
+) -> None:
+    replicated = {"m": {"w": torch.full((8, 16), 4.0), "lr": 0.5}}
+    live = {replicated["m"]["w"].data_ptr()}
+    calls = []
+
+    def replicated_of() -> dict:
+        calls.append(1)
+        return replicated
+
+    tier = MemoryTier(tmp_path, rank=1, world_size=2)
+    for step in (4, 5):
+        per_rank = {"step": step, "objects": {"mine": {"r": torch.full((4,), float(step))}}, "world_size": 2}
+        assert tier.snapshot_light(step, per_rank, replicated_of, live) is not None
+    assert len(calls) == 1, "the replicated part is walked once per set of live tensors"
+    replicated["m"]["lr"] = 0.25  # changed since: the snapshot's copy of it is stale, the survivor's is not
+    wanted, content = tier.light(5)
+    assert wanted == {"R/m/w": (torch.float32, [8, 16])}
+    with pytest.raises(CheckpointCorruptError, match="survivor"):
+        tier.load_light(5, content, {"R/m/w": replicated["m"]["w"]})  # no skeleton from the survivor
+    survivor = {"m": {"w": {"__stalwart_tensor__": "R/m/w"}, "lr": 0.25}}
+    got = tier.load_light(5, content, {"R/m/w": replicated["m"]["w"]}, survivor).state
+    assert got["objects"]["m"]["lr"] == 0.25 and torch.equal(got["objects"]["m"]["w"], replicated["m"]["w"])
+    assert torch.equal(got["objects"]["mine"]["r"], torch.full((4,), 5.0)) and got["step"] == 5
+    # A replicated tensor that is not live (a module's buffer) must be copied: the caller takes `snapshot`.
+    assert tier.snapshot_light(6, per_rank, lambda: {"m": {"w": torch.zeros(2)}}, {12345}) is None
+    assert tier.steps(light=True) == [5, 4], "nothing was written"
+    tier.close()
+
 def test_a_snapshot_image_kept_on_another_node_comes_back_whole_and_only_to_its_own_rank(tmp_path: Path) -> None:
     lost, keeper = tmp_path / "lost", tmp_path / "keeper"
     lost.mkdir(), keeper.mkdir()

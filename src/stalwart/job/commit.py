@@ -39,7 +39,7 @@ from stalwart.recovery import reform
 from stalwart.telemetry.events import EventLog
 
 StateOf = Callable[[int], dict[str, Any]]
-"""The job's full state, labelled with the given step."""
+"""The job's state (full, or its per-rank part), labelled with the given step."""
 
 
 class StepCommit:
@@ -52,6 +52,8 @@ class StepCommit:
         events: EventLog,
         faults: FaultInjector,
         state_of: StateOf,
+        per_rank_of: StateOf,
+        replicated_of: Callable[[], dict[str, Any]],
         replicated: frozenset[str],
         optimizers: list[torch.optim.Optimizer],
         push: Callable[[int], None],
@@ -61,6 +63,8 @@ class StepCommit:
         self._events = events
         self._faults = faults
         self._state_of = state_of
+        self._per_rank_of = per_rank_of
+        self._replicated_of = replicated_of
         self._replicated = replicated
         self._push = push
         self._handles = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizers]
@@ -92,8 +96,10 @@ class StepCommit:
             self._faults.in_optimizer(self._step, "after_barrier")
             return
         started = time.perf_counter()
-        state = self._state_of(step)
-        self._memory.snapshot(step, state, self._replicated, live=self._live)
+        state = self._per_rank_of(step)
+        if self._memory.snapshot_light(step, state, self._replicated_of, self._live) is None:
+            state = self._state_of(step)  # a replicated tensor is not live (a buffer): the whole light snapshot
+            self._memory.snapshot(step, state, self._replicated, live=self._live)
         self._rank_state = _copy(self._per_rank(state))
         self._committed = step
         self._push(step)  # to the peer replicas on other nodes (L3), before any rank's parameters move

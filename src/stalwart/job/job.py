@@ -525,6 +525,8 @@ class Job:
             self.events,
             self._faults,
             self._state,
+            self._per_rank_state,
+            self._replicated_states,
             self.checkpointer.replicated,
             optimizers,
             lambda step: self._replicas.push(step, light=True),
@@ -599,6 +601,20 @@ class Job:
             "rng": capture_rng(),
             "world_size": self.world_size,
         }
+
+    def _per_rank_state(self, step: int) -> dict[str, Any]:
+        """`_state` without the replicated objects: what a light snapshot copies (memory.snapshot_light)."""
+        replicated = self.checkpointer.replicated
+        return {
+            "step": step,
+            "objects": {name: obj.state_dict() for name, obj in self._objects.items() if name not in replicated},
+            "rng": capture_rng(),
+            "world_size": self.world_size,
+        }
+
+    def _replicated_states(self) -> dict[str, Any]:
+        replicated = self.checkpointer.replicated
+        return {name: obj.state_dict() for name, obj in self._objects.items() if name in replicated}
 
     def close(self) -> None:
         """Stop the persister and release the process groups this job created (also run at interpreter exit).

@@ -25,6 +25,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,11 +68,14 @@ class _Slot:
         self._buf: torch.Tensor | None = None
 
     def header(self) -> tuple[int, ...] | None:
-        try:
-            with open(self.path, "rb") as f:
-                raw = f.read(HEADER_BYTES)
-        except OSError:
-            return None
+        if self._map is not None:  # this process's own mapping of the file: no open() per snapshot
+            raw = self._map[:HEADER_BYTES]
+        else:
+            try:
+                with open(self.path, "rb") as f:
+                    raw = f.read(HEADER_BYTES)
+            except OSError:
+                return None
         if len(raw) < HEADER.size:
             return None
         fields = HEADER.unpack_from(raw)
@@ -132,6 +136,8 @@ class MemoryTier:
         self._slots = [_Slot(self._slot_path(local_rank, i)) for i in (0, 1)]
         self._light = [_Slot(self._slot_path(local_rank, i, "light")) for i in (0, 1)]
         self._toc_cache: dict[str, tuple[Any, bytes]] = {}
+        # snapshot_light's reused part: (live data pointers, replicated skeleton or None, live id -> dtype, shape)
+        self._light_reuse: tuple[frozenset[int], dict[str, Any] | None, dict[str, Any]] | None = None
 
     def _slot_path(self, local_rank: int, index: int, kind: str = "slot") -> Path:
         # kind: slot, light, and ward<k>.slot, ward<k>.light for the images kept for another node's rank (L3)
@@ -190,10 +196,65 @@ class MemoryTier:
                     continue  # a local peer copies this replicated tensor
                 table.append((item, total))
                 total = aligned(total + item.nbytes)
-        kind = "light" if live is not None else "full"
-        toc = self._toc(kind, skeleton, table, absent)
+        self._write(step, "light" if live is not None else "full", skeleton, table, total, absent)
+        return time.perf_counter() - started, total
+
+    def snapshot_light(
+        self, step: int, state: dict[str, Any], replicated: Callable[[], dict[str, Any]], live: set[int]
+    ) -> tuple[float, int] | None:
+        """A light snapshot from this rank's own part of the state alone: `state` holds only the per-rank
+        objects (with the step, RNG and world size), and the replicated objects' part (their skeleton and the ids,
+        dtypes and shapes of their live tensors) is computed from `replicated()` (name -> state_dict) once per
+        set of `live` tensors and reused. Walking the replicated objects every step was most of a light
+        snapshot's cost: 0.3 of its 0.3-1 ms at the optimizer step (2 ranks, 4M parameters, 2-core VM).
+
+        The reused skeleton can hold stale non-tensor state (an optimizer's learning rate), so the snapshot
+        says a restore must take the replicated objects' skeletons from the survivor (`load_light` refuses one
+        without). Returns None, having written nothing, when a replicated tensor is not live (a module's
+        buffers, which change in the forward pass and must be copied): `snapshot` then takes the whole state."""
+        started = time.perf_counter()
+        key = frozenset(live)
+        if self._light_reuse is None or self._light_reuse[0] != key:
+            self._light_reuse = (key, *self._replicated_part(replicated(), live))
+        _, shared_skeleton, absent = self._light_reuse
+        if shared_skeleton is None:
+            return None
+        skeleton, items = flatten(state, self.rank, frozenset())
+        skeleton["objects"] = {**skeleton["objects"], **shared_skeleton}
+        table, total = [], 0
+        for item in items:
+            table.append((item, total))
+            total = aligned(total + item.nbytes)
+        self._write(step, "light", skeleton, table, total, absent, survivor_skeleton=True)
+        return time.perf_counter() - started, total
+
+    def _replicated_part(self, objects: dict[str, Any], live: set[int]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """(skeleton of the replicated objects, their live tensors' id -> [dtype, shape]); (None, {}) if any of
+        their tensors is not live."""
+        skeleton, items = flatten({"objects": objects}, self.rank, frozenset(objects))
+        absent: dict[str, Any] = {}
+        for item in items:
+            if not item.nbytes or item.tensor.data_ptr() not in live:
+                return None, {}
+            absent[item.id] = [dtype_name(item.tensor.dtype), list(item.tensor.shape)]
+        return skeleton["objects"], absent
+
+    def _write(
+        self,
+        step: int,
+        kind: str,
+        skeleton: Any,
+        table: list[tuple[TensorItem, int]],
+        total: int,
+        absent: dict[str, Any],
+        *,
+        survivor_skeleton: bool = False,
+    ) -> None:
+        """Into the older slot of `kind`: the header invalid first, then the table of contents and the tensors,
+        the header valid last."""
+        toc = self._toc(kind, skeleton, table, absent, survivor_skeleton)
         data_offset = aligned(HEADER_BYTES + len(toc), PAGE)
-        target = self._older(self._light if live is not None else self._slots)
+        target = self._older(self._light if kind == "light" else self._slots)
         m = target.ensure(data_offset + total)
         HEADER.pack_into(m, 0, MAGIC, 0, -1, self.rank, self.world_size, 0, 0, 0)  # invalid while writing
         m[HEADER_BYTES : HEADER_BYTES + len(toc)] = toc
@@ -201,7 +262,6 @@ class MemoryTier:
             for item, offset in table:
                 target.view(data_offset + offset, item.tensor.dtype, item.tensor.shape).copy_(item.tensor)
         HEADER.pack_into(m, 0, MAGIC, 1, step, self.rank, self.world_size, len(toc), data_offset, total)
-        return time.perf_counter() - started, total
 
     @staticmethod
     def _older(slots: list[_Slot]) -> _Slot:
@@ -210,22 +270,28 @@ class MemoryTier:
         return slots[0] if steps[0] <= steps[1] else slots[1]
 
     def _toc(
-        self, kind: str, skeleton: Any, table: list[tuple[TensorItem, int]], absent: dict[str, list[Any]]
+        self,
+        kind: str,
+        skeleton: Any,
+        table: list[tuple[TensorItem, int]],
+        absent: dict[str, list[Any]],
+        survivor_skeleton: bool = False,
     ) -> bytes:
         """The table of contents; pickling the skeleton is skipped when it equals the previous snapshot's."""
-        key = (skeleton, [(i.id, o) for i, o in table], absent)
+        key = (skeleton, [(i.id, o) for i, o in table], absent, survivor_skeleton)
         cached = self._toc_cache.get(kind)
         if cached is not None and cached[0] == key:
             return cached[1]
         buf = io.BytesIO()
         torch.save(skeleton, buf)
-        toc = json.dumps(
-            {
-                "skeleton": base64.b64encode(buf.getvalue()).decode("ascii"),
-                "tensors": {i.id: [o, i.nbytes, dtype_name(i.tensor.dtype), list(i.tensor.shape)] for i, o in table},
-                "live": absent,
-            }
-        ).encode()
+        contents: dict[str, Any] = {
+            "skeleton": base64.b64encode(buf.getvalue()).decode("ascii"),
+            "tensors": {i.id: [o, i.nbytes, dtype_name(i.tensor.dtype), list(i.tensor.shape)] for i, o in table},
+            "live": absent,
+        }
+        if survivor_skeleton:
+            contents["survivor_skeleton"] = True
+        toc = json.dumps(contents).encode()
         self._toc_cache[kind] = (key, toc)
         return toc
 
@@ -321,6 +387,11 @@ class MemoryTier:
             raise CheckpointCorruptError(f"tensor {tid} is in neither the light snapshot of step {step} nor a peer's")
 
         skeleton = content.skeleton
+        if content.survivor_skeleton and not replicated:
+            raise CheckpointCorruptError(
+                f"the light snapshot of step {step} takes the replicated objects' state from the survivor, "
+                "which sent none"
+            )
         if replicated:
             if not isinstance(skeleton, dict) or not isinstance(skeleton.get("objects"), dict):
                 raise CheckpointCorruptError(f"the memory snapshot of step {step} is not a stalwart state")
@@ -405,6 +476,7 @@ class _SlotContent:
     table: dict[str, list[Any]]
     data: bytearray
     live: dict[str, list[Any]]
+    survivor_skeleton: bool = False
 
 
 def _tensor(entry: list[Any], data: bytearray) -> torch.Tensor:
@@ -433,4 +505,4 @@ def _read_slot(path: Path, header: tuple[int, ...], step: int) -> _SlotContent:
         skeleton = torch.load(io.BytesIO(base64.b64decode(toc["skeleton"])), map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointCorruptError(f"the memory snapshot of step {step} cannot be read: {exc}") from exc
-    return _SlotContent(skeleton, table, data, toc.get("live", {}))
+    return _SlotContent(skeleton, table, data, toc.get("live", {}), bool(toc.get("survivor_skeleton", False)))
