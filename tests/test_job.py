@@ -32,10 +32,12 @@ def _numpy_matches(captured: dict[str, object]) -> bool:
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     n = captured["numpy"]
     assert isinstance(n, dict)
-    return (
-        np.array_equal(n["keys"].numpy(), keys.astype(np.int64))
-        and (n["kind"], n["pos"], n["has_gauss"], n["cached"]) == (kind, pos, has_gauss, cached)
-    )
+    return np.array_equal(n["keys"].numpy(), keys.astype(np.int64)) and (
+        n["kind"],
+        n["pos"],
+        n["has_gauss"],
+        n["cached"],
+    ) == (kind, pos, has_gauss, cached)
 
 
 def test_rng_capture_follows_every_move_of_the_generators_it_skips_reading() -> None:

@@ -123,7 +123,6 @@ def test_a_light_snapshot_leaves_the_live_tensors_out_and_takes_them_back_on_loa
     tier.close()
 
 
-
 def test_a_light_snapshot_from_the_per_rank_part_reuses_the_replicated_part_and_needs_the_survivors(
     tmp_path: Path,
 ) -> None:
@@ -153,6 +152,7 @@ def test_a_light_snapshot_from_the_per_rank_part_reuses_the_replicated_part_and_
     assert tier.snapshot_light(6, per_rank, lambda: {"m": {"w": torch.zeros(2)}}, {12345}) is None
     assert tier.steps(light=True) == [5, 4], "nothing was written"
     tier.close()
+
 
 def test_a_snapshot_image_kept_on_another_node_comes_back_whole_and_only_to_its_own_rank(tmp_path: Path) -> None:
     lost, keeper = tmp_path / "lost", tmp_path / "keeper"
