@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.bench.recovery import goodput_badput
+from stalwart.bench.recovery import fault_only, goodput_badput
 
 STEP = 0.1
 
@@ -27,7 +27,11 @@ def test_badput_splits_a_run_with_one_kill_into_its_parts() -> None:
     assert badput["redone"] == pytest.approx(2 * STEP)  # steps 9 and 10 again
     assert badput["tail"] == pytest.approx(0.05)
     kept = 12 * STEP
+    wall = badput.pop("wall")
+    assert wall == pytest.approx(end)
     assert kept + sum(badput.values()) == pytest.approx(end)
+    lost = badput["startup"] + badput["recovery"] + badput["redone"] + badput["tail"]
+    assert fault_only({**badput, "wall": wall}) == pytest.approx(1 - lost / end)
     # What is left: step 5's extra 0.05 s and the part of step 11 that ran before the kill (3.0 - 2.95).
     assert badput["slower_steps"] == pytest.approx(0.05 + (kill - done[9][0]))
 
@@ -36,5 +40,7 @@ def test_a_run_without_faults_has_only_startup_and_slower_steps() -> None:
     done = [(1.0 + i * 0.11, i + 1) for i in range(10)]
     badput = goodput_badput(done, [], 0.0, done[-1][0], STEP)
     assert badput["recovery"] == badput["redone"] == badput["tail"] == 0.0
+    assert fault_only(badput) == pytest.approx(1 - 0.9 / done[-1][0])
+    assert fault_only(None) is None
     assert badput["startup"] == pytest.approx(0.9)
     assert badput["slower_steps"] == pytest.approx(9 * 0.01)

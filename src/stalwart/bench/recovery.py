@@ -337,8 +337,8 @@ def goodput_badput(
     - `redone`: steps done a second time after a restart;
     - `tail`: the unfinished step at the end of the run;
     - `slower_steps`: the rest, training time above `step_s` per step (snapshots, checkpoint stalls, spares
-      starting, contention, noise).
-    With the kept steps' time they add up to the wall time."""
+      starting, contention, noise; negative when the steps ran faster than `step_s`).
+    With the kept steps' time they add up to `wall`, the wall time, which is reported too."""
     badput = {"startup": done[0][0] - step_s - started, "recovery": 0.0, "redone": 0.0, "tail": end - done[-1][0]}
     best = done[0][1]
     for (before, _), (after, step) in itertools.pairwise(done):
@@ -350,6 +350,7 @@ def goodput_badput(
         best = max(best, step)
     kept = (best - done[0][1] + 1) * step_s
     badput["slower_steps"] = (end - started) - kept - sum(badput.values())
+    badput["wall"] = end - started
     return badput
 
 
@@ -378,6 +379,18 @@ def stock_torchrun(workdir: Path, trials: int, timeout: float, progress: Progres
 # ---------------------------------------------------------------------------------------------- the report
 
 
+def fault_only(badput: dict[str, float] | None) -> float | None:
+    """The goodput with the steps' own speed left out: the share of the wall time not lost to start-up,
+    recovery, redone steps or the unfinished last step. The goodput proper compares every step with the
+    fault-free run's median step, taken minutes earlier; on a shared VM whose speed drifts by 10-30% over a
+    bench run that part can swamp the rest (goodputs above 100% were seen), while these parts do not depend on it."""
+    if not badput:
+        return None
+    lost = badput["startup"] + badput["recovery"] + badput["redone"] + badput["tail"]
+    wall = badput.get("wall", 0.0)
+    return 1.0 - lost / wall if wall > 0 else None
+
+
 def summarize(
     kills: dict[str, Any], hang_s: float | None, goodput: float | None, badput: dict[str, float] | None = None
 ) -> dict[str, Any]:
@@ -389,6 +402,7 @@ def summarize(
         "hang_detect_s": hang_s,
         "goodput": goodput,
         "badput_s": badput,
+        "goodput_fault_only": fault_only(badput),
         "bitwise_identical": kills["bitwise_identical"],
         "step_s_median": kills["step_s_median"],
         "samples": kills,

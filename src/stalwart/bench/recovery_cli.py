@@ -97,8 +97,12 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
             console.print(f"{name}: {s['note']}")
     for name, s in report["systems"].items():
         if s.get("badput_s"):
-            parts = ", ".join(f"{part.replace('_', ' ')} {v:.1f} s" for part, v in s["badput_s"].items())
-            console.print(f"{name}, goodput run's lost time: {parts}")
+            bad = s["badput_s"]
+            parts = ", ".join(f"{part.replace('_', ' ')} {v:.1f} s" for part, v in bad.items() if part != "wall")
+            console.print(
+                f"{name}, goodput run of {bad['wall']:.0f} s, time lost: {parts}; goodput without the steps' "
+                f"speed {100 * s['goodput_fault_only']:.1f}%"
+            )
     ratio = report["ratios"]["torchrun_over_stalwart_kill_to_step"]
     console.print(f"torchrun ÷ stalwart, kill to next step: {ratio:.1f}×")
     stock = report.get("stock_torchrun")
