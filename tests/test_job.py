@@ -56,6 +56,16 @@ def test_rng_capture_follows_every_move_of_the_generators_it_skips_reading() -> 
     assert _numpy_matches(got) and got["numpy"]["has_gauss"] == 0
     np.random.seed(3)
     assert _numpy_matches(capture_rng())
+    # A restore can bring back a cached Gaussian with the same words: (W, p, 1) -> draw -> (W, p, 0) -> restore.
+    np.random.randn()
+    cached = capture_rng()
+    assert cached["numpy"]["has_gauss"] == 1
+    saved = {**cached, "numpy": dict(cached["numpy"])}
+    np.random.randn()
+    assert capture_rng()["numpy"]["has_gauss"] == 0
+    restore_rng(saved)
+    got = capture_rng()
+    assert _numpy_matches(got) and got["numpy"]["has_gauss"] == 1
     before = capture_rng()["python"]["state"]
     assert capture_rng()["python"]["state"] is before  # Python's generator did not move: the same tensor
     random.random()

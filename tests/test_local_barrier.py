@@ -23,7 +23,7 @@ def _peer(directory: str, rounds: int, stamps: str, stall_at: int) -> None:
                 time.sleep(0.2)
             out.write(f"{time.monotonic()}\n")
             out.flush()
-            barrier.wait()
+            barrier.wait(1 if i == 30 else 0)
     barrier.close()
 
 
@@ -40,8 +40,11 @@ def test_no_rank_leaves_a_round_before_every_rank_arrived(tmp_path: Path) -> Non
         barrier = LocalBarrier(tmp_path, "k", 0, 2, timeout_s=30)
         left = []
         costs = []
+        flags = []
         for _ in range(50):
-            costs.append(barrier.wait())
+            cost, flag = barrier.wait()
+            costs.append(cost)
+            flags.append(flag)
             left.append(time.monotonic())
         proc.join(30)
         assert proc.exitcode == 0
@@ -52,6 +55,8 @@ def test_no_rank_leaves_a_round_before_every_rank_arrived(tmp_path: Path) -> Non
         assert left[20] - left[19] >= 0.2
         # What the barrier reports is its own cost, not the 0.2 s it waited for the late peer.
         assert costs[20] < 0.2
+        # The peer's flag of round 30 comes back in that round only.
+        assert [i for i, f in enumerate(flags) if f] == [30]
         barrier.close()
         assert not (tmp_path / "barrier-k").exists()
     finally:

@@ -144,6 +144,8 @@ def test_a_light_snapshot_from_the_per_rank_part_reuses_the_replicated_part_and_
     assert wanted == {"R/m/w": (torch.float32, [8, 16])}
     with pytest.raises(CheckpointCorruptError, match="survivor"):
         tier.load_light(5, content, {"R/m/w": replicated["m"]["w"]})  # no skeleton from the survivor
+    with pytest.raises(CheckpointCorruptError, match="lacks replicated objects"):
+        tier.load_light(5, content, {"R/m/w": replicated["m"]["w"]}, {"x": {}})  # a skeleton without "m"
     survivor = {"m": {"w": {"__stalwart_tensor__": "R/m/w"}, "lr": 0.25}}
     got = tier.load_light(5, content, {"R/m/w": replicated["m"]["w"]}, survivor).state
     assert got["objects"]["m"]["lr"] == 0.25 and torch.equal(got["objects"]["m"]["w"], replicated["m"]["w"])

@@ -153,6 +153,26 @@ def test_light_snapshots_turn_off_when_per_rank_state_changes_after_the_optimize
     _no_orphans(job)
 
 
+def test_light_snapshots_turn_off_on_every_rank_when_one_rank_alone_changes_after_the_optimizer_step(
+    launch: Any, tmp_path: Path
+) -> None:
+    # Rank 1 alone draws a random number after each optimizer step. Its check turns its light snapshots off at
+    # step 2; rank 0 learns it at the next commit point's barrier, where rank 1 meets it once more with a flag,
+    # instead of waiting there for a rank that stopped coming (the collective timeout, 300 s). A kill after
+    # that recovers from full copies, and the run ends as a fault-free run of the same script does.
+    args = tiny_args(*ARGS, "--replicated-snapshot-every", "20", "--rank1-draws-late")
+    clean = launch(args, name="late-draws-clean")
+    assert clean.wait(120) == 0, clean.output()
+    job = launch(args, name="late-draws-killed", env=child_env(STALWART_FAULTS="kill@rank=1,step=13"))
+    assert job.wait(120) == 0, job.output()
+    for run in (clean, job):
+        first = [e for e in run.events("light_snapshots_off") if e["restart"] == 0]
+        assert {(e["rank"], e["step"]) for e in first} == {(1, 2), (0, 3)}, first
+        assert "another rank" in next(e["reason"] for e in first if e["rank"] == 0)
+    _assert_identical(job, clean.results())
+    _no_orphans(job)
+
+
 def test_without_a_survivor_the_newest_full_copy_or_checkpoint_is_used(launch: Any, reference: Any) -> None:
     # Both ranks die at step 13: no live state survives. Full memory copies come every 5 steps (step 10), the
     # durable checkpoints every 4 (step 12): the newer one wins. Whether the save of step 12 committed before

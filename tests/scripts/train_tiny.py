@@ -75,6 +75,7 @@ def main() -> None:
     p.add_argument("--replicated-snapshot-every", type=_every, default=1, help=">1 or auto: light snapshots (L1)")
     p.add_argument("--peer-replicas", type=int, default=1, help="L3: copies of each snapshot on other nodes")
     p.add_argument("--per-rank-sched", action="store_true", help="the scheduler is per-rank state (not replicated)")
+    p.add_argument("--rank1-draws-late", action="store_true", help="rank 1 alone draws after the optimizer step")
     p.add_argument("--busy-at", type=int, default=-1, help="at this step, a long stretch marked with job.busy()")
     p.add_argument("--busy-s", type=float, default=0.0)
     p.add_argument("--when-busy", default="wait", help="wait: every save happens (deterministic steps for tests)")
@@ -133,6 +134,8 @@ def main() -> None:
         optim.zero_grad()
         loss.backward()
         optim.step()
+        if args.rank1_draws_late and job.rank == 1:
+            torch.rand(1)  # per-rank state changed after the optimizer step, on one rank only
         sched.step()
         job.report(loss=loss.detach())
         if args.step_sleep:

@@ -333,7 +333,8 @@ def goodput_badput(
     """Where the wall time not spent on kept steps went, in seconds, from rank 0's completed steps (time, step),
     sorted, and the kills' times; each step is counted at `step_s`:
     - `startup`: from the launch to the start of the first step;
-    - `recovery`: from each kill to the start of the next completed step (the system's down time);
+    - `recovery`: from each kill (the first, if several came before the next step) to the start of the next
+      completed step (the system's down time; the part of a step that ran before its kill is in `slower_steps`);
     - `redone`: steps done a second time after a restart;
     - `tail`: the unfinished step at the end of the run;
     - `slower_steps`: the rest, training time above `step_s` per step (snapshots, checkpoint stalls, spares
@@ -344,7 +345,7 @@ def goodput_badput(
     for (before, _), (after, step) in itertools.pairwise(done):
         killed = [k for k in kills if before < k <= after]
         if killed:
-            badput["recovery"] += max(0.0, after - step_s - killed[-1])
+            badput["recovery"] += max(0.0, after - step_s - killed[0])  # a second kill meanwhile: still down
         if step <= best:
             badput["redone"] += step_s
         best = max(best, step)

@@ -20,7 +20,10 @@ The snapshot is taken before the rest of the step runs (an LR scheduler's step, 
 restored from the survivor, non-tensor state included (a scheduler of a replicated optimizer is replicated by
 default), so only per-rank state (per-rank objects, the RNG) must be final at the optimizer step. The end of
 every step checks that it was: if it changed after the optimizer step, light snapshots are turned off for the
-rest of the run (a `light_snapshots_off` event) and every snapshot is full again. The one step in which that is
+rest of the run (a `light_snapshots_off` event) and every snapshot is full again. Such a change can be one
+rank's own (rank 0 alone drawing random numbers for an evaluation): that rank then still meets the others at the
+next commit point's barrier, once, with a flag that turns light snapshots off on every rank at the same step
+(a rank that just stopped coming would leave the others waiting). The one step in which that is
 first seen is exposed: a rank dying in it between the barrier and the end of the step would be restored with
 its per-rank state of the optimizer step.
 """
@@ -48,7 +51,7 @@ class StepCommit:
     def __init__(
         self,
         memory: MemoryTier,
-        barrier: Callable[[], float | None],
+        barrier: Callable[[int], tuple[float | None, int]],
         events: EventLog,
         faults: FaultInjector,
         state_of: StateOf,
@@ -74,6 +77,7 @@ class StepCommit:
         self._rank_state: Any = None
         self.seconds = 0.0
         self.off: str | None = None
+        self._told = False  # whether the other ranks know this rank's light snapshots are off
 
     def arm(self, step: int, live: set[int]) -> None:
         """The step after `step` completed steps is starting; `live` are the data pointers a survivor keeps."""
@@ -92,6 +96,9 @@ class StepCommit:
         step = self._step + 1
         self._faults.in_optimizer(self._step, "before_snapshot")
         if self.off is not None:
+            if not self._told:  # the other ranks are still committing: meet them once, saying so
+                self._told = True
+                self._barrier(1)
             self._committed = step
             self._faults.in_optimizer(self._step, "after_barrier")
             return
@@ -104,8 +111,12 @@ class StepCommit:
         self._committed = step
         self._push(step)  # to the peer replicas on other nodes (L3), before any rank's parameters move
         work = time.perf_counter() - started
-        cost = self._barrier()  # raises if a peer is gone: this rank's parameters then stay at the previous step
+        cost, peer_off = self._barrier(0)  # raises if a peer is gone: this rank's parameters then stay at step N
         reform.defer_requests()  # committed: finish the step before re-forming (the job allows them at its end)
+        if peer_off and self.off is None:  # another rank turned light snapshots off: all do, at the same step
+            self.off = "another rank's per-rank state changed after the optimizer step"
+            self._told = True
+            self._events.emit("light_snapshots_off", step=step, reason=self.off)
         # A barrier that knows its own cost (the ranks' skew is not: the next collective would wait for it too)
         self.seconds += work + (time.perf_counter() - started - work if cost is None else cost)
         self._faults.in_optimizer(self._step, "after_barrier")

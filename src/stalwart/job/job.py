@@ -649,12 +649,13 @@ class Job:
             self.events.emit("reforming", step=self.step, kept_live_state=kept)
         self.events.close()
 
-    def _commit_barrier(self) -> Callable[[], float | None]:
-        """The commit point's barrier: through a shared page when every rank is on this node (a gloo barrier
-        costs milliseconds of thread hand-offs, runtime/local_barrier.py), else stalwart's gloo group."""
+    def _commit_barrier(self) -> Callable[[int], tuple[float | None, int]]:
+        """The commit point's barrier, carrying a flag (the largest any rank brought comes back to all): through
+        a shared page when every rank is on this node (a gloo barrier costs milliseconds of thread hand-offs,
+        runtime/local_barrier.py), else a gather on stalwart's gloo group (its cost unknown: None)."""
         memory = self._memory
         if memory is None or memory.local_world_size != self.world_size:
-            return self.comm.barrier
+            return lambda flag: (None, max(v[0] for v in self.comm.all_gather_ints([flag])))
         self._commits += 1
         self._local_barrier = LocalBarrier(
             memory.directory,

@@ -62,7 +62,9 @@ class _NumpyState:
     at a time); reading the bit generator's raw words through its ctypes interface takes 0.5 us. When they are
     what the last capture saw and that capture held no cached Gaussian, the state is the same and the last
     capture is returned. (A cached Gaussian can be used up without the words moving, so then the full read is
-    taken.) The raw layout is checked against get_state() once; if it differs, every capture is a full read."""
+    taken.) The raw layout is checked against get_state() once; if it differs, every capture is a full read.
+    Only a set_state can put a cached Gaussian back without moving the words: `restore_rng` forgets the last
+    capture, and a script that calls np.random.set_state itself between two captures is not covered."""
 
     def __init__(self) -> None:
         self._bit_generator: Any = None
@@ -83,6 +85,10 @@ class _NumpyState:
         except Exception:  # another numpy: full reads only
             bit_generator = None
         self._bit_generator = bit_generator
+
+    def forget(self) -> None:
+        """After a set_state: the next capture is a full read."""
+        self._raw, self._state = b"", None
 
     def capture(self) -> dict[str, Any]:
         current = getattr(getattr(np.random, "mtrand", None), "_rand", None)
@@ -115,6 +121,7 @@ def restore_rng(state: dict[str, Any]) -> None:
         n = state["numpy"]
         keys = n["keys"].numpy().astype(np.uint32)
         np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached"]))
+        _NUMPY.forget()  # set_state can bring back a cached Gaussian without moving the words
     if "cuda" in state and torch.cuda.is_available():
         cuda_states = state["cuda"]
         if len(cuda_states) == torch.cuda.device_count():

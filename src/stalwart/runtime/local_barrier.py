@@ -38,7 +38,7 @@ class LocalBarrier:
 
     The page is a file named by `key` in `directory` (the node's shared-memory directory of the run), created by
     whichever rank comes first; `key` must be the same on every rank and new for every group (agreed through
-    the group once, see Job). Line `index` holds that rank's arrival count, pid and last arrival time.
+    the group once, see Job). Line `index` holds that rank's arrival count, pid, last arrival time and flag.
     """
 
     def __init__(self, directory: str | os.PathLike[str], key: str, index: int, size: int, timeout_s: float) -> None:
@@ -61,24 +61,30 @@ class LocalBarrier:
         self._stride = LINE // 8
         self._words[index * self._stride + 1] = os.getpid()
 
-    def wait(self) -> float:
+    def wait(self, flag: int = 0) -> tuple[float, int]:
         """Return once every rank has called `wait` as often as this one; PeerGone if one cannot any more.
 
-        Returns the seconds from the last rank's arrival to this rank's return: what the barrier itself cost.
-        The rest of the wait is the ranks' skew, which the next collective would have waited for anyway."""
+        Returns the seconds from the last rank's arrival to this rank's return (what the barrier itself cost:
+        the rest of the wait is the ranks' skew, which the next collective would have waited for anyway) and the
+        largest `flag` any rank brought to this round, the same on every rank."""
         self._count += 1
         count, words, stride = self._count, self._words, self._stride
         me = self.index * stride
-        words[me + 2] = time.monotonic_ns()  # CLOCK_MONOTONIC: one clock for every process of the node
-        words[me] = count  # after the arrival time: a rank that sees the count sees the time
+        # By the round's parity: a rank that has left this round may arrive at the next one before a slower
+        # peer has read this round's time and flag, but not at the one after (that needs the slow peer too).
+        odd = count & 1
+        words[me + 2 + odd] = time.monotonic_ns()  # CLOCK_MONOTONIC: one clock for every process of the node
+        words[me + 4 + odd] = flag
+        words[me] = count  # after the time and the flag: a rank that sees the count sees them
         waiting = [i for i in range(self.size) if i != self.index]
         sleep = FIRST_SLEEP_S
         started = checked = 0.0
         while True:
             waiting = [i for i in waiting if words[i * stride] < count]
             if not waiting:
-                last = max(words[i * stride + 2] for i in range(self.size))
-                return max(0, time.monotonic_ns() - last) / 1e9
+                last = max(words[i * stride + 2 + odd] for i in range(self.size))
+                flags = max(words[i * stride + 4 + odd] for i in range(self.size))
+                return max(0, time.monotonic_ns() - last) / 1e9, flags
             now = time.monotonic()
             if not started:
                 started = checked = now

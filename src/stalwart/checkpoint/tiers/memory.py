@@ -225,7 +225,7 @@ class MemoryTier:
         for item in items:
             table.append((item, total))
             total = aligned(total + item.nbytes)
-        self._write(step, "light", skeleton, table, total, absent, survivor_skeleton=True)
+        self._write(step, "light", skeleton, table, total, absent, survivor_skeleton=tuple(shared_skeleton))
         return time.perf_counter() - started, total
 
     def _replicated_part(self, objects: dict[str, Any], live: set[int]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
@@ -248,7 +248,7 @@ class MemoryTier:
         total: int,
         absent: dict[str, Any],
         *,
-        survivor_skeleton: bool = False,
+        survivor_skeleton: tuple[str, ...] = (),
     ) -> None:
         """Into the older slot of `kind`: the header invalid first, then the table of contents and the tensors,
         the header valid last."""
@@ -275,7 +275,7 @@ class MemoryTier:
         skeleton: Any,
         table: list[tuple[TensorItem, int]],
         absent: dict[str, list[Any]],
-        survivor_skeleton: bool = False,
+        survivor_skeleton: tuple[str, ...] = (),
     ) -> bytes:
         """The table of contents; pickling the skeleton is skipped when it equals the previous snapshot's."""
         key = (skeleton, [(i.id, o) for i, o in table], absent, survivor_skeleton)
@@ -290,7 +290,7 @@ class MemoryTier:
             "live": absent,
         }
         if survivor_skeleton:
-            contents["survivor_skeleton"] = True
+            contents["survivor_skeleton"] = sorted(survivor_skeleton)
         toc = json.dumps(contents).encode()
         self._toc_cache[kind] = (key, toc)
         return toc
@@ -396,6 +396,9 @@ class MemoryTier:
             if not isinstance(skeleton, dict) or not isinstance(skeleton.get("objects"), dict):
                 raise CheckpointCorruptError(f"the memory snapshot of step {step} is not a stalwart state")
             unknown = sorted(set(replicated) - set(skeleton["objects"]))
+            stale = sorted(set(content.survivor_skeleton) - set(replicated))  # this snapshot's may be stale
+            if stale:
+                raise CheckpointCorruptError(f"the survivor's state lacks replicated objects {stale}")
             if unknown:
                 raise CheckpointCorruptError(f"the survivor's state names objects this snapshot lacks: {unknown}")
             skeleton = {**skeleton, "objects": {**skeleton["objects"], **replicated}}
@@ -476,7 +479,8 @@ class _SlotContent:
     table: dict[str, list[Any]]
     data: bytearray
     live: dict[str, list[Any]]
-    survivor_skeleton: bool = False
+    survivor_skeleton: tuple[str, ...] = ()
+    """The replicated objects whose skeletons must come from the survivor (snapshot_light's reused part)."""
 
 
 def _tensor(entry: list[Any], data: bytearray) -> torch.Tensor:
@@ -505,4 +509,4 @@ def _read_slot(path: Path, header: tuple[int, ...], step: int) -> _SlotContent:
         skeleton = torch.load(io.BytesIO(base64.b64decode(toc["skeleton"])), map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointCorruptError(f"the memory snapshot of step {step} cannot be read: {exc}") from exc
-    return _SlotContent(skeleton, table, data, toc.get("live", {}), bool(toc.get("survivor_skeleton", False)))
+    return _SlotContent(skeleton, table, data, toc.get("live", {}), tuple(toc.get("survivor_skeleton", ())))
