@@ -592,27 +592,23 @@ class Job:
                     versions[t.data_ptr()] = t._version
         return versions
 
-    def _state(self, step: int | None = None) -> dict[str, Any]:
+    def _state(self, step: int | None = None, *, replicated: bool = True) -> dict[str, Any]:
         """The full training state of this rank, as checkpoints and memory snapshots hold it (labelled `step`,
-        by default the completed steps)."""
+        by default the completed steps); without the replicated objects if not `replicated` (what a light
+        snapshot copies, memory.snapshot_light)."""
+        names = self.checkpointer.replicated
         return {
             "step": self.step if step is None else step,
-            "objects": {name: obj.state_dict() for name, obj in self._objects.items()},
+            "objects": {n: obj.state_dict() for n, obj in self._objects.items() if replicated or n not in names},
             "rng": capture_rng(),
             "world_size": self.world_size,
         }
 
     def _per_rank_state(self, step: int) -> dict[str, Any]:
-        """`_state` without the replicated objects: what a light snapshot copies (memory.snapshot_light)."""
-        replicated = self.checkpointer.replicated
-        return {
-            "step": step,
-            "objects": {name: obj.state_dict() for name, obj in self._objects.items() if name not in replicated},
-            "rng": capture_rng(),
-            "world_size": self.world_size,
-        }
+        return self._state(step, replicated=False)
 
     def _replicated_states(self) -> dict[str, Any]:
+        """The replicated objects' state_dicts, by name: local, no collective."""
         replicated = self.checkpointer.replicated
         return {name: obj.state_dict() for name, obj in self._objects.items() if name in replicated}
 
@@ -680,9 +676,7 @@ class Job:
         with contextlib.suppress(Exception):
             if self._live_versions() == self._versions:
                 # Only the replicated objects: their state_dict() is local (no collective with the lost peer).
-                replicated = self.checkpointer.replicated
-                objects = {n: o.state_dict() for n, o in self._objects.items() if n in replicated}
-                _, items = flatten({"objects": objects}, self.rank, replicated)
+                _, items = flatten({"objects": self._replicated_states()}, self.rank, self.checkpointer.replicated)
                 ptrs = self._versions
                 live = {i.id: i.tensor for i in items if i.id.startswith("R/") and i.tensor.data_ptr() in ptrs}
                 got = self._replicated_skeleton

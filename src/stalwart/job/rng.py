@@ -21,7 +21,8 @@ except ImportError:  # numpy is optional for torch and for us
 
 def capture_rng() -> dict[str, Any]:
     """Every generator's state. Called at every step's commit point and end under light snapshots, so the
-    generators that have not moved since the last call cost a comparison, not a conversion (see _Unchanged)."""
+    generators that have not moved since the last call cost a comparison, not a conversion (_PythonState,
+    _NumpyState)."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "python": {"version": version, "state": _PYTHON.tensor(internal), "gauss": gauss},
@@ -67,15 +68,16 @@ class _NumpyState:
     capture, and a script that calls np.random.set_state itself between two captures is not covered."""
 
     def __init__(self) -> None:
+        self._watched = False
         self._bit_generator: Any = None
         self._address = 0
         self._raw = b""
         self._state: dict[str, Any] | None = None
 
-    def _watch(self) -> None:
+    def _watch(self, bit_generator: Any) -> None:
         self._address, self._raw, self._state = 0, b"", None
+        self._watched, self._bit_generator = True, bit_generator
         try:
-            bit_generator = np.random.mtrand._rand._bit_generator
             address = int(bit_generator.ctypes.state_address)
             raw = ctypes.string_at(address, MT_BYTES)
             kind, keys, pos, _, _ = np.random.get_state(legacy=True)
@@ -83,17 +85,16 @@ class _NumpyState:
             if kind == "MT19937" and np.array_equal(words, keys) and int.from_bytes(raw[-4:], "little") == pos:
                 self._address = address
         except Exception:  # another numpy: full reads only
-            bit_generator = None
-        self._bit_generator = bit_generator
+            pass
 
     def forget(self) -> None:
         """After a set_state: the next capture is a full read."""
         self._raw, self._state = b"", None
 
     def capture(self) -> dict[str, Any]:
-        current = getattr(getattr(np.random, "mtrand", None), "_rand", None)
-        if self._bit_generator is None or getattr(current, "_bit_generator", None) is not self._bit_generator:
-            self._watch()
+        current = getattr(getattr(getattr(np.random, "mtrand", None), "_rand", None), "_bit_generator", None)
+        if not self._watched or current is not self._bit_generator:
+            self._watch(current)  # the first capture, or the global generator was replaced
         raw = ctypes.string_at(self._address, MT_BYTES) if self._address else b""
         if raw and raw == self._raw and self._state is not None and not self._state["has_gauss"]:
             return self._state
