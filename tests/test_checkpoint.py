@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import os
+import threading
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 from typing import Any
@@ -430,3 +431,42 @@ def test_nothing_readable_now_is_not_a_user_error(tmp_path: Path, monkeypatch: p
     with pytest.raises(CheckpointError, match="can be read now") as info:
         _checkpointer(tmp_path / "ck").load_latest()
     assert not is_user_error(info.value), "a passing I/O error is retried by a restart, not reported as bad input"
+
+
+def test_a_persister_found_dead_by_the_sender_is_replaced_for_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sender thread can find the persister dead (a broken pipe) before the reply reader sees its end. The
+    save it was sending fails; the next save must start a new persister, not write to the dead one, and the
+    reader's late notice must not fail that next save."""
+    import signal
+
+    from stalwart.checkpoint.save.background import Background
+
+    reader_may_go = threading.Event()
+    real_read = Background._read_replies
+    first: list[Any] = []
+
+    def late_reader(self: Background, proc: Any, stream: Any) -> None:
+        first.append(proc)
+        if proc is first[0]:  # only the first persister's replies are read late
+            reader_may_go.wait(60)
+        real_read(self, proc, stream)
+
+    monkeypatch.setattr(Background, "_read_replies", late_reader)
+    log = tmp_path / "events.jsonl"
+    ck = _checkpointer(tmp_path / "ck", log=log)
+    ck._bg.start()
+    proc = ck._bg._proc
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert ck.save(1, _state(1)) is True  # the snapshot is taken; sending it finds the pipe broken
+    assert ck.wait_durable() is False
+    assert ck.save(2, _state(2), wait=True) is True
+    reader_may_go.set()
+    assert ck.save(3, _state(3), wait=True) is True
+    died = [e for e in read_events(log) if e["event"] == "persister_died"]
+    assert [e["step"] for e in died] == [1]
+    assert _committed(tmp_path / "ck") == [3, 2]
+    ck.close()

@@ -203,10 +203,19 @@ class Background:
                 proc.stdin.write(req.to_json() + "\n")
                 proc.stdin.flush()
             except (AssertionError, OSError, ValueError) as exc:
-                self._fail(step, "persister_died", error=str(exc) or "no persister")
+                self._fail(step, "persister_died", dead=proc, error=str(exc) or "no persister")
 
-    def _fail(self, step: int, event: str, **fields: Any) -> None:
+    def _fail(self, step: int, event: str, dead: subprocess.Popen[str] | None = None, **fields: Any) -> None:
+        """Report `step` failed. `dead` is a persister whose pipe broke: it is let go here, with the failure, so a
+        save made as soon as this one is reported starts a new persister; the reader thread may notice the
+        death only later, and then must neither report it again nor take the successor's save for it."""
         with self._lock:
+            if dead is not None and self._proc is dead:
+                self._proc, self._started = None, False
+                with contextlib.suppress(OSError, ValueError):
+                    dead.kill()
+                    assert dead.stdin is not None
+                    dead.stdin.close()
             if self._in_flight != step:
                 return
             # The event first: whoever wakes from wait() may read the event log at once.
