@@ -3,15 +3,16 @@
     StalwartError
      ├── ConfigError            bad flags, paths or settings: the user must change something
      │    └── PeerError              another rank found the problem and reported it (printed there, once)
+     ├── NumericError           training diverged: update after update skipped for non-finite gradients
      └── CheckpointError        a checkpoint cannot be written or used
           ├── CheckpointCorruptError   a shard is missing, truncated or fails its checksum
           │    └── NoValidCheckpointError  checkpoints exist but none verifies (never a silent fresh start)
           ├── CheckpointMismatchError  the checkpoint does not fit this job (shape, world size, format)
           └── UnsavableStateError      a state_dict holds values a checkpoint cannot carry safely
 
-User errors (ConfigError, CheckpointMismatchError, NoValidCheckpointError, UnsavableStateError) are not retried
-by `stalwart run`: a worker that dies of one exits with EXIT_USER_ERROR and the launcher stops instead of burning
-its restarts on the same mistake.
+User errors (ConfigError, CheckpointMismatchError, NoValidCheckpointError, UnsavableStateError) and NumericError
+are not retried by `stalwart run`: a worker that dies of one exits with EXIT_USER_ERROR and the launcher stops
+instead of burning its restarts on the same mistake.
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ class ConfigError(StalwartError, ValueError):
 
 class PeerError(ConfigError):
     """Another rank (rank 0) found a user error and printed it; this rank exits quietly with the same status."""
+
+
+class NumericError(StalwartError, RuntimeError):
+    """Training diverged: the numeric guard skipped the update of several steps in a row (detect/numeric.py).
+    A restart would meet the same state, so `stalwart run` stops instead of retrying. `quiet`: every rank met
+    the same gradients (replicated optimizers) and rank 0 prints the line, so this rank exits without one."""
+
+    def __init__(self, message: str, *, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet
 
 
 class PeerGone(StalwartError, RuntimeError):
@@ -65,7 +76,9 @@ class UnsavableStateError(CheckpointError, ValueError):
 
 def is_user_error(exc: BaseException) -> bool:
     """True for errors that a restart cannot fix."""
-    return isinstance(exc, ConfigError | CheckpointMismatchError | NoValidCheckpointError | UnsavableStateError)
+    return isinstance(
+        exc, ConfigError | CheckpointMismatchError | NoValidCheckpointError | UnsavableStateError | NumericError
+    )
 
 
 # What a collective raises when the other side of a connection is gone or silent: gloo's pair errors, NCCL's

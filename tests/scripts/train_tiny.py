@@ -76,6 +76,7 @@ def main() -> None:
     p.add_argument("--peer-replicas", type=int, default=1, help="L3: copies of each snapshot on other nodes")
     p.add_argument("--per-rank-sched", action="store_true", help="the scheduler is per-rank state (not replicated)")
     p.add_argument("--rank1-draws-late", action="store_true", help="rank 1 alone draws after the optimizer step")
+    p.add_argument("--no-update-at", type=int, default=-1, help="skip optim.step() at this step (a reference run)")
     p.add_argument("--busy-at", type=int, default=-1, help="at this step, a long stretch marked with job.busy()")
     p.add_argument("--busy-s", type=float, default=0.0)
     p.add_argument("--when-busy", default="wait", help="wait: every save happens (deterministic steps for tests)")
@@ -133,7 +134,8 @@ def main() -> None:
         loss = (ddp(x) - x.sum(dim=1, keepdim=True) - noise).pow(2).mean()
         optim.zero_grad()
         loss.backward()
-        optim.step()
+        if step != args.no_update_at:
+            optim.step()
         if args.rank1_draws_late and job.rank == 1:
             torch.rand(1)  # per-rank state changed after the optimizer step, on one rank only
         sched.step()
@@ -145,11 +147,13 @@ def main() -> None:
                 time.sleep(args.busy_s)
 
     digest = hashlib.sha256()
+    finite = True
     for name, t in model.state_dict().items():
         t = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor under FSDP2
         digest.update(name.encode() + t.contiguous().view(torch.uint8).numpy().tobytes())
+        finite = finite and bool(torch.isfinite(t).all())
     env = {k: os.environ.get(k) for k in _ENV}
-    result = {"sha256": digest.hexdigest(), "seen": seen.ids, "step": job.step, "env": env}
+    result = {"sha256": digest.hexdigest(), "seen": seen.ids, "step": job.step, "env": env, "finite": finite}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{job.rank}.json").write_text(json.dumps(result))

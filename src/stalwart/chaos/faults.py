@@ -13,6 +13,8 @@ Kinds:
                 (every shard is durable, the manifest is not yet written; fires on rank 0, the committer)
   storage_error the first `times` (default 1) attempts to write the rank's checkpoint of `step` fail with
                 `errno` (default EIO; e.g. ENOSPC): the persister must retry with backoff, training goes on
+  nan           the floating-point tensors of the rank's batch for `step` (the one `job.steps(loader)` yields after
+                `step` completed steps) are filled with NaN: the numeric guard must keep it out of the parameters
   hang          the rank stops making progress just before starting `step`, `how`: 'sigstop' (default: it
                 stops itself with SIGSTOP), 'sleep' (a sleep inside C code, libc's sleep) or 'deadlock' (it
                 takes a lock it already holds); the agent must detect it and kill it
@@ -29,11 +31,14 @@ import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from stalwart.errors import ConfigError
 from stalwart.runtime.env import FAULTS_ENV as FAULTS_ENV
 
-_KINDS = ("kill", "kill_in_save", "kill_in_optimizer", "storage_error", "hang")
+_KINDS = ("kill", "kill_in_save", "kill_in_optimizer", "storage_error", "hang", "nan")
 _HOWS = ("sigstop", "sleep", "deadlock")
 _PHASES = ("shard_half_written", "before_commit")
 _OPTIMIZER_PHASES = ("before_snapshot", "after_barrier")
@@ -109,6 +114,14 @@ class FaultInjector:
             elif f.kind == "hang" and f.step == step:
                 self._hang(f)
 
+    def batch(self, step: int, batch: Any) -> Any:
+        """The batch of the step after `step` completed steps, poisoned with NaN if a `nan` fault says so."""
+        for f in self._faults:
+            if f.kind == "nan" and f.step == step:
+                self._announce(f)
+                return _poisoned(batch)
+        return batch
+
     def in_optimizer(self, step: int, phase: str) -> None:
         """Called at the commit point of the step after `step` completed steps (job/commit.py)."""
         for f in self._faults:
@@ -145,3 +158,15 @@ class FaultInjector:
             lock = threading.Lock()
             lock.acquire()
             lock.acquire()
+
+
+def _poisoned(value: Any) -> Any:
+    """`value` with every floating-point tensor in it (through tuples, lists and dicts) a NaN-filled copy."""
+    if isinstance(value, torch.Tensor):
+        return torch.full_like(value, float("nan")) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return type(value)((k, _poisoned(v)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        items = [_poisoned(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value

@@ -39,6 +39,7 @@ from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import MAX_REPLICAS, PeerReplicas
 from stalwart.detect.hang import HANG_TIMEOUT_ENV, HangTimer, parse_timeout
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
+from stalwart.detect.numeric import NONFINITE_POLICIES, SPIKE_POLICIES, GuardConfig, NumericGuard
 from stalwart.errors import CheckpointMismatchError, ConfigError
 from stalwart.job import lifecycle
 from stalwart.job.commit import StepCommit
@@ -125,6 +126,18 @@ class JobConfig:
     """Seconds this worker may go without a heartbeat inside `steps()` before `stalwart run` kills it as hung.
     None (the default): `stalwart run --hang-timeout`, whose default calibrates it from the step times
     (detect/hang.py). The first steps after a start and the saves it waits on always get a grace period."""
+    nonfinite_grads: str = "skip"
+    """The numeric guard (detect/numeric.py): at each step's optimizer step the tracked optimizers' gradient norm
+    is taken, and if it is NaN or infinite, "skip" (the default) drops the update on every rank (parameters and
+    optimizer state stay as they were, a `nonfinite_gradients` event says so) and training goes on with the
+    next batch; "off" applies it. Costs one read of the gradients per step."""
+    grad_spike: str = "warn"
+    """A finite gradient norm over `grad_spike_factor` times the mean of the last 100: "warn" (the default) writes a
+    `grad_norm_spike` event and applies the update, "skip" drops it like a non-finite one, "off" ignores it."""
+    grad_spike_factor: float = 10.0
+    max_skipped_steps: int = 5
+    """After this many skipped updates in a row the job stops with one line and exit status 78 (training has
+    diverged; `stalwart run` does not restart it)."""
     allow_world_size_change: bool | None = None
     """Resume a checkpoint written at another world size: replicated objects load from their one copy, per-rank
     objects of rank r from rank r mod the old world size (right only if they are equal on every rank); the data
@@ -158,6 +171,20 @@ class JobConfig:
             not isinstance(self.hang_timeout_s, int | float) or not 0 < self.hang_timeout_s < float("inf")
         ):
             raise ConfigError(f"hang_timeout_s must be a positive number of seconds, got {self.hang_timeout_s!r}")
+        if self.nonfinite_grads not in NONFINITE_POLICIES:
+            raise ConfigError(
+                f"nonfinite_grads must be one of {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite_grads!r}"
+            )
+        if self.grad_spike not in SPIKE_POLICIES:
+            raise ConfigError(f"grad_spike must be one of {', '.join(SPIKE_POLICIES)}, got {self.grad_spike!r}")
+        if not isinstance(self.grad_spike_factor, int | float) or not 1 < self.grad_spike_factor < float("inf"):
+            raise ConfigError(f"grad_spike_factor must be a number above 1, got {self.grad_spike_factor!r}")
+        if (
+            not isinstance(self.max_skipped_steps, int)
+            or isinstance(self.max_skipped_steps, bool)
+            or self.max_skipped_steps < 1
+        ):
+            raise ConfigError(f"max_skipped_steps must be a positive integer, got {self.max_skipped_steps!r}")
         if self.when_busy not in ("skip", "wait"):
             raise ConfigError(f"when_busy must be 'skip' or 'wait', got {self.when_busy!r}")
         if self.replicated is not None and (
@@ -212,6 +239,7 @@ class Job:
         self._reform = self._memory is not None and reform.enabled()
         self._versions: dict[int, int] | None = None  # live tensors' data pointer -> version, at self.step
         self._commit: StepCommit | None = None  # light snapshots' commit point at the optimizer step
+        self._guard: NumericGuard | None = None  # the numeric guard's pre-hooks on the tracked optimizers
         self._local_barrier: LocalBarrier | None = None  # its barrier when every rank is on this node
         self._commits = 0  # commit points started (each names its own barrier)
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self.config.snapshot_budget, 0)
@@ -361,6 +389,7 @@ class Job:
             raise ConfigError(f"max_steps must be >= 0, got {max_steps}")
         self._heartbeat.beat(self.step, PHASE_RESUME, self._hang.grace())
         self.resume()
+        self._start_guard()  # before the commit point: its pre-hook decides first whether the update happens
         if self._light_wanted():
             self._versions = self._live_versions()
             self._remember_replicated_skeleton(self._state())
@@ -380,6 +409,9 @@ class Job:
                 if self.step != self._last_saved:
                     self.save(wait=True)
                 break
+            batch = self._faults.batch(self.step, batch)
+            if self._guard is not None:
+                self._guard.arm(self.step)
             if self._commit is not None and not first and (self._light_always() or self._schedule.due(self.step + 1)):
                 self._commit.arm(self.step, set(self._versions or ()))  # the first step may create optimizer state
             try:
@@ -391,6 +423,8 @@ class Job:
             finally:
                 if self._commit is not None:
                     self._commit.disarm()
+                if self._guard is not None:
+                    self._guard.disarm()
             self.step += 1
             step_s = time.monotonic() - started
             if not self._busy_step:
@@ -515,6 +549,26 @@ class Job:
         asked = auto if every == "auto" else int(every) > 1
         return self._reform and asked and not off
 
+    def _start_guard(self) -> None:
+        """The numeric guard on every tracked optimizer (detect/numeric.py), unless both its checks are off."""
+        if self._guard is not None or (self.config.nonfinite_grads == "off" and self.config.grad_spike == "off"):
+            return
+        optimizers = [o for o in self._objects.values() if isinstance(o, torch.optim.Optimizer)]
+        if optimizers:
+            config = GuardConfig(
+                nonfinite=self.config.nonfinite_grads,
+                spike=self.config.grad_spike,
+                spike_factor=float(self.config.grad_spike_factor),
+                max_skips=self.config.max_skipped_steps,
+            )
+            replicated = all(n in self.checkpointer.replicated for n, o in self._objects.items() if o in optimizers)
+            self._guard = NumericGuard(optimizers, self.events, config, quiet=replicated and not self.is_main)
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        """Steps of this process whose update the numeric guard skipped (completed steps before each)."""
+        return list(self._guard.skipped) if self._guard is not None else []
+
     def _start_commit(self) -> None:
         """The commit point at the replicated optimizers' step (job/commit.py); without live tensors (CUDA
         parameters, which are not version-checked) there is nothing for a survivor to keep and no light mode."""
@@ -625,6 +679,7 @@ class Job:
         """Stop the persister and release the process groups this job created (also run at interpreter exit).
         A persist still in flight is abandoned; the final checkpoint of steps() is durable before it returns."""
         self._close_commit()
+        self._close_guard()
         self._heartbeat.close()
         if self._memory is not None:
             self._memory.close()
@@ -643,7 +698,7 @@ class Job:
         with contextlib.suppress(Exception):
             self.checkpointer.abandon()  # first: the persister dies before anything else can go wrong
         kept = self._keep_live_state()
-        for step in (self._close_commit, self._heartbeat.close, self.comm.forget):
+        for step in (self._close_commit, self._close_guard, self._heartbeat.close, self.comm.forget):
             with contextlib.suppress(Exception):
                 step()
         if self._memory is not None:
@@ -670,6 +725,10 @@ class Job:
             self.config.collective_timeout_s,
         )
         return self._local_barrier.wait
+
+    def _close_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.close()
 
     def _close_commit(self) -> None:
         if self._commit is not None:
@@ -709,7 +768,11 @@ class Job:
         self.events.emit("step_done", step=self.step, step_s=step_s, **metrics)
 
     def _announce(self, fault: Fault) -> None:
-        extra = {"how": fault.how} if fault.kind == "hang" else {"phase": fault.phase}
+        extra: dict[str, str] = {}
+        if fault.kind == "hang":
+            extra["how"] = fault.how
+        elif fault.kind in ("kill_in_save", "kill_in_optimizer"):
+            extra["phase"] = fault.phase
         self.events.emit("fault_injected", fault=fault.kind, step=self.step, **extra)
 
 

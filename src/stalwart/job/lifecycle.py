@@ -38,7 +38,8 @@ def _install_error_hook(*, under_agent: bool) -> None:
 
     def hook(tp: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         if is_user_error(exc):
-            _exit_with_line(None if isinstance(exc, PeerError) else f"stalwart: error: {exc}", EXIT_USER_ERROR)
+            quiet = isinstance(exc, PeerError) or getattr(exc, "quiet", False)  # another rank prints it
+            _exit_with_line(None if quiet else f"stalwart: error: {exc}", EXIT_USER_ERROR)
         if under_agent and is_peer_failure(exc):
             rank = os.environ.get("RANK", "?")
             line = f"stalwart: rank {rank}: a collective failed, a peer is likely gone: {first_line(exc)}"

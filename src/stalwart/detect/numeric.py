@@ -1,0 +1,189 @@
+"""Numeric guards (L0 of the recovery ladder): an update computed from non-finite gradients is never applied.
+
+Why: one batch of NaN inputs at step 60 of a 2-rank DDP job left every parameter NaN, and the job ran on to its
+end and exited 0 (tried as a new user would, 2026-11-23). From that step on every step's compute was wasted,
+and every checkpoint after it held a dead model.
+
+How: a pre-hook on every tracked optimizer takes the total norm of the tracked optimizers' gradients (one fused
+norm per device and dtype, then one read on the host per step: the same synchronisation torch's GradScaler
+makes). If it is not finite, every one of those gradients is set to None before the optimizer runs. torch's
+optimizers skip parameters without a gradient, so neither the parameters nor the optimizer's state (moments,
+step counts) change: the step is as if its batch had never been seen. The loader has moved past the batch, so
+the skip is also deterministic: a run resumed from before it meets the same batch and skips it the same way.
+A norm that is finite but more than `spike_factor` times the mean of recent ones is a gradient-norm spike:
+reported (policy "warn", the default) or skipped like a non-finite one ("skip").
+
+Agreement: under DDP the gradients seen at the optimizer step are the all-reduced ones, equal on every rank, so
+every rank decides alike without a collective. Sharded gradients (DTensor: FSDP2, tensor parallel) differ per
+rank: their local shards' norms are combined with one small all-reduce per step, so that no rank updates its
+shard while another skips.
+
+A run that keeps producing non-finite gradients has diverged, and skipping cannot save it: after `max_skips`
+skipped steps in a row the job stops with NumericError, which `stalwart run` does not retry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stalwart.checkpoint.format import sharded
+from stalwart.errors import NumericError
+from stalwart.telemetry.events import EventLog
+
+NONFINITE_POLICIES = ("skip", "off")
+SPIKE_POLICIES = ("warn", "skip", "off")
+SPIKE_WINDOW = 100
+"""Finite gradient norms the spike detector averages over."""
+SPIKE_WARMUP = 20
+"""Finite norms seen before spikes are judged: the first steps' norms fall fast and say nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class GuardConfig:
+    nonfinite: str = "skip"
+    spike: str = "warn"
+    spike_factor: float = 10.0
+    max_skips: int = 5
+
+
+class NumericGuard:
+    """Checks the gradients at the first optimizer step of each step and skips the update when they are bad."""
+
+    def __init__(
+        self,
+        optimizers: list[torch.optim.Optimizer],
+        events: EventLog,
+        config: GuardConfig,
+        *,
+        quiet: bool = False,
+    ) -> None:
+        """`quiet`: another rank (rank 0) sees the same gradients and reports a divergence for both."""
+        self._optimizers = optimizers
+        self._quiet = quiet
+        self._events = events
+        self.config = config
+        self._handles = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizers]
+        self._step = -1  # the completed steps of the step under way; -1: not inside a step
+        self._decided = -1  # the step whose gradients were checked
+        self._skip = False  # whether that step's update is skipped
+        self._norms: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self.skipped: list[int] = []
+        """Steps (completed steps before them) whose update was skipped, in this process."""
+        self._in_a_row = 0
+
+    def arm(self, step: int) -> None:
+        """The step after `step` completed steps is starting."""
+        self._step = step
+
+    def disarm(self) -> None:
+        self._step = -1
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._step < 0:
+            return  # outside job.steps(): not ours to judge
+        if self._decided != self._step:
+            self._decided = self._step
+            self._skip = self._judge(self._step)
+        if self._skip:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    def _judge(self, step: int) -> bool:
+        norm = self._norm()
+        if not math.isfinite(norm):
+            if self.config.nonfinite == "off":
+                return False
+            self._events.emit("nonfinite_gradients", step=step, grad_norm=str(norm), action="skipped")
+            return self._skipped(step, f"non-finite gradients (norm {norm})")
+        spike = self._spike(norm)
+        self._norms.append(norm)
+        if spike is not None:
+            action = "skipped" if self.config.spike == "skip" else "warned"
+            self._events.emit("grad_norm_spike", step=step, grad_norm=norm, mean=spike, action=action)
+            if self.config.spike == "skip":
+                self._norms.pop()  # a skipped spike does not raise the bar for the next one
+                return self._skipped(step, f"a gradient-norm spike ({norm:.3g}, {norm / spike:.0f}x the mean)")
+        self._in_a_row = 0
+        return False
+
+    def _spike(self, norm: float) -> float | None:
+        """The recent mean norm if `norm` is a spike over it, else None."""
+        if self.config.spike == "off" or len(self._norms) < SPIKE_WARMUP:
+            return None
+        mean = sum(self._norms) / len(self._norms)
+        return mean if mean > 0 and norm > self.config.spike_factor * mean else None
+
+    def _skipped(self, step: int, why: str) -> bool:
+        self.skipped.append(step)
+        self._in_a_row += 1
+        if self._in_a_row >= self.config.max_skips:
+            first = step - self._in_a_row + 1
+            raise NumericError(
+                f"training diverged: the updates of {self._in_a_row} steps in a row ({first}-{step}) were "
+                f"skipped, the last for {why}; none was applied, so the parameters (those of step {first}) and "
+                "the checkpoints are intact. A restart would meet the same batches: fix the data or lower the "
+                "learning rate, then resume",
+                quiet=self._quiet,
+            )
+        return True
+
+    def _norm(self) -> float:
+        """The total 2-norm of every tracked optimizer's gradients (inf or nan if any element is)."""
+        plain, shards = _gradients(self._optimizers)
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in plain:
+            by_kind.setdefault((g.device, g.dtype), []).append(g)
+        squares = [_sum_of_squares(group) for group in by_kind.values()]
+        if shards:
+            local = [g.to_local() for g in shards]  # type: ignore[attr-defined]  # DTensor
+            mine = torch.stack([t.float().square().sum() for t in local]).sum()
+            # Every rank's shards: one all-reduce on the gradients' own group (a shard replicated over some
+            # mesh dimension is counted once per replica: a scaled norm, equally finite, and spikes are relative).
+            dist.all_reduce(mine)
+            squares.append(mine.cpu())
+        if not squares:
+            return 0.0
+        return math.sqrt(float(torch.stack(squares).sum()))
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """On the host. Half-precision norms are taken in float32: a float16 norm overflows past 65504."""
+    wide = None if grads[0].dtype in (torch.float32, torch.float64) else torch.float32
+    norms: list[torch.Tensor] | tuple[torch.Tensor, ...]
+    if wide is None:
+        norms = torch._foreach_norm(grads)
+    else:
+        try:
+            norms = torch._foreach_norm(grads, 2, dtype=wide)
+        except (TypeError, RuntimeError):  # an older torch without the dtype argument
+            norms = [torch.linalg.vector_norm(g, dtype=wide) for g in grads]
+    return torch.stack(norms).double().square().sum().cpu()
+
+
+def _gradients(optimizers: Iterable[torch.optim.Optimizer]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(plain gradients, sharded ones) of every parameter of `optimizers`, each tensor once."""
+    seen: set[int] = set()
+    plain: list[torch.Tensor] = []
+    shards: list[torch.Tensor] = []
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None or id(g) in seen:
+                    continue
+                seen.add(id(g))
+                (shards if sharded.is_dtensor(g) else plain).append(g)
+    return plain, shards
