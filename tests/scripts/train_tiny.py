@@ -76,6 +76,7 @@ def main() -> None:
     p.add_argument("--peer-replicas", type=int, default=1, help="L3: copies of each snapshot on other nodes")
     p.add_argument("--per-rank-sched", action="store_true", help="the scheduler is per-rank state (not replicated)")
     p.add_argument("--rank1-draws-late", action="store_true", help="rank 1 alone draws after the optimizer step")
+    p.add_argument("--compute-sleep", type=float, default=0.0, help="seconds of 'compute' before each forward")
     p.add_argument("--no-update-at", type=int, default=-1, help="skip optim.step() at this step (a reference run)")
     p.add_argument("--busy-at", type=int, default=-1, help="at this step, a long stretch marked with job.busy()")
     p.add_argument("--busy-s", type=float, default=0.0)
@@ -130,6 +131,8 @@ def main() -> None:
 
     for step, (ids, x) in job.steps(loader, max_steps=args.steps):
         seen.ids.extend(ids.tolist())
+        if args.compute_sleep:
+            time.sleep(args.compute_sleep)  # a stand-in for compute (a GPU's kernels) that no other rank slows
         noise = torch.rand(len(x), 1)  # draws from the global RNG, so RNG restore matters
         loss = (ddp(x) - x.sum(dim=1, keepdim=True) - noise).pow(2).mean()
         optim.zero_grad()

@@ -37,8 +37,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "memory_only": {"checkpoint_every": NEVER},
     "memory_every_step": {"snapshot_every": 1, "checkpoint_every": NEVER},
     "default_spares": {},
+    "no_guard": {"nonfinite_grads": "off", "grad_spike": "off"},
 }
-"""JobConfig keywords per configuration. memory_every_step is what the memory tier cost before the budget."""
+"""JobConfig keywords per configuration. memory_every_step is what the memory tier cost before the budget;
+no_guard is the default without the numeric guard (detect/numeric.py), whose cost is the difference."""
 LAUNCHER: dict[str, list[str]] = {"default_spares": ["--spares", "2"]}
 """`stalwart run` options beyond the defaults: two hot spares warming up (at idle priority) while the job trains."""
 RUN_TIMEOUT_S = 900

@@ -13,6 +13,8 @@ Kinds:
                 (every shard is durable, the manifest is not yet written; fires on rank 0, the committer)
   storage_error the first `times` (default 1) attempts to write the rank's checkpoint of `step` fail with
                 `errno` (default EIO; e.g. ENOSPC): the persister must retry with backoff, training goes on
+  slow          from `step` on, the rank sleeps `ms` milliseconds (default 10) at the start of every step, inside
+                the time the straggler detector measures (a rank that is slower than the others)
   nan           the floating-point tensors of the rank's batch for `step` (the one `job.steps(loader)` yields after
                 `step` completed steps) are filled with NaN: the numeric guard must keep it out of the parameters
   hang          the rank stops making progress just before starting `step`, `how`: 'sigstop' (default: it
@@ -29,6 +31,7 @@ import errno
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +41,7 @@ import torch
 from stalwart.errors import ConfigError
 from stalwart.runtime.env import FAULTS_ENV as FAULTS_ENV
 
-_KINDS = ("kill", "kill_in_save", "kill_in_optimizer", "storage_error", "hang", "nan")
+_KINDS = ("kill", "kill_in_save", "kill_in_optimizer", "storage_error", "hang", "nan", "slow")
 _HOWS = ("sigstop", "sleep", "deadlock")
 _PHASES = ("shard_half_written", "before_commit")
 _OPTIMIZER_PHASES = ("before_snapshot", "after_barrier")
@@ -55,6 +58,7 @@ class Fault:
     errno: str = "EIO"
     times: int = 1
     how: str = "sigstop"
+    ms: float = 10.0
 
 
 def parse_faults(spec: str) -> list[Fault]:
@@ -80,6 +84,7 @@ def parse_faults(spec: str) -> list[Fault]:
                 errno=fields.pop("errno", "EIO"),
                 times=int(fields.pop("times", "1")),
                 how=fields.pop("how", "sigstop"),
+                ms=float(fields.pop("ms", "10")),
             )
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"{FAULTS_ENV}: {item!r} needs integer rank= and step= ({exc})") from exc
@@ -88,6 +93,8 @@ def parse_faults(spec: str) -> list[Fault]:
         phases = _OPTIMIZER_PHASES if kind == "kill_in_optimizer" else _PHASES
         if fault.phase not in phases or not hasattr(signal, fault.signal) or not hasattr(errno, fault.errno):
             raise ConfigError(f"{FAULTS_ENV}: bad phase or signal in {item!r}")
+        if not 0 <= fault.ms < float("inf"):
+            raise ConfigError(f"{FAULTS_ENV}: ms= must be a non-negative number of milliseconds in {item!r}")
         if fault.how not in _HOWS:
             raise ConfigError(f"{FAULTS_ENV}: how= must be one of {', '.join(_HOWS)} in {item!r}")
         faults.append(fault)
@@ -113,6 +120,14 @@ class FaultInjector:
                 self._fire(f)
             elif f.kind == "hang" and f.step == step:
                 self._hang(f)
+
+    def slow(self, step: int) -> None:
+        """At the start of the step after `step` completed steps: sleep if a `slow` fault covers it."""
+        for f in self._faults:
+            if f.kind == "slow" and step >= f.step:
+                if step == f.step:
+                    self._announce(f)
+                time.sleep(f.ms / 1000)
 
     def batch(self, step: int, batch: Any) -> Any:
         """The batch of the step after `step` completed steps, poisoned with NaN if a `nan` fault says so."""

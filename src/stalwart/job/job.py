@@ -40,6 +40,7 @@ from stalwart.checkpoint.tiers.replicas import MAX_REPLICAS, PeerReplicas
 from stalwart.detect.hang import HANG_TIMEOUT_ENV, HangTimer, parse_timeout
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
 from stalwart.detect.numeric import NONFINITE_POLICIES, SPIKE_POLICIES, GuardConfig, NumericGuard
+from stalwart.detect.straggler import StragglerDetector
 from stalwart.errors import CheckpointMismatchError, ConfigError
 from stalwart.job import lifecycle
 from stalwart.job.commit import StepCommit
@@ -135,6 +136,11 @@ class JobConfig:
     """A finite gradient norm over `grad_spike_factor` times the mean of the last 100: "warn" (the default) writes a
     `grad_norm_spike` event and applies the update, "skip" drops it like a non-finite one, "off" ignores it."""
     grad_spike_factor: float = 10.0
+    straggler_threshold: float | None = 1.1
+    """Straggler detection (detect/straggler.py): a rank whose own work per step (from the step's start to its
+    last local gradient, before waiting for the others) takes at least this many times the other ranks' in 3
+    windows of 10 steps in a row gets a `straggler_detected` event and one line from rank 0. None: off. Costs
+    a timestamp per step and one small all-gather per 10 steps."""
     max_skipped_steps: int = 5
     """After this many skipped updates in a row the job stops with one line and exit status 78 (training has
     diverged; `stalwart run` does not restart it)."""
@@ -185,6 +191,10 @@ class JobConfig:
             or self.max_skipped_steps < 1
         ):
             raise ConfigError(f"max_skipped_steps must be a positive integer, got {self.max_skipped_steps!r}")
+        if self.straggler_threshold is not None and (
+            not isinstance(self.straggler_threshold, int | float) or not 1 < self.straggler_threshold < float("inf")
+        ):
+            raise ConfigError(f"straggler_threshold must be None or a number above 1, got {self.straggler_threshold!r}")
         if self.when_busy not in ("skip", "wait"):
             raise ConfigError(f"when_busy must be 'skip' or 'wait', got {self.when_busy!r}")
         if self.replicated is not None and (
@@ -240,6 +250,7 @@ class Job:
         self._versions: dict[int, int] | None = None  # live tensors' data pointer -> version, at self.step
         self._commit: StepCommit | None = None  # light snapshots' commit point at the optimizer step
         self._guard: NumericGuard | None = None  # the numeric guard's pre-hooks on the tracked optimizers
+        self._stragglers: StragglerDetector | None = None  # per-rank compute times, compared every window
         self._local_barrier: LocalBarrier | None = None  # its barrier when every rank is on this node
         self._commits = 0  # commit points started (each names its own barrier)
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self.config.snapshot_budget, 0)
@@ -390,6 +401,7 @@ class Job:
         self._heartbeat.beat(self.step, PHASE_RESUME, self._hang.grace())
         self.resume()
         self._start_guard()  # before the commit point: its pre-hook decides first whether the update happens
+        self._start_straggler_detector()
         if self._light_wanted():
             self._versions = self._live_versions()
             self._remember_replicated_skeleton(self._state())
@@ -403,6 +415,9 @@ class Job:
             self._heartbeat.beat(self.step, PHASE_STEP, self._hang.step_timeout())
             self._faults.at_step(self.step)
             started = time.monotonic()
+            if self._stragglers is not None:
+                self._stragglers.step_started(started)
+            self._faults.slow(self.step)
             batch = next(iterator, None) if iterator is not None else None
             if iterator is not None and batch is None:
                 self.events.emit("data_exhausted", step=self.step)
@@ -430,6 +445,8 @@ class Job:
             if not self._busy_step:
                 self._hang.observe(step_s)
                 self._schedule.observe_step(step_s)
+            if self._stragglers is not None:  # every rank, at the same steps: a window's end is a collective
+                self._stragglers.step_done(self.step, measured=not self._busy_step)
             self._busy_step = False
             versions_s = 0.0
             if self._light_wanted():
@@ -563,6 +580,20 @@ class Job:
             )
             replicated = all(n in self.checkpointer.replicated for n, o in self._objects.items() if o in optimizers)
             self._guard = NumericGuard(optimizers, self.events, config, quiet=replicated and not self.is_main)
+
+    def _start_straggler_detector(self) -> None:
+        """Straggler detection over the tracked modules (detect/straggler.py), with more than one rank."""
+        threshold = self.config.straggler_threshold
+        if self._stragglers is not None or threshold is None or self.world_size < 2:
+            return
+        modules = [o for o in self._objects.values() if isinstance(o, torch.nn.Module)]
+        if not modules:
+            return
+        self._stragglers = StragglerDetector(
+            self.rank, self.world_size, self.events, self.comm.all_gather_ints_later, threshold=threshold,
+            announce=self.is_main,
+        )  # fmt: skip
+        self._stragglers.watch(modules)
 
     @property
     def skipped_steps(self) -> list[int]:
@@ -729,6 +760,8 @@ class Job:
     def _close_guard(self) -> None:
         if self._guard is not None:
             self._guard.close()
+        if self._stragglers is not None:
+            self._stragglers.close()
 
     def _close_commit(self) -> None:
         if self._commit is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -102,6 +103,22 @@ class Comm:
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(out, mine, group=self._group)
         return [t.tolist() for t in out]
+
+    def all_gather_ints_later(self, values: list[int]) -> Callable[[], list[list[int]]]:
+        """Start `all_gather_ints(values)` and return a function that waits for its result: a rank that calls it
+        a while later (the next window of steps) does not wait for the slowest rank now."""
+        if self._group is None:
+            return lambda: [list(values)]
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        work = dist.all_gather(out, mine, group=self._group, async_op=True)
+
+        def result() -> list[list[int]]:
+            assert work is not None
+            work.wait()
+            return [t.tolist() for t in out]
+
+        return result
 
     def broadcast_ints(self, values: list[int]) -> list[int]:
         """Rank 0's list of int64 values (any length), on every rank."""

@@ -1,0 +1,113 @@
+"""Straggler detection (detect/straggler.py): a rank slower than the others is flagged, a clean run never is."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import child_env, tiny_args
+from stalwart.detect.straggler import PERSIST, WARMUP, WINDOW, StragglerDetector
+from stalwart.telemetry.events import EventLog, read_events
+
+
+def _run(tmp_path: Path, compute: Any, steps: int, world_size: int = 3) -> tuple[list[dict[str, Any]], Any]:
+    """Rank 0's detector over `steps` steps; `compute(rank, step)` is each rank's compute time of a step. The
+    other ranks' window medians come through the gather, as the all-gather would bring them."""
+    log = tmp_path / "events.jsonl"
+    windows: dict[int, list[list[float]]] = {r: [] for r in range(world_size)}
+    current: dict[int, list[float]] = {r: [] for r in range(world_size)}
+
+    def gather(mine: list[int]) -> Any:
+        out = [mine]
+        for r in range(1, world_size):
+            values = sorted(current[r])
+            out.append([round(values[len(values) // 2] * 1e6) if values else -1])
+        for r in range(world_size):
+            windows[r].append(current[r])
+            current[r] = []
+        return lambda: out
+
+    det = StragglerDetector(0, world_size, EventLog(log), gather, announce=True)
+    clock = 1000.0
+    for step in range(1, steps + 1):
+        det.step_started(clock)
+        for r in range(1, world_size):
+            if step > WARMUP:
+                current[r].append(compute(r, step))
+        det._last_grad = clock + compute(0, step)  # what the gradient hook stamps
+        clock += 1.0
+        det.step_done(step)
+    return list(read_events(log)), det
+
+
+def test_a_rank_slowed_by_a_fifth_is_flagged_within_fifty_steps(tmp_path: Path) -> None:
+    rng = random.Random(0)
+    slow_from = 40
+
+    def compute(rank: int, step: int) -> float:
+        base = 0.020 * (1 + rng.uniform(-0.05, 0.05))
+        return base * 1.2 if rank == 2 and step > slow_from else base
+
+    events, det = _run(tmp_path, compute, 200)
+    found = [e for e in events if e["event"] == "straggler_detected"]
+    assert [e["straggler"] for e in found] == [2], found
+    assert found[0]["step"] - slow_from <= 50 and found[0]["score"] > 1.1
+    assert found[0]["individual"] > 1.1, "slower than its own start, too"
+    assert det.flagged == {2}
+
+
+def test_a_flagged_rank_that_recovers_is_cleared(tmp_path: Path) -> None:
+    def compute(rank: int, step: int) -> float:
+        return 0.030 if rank == 1 and 30 < step <= 100 else 0.020
+
+    events, det = _run(tmp_path, compute, 200)
+    kinds = [(e["event"], e["straggler"]) for e in events if e["event"].startswith("straggler")]
+    assert kinds == [("straggler_detected", 1), ("straggler_cleared", 1)]
+    cleared = next(e for e in events if e["event"] == "straggler_cleared")
+    assert cleared["step"] <= 100 + (PERSIST + 1) * WINDOW
+    assert not det.flagged
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_clean_thousand_step_run_flags_nobody(tmp_path: Path, world_size: int) -> None:
+    rng = random.Random(1)
+
+    def compute(rank: int, step: int) -> float:  # 10% jitter per step, and now and then a 3x hiccup
+        hiccup = 3.0 if rng.random() < 0.02 else 1.0
+        return 0.020 * (1 + rng.uniform(-0.1, 0.1)) * hiccup
+
+    events, _ = _run(tmp_path, compute, 1000, world_size)
+    assert not [e for e in events if e["event"].startswith("straggler")]
+
+
+def test_with_two_ranks_the_slow_one_is_found_against_the_other(tmp_path: Path) -> None:
+    """A median of two is their mean: scored against it, a 20% slower rank would read 1.09 and hide."""
+    events, _ = _run(tmp_path, lambda rank, step: 0.024 if rank == 1 else 0.020, 100, world_size=2)
+    assert [e["straggler"] for e in events if e["event"] == "straggler_detected"] == [1]
+
+
+# -- under stalwart run: three ranks, one slowed by a fifth ---------------------------------------------------
+
+
+def _straggler_job(launch: Any, steps: int, faults: str = "") -> Any:
+    args = ("--steps", str(steps), "--compute-sleep", "0.02", "--every", "1000", "--snapshot-every", "0")
+    env = child_env(STALWART_FAULTS=faults) if faults else child_env()
+    job = launch(tiny_args(*args, "--gbs", "6", nproc=3), env=env)
+    assert job.wait(300) == 0, job.output()
+    return job
+
+
+def test_a_rank_slowed_by_a_fifth_under_stalwart_run_is_flagged_within_fifty_steps(launch: Any) -> None:
+    job = _straggler_job(launch, 90, "slow@rank=2,step=20,ms=4")  # 20% of the 20 ms of compute
+    found = job.events("straggler_detected")
+    assert [(e["rank"], e["straggler"]) for e in found] == [(0, 2)], "rank 0 reports it, once"
+    assert found[0]["step"] - 20 <= 50 and found[0]["score"] >= 1.1
+    assert "rank 2 is a straggler" in job.output()
+
+
+def test_a_clean_thousand_step_run_under_stalwart_run_flags_nobody(launch: Any) -> None:
+    job = _straggler_job(launch, 1000)
+    assert not job.events("straggler_detected")
