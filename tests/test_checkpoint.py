@@ -470,3 +470,14 @@ def test_a_persister_found_dead_by_the_sender_is_replaced_for_the_next_save(
     assert [e["step"] for e in died] == [1]
     assert _committed(tmp_path / "ck") == [3, 2]
     ck.close()
+
+
+def test_the_persister_process_does_not_import_torch() -> None:
+    """Each rank starts one persister; importing torch there costs about 2 s of CPU per start, taken from training
+    (a module-level `import torch` in chaos/faults.py once doubled the CPU time of the tests' 2-rank job)."""
+    import subprocess
+    import sys
+
+    code = "import sys, stalwart.checkpoint.save.persister; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"

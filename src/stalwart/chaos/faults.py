@@ -36,8 +36,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from stalwart.errors import ConfigError
 from stalwart.runtime.env import FAULTS_ENV as FAULTS_ENV
 
@@ -176,7 +174,10 @@ class FaultInjector:
 
 
 def _poisoned(value: Any) -> Any:
-    """`value` with every floating-point tensor in it (through tuples, lists and dicts) a NaN-filled copy."""
+    """`value` with every floating-point tensor in it (through tuples, lists and dicts) a NaN-filled copy.
+    torch is imported here, not at the top: this module is also loaded by the torch-free persister process."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         return torch.full_like(value, float("nan")) if value.is_floating_point() else value
     if isinstance(value, dict):
