@@ -13,7 +13,9 @@ from stalwart.detect.straggler import PERSIST, WARMUP, WINDOW, StragglerDetector
 from stalwart.telemetry.events import EventLog, read_events
 
 
-def _run(tmp_path: Path, compute: Any, steps: int, world_size: int = 3) -> tuple[list[dict[str, Any]], Any]:
+def _run(
+    tmp_path: Path, compute: Any, steps: int, world_size: int = 3, wait: Any = lambda step: 0.005
+) -> tuple[list[dict[str, Any]], Any]:
     """Rank 0's detector over `steps` steps; `compute(rank, step)` is each rank's compute time of a step. The
     other ranks' window medians come through the gather, as the all-gather would bring them."""
     log = tmp_path / "events.jsonl"
@@ -38,6 +40,8 @@ def _run(tmp_path: Path, compute: Any, steps: int, world_size: int = 3) -> tuple
             if step > WARMUP:
                 current[r].append(compute(r, step))
         det._last_grad = clock + compute(0, step)  # what the gradient hook stamps
+        det._optimizer_ready()  # what the optimizer's pre-hook stamps: the real clock, not this one
+        det._optimizer_at = det._last_grad + wait(step)
         clock += 1.0
         det.step_done(step)
     return list(read_events(log)), det
@@ -89,6 +93,23 @@ def test_with_two_ranks_the_slow_one_is_found_against_the_other(tmp_path: Path) 
     assert [e["straggler"] for e in events if e["event"] == "straggler_detected"] == [1]
 
 
+def test_a_sustained_rise_of_the_time_spent_waiting_for_gradients_is_reported(tmp_path: Path) -> None:
+    def wait(step: int) -> float:
+        return 0.030 if 100 < step <= 200 else 0.004
+
+    events, _ = _run(tmp_path, lambda rank, step: 0.020, 300, wait=wait)
+    comm = [(e["event"], e["step"]) for e in events if e["event"].startswith("comm_ratio")]
+    assert comm == [("comm_ratio_high", 130), ("comm_ratio_normal", 230)], comm
+    high = next(e for e in events if e["event"] == "comm_ratio_high")
+    assert high["ratio"] == pytest.approx(0.6) and high["baseline"] == pytest.approx(0.167, abs=0.001)
+
+
+def test_jitter_in_the_wait_is_not_a_rise(tmp_path: Path) -> None:
+    rng = random.Random(2)
+    events, _ = _run(tmp_path, lambda rank, step: 0.020, 1000, wait=lambda step: 0.004 * rng.uniform(0.5, 1.5))
+    assert not [e for e in events if e["event"].startswith("comm_ratio")]
+
+
 # -- under stalwart run: three ranks, one slowed by a fifth ---------------------------------------------------
 
 
@@ -106,6 +127,11 @@ def test_a_rank_slowed_by_a_fifth_under_stalwart_run_is_flagged_within_fifty_ste
     assert [(e["rank"], e["straggler"]) for e in found] == [(0, 2)], "rank 0 reports it, once"
     assert found[0]["step"] - 20 <= 50 and found[0]["score"] >= 1.1
     assert "rank 2 is a straggler" in job.output()
+    # A warning sign is met with a durable checkpoint at once, on every rank at the same step.
+    risk = job.events("risk_checkpoint")
+    assert sorted((e["rank"], e["step"], e["taken"]) for e in risk) == [(r, found[0]["step"], True) for r in range(3)]
+    committed = {e["step"] for e in job.events("checkpoint_committed")}
+    assert found[0]["step"] in committed
 
 
 def test_a_clean_thousand_step_run_under_stalwart_run_flags_nobody(launch: Any) -> None:

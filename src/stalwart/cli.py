@@ -13,6 +13,7 @@ commands:
   run      launch a training script with torchrun's flags; restart workers on failure
   demo     train a small GPT on 2 CPU ranks, kill a worker, recover, and compare with a clean run
   ckpt     list, verify or inspect a checkpoint directory
+  nodes    the node exclusion list: 'nodes list', 'nodes clear [HOST]' (a node the GPU playbook took out)
   bench    measure on this machine: 'bench checkpoint' compares stalwart with torch.save and DCP,
            'bench recovery' with torchrun (and torchft when installed)
   version  print stalwart's version
@@ -45,6 +46,12 @@ def _ckpt(argv: list[str]) -> int:
     return main(argv)
 
 
+def _nodes(argv: list[str]) -> int:
+    from stalwart.supervisor.nodes_cli import main
+
+    return main(argv)
+
+
 def _bench(argv: list[str]) -> int:
     from stalwart.bench.cli import main
 
@@ -55,6 +62,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "run": _run,
     "demo": _demo,
     "ckpt": _ckpt,
+    "nodes": _nodes,
     "bench": _bench,
     "version": _version,
 }

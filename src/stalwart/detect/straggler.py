@@ -21,6 +21,12 @@ A rank whose relative score is at least `threshold` (1.1: 10% slower than the ot
 row is flagged: rank 0 writes a `straggler_detected` event (`straggler`: the slow rank) and prints one line. A
 flagged rank whose score stays below the threshold for PERSIST windows is cleared (`straggler_cleared`). Every
 rank computes the same verdicts from the same gathered numbers (`flagged`), for policies that act on them.
+
+The same stamps give each rank's communication ratio: the time from its last local gradient to its optimizer
+step (waiting for the gradient all-reduce) over the time from the step's start to its optimizer step. A window
+median over max(2x, +0.10) the rank's own baseline in PERSIST windows in a row is a `comm_ratio_high` event from
+that rank (a slower network, a congested link; a straggler raises it on the others, and is named by its own
+event), `comm_ratio_normal` when it is back. It is local: no collective.
 """
 
 from __future__ import annotations
@@ -87,6 +93,11 @@ class StragglerDetector:
         self._handles: list[Any] = []
         self._pending: tuple[int, Callable[[], list[list[int]]]] | None = None  # (window's last step, its gather)
         self.flagged: set[int] = set()
+        self.newly_flagged: set[int] = set()
+        """Ranks flagged at the last window's judgement (the same on every rank): what risk policies act on."""
+        self._optimizer_at = 0.0
+        self._ratios: list[float] = []
+        self._comm = _RankHistory()
 
     def watch(self, modules: Iterable[torch.nn.Module]) -> None:
         """Timestamp the end of each step's local backward through hooks on the modules' first parameters."""
@@ -99,8 +110,17 @@ class StragglerDetector:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
                     hooked += 1
 
+    def watch_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Timestamp each step's (first) optimizer step: the end of waiting for the gradients' all-reduce."""
+        for opt in optimizers:
+            self._handles.append(opt.register_step_pre_hook(self._optimizer_ready))
+
     def _grad_ready(self, _: torch.Tensor) -> None:
         self._last_grad = time.monotonic()
+
+    def _optimizer_ready(self, *_: Any) -> None:
+        if self._optimizer_at <= self._started:
+            self._optimizer_at = time.monotonic()
 
     def step_started(self, now: float) -> None:
         self._started = now
@@ -111,9 +131,34 @@ class StragglerDetector:
         self._seen += 1
         if measured and self._seen > WARMUP and self._last_grad > self._started:
             self._samples.append(self._last_grad - self._started)
+            if self._optimizer_at > self._last_grad:
+                self._ratios.append((self._optimizer_at - self._last_grad) / (self._optimizer_at - self._started))
         self._last_grad = 0.0
+        self.newly_flagged = set()
         if step % WINDOW == 0:
+            self._judge_comm(step)
             self._compare(step)
+
+    def _judge_comm(self, step: int) -> None:
+        """This rank's communication ratio over the window, against its own first windows' (no collective)."""
+        if not self._ratios:
+            return
+        ratio = statistics.median(self._ratios)
+        self._ratios = []
+        h = self._comm
+        if len(h.baseline) < BASELINE:
+            h.baseline.append(ratio)
+            return
+        baseline = statistics.median(h.baseline)
+        high = ratio > max(2 * baseline, baseline + 0.10)
+        h.over, h.under = (h.over + 1, 0) if high else (0, h.under + 1)
+        fields = {"ratio": round(ratio, 3), "baseline": round(baseline, 3)}
+        if not h.flagged and h.over >= PERSIST:
+            h.flagged = True
+            self._events.emit("comm_ratio_high", step=step, **fields)
+        elif h.flagged and h.under >= PERSIST:
+            h.flagged = False
+            self._events.emit("comm_ratio_normal", step=step, **fields)
 
     def _compare(self, step: int) -> None:
         """Start this window's gather and judge the previous window's, which has had a window's time to arrive."""
@@ -153,6 +198,7 @@ class StragglerDetector:
         if not h.flagged and h.over >= PERSIST:
             h.flagged = True
             self.flagged.add(rank)
+            self.newly_flagged.add(rank)
             if self._announce:
                 self._events.emit("straggler_detected", step=step, steps=PERSIST * WINDOW, **fields)
                 print(

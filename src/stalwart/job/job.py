@@ -445,8 +445,11 @@ class Job:
             if not self._busy_step:
                 self._hang.observe(step_s)
                 self._schedule.observe_step(step_s)
+            risk = None
             if self._stragglers is not None:  # every rank, at the same steps: a window's end is a collective
                 self._stragglers.step_done(self.step, measured=not self._busy_step)
+                if self._stragglers.newly_flagged:  # the same verdict on every rank, so a save at the same step
+                    risk = f"rank {min(self._stragglers.newly_flagged)} is a straggler"
             self._busy_step = False
             versions_s = 0.0
             if self._light_wanted():
@@ -467,6 +470,8 @@ class Job:
                 self.save(wait=True)  # the run's last checkpoint is durable before steps() returns
             elif self.step % self.config.checkpoint_every == 0:
                 self.save()
+            elif risk is not None:  # a warning sign: a durable checkpoint now, before it turns into a failure
+                self.events.emit("risk_checkpoint", step=self.step, reason=risk, taken=self.save())
         self._heartbeat.beat(self.step, PHASE_DONE, None)  # after the loop the worker is not watched
         if self.state is not JobState.FINISHED:
             self.state = JobState.FINISHED
@@ -594,6 +599,7 @@ class Job:
             announce=self.is_main,
         )  # fmt: skip
         self._stragglers.watch(modules)
+        self._stragglers.watch_optimizers(o for o in self._objects.values() if isinstance(o, torch.optim.Optimizer))
 
     @property
     def skipped_steps(self) -> list[int]:

@@ -10,7 +10,10 @@ torch elastic does the rendezvous, rank assignment, worker start/monitor/stop an
   already imported torch; with re-forming (L1, recovery/reform.py), the survivors of a failure keep their
   processes and the next round of the rendezvous activates them again, so only the failed worker is replaced;
 - workers that stop beating on the heartbeat board (detect/heartbeat.py) past their deadline are killed as
-  hung, which turns a hang into the failure the restart path already handles.
+  hung, which turns a hang into the failure the restart path already handles;
+- the node's GPUs are watched (supervisor/gpu_watch.py): an XID the playbook answers with a process restart
+  kills the worker on that GPU; one that asks for a reset, a drain or a repair excludes the node and stops its
+  workers without a restart.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from stalwart.detect.heartbeat import Beat, Board
 from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.runtime.process import process_state, stopped
+from stalwart.supervisor import exclusion
+from stalwart.supervisor.exclusion import Exclusion
+from stalwart.supervisor.gpu_watch import GpuWatch, is_restart
 from stalwart.supervisor.host_pool import Host, HostContext, SparePool, running_in
 from stalwart.supervisor.zygote import Zygote
 from stalwart.telemetry.events import EventLog
@@ -69,9 +75,12 @@ class StalwartAgent(LocalElasticAgent):
         zygote: Zygote | None = None,
         hosts: bool = False,
         reform: bool = False,
+        gpu: GpuWatch | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self._gpu = gpu
+        self.excluded: Exclusion | None = None
         self._events = events
         self._say = say
         self._board = board
@@ -178,6 +187,9 @@ class StalwartAgent(LocalElasticAgent):
         super()._stop_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self._gpu is not None and self.excluded is None:
+            for index, action, reason in self._gpu.due_actions():
+                self._act_on_gpu(worker_group, index, action, reason)
         self._check_stopped(worker_group)
         if self._board is not None:
             self._check_hangs(worker_group, self._board)
@@ -188,6 +200,34 @@ class StalwartAgent(LocalElasticAgent):
             self._failed_at = time.monotonic()
             self._report_failure(result)
         return result
+
+    def _act_on_gpu(self, worker_group: WorkerGroup, index: int, action: str, reason: str) -> None:
+        """The playbook's action for GPU `index` (supervisor/gpu_watch.py)."""
+        if self.excluded is not None:
+            return
+        if is_restart(action):
+            for worker in worker_group.workers:
+                pid = self._pids.get(worker.local_rank)
+                if worker.local_rank != index or pid is None or worker.global_rank in self._hung:
+                    continue
+                self._events.emit("gpu_action", gpu=index, action=action, reason=reason, rank=worker.global_rank,
+                                  worker_pid=pid, restart=self.restart_count)  # fmt: skip
+                self._hung[worker.global_rank] = f"on GPU {index} after {reason}"
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            return
+        self.excluded = exclusion.exclude(f"GPU {index}: {reason}", action)
+        self._events.emit("node_excluded", gpu=index, action=action, reason=reason, host=self.excluded.host,
+                          file=str(exclusion.exclusion_file()))  # fmt: skip
+        self._say(f"GPU {index}: {reason}: {action.replace('_', ' ')}; this node ({self.excluded.host}) is excluded "
+                  f"from the job ({exclusion.exclusion_file()}) and its workers are stopped")  # fmt: skip
+        self._remaining_restarts = 0  # not on this node: the others go on without it, or the job stops here
+        for worker in worker_group.workers:
+            pid = self._pids.get(worker.local_rank)
+            if pid is not None:
+                self._hung.setdefault(worker.global_rank, "stopped: its node is excluded")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
     def _check_stopped(self, worker_group: WorkerGroup) -> None:
         """Kill a worker stopped by a signal once it has stayed stopped for STOP_CONFIRM_S, whatever its
@@ -298,7 +338,10 @@ class StalwartAgent(LocalElasticAgent):
             what = ", ".join(causes) + f" ({n} other worker{'s' if n > 1 else ''} {how} as a consequence)"
         else:
             what = ", ".join(causes or consequences) or "workers unhealthy"
-        if self.user_error:
+        if self.excluded is not None:  # its workers were stopped on purpose; _act_on_gpu said why
+            self._events.emit("job_stopped", reason="node_excluded")
+            self._say("workers stopped; not restarting on an excluded node")
+        elif self.user_error:
             self._remaining_restarts = 0
             self._events.emit("job_stopped", reason="user_error")
             self._say(f"{what}: a worker reported bad input; not restarting")

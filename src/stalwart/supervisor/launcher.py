@@ -54,6 +54,8 @@ from stalwart.runtime.env import (
     SPARES_ENV,
 )
 from stalwart.runtime.process import first_line
+from stalwart.supervisor import exclusion
+from stalwart.supervisor.gpu_watch import GpuWatch
 from stalwart.supervisor.host_pool import SparePool
 from stalwart.supervisor.rendezvous import rendezvous_handler
 from stalwart.supervisor.zygote import Zygote
@@ -286,6 +288,12 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's rule, without its banner
     os.environ.setdefault(SHARE_STORE_ENV, "1")
+    barred = exclusion.excluded()
+    if barred is not None:
+        raise ConfigError(
+            f"this node ({barred.host}) is excluded since {barred.time}: {barred.reason} ({barred.action}); once it "
+            f"is fixed, run `stalwart nodes clear` here (list: {exclusion.exclusion_file()})"
+        )
     event_log = Path(args.event_log).absolute()
     try:
         events = EventLog(event_log, role="agent", run_id=args.rdzv_id)
@@ -410,7 +418,9 @@ def _run_agent(
             virtual_local_rank=getattr(config, "virtual_local_rank", False),
         )
     )
+    gpu = GpuWatch.from_env(events)
     agent = StalwartAgent(
+        gpu=gpu,
         events=events,
         say=say,
         board=board,
@@ -441,6 +451,8 @@ def _run_agent(
         say(f"cannot re-form the job: {type(exc).__name__}: {first}")
         return 1
     finally:
+        if gpu is not None:
+            gpu.close()
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
     if result is None:  # the rendezvous was closed gracefully while this node still had work
@@ -451,5 +463,8 @@ def _run_agent(
         events.emit("launcher_exit", reason="succeeded", exitcode=0, restarts=agent.restart_count)
         return 0
     status = EXIT_USER_ERROR if agent.user_error else 1
+    if agent.excluded is not None:
+        events.emit("launcher_exit", reason=f"node excluded: {agent.excluded.reason}", exitcode=status)
+        return status
     events.emit("launcher_exit", reason="failed", exitcode=status, restarts=agent.restart_count)
     return status

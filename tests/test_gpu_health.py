@@ -1,0 +1,158 @@
+"""GPU health (detect/gpu.py, supervisor/gpu_watch.py, supervisor/exclusion.py) through the scripted provider.
+
+No GPU here: the provider is the seam. The scripted one replays samples and XIDs; NVML's is exercised on a lent
+GPU (docs/benchmarks.md records what it printed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import child_env, tiny_args
+from stalwart.detect.gpu import (
+    DRAIN_NODE,
+    REPORT,
+    RESTART_PROCESS,
+    GpuMonitor,
+    GpuSample,
+    NvmlProvider,
+    ScriptedProvider,
+    dcgm_metrics,
+    playbook,
+    provider_from_env,
+)
+from stalwart.errors import ConfigError
+from stalwart.supervisor import exclusion
+from stalwart.telemetry.events import EventLog, read_events
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_playbook_follows_the_xid_catalog() -> None:
+    assert playbook(79).action == DRAIN_NODE and "fallen off the bus" in playbook(79).meaning
+    assert playbook(13).action == RESTART_PROCESS
+    assert playbook(63).action == REPORT
+    assert playbook(99999).action == REPORT and "not in stalwart's playbook" in playbook(99999).meaning
+
+
+def test_samples_and_xids_become_events_and_actions(tmp_path: Path) -> None:
+    clock = _Clock()
+    script = {
+        "devices": 2,
+        "samples": [
+            {"at": 0, "index": 0, "temperature_c": 60, "throttle_reasons": [], "ecc_uncorrected_total": 0,
+             "ecc_corrected_total": 10},
+            {"at": 5, "index": 0, "temperature_c": 91, "throttle_reasons": ["hw_thermal_slowdown", "sw_power_cap"],
+             "ecc_uncorrected_total": 2, "ecc_corrected_total": 500},
+            {"at": 10, "index": 1, "remapped_rows_failed": True, "remapped_rows_uncorrectable": 3},
+        ],
+        "xids": [{"at": 5, "index": 1, "xid": 13}, {"at": 5, "index": 0, "xid": 63}],
+    }  # fmt: skip
+    log = tmp_path / "events.jsonl"
+    acted: list[tuple[int, str, str]] = []
+    monitor = GpuMonitor(ScriptedProvider(script, clock), EventLog(log), act=lambda *a: acted.append(a))
+    monitor.poll()
+    assert not list(read_events(log)), "a healthy first sample says nothing"
+    clock.now = 5
+    monitor.poll()
+    clock.now = 10
+    monitor.poll()
+    events = [(e["event"], e["gpu"]) for e in read_events(log)]
+    assert events == [
+        ("gpu_throttled", 0),
+        ("gpu_ecc_errors", 0),  # uncorrected
+        ("gpu_ecc_errors", 0),  # corrected rising
+        ("gpu_xid", 1),
+        ("gpu_xid", 0),
+        ("gpu_rows_remap", 1),
+    ], events
+    throttled = next(e for e in read_events(log) if e["event"] == "gpu_throttled")
+    assert throttled["reasons"] == ["hw_thermal_slowdown"], "a power cap alone is not a health sign"
+    assert acted == [(1, RESTART_PROCESS, "XID 13: " + playbook(13).meaning), (1, DRAIN_NODE, "row remapping failed")]
+
+
+def test_not_supported_readings_are_absent_and_exported_under_dcgm_names() -> None:
+    sample = GpuSample(index=0, temperature_c=55.0, ecc_uncorrected_total=0, remapped_rows_pending=False)
+    assert dcgm_metrics(sample) == {
+        "DCGM_FI_DEV_GPU_TEMP": 55.0,
+        "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": 0.0,
+        "DCGM_FI_DEV_ROW_REMAP_PENDING": 0.0,
+    }
+
+
+def test_without_nvml_there_is_no_provider_and_a_bad_script_is_one_error(tmp_path: Path) -> None:
+    default = provider_from_env({})  # NVML: None on a machine without a GPU or driver, as here
+    assert default is None or isinstance(default, NvmlProvider)
+    assert provider_from_env({"STALWART_GPU_TELEMETRY": "off"}) is None
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"samples": [{"at": 0, "temprature": 3}]}')
+    with pytest.raises(ConfigError, match="unknown sample fields"):
+        provider_from_env({"STALWART_GPU_TELEMETRY": str(bad)})
+    with pytest.raises(ConfigError, match="cannot read"):
+        provider_from_env({"STALWART_GPU_TELEMETRY": str(tmp_path / "missing.json")})
+
+
+def test_the_exclusion_list_round_trips_and_refuses_a_foreign_file(tmp_path: Path) -> None:
+    path = tmp_path / "excluded.json"
+    assert exclusion.excluded("n1", path) is None
+    exclusion.exclude("GPU 0: XID 79", DRAIN_NODE, host="n1", path=path)
+    got = exclusion.excluded("n1", path)
+    assert got is not None and got.reason == "GPU 0: XID 79" and got.action == DRAIN_NODE
+    assert [e.host for e in exclusion.listed(path)] == ["n1"]
+    assert exclusion.clear("n1", path) and not exclusion.clear("n1", path)
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not stalwart's"):
+        exclusion.excluded("n1", path)
+
+
+# -- under stalwart run ------------------------------------------------------------------------------------------
+
+
+def _script(tmp_path: Path, xid: int, at: float = 2.0) -> Path:
+    path = tmp_path / f"gpu-{xid}.json"
+    path.write_text(json.dumps({"devices": 2, "xids": [{"at": at, "index": 1, "xid": xid}]}))
+    return path
+
+
+def _env(tmp_path: Path, script: Path) -> dict[str, str]:
+    return child_env(
+        STALWART_GPU_TELEMETRY=str(script),
+        STALWART_GPU_POLL_S="0.2",
+        STALWART_EXCLUDE_FILE=str(tmp_path / "excluded.json"),
+    )
+
+
+def test_an_xid_that_needs_a_process_restart_replaces_the_worker_on_that_gpu(launch: Any, tmp_path: Path) -> None:
+    job = launch(tiny_args("--steps", "60", "--step-sleep", "0.1"), env=_env(tmp_path, _script(tmp_path, 13)))
+    assert job.wait(180) == 0, job.output()
+    assert [(e["gpu"], e["xid"], e["action"]) for e in job.events("gpu_xid")] == [(1, 13, RESTART_PROCESS)]
+    acted = job.events("gpu_action")
+    assert [(e["gpu"], e["rank"]) for e in acted] == [(1, 1)]
+    assert "on GPU 1 after XID 13" in job.output()
+    first, second = job.worker_pids(restart=0), job.worker_pids(restart=1)
+    assert first[0] == second[0] and first[1] != second[1], "only the worker on GPU 1 was replaced"
+    assert not (tmp_path / "excluded.json").exists()
+
+
+def test_an_xid_that_needs_a_drain_excludes_the_node_and_the_next_launch_refuses(launch: Any, tmp_path: Path) -> None:
+    env = _env(tmp_path, _script(tmp_path, 79))
+    job = launch(tiny_args("--steps", "200", "--step-sleep", "0.1"), env=env)
+    assert job.wait(180) == 1, job.output()
+    assert "GPU 1: XID 79: GPU has fallen off the bus: drain node" in job.output()
+    assert {e["restart"] for e in job.events("worker_spawned")} == {0}, "no restart on an excluded node"
+    (node,) = job.events("node_excluded")
+    assert node["action"] == DRAIN_NODE
+    listed = json.loads((tmp_path / "excluded.json").read_text())["nodes"]
+    assert list(listed) == [node["host"]]
+    again = launch(tiny_args("--steps", "5"), name="again", env=env)
+    assert again.wait(60) == 2, again.output()
+    assert f"this node ({node['host']}) is excluded" in again.output() and "Traceback" not in again.output()
