@@ -4,15 +4,16 @@
      ├── ConfigError            bad flags, paths or settings: the user must change something
      │    └── PeerError              another rank found the problem and reported it (printed there, once)
      ├── NumericError           training diverged: update after update skipped for non-finite gradients
+     ├── ReplicaDivergenceError  data-parallel replicas differ and no majority says which is right
      └── CheckpointError        a checkpoint cannot be written or used
           ├── CheckpointCorruptError   a shard is missing, truncated or fails its checksum
           │    └── NoValidCheckpointError  checkpoints exist but none verifies (never a silent fresh start)
           ├── CheckpointMismatchError  the checkpoint does not fit this job (shape, world size, format)
           └── UnsavableStateError      a state_dict holds values a checkpoint cannot carry safely
 
-User errors (ConfigError, CheckpointMismatchError, NoValidCheckpointError, UnsavableStateError) and NumericError
-are not retried by `stalwart run`: a worker that dies of one exits with EXIT_USER_ERROR and the launcher stops
-instead of burning its restarts on the same mistake.
+User errors (ConfigError, CheckpointMismatchError, NoValidCheckpointError, UnsavableStateError), NumericError and
+ReplicaDivergenceError are not retried by `stalwart run`: a worker that dies of one exits with EXIT_USER_ERROR
+and the launcher stops instead of burning its restarts on the same mistake.
 """
 
 from __future__ import annotations
@@ -49,6 +50,15 @@ class NumericError(StalwartError, RuntimeError):
         self.quiet = quiet
 
 
+class ReplicaDivergenceError(StalwartError, RuntimeError):
+    """The data-parallel replicas' state differs and no majority can say which is right (detect/divergence.py):
+    a restart from memory would carry the corruption on, so `stalwart run` stops. `quiet` as NumericError's."""
+
+    def __init__(self, message: str, *, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet
+
+
 class PeerGone(StalwartError, RuntimeError):
     """A peer of a barrier outside the process groups (runtime/local_barrier.py) ended or never came: the
     counterpart of a collective's connection error, and handled the same way (re-forming)."""
@@ -77,7 +87,13 @@ class UnsavableStateError(CheckpointError, ValueError):
 def is_user_error(exc: BaseException) -> bool:
     """True for errors that a restart cannot fix."""
     return isinstance(
-        exc, ConfigError | CheckpointMismatchError | NoValidCheckpointError | UnsavableStateError | NumericError
+        exc,
+        ConfigError
+        | CheckpointMismatchError
+        | NoValidCheckpointError
+        | UnsavableStateError
+        | NumericError
+        | ReplicaDivergenceError,
     )
 
 

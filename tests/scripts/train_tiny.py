@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--per-rank-sched", action="store_true", help="the scheduler is per-rank state (not replicated)")
     p.add_argument("--rank1-draws-late", action="store_true", help="rank 1 alone draws after the optimizer step")
     p.add_argument("--compute-sleep", type=float, default=0.0, help="seconds of 'compute' before each forward")
+    p.add_argument("--divergence-every", type=int, default=100, help="0: no replica divergence check")
     p.add_argument("--no-update-at", type=int, default=-1, help="skip optim.step() at this step (a reference run)")
     p.add_argument("--busy-at", type=int, default=-1, help="at this step, a long stretch marked with job.busy()")
     p.add_argument("--busy-s", type=float, default=0.0)
@@ -101,6 +102,7 @@ def main() -> None:
         snapshot_budget=args.snapshot_budget,
         replicated_snapshot_every=args.replicated_snapshot_every,
         peer_replicas=args.peer_replicas,
+        divergence_every=args.divergence_every or None,
     )
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -15,6 +15,8 @@ Kinds:
                 `errno` (default EIO; e.g. ENOSPC): the persister must retry with backoff, training goes on
   slow          from `step` on, the rank sleeps `ms` milliseconds (default 10) at the start of every step, inside
                 the time the straggler detector measures (a rank that is slower than the others)
+  flip          one bit of the first replicated tensor (a parameter) flips on the rank just before `step`: silent
+                corruption of one replica, which the divergence check must find and repair
   nan           the floating-point tensors of the rank's batch for `step` (the one `job.steps(loader)` yields after
                 `step` completed steps) are filled with NaN: the numeric guard must keep it out of the parameters
   hang          the rank stops making progress just before starting `step`, `how`: 'sigstop' (default: it
@@ -39,7 +41,7 @@ from typing import Any
 from stalwart.errors import ConfigError
 from stalwart.runtime.env import FAULTS_ENV as FAULTS_ENV
 
-_KINDS = ("kill", "kill_in_save", "kill_in_optimizer", "storage_error", "hang", "nan", "slow")
+_KINDS = ("kill", "kill_in_save", "kill_in_optimizer", "storage_error", "hang", "nan", "slow", "flip")
 _HOWS = ("sigstop", "sleep", "deadlock")
 _PHASES = ("shard_half_written", "before_commit")
 _OPTIMIZER_PHASES = ("before_snapshot", "after_barrier")
@@ -127,6 +129,15 @@ class FaultInjector:
                     self._announce(f)
                 time.sleep(f.ms / 1000)
 
+    def flip(self, step: int, tensors: Callable[[], list[Any]]) -> None:
+        """Before the step after `step` completed steps: flip a bit of `tensors()[0]` if a `flip` fault says so."""
+        for f in self._faults:
+            if f.kind == "flip" and f.step == step:
+                found = tensors()
+                if found:
+                    self._announce(f)
+                    _flip_a_bit(found[0])
+
     def batch(self, step: int, batch: Any) -> Any:
         """The batch of the step after `step` completed steps, poisoned with NaN if a `nan` fault says so."""
         for f in self._faults:
@@ -186,3 +197,16 @@ def _poisoned(value: Any) -> Any:
         items = [_poisoned(v) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
+
+
+def _flip_a_bit(tensor: Any) -> None:
+    """Flip bit 20 of the tensor's first 32-bit word (or bit 4 of its first byte), in place."""
+    import torch
+
+    with torch.no_grad():
+        raw = tensor.detach().reshape(-1).view(torch.uint8)
+        if raw.numel() >= 4:
+            words = raw[:4].view(torch.int32)
+            words.bitwise_xor_(1 << 20)
+        else:
+            raw[:1].bitwise_xor_(1 << 4)

@@ -37,6 +37,7 @@ from stalwart.checkpoint.format.serialize import check_loadable, flatten
 from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import MAX_REPLICAS, PeerReplicas
+from stalwart.detect.divergence import DivergenceCheck, broadcast_on_default_group
 from stalwart.detect.hang import HANG_TIMEOUT_ENV, HangTimer, parse_timeout
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
 from stalwart.detect.numeric import NONFINITE_POLICIES, SPIKE_POLICIES, GuardConfig, NumericGuard
@@ -141,6 +142,10 @@ class JobConfig:
     last local gradient, before waiting for the others) takes at least this many times the other ranks' in 3
     windows of 10 steps in a row gets a `straggler_detected` event and one line from rank 0. None: off. Costs
     a timestamp per step and one small all-gather per 10 steps."""
+    divergence_every: int | None = 100
+    """Replica divergence (detect/divergence.py): every this many steps the ranks compare a fingerprint of their
+    replicated objects' tensors (one read of them, one all-gather); replicas outside a majority are repaired from
+    it in place, and without a majority the job stops. None: off."""
     max_skipped_steps: int = 5
     """After this many skipped updates in a row the job stops with one line and exit status 78 (training has
     diverged; `stalwart run` does not restart it)."""
@@ -195,6 +200,12 @@ class JobConfig:
             not isinstance(self.straggler_threshold, int | float) or not 1 < self.straggler_threshold < float("inf")
         ):
             raise ConfigError(f"straggler_threshold must be None or a number above 1, got {self.straggler_threshold!r}")
+        if self.divergence_every is not None and (
+            not isinstance(self.divergence_every, int)
+            or isinstance(self.divergence_every, bool)
+            or self.divergence_every < 1
+        ):
+            raise ConfigError(f"divergence_every must be None or a positive integer, got {self.divergence_every!r}")
         if self.when_busy not in ("skip", "wait"):
             raise ConfigError(f"when_busy must be 'skip' or 'wait', got {self.when_busy!r}")
         if self.replicated is not None and (
@@ -251,6 +262,7 @@ class Job:
         self._commit: StepCommit | None = None  # light snapshots' commit point at the optimizer step
         self._guard: NumericGuard | None = None  # the numeric guard's pre-hooks on the tracked optimizers
         self._stragglers: StragglerDetector | None = None  # per-rank compute times, compared every window
+        self._divergence: DivergenceCheck | None = None  # the replicas' fingerprints, compared now and then
         self._local_barrier: LocalBarrier | None = None  # its barrier when every rank is on this node
         self._commits = 0  # commit points started (each names its own barrier)
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self.config.snapshot_budget, 0)
@@ -402,6 +414,7 @@ class Job:
         self.resume()
         self._start_guard()  # before the commit point: its pre-hook decides first whether the update happens
         self._start_straggler_detector()
+        self._start_divergence_check()
         if self._light_wanted():
             self._versions = self._live_versions()
             self._remember_replicated_skeleton(self._state())
@@ -418,6 +431,7 @@ class Job:
             if self._stragglers is not None:
                 self._stragglers.step_started(started)
             self._faults.slow(self.step)
+            self._faults.flip(self.step, self._replicated_tensors)
             batch = next(iterator, None) if iterator is not None else None
             if iterator is not None and batch is None:
                 self.events.emit("data_exhausted", step=self.step)
@@ -445,6 +459,8 @@ class Job:
             if not self._busy_step:
                 self._hang.observe(step_s)
                 self._schedule.observe_step(step_s)
+            if self._divergence is not None and self._divergence.due(self.step):  # every rank, same steps
+                self._divergence.check(self.step)  # repairs an odd replica before this step's snapshot
             risk = None
             if self._stragglers is not None:  # every rank, at the same steps: a window's end is a collective
                 self._stragglers.step_done(self.step, measured=not self._busy_step)
@@ -600,6 +616,37 @@ class Job:
         )  # fmt: skip
         self._stragglers.watch(modules)
         self._stragglers.watch_optimizers(o for o in self._objects.values() if isinstance(o, torch.optim.Optimizer))
+
+    def _start_divergence_check(self) -> None:
+        """The replicas' fingerprint check (detect/divergence.py), with more than one rank and replicated objects."""
+        every = self.config.divergence_every
+        if self._divergence is not None or every is None or self.world_size < 2 or not self.checkpointer.replicated:
+            return
+        self._divergence = DivergenceCheck(
+            self.rank, self.world_size, self.events, self._replicated_tensors, self.comm.all_gather_ints,
+            broadcast_on_default_group, every,
+        )  # fmt: skip
+
+    def _replicated_tensors(self) -> list[torch.Tensor]:
+        """The replicated objects' tensors in state_dict order (the same on every rank): parameters, buffers,
+        optimizer state. Sharded ones (DTensor) are left out: they are not replicas of one another."""
+        found: list[torch.Tensor] = []
+
+        def walk(value: Any) -> None:
+            if isinstance(value, torch.Tensor):
+                if not sharded.is_dtensor(value):
+                    found.append(value)
+            elif isinstance(value, dict):
+                for v in value.values():
+                    walk(v)
+            elif isinstance(value, list | tuple):
+                for v in value:
+                    walk(v)
+
+        for name, obj in self._objects.items():
+            if name in self.checkpointer.replicated:
+                walk(obj.state_dict())
+        return found
 
     @property
     def skipped_steps(self) -> list[int]:

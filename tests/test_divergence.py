@@ -1,0 +1,87 @@
+"""Replica divergence (detect/divergence.py): a flipped bit on one replica is found and repaired from the others."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import child_env, tiny_args
+from stalwart.detect.divergence import DivergenceCheck, fingerprint, odd_ranks
+from stalwart.errors import ReplicaDivergenceError, is_user_error
+from stalwart.telemetry.events import EventLog, read_events
+
+
+def test_a_single_flipped_bit_changes_the_fingerprint_of_every_dtype() -> None:
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):
+        t = (torch.arange(37) % 7).to(dtype)
+        before = fingerprint([t, torch.ones(3)])
+        raw = t.view(torch.uint8)
+        raw[5] ^= 1
+        assert fingerprint([t, torch.ones(3)]) != before, dtype
+    a, b = torch.ones(4), torch.zeros(4)
+    assert fingerprint([a, b]) != fingerprint([b, a]), "the tensors' order counts"
+    assert fingerprint([torch.arange(6.0).reshape(2, 3).t()]) == fingerprint([torch.arange(6.0).reshape(2, 3).t()])
+
+
+def test_the_majority_decides_and_a_tie_decides_nothing() -> None:
+    assert odd_ranks([7, 7, 9]) == ([2], 0)
+    assert odd_ranks([9, 7, 7, 7]) == ([0], 1)
+    assert odd_ranks([7, 9]) == ([0, 1], None)
+    assert odd_ranks([7, 7, 9, 9]) == ([0, 1, 2, 3], None)
+
+
+def _check(tmp_path: Path, prints: list[int], tensors: list[torch.Tensor]) -> tuple[DivergenceCheck, Path, list]:
+    log = tmp_path / "events.jsonl"
+    sent: list[tuple[int, int]] = []
+
+    def broadcast(t: torch.Tensor, src: int) -> None:
+        sent.append((t.data_ptr(), src))
+        t.fill_(float(src))  # what the source rank's tensor would bring
+
+    check = DivergenceCheck(0, len(prints), EventLog(log), lambda: tensors, lambda mine: [[p] for p in prints],
+                            broadcast, every=10)  # fmt: skip
+    return check, log, sent
+
+
+def test_a_majority_repairs_the_odd_replica_in_place(tmp_path: Path) -> None:
+    tensors = [torch.zeros(3), torch.zeros(2, 2).t()]  # one not contiguous
+    check, log, sent = _check(tmp_path, [5, 5, 6], tensors)
+    assert check.due(20) and not check.due(25)
+    assert check.check(20) is False
+    assert [src for _, src in sent] == [0, 0] and check.repairs == 1
+    events = [(e["event"], e.get("odd")) for e in read_events(log)]
+    assert events == [("replica_divergence", [2]), ("replicas_repaired", [2])]
+    assert check.last_agreed == 20
+
+
+def test_without_a_majority_the_job_stops_with_the_last_step_they_agreed_on(tmp_path: Path) -> None:
+    prints = [5, 5]
+    check, _, _ = _check(tmp_path, prints, [torch.zeros(3)])
+    assert check.check(10)
+    prints[1] = 6
+    with pytest.raises(ReplicaDivergenceError, match="last agreed at step 10") as info:
+        check.check(20)
+    assert is_user_error(info.value)
+
+
+def _job(launch: Any, name: str, every: int, faults: str) -> Any:
+    args = ("--steps", "40", "--divergence-every", str(every))
+    job = launch(tiny_args(*args, nproc=3, max_restarts=0), name=name, env=child_env(STALWART_FAULTS=faults))
+    assert job.wait(240) == 0, job.output()
+    return job
+
+
+def test_a_flipped_bit_on_one_of_three_replicas_is_repaired_without_a_restart(launch: Any) -> None:
+    job = _job(launch, "checked", 10, "flip@rank=1,step=23")
+    found = {(e["rank"], e["step"], tuple(e["odd"])) for e in job.events("replica_divergence") if e["rank"] == 0}
+    assert found == {(0, 30, (1,))}, "found at the first check after the flip, rank 1 the odd one"
+    assert len(job.events("replicas_repaired")) == 3, "every rank took part in the repair"
+    results = job.results()
+    assert len({results[r]["sha256"] for r in range(3)}) == 1, "the replicas agree again"
+    assert {e["restart"] for e in job.events("worker_spawned")} == {0}, "no restart"
+    # Without the check the flip stays: rank 1 ends with other parameters than its peers.
+    unchecked = _job(launch, "unchecked", 0, "flip@rank=1,step=23").results()
+    assert unchecked[0]["sha256"] == unchecked[2]["sha256"] != unchecked[1]["sha256"]
