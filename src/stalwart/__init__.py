@@ -25,11 +25,17 @@ from stalwart.errors import (
 if TYPE_CHECKING:
     from stalwart import data
     from stalwart.data import ResumableLoader
+    from stalwart.detect.robust import robust_aggregation
     from stalwart.job import Job, JobConfig
 
 __version__ = "0.1.0"
 
-_LAZY = {"Job": "stalwart.job", "JobConfig": "stalwart.job", "ResumableLoader": "stalwart.data"}
+_LAZY = {
+    "Job": "stalwart.job",
+    "JobConfig": "stalwart.job",
+    "ResumableLoader": "stalwart.data",
+    "robust_aggregation": "stalwart.detect.robust",
+}
 
 __all__ = [
     "CheckpointCorruptError",
@@ -42,6 +48,7 @@ __all__ = [
     "StalwartError",
     "__version__",
     "data",
+    "robust_aggregation",
 ]
 
 

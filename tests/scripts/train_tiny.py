@@ -78,6 +78,8 @@ def main() -> None:
     p.add_argument("--rank1-draws-late", action="store_true", help="rank 1 alone draws after the optimizer step")
     p.add_argument("--compute-sleep", type=float, default=0.0, help="seconds of 'compute' before each forward")
     p.add_argument("--divergence-every", type=int, default=100, help="0: no replica divergence check")
+    p.add_argument("--robust", default="", help="DDP comm hook: stalwart.robust_aggregation(METHOD)")
+    p.add_argument("--byzantine-rank", type=int, default=-1, help="this rank sends corrupted gradients")
     p.add_argument("--no-update-at", type=int, default=-1, help="skip optim.step() at this step (a reference run)")
     p.add_argument("--busy-at", type=int, default=-1, help="at this step, a long stretch marked with job.busy()")
     p.add_argument("--busy-s", type=float, default=0.0)
@@ -119,6 +121,11 @@ def main() -> None:
         ddp = fully_shard(model, mesh=mesh)
     else:
         ddp = DistributedDataParallel(model) if job.world_size > 1 else model
+        if args.robust:
+            ddp.register_comm_hook(None, stalwart.robust_aggregation(args.robust))
+        if job.rank == args.byzantine_rank:  # its gradients, before they are sent: large and pointing the wrong way
+            for param in model.parameters():
+                param.register_hook(lambda g: g * -50.0 + 3.0)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=7, gamma=0.5)
     loader = stalwart.ResumableLoader(
@@ -131,6 +138,7 @@ def main() -> None:
 
         job.track(best=_Holder({"best_loss": np.float64(0.5)}))
 
+    loss0 = _full_loss(model, args) if not args.fsdp else None
     for step, (ids, x) in job.steps(loader, max_steps=args.steps):
         seen.ids.extend(ids.tolist())
         if args.compute_sleep:
@@ -158,10 +166,25 @@ def main() -> None:
         digest.update(name.encode() + t.contiguous().view(torch.uint8).numpy().tobytes())
         finite = finite and bool(torch.isfinite(t).all())
     env = {k: os.environ.get(k) for k in _ENV}
-    result = {"sha256": digest.hexdigest(), "seen": seen.ids, "step": job.step, "env": env, "finite": finite}
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]) if not args.fsdp else None
+    full_loss = _full_loss(model, args) if not args.fsdp else None
+    result = {"sha256": digest.hexdigest(), "seen": seen.ids, "step": job.step, "env": env, "finite": finite,
+              "params": params.tolist() if params is not None else None, "loss": full_loss,
+              "loss0": loss0}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{job.rank}.json").write_text(json.dumps(result))
+
+
+def _full_loss(model: torch.nn.Module, args: argparse.Namespace) -> float:
+    """The model's loss over the whole dataset (noise at its mean), the same on every rank."""
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        data = Samples(args.num_samples).x
+        loss = float((model(data) - data.sum(dim=1, keepdim=True) - 0.5).pow(2).mean())
+    model.train(was)
+    return loss
 
 
 _ENV = (
