@@ -178,3 +178,27 @@ def test_a_run_that_keeps_producing_nan_stops_with_one_line_and_is_not_restarted
     assert "the updates of 5 steps in a row (10-14) were skipped" in lines[0]
     assert "Traceback" not in job.output()
     assert {e["restart"] for e in job.events("worker_spawned")} == {0}, "not retried"
+
+
+def test_a_sample_of_each_large_gradient_sees_a_nan_batch_but_not_a_lone_nan(tmp_path: Path) -> None:
+    """The default reads about 4,096 elements per gradient: a NaN from the data reaches them all; a single NaN
+    planted where the sample does not look is seen only by the exact check (sample=None)."""
+    for sample, lone_seen in ((4096, False), (None, True)):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(256, 256)  # a 65,536-element weight: sampled
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        log = tmp_path / f"events-{sample}.jsonl"
+        guard = NumericGuard([optim], EventLog(log), GuardConfig(sample=sample))
+        guard.arm(0)
+        model(torch.full((2, 256), float("nan"))).sum().backward()
+        optim.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters()), "a NaN batch is always seen"
+        guard.arm(1)
+        optim.zero_grad()
+        model(torch.ones(2, 256)).sum().backward()
+        model.weight.grad.view(-1)[7] = float("nan")  # type: ignore[union-attr]  # not a multiple of 16
+        optim.step()
+        assert torch.isfinite(model.weight).all() == lone_seen
+        assert [e["step"] for e in read_events(log) if e["event"] == "nonfinite_gradients"] == (
+            [0, 1] if lone_seen else [0]
+        )

@@ -6,7 +6,14 @@ and every checkpoint after it held a dead model.
 
 How: a pre-hook on every tracked optimizer takes the total norm of the tracked optimizers' gradients (one fused
 norm per device and dtype, then one read on the host per step: the same synchronisation torch's GradScaler
-makes). If it is not finite, every one of those gradients is set to None before the optimizer runs. torch's
+makes). By default it reads a sample of each gradient (every k-th element, about 4,096 per tensor) and scales
+it up: a NaN or Inf from the data, the loss or anywhere in the forward or backward pass reaches every gradient
+upstream of it, and the sample sees it, at a small fraction of a full read (the full read measured 1.4 ms per
+step on the bench job, over the detectors' 1% budget; `sample=None` makes it exact). What a sample can miss is
+a lone non-finite element that propagates nowhere; the parameter it then corrupts makes the next forward pass
+non-finite, so every later step is skipped and the job stops as diverged (below) instead of training on.
+
+If the norm is not finite, every one of those gradients is set to None before the optimizer runs. torch's
 optimizers skip parameters without a gradient, so neither the parameters nor the optimizer's state (moments,
 step counts) change: the step is as if its batch had never been seen. The loader has moved past the batch, so
 the skip is also deterministic: a run resumed from before it meets the same batch and skips it the same way.
@@ -51,6 +58,10 @@ class GuardConfig:
     spike: str = "warn"
     spike_factor: float = 10.0
     max_skips: int = 5
+    sample: int | None = 4096
+    """Elements read per gradient tensor: every k-th, so that about this many are read (all of a smaller one).
+    None reads every element: exact, at the cost of one read of all gradients per step (1.4 ms of a 64 ms step
+    on the 4M-parameter bench job, 2 ranks on 2 cores: over the 1% the detectors may take)."""
 
 
 class NumericGuard:
@@ -141,7 +152,7 @@ class NumericGuard:
         by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in plain:
             by_kind.setdefault((g.device, g.dtype), []).append(g)
-        squares = [_sum_of_squares(group) for group in by_kind.values()]
+        squares = [_sum_of_squares(group, self.config.sample) for group in by_kind.values()]
         if shards:
             local = [g.to_local() for g in shards]  # type: ignore[attr-defined]  # DTensor
             mine = torch.stack([t.float().square().sum() for t in local]).sum()
@@ -159,8 +170,26 @@ class NumericGuard:
         self._handles = []
 
 
-def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
-    """On the host. Half-precision norms are taken in float32: a float16 norm overflows past 65504."""
+def _sampled(grads: list[torch.Tensor], sample: int | None) -> tuple[list[torch.Tensor], list[float]]:
+    """Each gradient, or (when it has more than `sample` elements and is contiguous) every k-th element of it, with
+    the factor that scales the sample's sum of squares to an estimate of the whole's."""
+    views, scales = [], []
+    for g in grads:
+        n = g.numel()
+        if sample is None or n <= sample or not g.is_contiguous():
+            views.append(g)
+            scales.append(1.0)
+            continue
+        view = g.view(-1)[:: n // sample]
+        views.append(view)
+        scales.append(n / view.numel())
+    return views, scales
+
+
+def _sum_of_squares(grads: list[torch.Tensor], sample: int | None = None) -> torch.Tensor:
+    """On the host, of a sample of each gradient (see GuardConfig.sample). Half-precision norms are taken in
+    float32: a float16 norm overflows past 65504."""
+    grads, scales = _sampled(grads, sample)
     wide = None if grads[0].dtype in (torch.float32, torch.float64) else torch.float32
     norms: list[torch.Tensor] | tuple[torch.Tensor, ...]
     if wide is None:
@@ -170,7 +199,10 @@ def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
             norms = torch._foreach_norm(grads, 2, dtype=wide)
         except (TypeError, RuntimeError):  # an older torch without the dtype argument
             norms = [torch.linalg.vector_norm(g, dtype=wide) for g in grads]
-    return torch.stack(norms).double().square().sum().cpu()
+    squares = torch.stack(norms).double().square()
+    if any(scale != 1.0 for scale in scales):
+        squares = squares * torch.tensor(scales, dtype=torch.float64, device=squares.device)
+    return squares.sum().cpu()
 
 
 def _gradients(optimizers: Iterable[torch.optim.Optimizer]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
