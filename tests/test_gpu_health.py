@@ -156,3 +156,20 @@ def test_an_xid_that_needs_a_drain_excludes_the_node_and_the_next_launch_refuses
     again = launch(tiny_args("--steps", "5"), name="again", env=env)
     assert again.wait(60) == 2, again.output()
     assert f"this node ({node['host']}) is excluded" in again.output() and "Traceback" not in again.output()
+
+
+@pytest.mark.parametrize(("xid", "action"), [(48, "reset_gpu"), (79, DRAIN_NODE), (94, RESTART_PROCESS), (63, REPORT)])
+def test_each_scripted_xid_gets_its_playbook_action_and_event(tmp_path: Path, xid: int, action: str) -> None:
+    clock = _Clock()
+    log = tmp_path / "events.jsonl"
+    acted: list[tuple[int, str, str]] = []
+    script = {"devices": 1, "xids": [{"at": 1, "index": 0, "xid": xid}]}
+    monitor = GpuMonitor(ScriptedProvider(script, clock), EventLog(log), act=lambda *a: acted.append(a))
+    monitor.poll()
+    assert not acted and not list(read_events(log)), "not due yet"
+    clock.now = 1
+    monitor.poll()
+    monitor.poll()
+    (event,) = list(read_events(log))
+    assert (event["event"], event["xid"], event["action"]) == ("gpu_xid", xid, action)
+    assert [a[1] for a in acted] == ([] if action == REPORT else [action]), "acted on once, reports are not acted on"
