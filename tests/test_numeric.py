@@ -202,3 +202,49 @@ def test_a_sample_of_each_large_gradient_sees_a_nan_batch_but_not_a_lone_nan(tmp
         assert [e["step"] for e in read_events(log) if e["event"] == "nonfinite_gradients"] == (
             [0, 1] if lone_seen else [0]
         )
+
+
+def test_a_loss_over_five_times_the_recent_median_is_a_spike(tmp_path: Path) -> None:
+    from stalwart.detect.numeric import LOSS_WARMUP, LossWatch
+
+    log = tmp_path / "events.jsonl"
+    watch = LossWatch(EventLog(log), factor=5.0)
+    for step in range(LOSS_WARMUP + 30):
+        loss = 2.0 - step * 0.01
+        if step == 10:
+            loss = 50.0  # in the warm-up: not judged
+        if step == LOSS_WARMUP + 20:
+            loss = 30.0
+        watch.observe(step, torch.tensor(loss))
+    watch.observe(999, float("nan"))  # the numeric guard's, not a spike
+    assert watch.spikes == [LOSS_WARMUP + 20]
+    (event,) = [e for e in read_events(log) if e["event"] == "loss_spike"]
+    assert event["loss"] == 30.0 and event["median"] < 2.0
+
+
+def test_a_job_in_one_process_reports_a_loss_spike_and_skips_a_nan_update(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The detectors wired into Job.steps(), without a launcher: a reported loss spike is an event, a NaN batch
+    is skipped."""
+    import stalwart
+
+    log = tmp_path / "events.jsonl"
+    monkeypatch.setenv("STALWART_EVENT_LOG", str(log))
+    job = stalwart.Job(tmp_path / "ck", checkpoint_every=100)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)
+    job.track(model=model, optim=optim)
+    for step, _ in job.steps(max_steps=40):
+        x = torch.full((8, 4), float("nan")) if step == 33 else torch.randn(8, 4)
+        loss = model(x).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        job.report(loss=loss.detach() * (100.0 if step == 30 else 1.0))
+    job.close()
+    assert job.skipped_steps == [33] and all(torch.isfinite(p).all() for p in model.parameters())
+    events = list(read_events(log))
+    assert [e["step"] for e in events if e["event"] == "loss_spike"] == [31]  # after the step: 31 completed
+    assert [e["step"] for e in events if e["event"] == "nonfinite_gradients"] == [33]

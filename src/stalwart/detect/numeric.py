@@ -219,3 +219,34 @@ def _gradients(optimizers: Iterable[torch.optim.Optimizer]) -> tuple[list[torch.
                 seen.add(id(g))
                 (shards if sharded.is_dtensor(g) else plain).append(g)
     return plain, shards
+
+
+LOSS_WINDOW = 100
+"""Reported losses the loss-spike check takes the median of."""
+LOSS_WARMUP = 20
+"""Losses seen before spikes are judged: the first steps' losses fall fast and say nothing."""
+
+
+class LossWatch:
+    """Loss spikes: a reported loss over `factor` times the median of the last LOSS_WINDOW is a `loss_spike` event
+    (warn only: the update that produced it is already applied; a non-finite loss is the numeric guard's).
+
+    The loss comes from `job.report(loss=...)`. Reading it costs no extra wait on a GPU: by the end of the step
+    the numeric guard has already synchronised with the device at the optimizer step."""
+
+    def __init__(self, events: EventLog, factor: float) -> None:
+        self._events = events
+        self.factor = factor
+        self._losses: deque[float] = deque(maxlen=LOSS_WINDOW)
+        self.spikes: list[int] = []
+
+    def observe(self, step: int, loss: Any) -> None:
+        value = float(loss.detach().float().item() if isinstance(loss, torch.Tensor) else loss)
+        if not math.isfinite(value):
+            return
+        if len(self._losses) >= LOSS_WARMUP:
+            median = sorted(self._losses)[len(self._losses) // 2]
+            if median > 0 and value > self.factor * median:
+                self.spikes.append(step)
+                self._events.emit("loss_spike", step=step, loss=value, median=median, factor=self.factor)
+        self._losses.append(value)

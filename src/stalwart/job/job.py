@@ -40,7 +40,7 @@ from stalwart.checkpoint.tiers.replicas import MAX_REPLICAS, PeerReplicas
 from stalwart.detect.divergence import DivergenceCheck, broadcast_on_default_group
 from stalwart.detect.hang import HANG_TIMEOUT_ENV, HangTimer, parse_timeout
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
-from stalwart.detect.numeric import NONFINITE_POLICIES, SPIKE_POLICIES, GuardConfig, NumericGuard
+from stalwart.detect.numeric import NONFINITE_POLICIES, SPIKE_POLICIES, GuardConfig, LossWatch, NumericGuard
 from stalwart.detect.straggler import StragglerDetector
 from stalwart.errors import CheckpointMismatchError, ConfigError
 from stalwart.job import lifecycle
@@ -137,6 +137,9 @@ class JobConfig:
     """A finite gradient norm over `grad_spike_factor` times the mean of the last 100: "warn" (the default) writes a
     `grad_norm_spike` event and applies the update, "skip" drops it like a non-finite one, "off" ignores it."""
     grad_spike_factor: float = 10.0
+    loss_spike_factor: float | None = 5.0
+    """A loss given to `job.report(loss=...)` over this many times the median of the last 100 is a `loss_spike`
+    event (a warning: that step's update is already applied). None: off."""
     grad_check_sample: int | None = 4096
     """Gradient elements the numeric guard reads per tensor (every k-th; a smaller tensor whole): a NaN or Inf from
     the data or the loss reaches every gradient upstream of it, so a sample sees it. None reads every element
@@ -194,6 +197,10 @@ class JobConfig:
             raise ConfigError(f"grad_spike must be one of {', '.join(SPIKE_POLICIES)}, got {self.grad_spike!r}")
         if not isinstance(self.grad_spike_factor, int | float) or not 1 < self.grad_spike_factor < float("inf"):
             raise ConfigError(f"grad_spike_factor must be a number above 1, got {self.grad_spike_factor!r}")
+        if self.loss_spike_factor is not None and (
+            not isinstance(self.loss_spike_factor, int | float) or not 1 < self.loss_spike_factor < float("inf")
+        ):
+            raise ConfigError(f"loss_spike_factor must be None or a number above 1, got {self.loss_spike_factor!r}")
         if self.grad_check_sample is not None and (
             not isinstance(self.grad_check_sample, int)
             or isinstance(self.grad_check_sample, bool)
@@ -273,6 +280,8 @@ class Job:
         self._guard: NumericGuard | None = None  # the numeric guard's pre-hooks on the tracked optimizers
         self._stragglers: StragglerDetector | None = None  # per-rank compute times, compared every window
         self._divergence: DivergenceCheck | None = None  # the replicas' fingerprints, compared now and then
+        factor = self.config.loss_spike_factor
+        self._loss_watch = LossWatch(self.events, float(factor)) if factor is not None else None
         self._local_barrier: LocalBarrier | None = None  # its barrier when every rank is on this node
         self._commits = 0  # commit points started (each names its own barrier)
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self.config.snapshot_budget, 0)
@@ -298,6 +307,7 @@ class Job:
         self.resumed_from: int | None = None
         self._objects: dict[str, Stateful] = {}
         self._metrics: dict[str, Any] = {}
+        self._fresh_loss: Any = None  # the loss given to report() in this step, for the loss-spike check
         self._last_saved: int | None = None
         reform.register(self)
         self.events.emit("worker_started", world_size=self.world_size, local_rank=self.placement.local_rank)
@@ -471,6 +481,9 @@ class Job:
                 self._schedule.observe_step(step_s)
             if self._divergence is not None and self._divergence.due(self.step):  # every rank, same steps
                 self._divergence.check(self.step)  # repairs an odd replica before this step's snapshot
+            loss, self._fresh_loss = self._fresh_loss, None  # only a loss reported in this step
+            if self._loss_watch is not None and loss is not None:
+                self._loss_watch.observe(self.step, loss)
             risk = None
             if self._stragglers is not None:  # every rank, at the same steps: a window's end is a collective
                 self._stragglers.step_done(self.step, measured=not self._busy_step)
@@ -523,6 +536,7 @@ class Job:
         """Record metrics for the current step (e.g. loss). Tensors are read only when logged, which keeps
         the device from synchronising every step."""
         self._metrics = metrics
+        self._fresh_loss = metrics.get("loss")
 
     def save(self, *, wait: bool = False) -> bool:
         """Checkpoint the full training state now. Collective: every rank calls it at the same step.
