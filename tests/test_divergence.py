@@ -85,3 +85,22 @@ def test_a_flipped_bit_on_one_of_three_replicas_is_repaired_without_a_restart(la
     # Without the check the flip stays: rank 1 ends with other parameters than its peers.
     unchecked = _job(launch, "unchecked", 0, "flip@rank=1,step=23").results()
     assert unchecked[0]["sha256"] == unchecked[2]["sha256"] != unchecked[1]["sha256"]
+
+
+def test_module_buffers_are_not_compared(tmp_path: Path) -> None:
+    """BatchNorm's running statistics differ between DDP ranks at the end of a step (each rank's own batch; DDP
+    broadcasts rank 0's at the next forward): comparing them would stop every 2-rank BatchNorm job."""
+    import stalwart
+
+    job = stalwart.Job(tmp_path / "ck", replicated=("model", "optim"))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    job.track(model=model, optim=optim)
+    for _ in job.steps(max_steps=1):
+        model(torch.randn(5, 3)).sum().backward()
+        optim.step()
+    compared = {t.data_ptr() for t in job._replicated_tensors()}
+    job.close()
+    assert all(p.data_ptr() in compared for p in model.parameters())
+    assert not any(b.data_ptr() in compared for b in model.buffers())
+    assert all(s["momentum_buffer"].data_ptr() in compared for s in optim.state.values()), "optimizer state is"

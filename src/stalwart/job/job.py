@@ -132,7 +132,7 @@ class JobConfig:
     """The numeric guard (detect/numeric.py): at each step's optimizer step the tracked optimizers' gradient norm
     is taken, and if it is NaN or infinite, "skip" (the default) drops the update on every rank (parameters and
     optimizer state stay as they were, a `nonfinite_gradients` event says so) and training goes on with the
-    next batch; "off" applies it. Costs one read of the gradients per step."""
+    next batch; "off" applies it. Costs a read of a sample of each gradient per step (`grad_check_sample`)."""
     grad_spike: str = "warn"
     """A finite gradient norm over `grad_spike_factor` times the mean of the last 100: "warn" (the default) writes a
     `grad_norm_spike` event and applies the update, "skip" drops it like a non-finite one, "off" ignores it."""
@@ -653,8 +653,10 @@ class Job:
         )  # fmt: skip
 
     def _replicated_tensors(self) -> list[torch.Tensor]:
-        """The replicated objects' tensors in state_dict order (the same on every rank): parameters, buffers,
-        optimizer state. Sharded ones (DTensor) are left out: they are not replicas of one another."""
+        """The replicated objects' tensors in a fixed order (the same on every rank): a module's parameters (not
+        its buffers: BatchNorm's running statistics under DDP are each rank's own until the next forward pass
+        broadcasts rank 0's), an optimizer's or other object's state_dict tensors. Sharded ones (DTensor) are
+        left out: they are not replicas of one another."""
         found: list[torch.Tensor] = []
 
         def walk(value: Any) -> None:
@@ -669,7 +671,11 @@ class Job:
                     walk(v)
 
         for name, obj in self._objects.items():
-            if name in self.checkpointer.replicated:
+            if name not in self.checkpointer.replicated:
+                continue
+            if isinstance(obj, torch.nn.Module):
+                walk(list(obj.parameters()))
+            else:
                 walk(obj.state_dict())
         return found
 
