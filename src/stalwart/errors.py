@@ -52,11 +52,13 @@ class NumericError(StalwartError, RuntimeError):
 
 class ReplicaDivergenceError(StalwartError, RuntimeError):
     """The data-parallel replicas' state differs and no majority can say which is right (detect/divergence.py):
-    a restart from memory would carry the corruption on, so `stalwart run` stops. `quiet` as NumericError's."""
+    a restart from memory would carry the corruption on, so `stalwart run` stops, unless the job can roll back to
+    a state from at or before `last_agreed` (recovery/rollback.py). `quiet` as NumericError's."""
 
-    def __init__(self, message: str, *, quiet: bool = False) -> None:
+    def __init__(self, message: str, *, quiet: bool = False, last_agreed: int | None = None) -> None:
         super().__init__(message)
         self.quiet = quiet
+        self.last_agreed = last_agreed
 
 
 class PeerGone(StalwartError, RuntimeError):

@@ -81,6 +81,8 @@ def main() -> None:
     p.add_argument("--robust", default="", help="DDP comm hook: stalwart.robust_aggregation(METHOD)")
     p.add_argument("--byzantine-rank", type=int, default=-1, help="this rank sends corrupted gradients")
     p.add_argument("--no-update-at", type=int, default=-1, help="skip optim.step() at this step (a reference run)")
+    p.add_argument("--skip-batch", type=int, default=-1, help="drop this step's batch in the loop (a reference run)")
+    p.add_argument("--loss-spike", default="warn", help="JobConfig.loss_spike")
     p.add_argument("--busy-at", type=int, default=-1, help="at this step, a long stretch marked with job.busy()")
     p.add_argument("--busy-s", type=float, default=0.0)
     p.add_argument("--when-busy", default="wait", help="wait: every save happens (deterministic steps for tests)")
@@ -105,6 +107,7 @@ def main() -> None:
         replicated_snapshot_every=args.replicated_snapshot_every,
         peer_replicas=args.peer_replicas,
         divergence_every=args.divergence_every or None,
+        loss_spike=args.loss_spike,
     )
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -140,6 +143,8 @@ def main() -> None:
 
     loss0 = _full_loss(model, args) if not args.fsdp else None
     for step, (ids, x) in job.steps(loader, max_steps=args.steps):
+        if step == args.skip_batch:
+            continue
         seen.ids.extend(ids.tolist())
         if args.compute_sleep:
             time.sleep(args.compute_sleep)  # a stand-in for compute (a GPU's kernels) that no other rank slows

@@ -19,11 +19,14 @@ Kinds:
                 corruption of one replica, which the divergence check must find and repair
   nan           the floating-point tensors of the rank's batch for `step` (the one `job.steps(loader)` yields after
                 `step` completed steps) are filled with NaN: the numeric guard must keep it out of the parameters
+  spike         the floating-point tensors of the rank's batch for `step` are multiplied by `factor` (default 100):
+                a finite outlier batch whose loss spikes (the loss-spike check's fault; see JobConfig.loss_spike)
   hang          the rank stops making progress just before starting `step`, `how`: 'sigstop' (default: it
                 stops itself with SIGSTOP), 'sleep' (a sleep inside C code, libc's sleep) or 'deadlock' (it
                 takes a lock it already holds); the agent must detect it and kill it
 `restart` (default 0) is the launcher's TORCHELASTIC_RESTART_COUNT at which the fault fires, so a fault
-fires once and the restarted job runs on.
+fires once and the restarted job runs on; within a process too, a fault fires once (a step replayed after a
+rollback, recovery/rollback.py, does not meet it again).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Any
 from stalwart.errors import ConfigError
 from stalwart.runtime.env import FAULTS_ENV as FAULTS_ENV
 
-_KINDS = ("kill", "kill_in_save", "kill_in_optimizer", "storage_error", "hang", "nan", "slow", "flip")
+_KINDS = ("kill", "kill_in_save", "kill_in_optimizer", "storage_error", "hang", "nan", "spike", "slow", "flip")
 _HOWS = ("sigstop", "sleep", "deadlock")
 _PHASES = ("shard_half_written", "before_commit")
 _OPTIMIZER_PHASES = ("before_snapshot", "after_barrier")
@@ -59,6 +62,7 @@ class Fault:
     times: int = 1
     how: str = "sigstop"
     ms: float = 10.0
+    factor: float = 100.0
 
 
 def parse_faults(spec: str) -> list[Fault]:
@@ -85,6 +89,7 @@ def parse_faults(spec: str) -> list[Fault]:
                 times=int(fields.pop("times", "1")),
                 how=fields.pop("how", "sigstop"),
                 ms=float(fields.pop("ms", "10")),
+                factor=float(fields.pop("factor", "100")),
             )
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"{FAULTS_ENV}: {item!r} needs integer rank= and step= ({exc})") from exc
@@ -109,6 +114,14 @@ class FaultInjector:
     ) -> None:
         self._faults = [f for f in faults if f.rank == rank and f.restart == restart]
         self._announce = announce or (lambda fault: None)
+        self._fired: set[int] = set()  # indices into _faults: a step replayed after a rollback meets no fault again
+
+    def _first_time(self, fault: Fault) -> bool:
+        index = next(i for i, f in enumerate(self._faults) if f is fault)
+        if index in self._fired:
+            return False
+        self._fired.add(index)
+        return True
 
     @classmethod
     def from_env(cls, rank: int, restart: int, announce: Callable[[Fault], None] | None = None) -> FaultInjector:
@@ -132,18 +145,19 @@ class FaultInjector:
     def flip(self, step: int, tensors: Callable[[], list[Any]]) -> None:
         """Before the step after `step` completed steps: flip a bit of `tensors()[0]` if a `flip` fault says so."""
         for f in self._faults:
-            if f.kind == "flip" and f.step == step:
+            if f.kind == "flip" and f.step == step and self._first_time(f):
                 found = tensors()
                 if found:
                     self._announce(f)
                     _flip_a_bit(found[0])
 
     def batch(self, step: int, batch: Any) -> Any:
-        """The batch of the step after `step` completed steps, poisoned with NaN if a `nan` fault says so."""
+        """The batch of the step after `step` completed steps, poisoned with NaN (a `nan` fault) or scaled up (a
+        `spike` fault) if one says so."""
         for f in self._faults:
-            if f.kind == "nan" and f.step == step:
+            if f.kind in ("nan", "spike") and f.step == step and self._first_time(f):
                 self._announce(f)
-                return _poisoned(batch)
+                return _poisoned(batch, None if f.kind == "nan" else f.factor)
         return batch
 
     def in_optimizer(self, step: int, phase: str) -> None:
@@ -184,17 +198,20 @@ class FaultInjector:
             lock.acquire()
 
 
-def _poisoned(value: Any) -> Any:
-    """`value` with every floating-point tensor in it (through tuples, lists and dicts) a NaN-filled copy.
-    torch is imported here, not at the top: this module is also loaded by the torch-free persister process."""
+def _poisoned(value: Any, factor: float | None = None) -> Any:
+    """`value` with every floating-point tensor in it (through tuples, lists and dicts) a NaN-filled copy, or with
+    a `factor`, a copy scaled by it. torch is imported here, not at the top: this module is also loaded by the
+    torch-free persister process."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        return torch.full_like(value, float("nan")) if value.is_floating_point() else value
+        if not value.is_floating_point():
+            return value
+        return torch.full_like(value, float("nan")) if factor is None else value * factor
     if isinstance(value, dict):
-        return type(value)((k, _poisoned(v)) for k, v in value.items())
+        return type(value)((k, _poisoned(v, factor)) for k, v in value.items())
     if isinstance(value, list | tuple):
-        items = [_poisoned(v) for v in value]
+        items = [_poisoned(v, factor) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
 

@@ -327,20 +327,45 @@ class Checkpointer:
 
     # -- loading -----------------------------------------------------------------------------------------------
 
-    def newest_committed(self) -> int:
-        """The newest committed step, or -1 (none, or the directory cannot be listed now). Rank 0 only."""
+    def newest_committed(self, at_most: int | None = None) -> int:
+        """The newest committed step (not after `at_most`), or -1 (none, or the directory cannot be listed now).
+        Rank 0 only."""
         try:
             steps = layout.committed_steps(self.storage)
         except Exception:
             return -1
+        steps = [s for s in steps if at_most is None or s <= at_most]
         return steps[0] if steps else -1
 
-    def load_latest(self, *, allow_world_size_change: bool = False) -> Restored | None:
-        """Load the newest checkpoint that verifies on every rank; None when there is no checkpoint at all."""
+    def set_aside_after(self, step: int, reason: str) -> list[int]:
+        """Move committed checkpoints of steps after `step` out of the step namespace, as a corrupt one is (nothing
+        is deleted; retention never removes them): after a rollback they hold a history the job abandoned, which
+        a later restart must not resume from. Rank 0 only; the caller has waited for the save in flight."""
+        moved: list[int] = []
+        try:
+            newer = [s for s in layout.committed_steps(self.storage) if s > step]
+        except Exception as exc:
+            self._events.emit("checkpoint_list_failed", error=describe_error(exc))
+            return moved
+        for newer_step in newer:
+            try:
+                path = layout.quarantine(self.storage, newer_step)
+            except Exception as exc:
+                self._events.emit("checkpoint_quarantine_failed", step=newer_step, error=describe_error(exc))
+                continue
+            moved.append(newer_step)
+            self._events.emit("checkpoint_set_aside", step=newer_step, path=self.storage.display(path), reason=reason)
+        if moved:
+            self._last_full = None  # a delta's base may be among them: the next save is a full one
+        return moved
+
+    def load_latest(self, *, allow_world_size_change: bool = False, at_most: int | None = None) -> Restored | None:
+        """Load the newest checkpoint (not after step `at_most`) that verifies on every rank; None when there is no
+        such checkpoint at all."""
         listing: list[int] = []
         if self._comm.rank == 0:
             try:
-                listing = [1, *layout.committed_steps(self.storage)]
+                listing = [1, *(s for s in layout.committed_steps(self.storage) if at_most is None or s <= at_most)]
             except Exception as exc:
                 self._events.emit("checkpoint_list_failed", error=describe_error(exc))
                 listing = [0]

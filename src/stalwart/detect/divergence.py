@@ -14,9 +14,10 @@ the ranks outside the largest group of equal fingerprints:
 - with a strict majority (three or more replicas), the odd ranks are repaired in place: every replicated
   tensor is broadcast from the lowest rank of the majority, so all replicas hold the majority's state again
   (`replicas_repaired`); training goes on without a restart;
-- without one (two replicas, or a tie), nobody can tell which is right: the job stops with
-  ReplicaDivergenceError (one line, not retried) naming the last step the replicas agreed on, whose checkpoint
-  is the one to resume from.
+- without one (two replicas, or a tie), nobody can tell which is right: the job rolls back (L0,
+  recovery/rollback.py) to the newest snapshot or checkpoint from at or before the last step the replicas agreed
+  on, and replays from there; if it holds none, it stops with ReplicaDivergenceError (one line, not retried)
+  naming that step, whose checkpoint is the one to resume from.
 
 A sum of words detects any single flipped bit and almost every other change (two changes that cancel exactly
 are not detected); it is a fingerprint for corruption, not a cryptographic hash.
@@ -114,6 +115,7 @@ class DivergenceCheck:
                 f"the replicas' state differs at step {step} (fingerprints of ranks {odd}) and no majority can say "
                 f"which is right; they last agreed at {since}: resume from the newest checkpoint at or before it",
                 quiet=self.rank != 0,
+                last_agreed=self.last_agreed,
             )
         with torch.no_grad():
             for t in tensors:

@@ -46,6 +46,7 @@ from stalwart.telemetry.events import EventLog
 
 NONFINITE_POLICIES = ("skip", "off")
 SPIKE_POLICIES = ("warn", "skip", "off")
+LOSS_SPIKE_POLICIES = ("warn", "rollback", "off")
 SPIKE_WINDOW = 100
 """Finite gradient norms the spike detector averages over."""
 SPIKE_WARMUP = 20
@@ -87,6 +88,8 @@ class NumericGuard:
         self._norms: deque[float] = deque(maxlen=SPIKE_WINDOW)
         self.skipped: list[int] = []
         """Steps (completed steps before them) whose update was skipped, in this process."""
+        self.nonfinite_at: int | None = None
+        """The step whose update was last skipped for non-finite gradients (the job then checks the parameters)."""
         self._in_a_row = 0
 
     def arm(self, step: int) -> None:
@@ -113,6 +116,7 @@ class NumericGuard:
             if self.config.nonfinite == "off":
                 return False
             self._events.emit("nonfinite_gradients", step=step, grad_norm=str(norm), action="skipped")
+            self.nonfinite_at = step
             return self._skipped(step, f"non-finite gradients (norm {norm})")
         spike = self._spike(norm)
         self._norms.append(norm)
@@ -145,6 +149,12 @@ class NumericGuard:
                 quiet=self._quiet,
             )
         return True
+
+    def rolled_back(self) -> None:
+        """The job went back to an earlier state: the skips in a row before it say nothing about what follows."""
+        self._in_a_row = 0
+        self._decided = -1
+        self.nonfinite_at = None
 
     def _norm(self) -> float:
         """The total 2-norm of every tracked optimizer's gradients (inf or nan if any element is)."""
@@ -228,8 +238,10 @@ LOSS_WARMUP = 20
 
 
 class LossWatch:
-    """Loss spikes: a reported loss over `factor` times the median of the last LOSS_WINDOW is a `loss_spike` event
-    (warn only: the update that produced it is already applied; a non-finite loss is the numeric guard's).
+    """Loss spikes: a reported loss over `factor` times the median of the last LOSS_WINDOW is a `loss_spike` event.
+    The update computed from that loss is already applied when the job sees it: the policy (JobConfig.loss_spike)
+    warns, or rolls back to a state from before it and skips the batch (recovery/rollback.py). A non-finite loss
+    is the numeric guard's. A spike does not join the window, so it does not raise the bar for the next one.
 
     The loss comes from `job.report(loss=...)`. Reading it costs no extra wait on a GPU: by the end of the step
     the numeric guard has already synchronised with the device at the optimizer step."""
@@ -240,13 +252,16 @@ class LossWatch:
         self._losses: deque[float] = deque(maxlen=LOSS_WINDOW)
         self.spikes: list[int] = []
 
-    def observe(self, step: int, loss: Any) -> None:
+    def observe(self, step: int, loss: Any, *, action: str = "warned") -> bool:
+        """Whether `loss` (after `step` completed steps) is a spike; if so, an event with `action`."""
         value = float(loss.detach().float().item() if isinstance(loss, torch.Tensor) else loss)
         if not math.isfinite(value):
-            return
+            return False
         if len(self._losses) >= LOSS_WARMUP:
             median = sorted(self._losses)[len(self._losses) // 2]
             if median > 0 and value > self.factor * median:
                 self.spikes.append(step)
-                self._events.emit("loss_spike", step=step, loss=value, median=median, factor=self.factor)
+                self._events.emit("loss_spike", step=step, loss=value, median=median, factor=self.factor, action=action)
+                return True
         self._losses.append(value)
+        return False

@@ -86,6 +86,10 @@ class StepCommit:
     def disarm(self) -> None:
         self._step = -1
 
+    def forget(self) -> None:
+        """The job rolled back (recovery/rollback.py): the last commit's snapshot belongs to an abandoned history."""
+        self._committed = -1
+
     def committed(self, step: int) -> bool:
         """Whether the commit point of the step that made `step` completed steps ran."""
         return self._committed == step

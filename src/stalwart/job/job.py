@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import os
 import secrets
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -34,21 +35,37 @@ from torch.nn.parallel import DistributedDataParallel
 from stalwart.chaos.faults import Fault, FaultInjector
 from stalwart.checkpoint.format import sharded
 from stalwart.checkpoint.format.serialize import check_loadable, flatten
+from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import MAX_REPLICAS, PeerReplicas
 from stalwart.detect.divergence import DivergenceCheck, broadcast_on_default_group
 from stalwart.detect.hang import HANG_TIMEOUT_ENV, HangTimer, parse_timeout
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
-from stalwart.detect.numeric import NONFINITE_POLICIES, SPIKE_POLICIES, GuardConfig, LossWatch, NumericGuard
+from stalwart.detect.numeric import (
+    LOSS_SPIKE_POLICIES,
+    NONFINITE_POLICIES,
+    SPIKE_POLICIES,
+    GuardConfig,
+    LossWatch,
+    NumericGuard,
+)
 from stalwart.detect.straggler import StragglerDetector
-from stalwart.errors import CheckpointMismatchError, ConfigError
+from stalwart.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    ConfigError,
+    NumericError,
+    PeerError,
+    ReplicaDivergenceError,
+)
 from stalwart.job import lifecycle
 from stalwart.job.commit import StepCommit
 from stalwart.job.rng import capture_rng, restore_rng
 from stalwart.policy.snapshot import LightCost, SnapshotSchedule
 from stalwart.recovery import reform
 from stalwart.recovery.restore import Restorer
+from stalwart.recovery.rollback import RollbackCap, RollbackRequest, all_finite, read_skips, write_skips
 from stalwart.runtime.dist import Comm, Placement, init_process_group
 from stalwart.runtime.local_barrier import LocalBarrier
 from stalwart.runtime.process import first_line
@@ -139,7 +156,16 @@ class JobConfig:
     grad_spike_factor: float = 10.0
     loss_spike_factor: float | None = 5.0
     """A loss given to `job.report(loss=...)` over this many times the median of the last 100 is a `loss_spike`
-    event (a warning: that step's update is already applied). None: off."""
+    event; `loss_spike` says what follows. None: off."""
+    loss_spike: str = "warn"
+    """What a loss spike does (its update is already applied when the loss is reported): "warn" (the default) only
+    the event; "rollback": every rank goes back to the newest snapshot or checkpoint from before that step and
+    skips its batch (L0, recovery/rollback.py; costs one small all-gather per step, to agree); "off": not
+    checked."""
+    max_rollbacks: int = 3
+    """Rollbacks in a row (each within 100 steps of the previous one's trigger) before the job stops with one line
+    and exit status 78. Rollbacks also follow non-finite parameters (a NaN the guard's sample missed) and replica
+    divergence without a majority; 0 turns every rollback off (those stop the job instead)."""
     grad_check_sample: int | None = 4096
     """Gradient elements the numeric guard reads per tensor (every k-th; a smaller tensor whole): a NaN or Inf from
     the data or the loss reaches every gradient upstream of it, so a sample sees it. None reads every element
@@ -201,6 +227,10 @@ class JobConfig:
             not isinstance(self.loss_spike_factor, int | float) or not 1 < self.loss_spike_factor < float("inf")
         ):
             raise ConfigError(f"loss_spike_factor must be None or a number above 1, got {self.loss_spike_factor!r}")
+        if self.loss_spike not in LOSS_SPIKE_POLICIES:
+            raise ConfigError(f"loss_spike must be one of {', '.join(LOSS_SPIKE_POLICIES)}, got {self.loss_spike!r}")
+        if not isinstance(self.max_rollbacks, int) or isinstance(self.max_rollbacks, bool) or self.max_rollbacks < 0:
+            raise ConfigError(f"max_rollbacks must be an integer >= 0, got {self.max_rollbacks!r}")
         if self.grad_check_sample is not None and (
             not isinstance(self.grad_check_sample, int)
             or isinstance(self.grad_check_sample, bool)
@@ -281,7 +311,12 @@ class Job:
         self._stragglers: StragglerDetector | None = None  # per-rank compute times, compared every window
         self._divergence: DivergenceCheck | None = None  # the replicas' fingerprints, compared now and then
         factor = self.config.loss_spike_factor
-        self._loss_watch = LossWatch(self.events, float(factor)) if factor is not None else None
+        watch = factor is not None and self.config.loss_spike != "off"
+        self._loss_watch = LossWatch(self.events, float(factor)) if watch and factor is not None else None
+        self._guard_agreed = False  # whether every rank's guard decides alike (replicated or sharded optimizers)
+        self._diverged: ReplicaDivergenceError | None = None  # what a divergence without majority raises
+        self._skips: set[int] = set()  # batches skipped after rollbacks (recovery/rollback.py), read at the start
+        self._rollback_cap = RollbackCap(self.config.max_rollbacks, quiet=self.placement.rank != 0)
         self._local_barrier: LocalBarrier | None = None  # its barrier when every rank is on this node
         self._commits = 0  # commit points started (each names its own barrier)
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self.config.snapshot_budget, 0)
@@ -350,11 +385,29 @@ class Job:
         allow = self.config.allow_world_size_change
         if allow is None:
             allow = os.environ.get(lifecycle.ELASTIC_ENV) == "1"
+        self._skips = self._read_skips()
         restored = self._restorer.restore(allow_world_size_change=allow)
         self.state = JobState.RUNNING
         if restored is None:
             self.events.emit("fresh_start")
             return 0
+        self._load(restored)
+        self.step = self.resumed_from = restored.step
+        self._last_saved = restored.step if restored.tier == "durable" else None
+        reform.drop_stash()  # the tracked objects hold their own copy now
+        seconds = time.monotonic() - started
+        self.events.emit(
+            "resumed",
+            step=restored.step,
+            source=restored.source,
+            tier=restored.tier,
+            bytes=restored.bytes,
+            seconds=seconds,
+        )
+        return self.step
+
+    def _load(self, restored: Restored) -> None:
+        """Load a restored state into the tracked objects and the RNG (at a new world size, the RNG stays)."""
         objects = sharded.rebuild(restored.state["objects"], sharded.meshes_of(self._objects.values()), restored.source)
         missing = sorted(set(self._objects) - set(objects))
         extra = sorted(set(objects) - set(self._objects))
@@ -382,21 +435,24 @@ class Job:
                     f"stalwart: resuming a checkpoint of {restored.world_size} ranks on {self.world_size}: "
                     f"per-rank objects ({', '.join(per_rank) or 'none'}) are loaded from rank r mod "
                     f"{restored.world_size}, which is right only if they are the same on every rank",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
-        self.step = self.resumed_from = restored.step
-        self._last_saved = restored.step if restored.tier == "durable" else None
-        reform.drop_stash()  # the tracked objects hold their own copy now
-        seconds = time.monotonic() - started
-        self.events.emit(
-            "resumed",
-            step=restored.step,
-            source=restored.source,
-            tier=restored.tier,
-            bytes=restored.bytes,
-            seconds=seconds,
-        )
-        return self.step
+
+    def _read_skips(self) -> set[int]:
+        """The batches earlier rollbacks of this run skipped (rank 0 reads the record, every rank gets it)."""
+        problem: Exception | None = None
+        skips: list[int] = []
+        if self.is_main:
+            try:
+                skips = read_skips(self.checkpointer.storage)
+            except CheckpointError as exc:
+                problem = exc
+            except Exception as exc:  # the store cannot be read now: maybe passing, so a restart may try again
+                problem = CheckpointError(f"cannot read {self.checkpointer.root}'s skipped-batch record: {exc}")
+        ok, *skips = self.comm.broadcast_ints([0] if problem else [1, *skips])
+        if not ok:
+            raise problem or PeerError("rank 0 cannot read the skipped-batch record; see its error")
+        return set(skips)
 
     def _replicated_names(self) -> frozenset[str]:
         """The tracked objects written once for all ranks (see JobConfig.replicated)."""
@@ -435,6 +491,8 @@ class Job:
         self._start_guard()  # before the commit point: its pre-hook decides first whether the update happens
         self._start_straggler_detector()
         self._start_divergence_check()
+        if self._divergence is not None:
+            self._divergence.last_agreed = self.step  # one copy of the replicated state was loaded, or DDP's own
         if self._light_wanted():
             self._versions = self._live_versions()
             self._remember_replicated_skeleton(self._state())
@@ -458,32 +516,41 @@ class Job:
                 if self.step != self._last_saved:
                     self.save(wait=True)
                 break
-            batch = self._faults.batch(self.step, batch)
-            if self._guard is not None:
-                self._guard.arm(self.step)
-            if self._commit is not None and not first and (self._light_always() or self._schedule.due(self.step + 1)):
-                self._commit.arm(self.step, set(self._versions or ()))  # the first step may create optimizer state
-            try:
-                yield self.step, batch
-            except GeneratorExit:
-                with contextlib.suppress(reform.ReformRequested):
-                    reform.allow_requests()  # the loop was left: nothing to finish, nothing to re-form
-                raise
-            finally:
-                if self._commit is not None:
-                    self._commit.disarm()
+            skipped = self.step in self._skips  # a rollback skipped this batch: drawn, never seen by the loop
+            if skipped:
+                self.events.emit("batch_skipped", step=self.step)
+                self._busy_step = True  # no work: keep it out of the step-time calibrations
+            else:
+                batch = self._faults.batch(self.step, batch)
                 if self._guard is not None:
-                    self._guard.disarm()
+                    self._guard.arm(self.step)
+                if (
+                    self._commit is not None
+                    and not first
+                    and (self._light_always() or self._schedule.due(self.step + 1))
+                ):
+                    self._commit.arm(self.step, set(self._versions or ()))  # the first step may create optimizer state
+                try:
+                    yield self.step, batch
+                except GeneratorExit:
+                    with contextlib.suppress(reform.ReformRequested):
+                        reform.allow_requests()  # the loop was left: nothing to finish, nothing to re-form
+                    raise
+                finally:
+                    if self._commit is not None:
+                        self._commit.disarm()
+                    if self._guard is not None:
+                        self._guard.disarm()
             self.step += 1
             step_s = time.monotonic() - started
             if not self._busy_step:
                 self._hang.observe(step_s)
                 self._schedule.observe_step(step_s)
-            if self._divergence is not None and self._divergence.due(self.step):  # every rank, same steps
-                self._divergence.check(self.step)  # repairs an odd replica before this step's snapshot
-            loss, self._fresh_loss = self._fresh_loss, None  # only a loss reported in this step
-            if self._loss_watch is not None and loss is not None:
-                self._loss_watch.observe(self.step, loss)
+            rollback = self._rollback_wanted()
+            if rollback is not None and self._roll_back(rollback, loader):
+                iterator = iter(loader) if loader is not None else None  # from the restored data position
+                self._busy_step = False
+                continue
             risk = None
             if self._stragglers is not None:  # every rank, at the same steps: a window's end is a collective
                 self._stragglers.step_done(self.step, measured=not self._busy_step)
@@ -611,6 +678,110 @@ class Job:
         asked = auto if every == "auto" else int(every) > 1
         return self._reform and asked and not off
 
+    def _rollback_wanted(self) -> RollbackRequest | None:
+        """At a step's end (every rank, at the same steps): whether the step just done calls for a rollback (L0,
+        recovery/rollback.py), agreed by every rank. Also runs the divergence check and the loss-spike check."""
+        request = None
+        rollbacks = self.config.max_rollbacks > 0
+        if self._divergence is not None and self._divergence.due(self.step):  # every rank, same steps
+            try:
+                self._divergence.check(self.step)  # repairs an odd replica before this step's snapshot
+            except ReplicaDivergenceError as exc:
+                if not rollbacks or exc.last_agreed is None:
+                    raise
+                self._diverged = exc
+                request = RollbackRequest("replica_divergence", self.step, exc.last_agreed, None)
+        loss, self._fresh_loss = self._fresh_loss, None  # only a loss reported in this step
+        if self._loss_watch is not None:
+            rolls = rollbacks and self.config.loss_spike == "rollback"
+            action = "rollback" if rolls else "warned"
+            spiked = loss is not None and self._loss_watch.observe(self.step, loss, action=action)
+            # The ranks' losses differ: they agree, at one all-gather per step, only when a spike rolls back.
+            if rolls and any(v[0] for v in self.comm.all_gather_ints([int(spiked)])):
+                request = request or RollbackRequest("loss_spike", self.step, self.step - 1, self.step - 1)
+        guard = self._guard
+        if guard is not None and rollbacks and self._guard_agreed and guard.nonfinite_at == self.step - 1:
+            # The guard kept this step's update out; if a parameter is already non-finite, the update before it put
+            # it there unseen (a lone NaN outside the guard's sample): go back to before that one.
+            optimizers = [o for o in self._objects.values() if isinstance(o, torch.optim.Optimizer)]
+            if not all(v[0] for v in self.comm.all_gather_ints([int(all_finite(optimizers))])):
+                before = self.step - 2
+                request = request or RollbackRequest("nonfinite_parameters", self.step, before, before)
+        return request
+
+    def _roll_back(self, request: RollbackRequest, loader: Iterable[Any] | None) -> bool:
+        """Go back to the newest good state and skip the batch (recovery/rollback.py). Collective. False when there
+        is nothing to go back to: a loss spike is then only reported; non-finite parameters and diverged
+        replicas stop the job."""
+        why = None
+        if loader is not None and not any(obj is loader for obj in self._objects.values()):
+            why = "the loader given to steps() is not tracked, so its position cannot go back"
+        elif request.at_most < 0:
+            why = "no state from before it exists"
+        restored = None
+        started = time.monotonic()
+        if why is None:
+            self._heartbeat.beat(self.step, PHASE_RESUME, self._hang.grace())
+            self._rollback_cap.count(request)
+            self.checkpointer.wait_durable()  # nothing is set aside while a save of it may still commit
+            restored = self._restorer.rollback(request.at_most, lambda: self._abandon_after(request))
+            if restored is None:
+                why = f"no snapshot or checkpoint from step {request.at_most} or before"
+        if restored is None:
+            self.events.emit("rollback_impossible", step=self.step, reason=request.reason, why=why)
+            if request.reason == "replica_divergence" and self._diverged is not None:
+                raise self._diverged
+            if request.reason == "nonfinite_parameters":
+                raise NumericError(
+                    f"parameters became non-finite by step {self.step} and the job cannot roll back: {why}",
+                    quiet=not self.is_main,
+                )
+            if self.is_main:
+                print(f"stalwart: cannot roll back for the loss spike at step {self.step}: {why}", file=sys.stderr)
+            return False
+        if request.skip is not None:
+            self._skips.add(request.skip)
+            if self.is_main:
+                try:
+                    write_skips(self.checkpointer.storage, self._skips, request, restored.step)
+                except Exception as exc:  # this process still skips it; a restart from before it would not
+                    self.events.emit("skip_record_failed", step=request.skip, error=first_line(exc))
+        self._load(restored)
+        from_step, self.step = self.step, restored.step
+        self._last_saved = restored.step if restored.tier == "durable" else None
+        if self._guard is not None:
+            self._guard.rolled_back()
+        if self._commit is not None:
+            self._commit.forget()
+        if self._divergence is not None:
+            self._divergence.last_agreed = self.step  # one copy of the replicated state was loaded
+        if self._versions is not None:
+            self._versions = self._live_versions()
+            self._remember_replicated_skeleton(self._state())
+        self._schedule.next_step = min(self._schedule.next_step, self.step + 1)
+        self.events.emit(
+            "rolled_back", step=self.step, reason=request.reason, trigger=request.trigger, from_step=from_step,
+            skip=request.skip, tier=restored.tier, source=restored.source, seconds=time.monotonic() - started,
+        )  # fmt: skip
+        if self.is_main:
+            skipping = f"; batch {request.skip} will be skipped" if request.skip is not None else ""
+            print(
+                f"stalwart: {request.reason.replace('_', ' ')} at step {request.trigger}: rolled back to step "
+                f"{self.step} from {restored.source}{skipping}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return True
+
+    def _abandon_after(self, request: RollbackRequest) -> None:
+        """Invalidate the snapshots and set aside the checkpoints after `request.at_most` (every rank its own
+        memory; rank 0 the durable ones), before the rollback loads anything."""
+        if self._memory is not None:
+            self._memory.forget_after(request.at_most)
+        if self.is_main:
+            self.checkpointer.set_aside_after(request.at_most, f"rolled back for {request.reason}")
+        self.comm.barrier()
+
     def _start_guard(self) -> None:
         """The numeric guard on every tracked optimizer (detect/numeric.py), unless both its checks are off."""
         if self._guard is not None or (self.config.nonfinite_grads == "off" and self.config.grad_spike == "off"):
@@ -626,6 +797,8 @@ class Job:
             )
             replicated = all(n in self.checkpointer.replicated for n, o in self._objects.items() if o in optimizers)
             self._guard = NumericGuard(optimizers, self.events, config, quiet=replicated and not self.is_main)
+            shards = any(sharded.is_dtensor(p) for o in optimizers for g in o.param_groups for p in g["params"])
+            self._guard_agreed = replicated or shards or self.world_size == 1
 
     def _start_straggler_detector(self) -> None:
         """Straggler detection over the tracked modules (detect/straggler.py), with more than one rank."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,38 @@ class Restorer:
     def restore(self, *, allow_world_size_change: bool) -> Restored | None:
         """The newest state the job can resume from; None when there is none (a fresh start)."""
         return self._from_memory() or self._checkpointer.load_latest(allow_world_size_change=allow_world_size_change)
+
+    def rollback(self, at_most: int, abandon: Callable[[], None]) -> Restored | None:
+        """The newest state from at or before step `at_most` (an L0 rollback, recovery/rollback.py): a full snapshot
+        every rank holds in node memory, else the newest durable checkpoint not after it that verifies; None
+        when there is neither. Light snapshots do not count: their replicated part would come from the live state
+        the rollback abandons. `abandon()` runs once a target exists, before anything is loaded (it invalidates
+        the newer snapshots and checkpoints, so a failure during the load resumes from before `at_most`).
+        Collective."""
+        comm, memory = self._comm, self._memory
+        mine = Holdings(
+            full=tuple(s for s in memory.steps() if s <= at_most) if memory is not None else (),
+            light=(),
+            live=-1,
+            newest_durable=self._checkpointer.newest_committed(at_most) if comm.rank == 0 else -1,
+        )
+        every = [Holdings.from_ints(v) for v in comm.all_gather_ints(mine.to_ints())]
+        step = max(set.intersection(*[set(h.full) for h in every]), default=-1)
+        if step < 0 and every[0].newest_durable < 0:
+            return None
+        abandon()
+        if step >= 0 and step >= every[0].newest_durable:
+            snapshot, problem = None, ""
+            try:
+                assert memory is not None
+                snapshot = memory.load(step)
+            except CheckpointCorruptError as exc:
+                problem = str(exc)
+            if self._all_agree(snapshot is not None, step, problem):
+                assert snapshot is not None
+                where = f"node memory (step {step})"
+                return Restored(step, comm.world_size, snapshot.state, where, snapshot.bytes, tier="memory")
+        return self._checkpointer.load_latest(at_most=at_most)
 
     def _from_memory(self) -> Restored | None:
         """The newest state the ranks can rebuild from memory if it is at least as new as the newest durable

@@ -162,6 +162,24 @@ class MemoryTier:
                 found.append(int(h[2]))
         return sorted(found, reverse=True)
 
+    def forget_after(self, step: int) -> list[int]:
+        """Invalidate this rank's own snapshots (full and light) of steps after `step`: after a rollback
+        (recovery/rollback.py) they belong to a history the job abandoned, and a restart must not resume from
+        them. Returns the steps forgotten."""
+        forgotten = []
+        for slot in (*self._slots, *self._light):
+            h = slot.header()
+            if h is None or h[2] <= step or h[3] != self.rank:
+                continue
+            forgotten.append(int(h[2]))
+            if slot._map is not None:
+                struct.pack_into("<q", slot._map, 8, 0)
+            else:
+                with contextlib.suppress(OSError), open(slot.path, "r+b") as f:
+                    f.seek(8)
+                    f.write(struct.pack("<q", 0))
+        return sorted(forgotten)
+
     def snapshot(
         self,
         step: int,
