@@ -14,6 +14,7 @@ commands:
   demo     train a small GPT on 2 CPU ranks, kill a worker, recover, and compare with a clean run
   ckpt     list, verify or inspect a checkpoint directory
   nodes    the node exclusion list: 'nodes list', 'nodes clear [HOST]' (a node the GPU playbook took out)
+  preflight  check this node: matmul throughput, a memory pattern test, an all-reduce among its devices
   bench    measure on this machine: 'bench checkpoint' compares stalwart with torch.save and DCP,
            'bench recovery' with torchrun (and torchft when installed)
   version  print stalwart's version
@@ -52,6 +53,12 @@ def _nodes(argv: list[str]) -> int:
     return main(argv)
 
 
+def _preflight(argv: list[str]) -> int:
+    from stalwart.supervisor.preflight import main
+
+    return main(argv)
+
+
 def _bench(argv: list[str]) -> int:
     from stalwart.bench.cli import main
 
@@ -63,6 +70,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "demo": _demo,
     "ckpt": _ckpt,
     "nodes": _nodes,
+    "preflight": _preflight,
     "bench": _bench,
     "version": _version,
 }

@@ -19,6 +19,7 @@ power slowdown), `gpu_ecc_errors` (uncorrectable errors, or correctable ones ris
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -383,6 +384,23 @@ _REASON_BITS = {
 
 def _reason_names(_: Any, mask: int) -> list[str]:
     return [name for name, bit in _REASON_BITS.items() if mask & bit]
+
+
+def nvml_device_count() -> int:
+    """GPUs NVML sees (0 without nvidia-ml-py, a driver or a GPU), without creating a CUDA context."""
+    try:
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+    except Exception:
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:
+        return 0
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
 
 
 def provider_from_env(env: dict[str, str] | None = None) -> GpuProvider | None:

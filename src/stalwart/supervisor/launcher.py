@@ -54,7 +54,7 @@ from stalwart.runtime.env import (
     SPARES_ENV,
 )
 from stalwart.runtime.process import first_line
-from stalwart.supervisor import exclusion
+from stalwart.supervisor import exclusion, preflight
 from stalwart.supervisor.gpu_watch import GpuWatch
 from stalwart.supervisor.host_pool import SparePool
 from stalwart.supervisor.rendezvous import rendezvous_handler
@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the survivors' processes and re-forming the group with them (default: re-form; ${REFORM_ENV}=0 also "
         "turns it off)".replace("${REFORM_ENV}", REFORM_ENV),
     )
+    preflight.add_arguments(parser)
     if "PET_MAX_RESTARTS" not in os.environ:
         parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
     return parser
@@ -301,6 +302,8 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
         raise ConfigError(f"cannot write the event log {event_log}: {exc.strerror or exc}") from exc
     os.environ[EVENT_LOG_ENV] = str(event_log)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1
+    preflight.gate(args, events, nproc, say)  # before this node joins any rendezvous
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
     if min_nodes < max_nodes:
         os.environ[ELASTIC_ENV] = "1"  # the world size may change between restarts; the Job allows it

@@ -1,0 +1,250 @@
+"""The pre-flight node check: before a node takes work, measure what a bad node gets wrong.
+
+Why: a GPU whose memory returns wrong bits, or one far slower than its peers (throttled, a PCIe link trained at a
+lower width), takes a synchronous job down or slows every step of it from the first step on. Found before the
+node joins, it costs seconds instead of a failed or crawling run, and the node goes on the exclusion list
+(supervisor/exclusion.py) with the reason.
+
+What it measures, on every device of the node (every visible GPU, else the CPU once):
+- matmul throughput: square matmuls (bfloat16 on a GPU, float32 on the CPU) for `seconds`, in TFLOPS. A device
+  under `relative` (0.8) times the median of the node's devices fails, and so does one under `min_tflops` when
+  that is given (with one device there is nothing to compare it with);
+- a memory pattern test: `memory_mb` of the device's memory written with all zeros, all ones, 0x55..., 0xAA...
+  and each 32-bit word's own index, and read back: any mismatch fails (the memory is to be repaired);
+- collective bandwidth: an all-reduce of `collective_mb` among one process per device (NCCL between GPUs, gloo
+  on the CPU, over loopback), as bus bandwidth (2(n-1)/n x bytes per second, NCCL-tests' convention), against
+  `min_busbw_gbps` when given. Between nodes it is not measured yet.
+It runs in its own process (`python -m stalwart.detect.preflight`, or `stalwart preflight`), so the agent never
+holds a CUDA context. A fault for tests enters at one seam: STALWART_NODE_FAULTS=bad_memory flips one bit of the
+pattern buffer after each write, as a bad memory cell would (chaos/node_faults.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from stalwart.chaos import node_faults
+
+PATTERNS: tuple[int | str, ...] = (0x00000000, 0xFFFFFFFF, 0x55555555, 0xAAAAAAAA, "index")
+LOOPBACK = "127.0.0.1"
+PEER_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    relative: float = 0.8
+    min_tflops: float | None = None
+    min_busbw_gbps: float | None = None
+    memory_mb: int | None = None
+    """None: 1024 MB of a GPU's memory, 64 MB of host memory."""
+    collective_mb: int = 64
+    seconds: float = 1.0
+    """Matmul time per device."""
+
+
+@dataclass(slots=True)
+class DeviceResult:
+    device: str
+    name: str
+    tflops: float
+    memory_bytes: int
+    memory_errors: int
+    memory_gb_s: float
+
+
+@dataclass(slots=True)
+class Report:
+    devices: list[DeviceResult] = field(default_factory=list)
+    collective_ranks: int = 0
+    collective_bytes: int = 0
+    busbw_gbps: float | None = None
+    failures: list[str] = field(default_factory=list)
+    action: str = ""
+    """What a failure calls for, in the GPU playbook's words (detect/gpu.py): replace_hardware for bad memory,
+    drain_node for a slow device or link."""
+    seconds: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def devices() -> list[torch.device]:
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [torch.device("cpu")]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_tflops(device: torch.device, seconds: float) -> float:
+    """Sustained square-matmul throughput of `device` over about `seconds`."""
+    size = 8192 if device.type == "cuda" else 512
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    torch.matmul(a, b, out=out)  # warm-up: kernels chosen, clocks up
+    _sync(device)
+    n, started = 0, time.perf_counter()
+    while True:
+        for _ in range(4):
+            torch.matmul(a, b, out=out)
+        n += 4
+        _sync(device)
+        elapsed = time.perf_counter() - started
+        if elapsed >= seconds:
+            return 2 * size**3 * n / elapsed / 1e12
+
+
+def memory_test(device: torch.device, nbytes: int) -> tuple[int, float]:
+    """(words that read back wrong, GB/s written and read) over `nbytes` of `device`'s memory."""
+    words = max(1, nbytes // 4)
+    buf = torch.empty(words, dtype=torch.int32, device=device)
+    errors = 0
+    started = time.perf_counter()
+    for pattern in PATTERNS:
+        expected: torch.Tensor | int
+        if pattern == "index":
+            index = torch.arange(words, dtype=torch.int32, device=device)
+            buf.copy_(index)
+            expected = index
+        else:
+            assert isinstance(pattern, int)
+            expected = pattern - (1 << 32) if pattern >= 1 << 31 else pattern  # as a signed 32-bit word
+            buf.fill_(expected)
+        node_faults.after_memory_write(buf)
+        errors += int((buf != expected).sum())
+    _sync(device)
+    seconds = time.perf_counter() - started
+    return errors, 2 * len(PATTERNS) * words * 4 / seconds / 1e9
+
+
+def _all_reduce_rank(rank: int, world: int, port: int, nbytes: int, rounds: int) -> float:
+    """One rank of the collective test; returns its bus bandwidth in GB/s."""
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    store = dist.TCPStore(LOOPBACK, port, world, is_master=False, timeout=timedelta(seconds=PEER_TIMEOUT_S))
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=PEER_TIMEOUT_S))  # fmt: skip
+    try:
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        dist.all_reduce(t)  # warm-up: connections made
+        _sync(device)
+        started = time.perf_counter()
+        for _ in range(rounds):
+            dist.all_reduce(t)
+        _sync(device)
+        elapsed = time.perf_counter() - started
+        return 2 * (world - 1) / world * t.numel() * 4 * rounds / elapsed / 1e9
+    finally:
+        dist.destroy_process_group()
+
+
+def collective_busbw(world: int, nbytes: int, rounds: int = 5) -> float:
+    """Bus bandwidth of an all-reduce among `world` processes of this node (this one is rank 0), in GB/s."""
+    master = dist.TCPStore(LOOPBACK, 0, world, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=PEER_TIMEOUT_S))  # fmt: skip
+    cmd = [sys.executable, "-m", "stalwart.detect.preflight", "--peer"]
+    peers = [
+        subprocess.Popen([*cmd, str(r), str(world), str(master.port), str(nbytes), str(rounds)])
+        for r in range(1, world)
+    ]
+    try:
+        return _all_reduce_rank(0, world, master.port, nbytes, rounds)
+    finally:
+        for p in peers:
+            try:
+                p.wait(timeout=PEER_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def check(limits: Limits, ranks: int) -> Report:
+    """Run every measurement on this node and judge it; `ranks`: processes for the collective test."""
+    started = time.monotonic()
+    report = Report()
+    for device in devices():
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        tflops = matmul_tflops(device, limits.seconds)
+        mb = limits.memory_mb if limits.memory_mb is not None else 1024 if device.type == "cuda" else 64
+        errors, speed = memory_test(device, mb << 20)
+        report.devices.append(DeviceResult(str(device), name, round(tflops, 4), mb << 20, errors, round(speed, 2)))
+    if ranks > 1:
+        report.collective_ranks = ranks
+        report.collective_bytes = limits.collective_mb << 20
+        report.busbw_gbps = round(collective_busbw(ranks, report.collective_bytes), 3)
+    judge(report, limits)
+    report.seconds = round(time.monotonic() - started, 2)
+    return report
+
+
+def judge(report: Report, limits: Limits) -> None:
+    """Fill `failures` and `action` from the measurements."""
+    failures, action = [], ""
+    median = statistics.median(d.tflops for d in report.devices) if report.devices else 0.0
+    for d in report.devices:
+        if d.memory_errors:
+            failures.append(f"{d.device} ({d.name}): {d.memory_errors} memory words read back wrong")
+            action = "replace_hardware"
+        if len(report.devices) > 1 and d.tflops < limits.relative * median:
+            failures.append(f"{d.device}: {d.tflops:.3g} TFLOPS, under {limits.relative:g}x the node's median "
+                            f"({median:.3g})")  # fmt: skip
+        if limits.min_tflops is not None and d.tflops < limits.min_tflops:
+            failures.append(f"{d.device}: {d.tflops:.3g} TFLOPS, under the floor of {limits.min_tflops:g}")
+    if (
+        limits.min_busbw_gbps is not None
+        and report.busbw_gbps is not None
+        and report.busbw_gbps < limits.min_busbw_gbps
+    ):
+        failures.append(
+            f"all-reduce among {report.collective_ranks} ranks: {report.busbw_gbps:.3g} GB/s bus bandwidth, "
+            f"under the floor of {limits.min_busbw_gbps:g}"
+        )
+    report.failures = failures
+    report.action = action or ("drain_node" if failures else "")
+
+
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--min-tflops", type=float, default=None, help="fail a device under this matmul throughput")
+    p.add_argument("--min-busbw-gbps", type=float, default=None, help="fail under this all-reduce bus bandwidth")
+    p.add_argument("--relative", type=float, default=0.8, help="fail a device under this x the node's median")
+    p.add_argument("--memory-mb", type=int, default=None, help="memory tested per device (GPU 1024, CPU 64)")
+    p.add_argument("--collective-mb", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=1.0, help="matmul time per device")
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    return Limits(args.relative, args.min_tflops, args.min_busbw_gbps, args.memory_mb, args.collective_mb, args.seconds)
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] == ["--peer"]:
+        rank, world, port, nbytes, rounds = (int(v) for v in argv[1:6])
+        _all_reduce_rank(rank, world, port, nbytes, rounds)
+        return 0
+    p = argparse.ArgumentParser(prog="python -m stalwart.detect.preflight")
+    p.add_argument("--ranks", type=int, default=1, help="processes for the collective test (1: none)")
+    add_limit_arguments(p)
+    args = p.parse_args(argv)
+    print(check(limits_from(args), args.ranks).to_json(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
