@@ -173,3 +173,61 @@ def test_each_scripted_xid_gets_its_playbook_action_and_event(tmp_path: Path, xi
     (event,) = list(read_events(log))
     assert (event["event"], event["xid"], event["action"]) == ("gpu_xid", xid, action)
     assert [a[1] for a in acted] == ([] if action == REPORT else [action]), "acted on once, reports are not acted on"
+
+
+def test_a_gpu_warning_sign_makes_every_rank_checkpoint_at_the_same_step(launch: Any, tmp_path: Path) -> None:
+    """Thermal slowdown on GPU 1 (scripted): the agent raises the risk counter on its board, the ranks agree on it
+    at a window's end and take a durable checkpoint there, between the regular ones."""
+    script = tmp_path / "gpu-hot.json"
+    samples = [{"at": 0.0, "index": i, "temperature_c": 60} for i in (0, 1)]
+    samples.append({"at": 3.0, "index": 1, "temperature_c": 92, "throttle_reasons": ["hw_thermal_slowdown"]})
+    script.write_text(json.dumps({"devices": 2, "samples": samples}))
+    job = launch(tiny_args("--steps", "120", "--step-sleep", "0.05", "--every", "1000"), env=_env(tmp_path, script))
+    assert job.wait(240) == 0, job.output()
+    (warned,) = job.events("gpu_risk")
+    assert warned["gpu"] == 1 and warned["reason"] == "slowdown (hw_thermal_slowdown)"
+    taken = job.events("risk_checkpoint")
+    assert {e["rank"] for e in taken} == {0, 1} and len({e["step"] for e in taken}) == 1, "every rank, one step"
+    assert taken[0]["reason"].startswith("a GPU warning on the node of rank") and taken[0]["taken"]
+    step = taken[0]["step"]
+    assert step % 10 == 0 and step < 120
+    assert (job.workdir / "ckpt" / f"step_{step:08d}").is_dir()
+
+
+def test_warning_signs_are_told_apart_from_failures(tmp_path: Path) -> None:
+    warned: list[tuple[int, str]] = []
+    acted: list[tuple[int, str, str]] = []
+    samples = [
+        GpuSample(index=0, ecc_corrected_total=0, ecc_uncorrected_total=0),
+        GpuSample(index=0, ecc_corrected_total=500, ecc_uncorrected_total=0, remapped_rows_pending=True),
+        GpuSample(index=0, ecc_corrected_total=500, ecc_uncorrected_total=2, remapped_rows_failed=True),
+    ]
+
+    class Provider:
+        def __init__(self) -> None:
+            self.i = -1
+
+        def device_count(self) -> int:
+            return 1
+
+        def sample(self, index: int) -> GpuSample:
+            return samples[self.i]
+
+        def xids(self) -> list[Any]:
+            return []
+
+        def close(self) -> None:
+            pass
+
+    provider = Provider()
+    monitor = GpuMonitor(provider, EventLog(tmp_path / "e.jsonl"), act=lambda *a: acted.append(a),  # type: ignore[arg-type]
+                         warn=lambda i, why: warned.append((i, why)))  # fmt: skip
+    for i in range(3):
+        provider.i = i
+        monitor.poll()
+    assert warned == [
+        (0, "corrected ECC errors rising (500 since the last poll)"),
+        (0, "rows pending remapping (a reset will apply them)"),
+        (0, "2 new uncorrected ECC errors"),
+    ]
+    assert acted == [(0, DRAIN_NODE, "row remapping failed")]

@@ -183,6 +183,9 @@ class GpuMonitor:
     provider: GpuProvider
     events: EventLog
     act: Callable[[int, str, str], None] = lambda index, action, reason: None
+    warn: Callable[[int, str], None] = lambda index, reason: None
+    """Called with each warning sign (slowdown begins, uncorrected or fast-rising ECC errors, rows pending
+    remapping): the agent asks its workers for a checkpoint (detect/risk.py)."""
     corrected_per_poll: int = 100
     """Correctable ECC errors between two polls that count as rising."""
     _devices: dict[int, _DeviceState] = field(default_factory=dict)
@@ -205,16 +208,21 @@ class GpuMonitor:
             d.throttled = bool(slow)
             self.events.emit("gpu_throttled", gpu=s.index, throttled=d.throttled, reasons=slow,
                              temperature_c=s.temperature_c, sm_clock_mhz=s.sm_clock_mhz)  # fmt: skip
+            if d.throttled:
+                self.warn(s.index, f"slowdown ({', '.join(slow)})")
         if s.ecc_uncorrected_total is not None:
             if d.uncorrected is not None and s.ecc_uncorrected_total > d.uncorrected:
                 new = s.ecc_uncorrected_total - d.uncorrected
                 self.events.emit("gpu_ecc_errors", gpu=s.index, kind="uncorrected", new=new,
                                  total=s.ecc_uncorrected_total)  # fmt: skip
+                self.warn(s.index, f"{new} new uncorrected ECC errors")
             d.uncorrected = s.ecc_uncorrected_total
         if s.ecc_corrected_total is not None:
             if d.corrected is not None and s.ecc_corrected_total - d.corrected >= self.corrected_per_poll:
-                self.events.emit("gpu_ecc_errors", gpu=s.index, kind="corrected_rising",
-                                 new=s.ecc_corrected_total - d.corrected, total=s.ecc_corrected_total)  # fmt: skip
+                new = s.ecc_corrected_total - d.corrected
+                self.events.emit("gpu_ecc_errors", gpu=s.index, kind="corrected_rising", new=new,
+                                 total=s.ecc_corrected_total)  # fmt: skip
+                self.warn(s.index, f"corrected ECC errors rising ({new} since the last poll)")
             d.corrected = s.ecc_corrected_total
         remap = "failed" if s.remapped_rows_failed else "pending" if s.remapped_rows_pending else None
         if remap != d.remap:
@@ -224,6 +232,8 @@ class GpuMonitor:
                                  uncorrectable=s.remapped_rows_uncorrectable)  # fmt: skip
                 if remap == "failed":
                     self.act(s.index, DRAIN_NODE, "row remapping failed")
+                else:
+                    self.warn(s.index, "rows pending remapping (a reset will apply them)")
 
 
 # -- providers ---------------------------------------------------------------------------------------------------

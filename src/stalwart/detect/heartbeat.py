@@ -11,6 +11,10 @@ behind such a peer. Times are CLOCK_MONOTONIC nanoseconds, which every process o
 
 A slot is written seqlock-style (sequence odd while writing, even when done), so the agent never acts on a torn
 slot: it reads again, or skips the slot until the next interval.
+
+The board's last slot goes the other way: the agent's risk counter, which it raises when its GPU watch sees a
+warning sign (throttling, rising ECC errors, rows pending remapping: supervisor/gpu_watch.py). Workers read it at
+each step's end (one load from mapped memory) and agree on a risk checkpoint (detect/risk.py).
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ class Board:
         base = Path(directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()))
         self.path = base / f"{BOARD_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.slots = slots
-        size = max(slots, 1) * SLOT_BYTES
+        size = (max(slots, 1) + 1) * SLOT_BYTES  # the workers' slots, then the agent's risk counter
         # The board is created locked under a temporary name and then renamed: no other launcher's stale
         # cleanup can ever find it unlocked. The lock is held (the descriptor open) for the board's lifetime.
         hidden = self.path.with_name("." + self.path.name)
@@ -103,9 +107,19 @@ class Board:
         return True
 
     def clear(self) -> None:
-        """Forget every beat: a restarted worker starts unwatched until its first beat."""
+        """Forget every beat: a restarted worker starts unwatched until its first beat. The risk counter stays."""
         if self._map is not None:
-            self._map[:] = bytes(len(self._map))
+            end = max(self.slots, 1) * SLOT_BYTES
+            self._map[:end] = bytes(end)
+
+    def raise_risk(self) -> int:
+        """Tell the workers of a warning sign: the counter goes up by one; returns it."""
+        if self._map is None:
+            return 0
+        offset = max(self.slots, 1) * SLOT_BYTES
+        value = struct.unpack_from("<q", self._map, offset)[0] + 1
+        struct.pack_into("<q", self._map, offset, value)
+        return int(value)
 
     def read(self, slot: int) -> Beat | None:
         """The slot's last complete beat, or None (never written, or being written on both tries)."""
@@ -135,6 +149,7 @@ class Heartbeat:
     def __init__(self, path: str | None, slot: int) -> None:
         self._map: mmap.mmap | None = None
         self._offset = slot * SLOT_BYTES
+        self._risk_offset = -1  # the agent's risk counter: the board's last slot
         self._seq = 0
         self._pid = os.getpid()
         if path:
@@ -142,6 +157,8 @@ class Heartbeat:
                 m = _map(Path(path), os.path.getsize(path))
                 if self._offset + SLOT_BYTES <= len(m):
                     self._map = m
+                    if self._offset + 2 * SLOT_BYTES <= len(m):
+                        self._risk_offset = len(m) - SLOT_BYTES
                 else:
                     m.close()
 
@@ -152,6 +169,12 @@ class Heartbeat:
     @property
     def active(self) -> bool:
         return self._map is not None
+
+    def risk(self) -> int:
+        """The agent's risk counter (0 without a board): it rises with every warning sign the agent sees."""
+        if self._map is None or self._risk_offset < 0:
+            return 0
+        return int(struct.unpack_from("<q", self._map, self._risk_offset)[0])
 
     def beat(self, step: int, phase: int, timeout_s: float | None) -> None:
         """Say "at `step`, in `phase`, and I will beat again within `timeout_s`" (None: do not watch me)."""

@@ -50,6 +50,7 @@ from stalwart.detect.numeric import (
     LossWatch,
     NumericGuard,
 )
+from stalwart.detect.risk import RiskWatch
 from stalwart.detect.straggler import StragglerDetector
 from stalwart.errors import (
     CheckpointError,
@@ -310,6 +311,7 @@ class Job:
         self._guard: NumericGuard | None = None  # the numeric guard's pre-hooks on the tracked optimizers
         self._stragglers: StragglerDetector | None = None  # per-rank compute times, compared every window
         self._divergence: DivergenceCheck | None = None  # the replicas' fingerprints, compared now and then
+        self._risk: RiskWatch | None = None  # the agent's warning signs (its GPU watch), agreed by the ranks
         factor = self.config.loss_spike_factor
         watch = factor is not None and self.config.loss_spike != "off"
         self._loss_watch = LossWatch(self.events, float(factor)) if watch and factor is not None else None
@@ -491,6 +493,8 @@ class Job:
         self._start_guard()  # before the commit point: its pre-hook decides first whether the update happens
         self._start_straggler_detector()
         self._start_divergence_check()
+        if self._risk is None and self._heartbeat.active:  # under stalwart run: its agent may warn
+            self._risk = RiskWatch(self._heartbeat.risk, self.comm.all_gather_ints_later, self.world_size)
         if self._divergence is not None:
             self._divergence.last_agreed = self.step  # one copy of the replicated state was loaded, or DDP's own
         if self._light_wanted():
@@ -556,6 +560,10 @@ class Job:
                 self._stragglers.step_done(self.step, measured=not self._busy_step)
                 if self._stragglers.newly_flagged:  # the same verdict on every rank, so a save at the same step
                     risk = f"rank {min(self._stragglers.newly_flagged)} is a straggler"
+            if self._risk is not None:  # the agents' warning signs, agreed at the same step on every rank
+                warned = self._risk.step_done(self.step)
+                if warned is not None:
+                    risk = risk or f"a GPU warning on the node of rank {', '.join(map(str, warned))}"
             self._busy_step = False
             versions_s = 0.0
             if self._light_wanted():

@@ -190,6 +190,9 @@ class StalwartAgent(LocalElasticAgent):
         if self._gpu is not None and self.excluded is None:
             for index, action, reason in self._gpu.due_actions():
                 self._act_on_gpu(worker_group, index, action, reason)
+            for index, reason in self._gpu.warnings():
+                raised = self._board.raise_risk() if self._board is not None else 0
+                self._events.emit("gpu_risk", gpu=index, reason=reason, counter=raised)
         self._check_stopped(worker_group)
         if self._board is not None:
             self._check_hangs(worker_group, self._board)

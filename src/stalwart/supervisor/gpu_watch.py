@@ -8,6 +8,8 @@ become events (detect/gpu.py); an action comes back to the agent as (local rank,
 - reset_gpu, drain_node, replace_hardware: the node is written to the exclusion list (supervisor/exclusion.py)
   and its workers are stopped without a restart, so the job goes on without this node (elastic runs) or
   stops with one line saying why.
+Warning signs (`warnings()`: slowdown, rising ECC errors, rows pending remapping) are risks, not failures: the
+agent raises the risk counter on its heartbeat board, and the workers agree on a checkpoint (detect/risk.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ DEFAULT_POLL_S = 5.0
 class GpuWatch:
     def __init__(self, provider: GpuProvider, events: EventLog, poll_s: float = DEFAULT_POLL_S) -> None:
         self._actions: list[tuple[int, str, str]] = []
-        self._monitor = GpuMonitor(provider, events, act=lambda i, action, why: self._actions.append((i, action, why)))
+        self._warnings: list[tuple[int, str]] = []
+        self._monitor = GpuMonitor(
+            provider,
+            events,
+            act=lambda i, action, why: self._actions.append((i, action, why)),
+            warn=lambda i, why: self._warnings.append((i, why)),
+        )
         self._provider = provider
         self._poll_s = poll_s
         self._next = 0.0
@@ -54,6 +62,11 @@ class GpuWatch:
         self._monitor.poll()
         actions, self._actions = self._actions, []
         return sorted((a for a in actions if a[1] != REPORT), key=lambda a: -ACTIONS.index(a[1]))
+
+    def warnings(self) -> list[tuple[int, str]]:
+        """The (GPU index, reason) warning signs of the polls since the last call (due_actions polls)."""
+        warnings, self._warnings = self._warnings, []
+        return warnings
 
     def close(self) -> None:
         self._provider.close()
