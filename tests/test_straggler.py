@@ -113,10 +113,10 @@ def test_jitter_in_the_wait_is_not_a_rise(tmp_path: Path) -> None:
 # -- under stalwart run: three ranks, one slowed by a fifth ---------------------------------------------------
 
 
-def _straggler_job(launch: Any, steps: int, faults: str = "") -> Any:
-    args = ("--steps", str(steps), "--compute-sleep", "0.02", "--every", "1000", "--snapshot-every", "0")
+def _straggler_job(launch: Any, steps: int, faults: str = "", *extra: str, name: str = "job") -> Any:
+    args = ("--steps", str(steps), "--compute-sleep", "0.02", "--every", "1000", "--snapshot-every", "0", *extra)
     env = child_env(STALWART_FAULTS=faults) if faults else child_env()
-    job = launch(tiny_args(*args, "--gbs", "6", nproc=3), env=env)
+    job = launch(tiny_args(*args, "--gbs", "6", nproc=3), env=env, name=name)
     assert job.wait(300) == 0, job.output()
     return job
 
@@ -137,3 +137,21 @@ def test_a_rank_slowed_by_a_fifth_under_stalwart_run_is_flagged_within_fifty_ste
 def test_a_clean_thousand_step_run_under_stalwart_run_flags_nobody(launch: Any) -> None:
     job = _straggler_job(launch, 1000)
     assert not job.events("straggler_detected")
+
+
+def test_an_evicted_straggler_is_replaced_and_the_run_ends_as_without_it(launch: Any) -> None:
+    """straggler_policy="evict": after the risk checkpoint is durable the straggler leaves (exit 76), the others
+    re-form with a replacement (the slowing fault was its process's), and the run ends bitwise as a fault-free one."""
+    memory = ("--snapshot-every", "1")  # the replacement restores from node memory
+    job = _straggler_job(launch, 120, "slow@rank=2,step=20,ms=4", *memory, "--straggler-policy", "evict")
+    reference = _straggler_job(launch, 120, "", *memory, name="reference")
+    (found,) = job.events("straggler_detected")
+    (evicted,) = job.events("straggler_evicted")
+    assert (evicted["rank"], evicted["step"]) == (2, found["step"])
+    failed = [(e["rank"], e["exitcode"]) for e in job.events("worker_failed")]
+    assert (2, 76) in failed
+    assert "rank 2 (pid" in job.output() and "left as a straggler" in job.output()
+    assert len(job.events("straggler_detected")) == 1, "the replacement is not slow"
+    results, expected = job.results(), reference.results()
+    for rank in range(3):
+        assert results[rank]["sha256"] == expected[rank]["sha256"]

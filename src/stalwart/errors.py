@@ -23,6 +23,10 @@ import re
 EXIT_USER_ERROR = 78
 """Exit status of a worker or command that failed on bad input (sysexits' EX_CONFIG)."""
 
+EXIT_EVICTED = 76
+"""Exit status of a worker that left on purpose as a persistent straggler (JobConfig.straggler_policy="evict"):
+the launcher replaces it like a dead one and reports why."""
+
 EXIT_PEER_LOST = 75
 """Exit status of a worker whose collective failed because a peer died (sysexits' EX_TEMPFAIL): a consequence
 of another failure, which the launcher reports as such."""

@@ -83,6 +83,7 @@ def main() -> None:
     p.add_argument("--no-update-at", type=int, default=-1, help="skip optim.step() at this step (a reference run)")
     p.add_argument("--skip-batch", type=int, default=-1, help="drop this step's batch in the loop (a reference run)")
     p.add_argument("--loss-spike", default="warn", help="JobConfig.loss_spike")
+    p.add_argument("--straggler-policy", default="report", help="JobConfig.straggler_policy")
     p.add_argument("--busy-at", type=int, default=-1, help="at this step, a long stretch marked with job.busy()")
     p.add_argument("--busy-s", type=float, default=0.0)
     p.add_argument("--when-busy", default="wait", help="wait: every save happens (deterministic steps for tests)")
@@ -108,6 +109,7 @@ def main() -> None:
         peer_replicas=args.peer_replicas,
         divergence_every=args.divergence_every or None,
         loss_spike=args.loss_spike,
+        straggler_policy=args.straggler_policy,
     )
     torch.manual_seed(0)
     model = torch.nn.Sequential(

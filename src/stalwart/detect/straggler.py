@@ -42,6 +42,8 @@ import torch
 
 from stalwart.telemetry.events import EventLog
 
+STRAGGLER_POLICIES = ("report", "evict")
+"""JobConfig.straggler_policy: what a flagged straggler gets (the job acts; this module only judges)."""
 WINDOW = 10
 """Steps per window: the ranks compare their medians once per window (one all-gather)."""
 PERSIST = 3

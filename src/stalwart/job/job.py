@@ -51,8 +51,9 @@ from stalwart.detect.numeric import (
     NumericGuard,
 )
 from stalwart.detect.risk import RiskWatch
-from stalwart.detect.straggler import StragglerDetector
+from stalwart.detect.straggler import STRAGGLER_POLICIES, StragglerDetector
 from stalwart.errors import (
+    EXIT_EVICTED,
     CheckpointError,
     CheckpointMismatchError,
     ConfigError,
@@ -176,6 +177,11 @@ class JobConfig:
     last local gradient, before waiting for the others) takes at least this many times the other ranks' in 3
     windows of 10 steps in a row gets a `straggler_detected` event and one line from rank 0. None: off. Costs
     a timestamp per step and one small all-gather per 10 steps."""
+    straggler_policy: str = "report"
+    """What a flagged straggler gets: "report" (the default: the event, one line and a risk checkpoint); "evict":
+    after that checkpoint is durable, the straggler's process leaves (exit status 76) and `stalwart run` replaces
+    it as after a death (a spare, re-forming in place), so a slow process or device stops setting every step's
+    pace. Each eviction uses a restart; a replacement that is slow again is evicted again."""
     divergence_every: int | None = 100
     """Replica divergence (detect/divergence.py): every this many steps the ranks compare a fingerprint of their
     replicated objects' tensors (one read of them, one all-gather); replicas outside a majority are repaired from
@@ -248,6 +254,10 @@ class JobConfig:
             not isinstance(self.straggler_threshold, int | float) or not 1 < self.straggler_threshold < float("inf")
         ):
             raise ConfigError(f"straggler_threshold must be None or a number above 1, got {self.straggler_threshold!r}")
+        if self.straggler_policy not in STRAGGLER_POLICIES:
+            raise ConfigError(
+                f"straggler_policy must be one of {', '.join(STRAGGLER_POLICIES)}, got {self.straggler_policy!r}"
+            )
         if self.divergence_every is not None and (
             not isinstance(self.divergence_every, int)
             or isinstance(self.divergence_every, bool)
@@ -556,10 +566,13 @@ class Job:
                 self._busy_step = False
                 continue
             risk = None
+            evict: int | None = None
             if self._stragglers is not None:  # every rank, at the same steps: a window's end is a collective
                 self._stragglers.step_done(self.step, measured=not self._busy_step)
                 if self._stragglers.newly_flagged:  # the same verdict on every rank, so a save at the same step
                     risk = f"rank {min(self._stragglers.newly_flagged)} is a straggler"
+                    if self.config.straggler_policy == "evict":
+                        evict = min(self._stragglers.newly_flagged)
             if self._risk is not None:  # the agents' warning signs, agreed at the same step on every rank
                 warned = self._risk.step_done(self.step)
                 if warned is not None:
@@ -586,6 +599,8 @@ class Job:
                 self.save()
             elif risk is not None:  # a warning sign: a durable checkpoint now, before it turns into a failure
                 self.events.emit("risk_checkpoint", step=self.step, reason=risk, taken=self.save())
+            if evict is not None:
+                self._evict(evict)
         self._heartbeat.beat(self.step, PHASE_DONE, None)  # after the loop the worker is not watched
         if self.state is not JobState.FINISHED:
             self.state = JobState.FINISHED
@@ -780,6 +795,23 @@ class Job:
                 flush=True,
             )
         return True
+
+    def _evict(self, straggler: int) -> None:
+        """Every rank, at the step the straggler was flagged: once the checkpoint of this step is durable, the
+        straggler's process leaves; the others meet its absence at their next collective and re-form with its
+        replacement (JobConfig.straggler_policy)."""
+        self._heartbeat.beat(self.step, PHASE_SAVE, self._hang.grace())
+        self.checkpointer.wait_durable()  # collective: the state of this step outlives the eviction
+        if self.rank != straggler:
+            return
+        self.events.emit("straggler_evicted", step=self.step, straggler=straggler)
+        print(
+            f"stalwart: rank {straggler} leaves as a straggler at step {self.step}; a replacement takes its place",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._heartbeat.close()
+        os._exit(EXIT_EVICTED)  # no clean-up that could wait on the peers: they are about to re-form without it
 
     def _abandon_after(self, request: RollbackRequest) -> None:
         """Invalidate the snapshots and set aside the checkpoints after `request.at_most` (every rank its own

@@ -29,7 +29,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from stalwart.detect.heartbeat import Beat, Board
-from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
+from stalwart.errors import EXIT_EVICTED, EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.runtime.process import process_state, stopped
 from stalwart.supervisor import exclusion
 from stalwart.supervisor.exclusion import Exclusion
@@ -332,6 +332,8 @@ class StalwartAgent(LocalElasticAgent):
                 consequences.append(f"rank {rank} (pid {failure.pid}) lost a peer{kept}")
             elif rank in self._hung:
                 causes.append(f"rank {rank} (pid {failure.pid}) {self._hung[rank]}, killed")
+            elif failure.exitcode == EXIT_EVICTED:
+                causes.append(f"rank {rank} (pid {failure.pid}) left as a straggler")
             else:
                 how = f"killed by {sig}" if sig else f"exited with status {failure.exitcode}"
                 causes.append(f"rank {rank} (pid {failure.pid}) {how}")
