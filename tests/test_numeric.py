@@ -181,8 +181,8 @@ def test_a_run_that_keeps_producing_nan_stops_with_one_line_and_is_not_restarted
 
 
 def test_a_sample_of_each_large_gradient_sees_a_nan_batch_but_not_a_lone_nan(tmp_path: Path) -> None:
-    """The default reads about 4,096 elements per gradient: a NaN from the data reaches them all; a single NaN
-    planted where the sample does not look is seen only by the exact check (sample=None)."""
+    """The default reads the first 4,096 elements of each gradient: a NaN from the data reaches them all; a single
+    NaN planted where the sample does not look is seen only by the exact check (sample=None)."""
     for sample, lone_seen in ((4096, False), (None, True)):
         torch.manual_seed(0)
         model = torch.nn.Linear(256, 256)  # a 65,536-element weight: sampled
@@ -196,7 +196,7 @@ def test_a_sample_of_each_large_gradient_sees_a_nan_batch_but_not_a_lone_nan(tmp
         guard.arm(1)
         optim.zero_grad()
         model(torch.ones(2, 256)).sum().backward()
-        model.weight.grad.view(-1)[7] = float("nan")  # type: ignore[union-attr]  # not a multiple of 16
+        model.weight.grad.view(-1)[-7] = float("nan")  # type: ignore[union-attr]  # past the sampled first 4,096
         optim.step()
         assert torch.isfinite(model.weight).all() == lone_seen
         assert [e["step"] for e in read_events(log) if e["event"] == "nonfinite_gradients"] == (

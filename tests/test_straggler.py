@@ -155,3 +155,23 @@ def test_an_evicted_straggler_is_replaced_and_the_run_ends_as_without_it(launch:
     results, expected = job.results(), reference.results()
     for rank in range(3):
         assert results[rank]["sha256"] == expected[rank]["sha256"]
+
+
+def test_one_collective_carries_every_gather_of_a_window() -> None:
+    from stalwart.runtime.dist import GatherBatch
+
+    sent: list[list[int]] = []
+
+    def gather_later(values: list[int]) -> Any:
+        sent.append(list(values))
+        return lambda: [list(values), [v * 10 for v in values]]  # what two ranks would send
+
+    batch = GatherBatch(gather_later)
+    first, second = batch.gather([1, 2]), batch.gather([3])
+    with pytest.raises(RuntimeError, match="before flush"):
+        first()
+    batch.flush()
+    assert sent == [[1, 2, 3]], "one collective"
+    assert first() == [[1, 2], [10, 20]] and second() == [[3], [30]]
+    batch.flush()
+    assert sent == [[1, 2, 3]], "nothing gathered since: no collective"

@@ -173,6 +173,18 @@ def build_report(
             "mean_ratio": mean_s / plain_mean,
             "inline_overhead": (mean_s - statistics.fmean(bodies)) / statistics.fmean(bodies),
             "optimizer_step_s": statistics.median(_pooled(runs, "optimizer_times")),
+            # The guard's and detectors' own time on the training thread (Job.detector_seconds), per step: free of
+            # the drift between runs, which hides anything under a few percent in the ratios here.
+            "detector_s": statistics.fmean(r["detector_s"] for r in runs)
+            if all("detector_s" in r for r in runs)
+            else None,
+            "detector_share": statistics.fmean(r["detector_s"] for r in runs) / statistics.fmean(bodies)
+            if all("detector_s" in r for r in runs)
+            else None,
+            "detector_breakdown_s": {
+                k: statistics.fmean(r["detector_breakdown_s"][k] for r in runs)
+                for k in runs[0].get("detector_breakdown_s", {})
+            },
             "snapshot_every": runs[-1].get("snapshot_every"),
             "full_copy_budget": runs[-1].get("full_copy_budget"),
             "config": CONFIGS[name],

@@ -115,24 +115,28 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     )
     table = Table(title="step time under stalwart ÷ plain")
     columns = ("configuration", "median step", "ratio", "mean step", "mean ratio", "inline", "optimizer step",
-               "snapshot every")  # fmt: skip
+               "detectors", "snapshot every")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column == "configuration" else "right", no_wrap=True)
     table.add_row("plain (no stalwart)", f"{report['plain_step_s'] * 1e3:.2f} ms", "1.00×",
                   f"{report['plain_mean_step_s'] * 1e3:.2f} ms", "1.00×", "",
-                  f"{report['plain_optimizer_step_s'] * 1e3:.2f} ms", "")  # fmt: skip
+                  f"{report['plain_optimizer_step_s'] * 1e3:.2f} ms", "", "")  # fmt: skip
     for name, c in report["configs"].items():
         every = c["snapshot_every"]
         table.add_row(
             name, f"{c['step_s'] * 1e3:.2f} ms", f"{c['ratio']:.3f}×", f"{c['mean_step_s'] * 1e3:.2f} ms",
             f"{c['mean_ratio']:.3f}×", f"{100 * c['inline_overhead']:+.2f}%",
-            f"{c['optimizer_step_s'] * 1e3:.2f} ms", "never" if not every else f"{every} steps",
+            f"{c['optimizer_step_s'] * 1e3:.2f} ms",
+            "" if c.get("detector_s") is None else f"{c['detector_s'] * 1e3:.3f} ms ({100 * c['detector_share']:.2f}%)",
+            "never" if not every else f"{every} steps",
         )  # fmt: skip
     console.print(table)
     floor = report["floor"]
     console.print(
         f"floor: one copy of the state takes {floor['memcpy_s'] * 1e3:.2f} ms, so a snapshot every step costs at "
         f"least {floor['every_step_ratio']:.2f}× plain.\n"
+        f"detectors: the guard's and detectors' own time on the training thread per step, and its share of the "
+        f"step's body, timed inside the runs.\n"
         f"inline: stalwart's time on the training thread between steps, over the steps' own time, in the same "
         f"runs. The plain runs' medians spread {report['plain_spread']:.3f}× over {report['rounds']} rounds: "
         "ratios closer to 1 than that are within this machine's noise."

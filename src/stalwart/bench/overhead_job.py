@@ -127,6 +127,8 @@ def main() -> None:
         if world > 1:
             torch.distributed.destroy_process_group()
     else:
+        result["detector_s"] = job.detector_seconds / max(1, len(starts))  # per step, all steps
+        result["detector_breakdown_s"] = {k: v / max(1, len(starts)) for k, v in job.detector_breakdown.items()}
         job.close()
     if rank == 0:
         args.result.write_text(json.dumps(result))

@@ -68,7 +68,7 @@ from stalwart.policy.snapshot import LightCost, SnapshotSchedule
 from stalwart.recovery import reform
 from stalwart.recovery.restore import Restorer
 from stalwart.recovery.rollback import RollbackCap, RollbackRequest, all_finite, read_skips, write_skips
-from stalwart.runtime.dist import Comm, Placement, init_process_group
+from stalwart.runtime.dist import Comm, GatherBatch, Placement, init_process_group
 from stalwart.runtime.local_barrier import LocalBarrier
 from stalwart.runtime.process import first_line
 from stalwart.telemetry.events import EventLog
@@ -169,9 +169,9 @@ class JobConfig:
     and exit status 78. Rollbacks also follow non-finite parameters (a NaN the guard's sample missed) and replica
     divergence without a majority; 0 turns every rollback off (those stop the job instead)."""
     grad_check_sample: int | None = 4096
-    """Gradient elements the numeric guard reads per tensor (every k-th; a smaller tensor whole): a NaN or Inf from
-    the data or the loss reaches every gradient upstream of it, so a sample sees it. None reads every element
-    (exact; one read of all gradients per step, 2.2% of the step on the 4M-parameter CPU bench job)."""
+    """Gradient elements the numeric guard reads per tensor (the first this many; a smaller tensor whole): a NaN or
+    Inf from the data or the loss reaches every gradient upstream of it, so a sample sees it. None reads every
+    element (exact; one read of all gradients per step, 2.2% of the step on the 4M-parameter CPU bench job)."""
     straggler_threshold: float | None = 1.1
     """Straggler detection (detect/straggler.py): a rank whose own work per step (from the step's start to its
     last local gradient, before waiting for the others) takes at least this many times the other ranks' in 3
@@ -322,6 +322,9 @@ class Job:
         self._stragglers: StragglerDetector | None = None  # per-rank compute times, compared every window
         self._divergence: DivergenceCheck | None = None  # the replicas' fingerprints, compared now and then
         self._risk: RiskWatch | None = None  # the agent's warning signs (its GPU watch), agreed by the ranks
+        # Time each detector took on the training thread at steps' ends (Job.detector_seconds).
+        self._exchange = GatherBatch(self.comm.all_gather_ints_later)  # the detectors' all-gathers per window
+        self._detect_s = {"divergence": 0.0, "loss": 0.0, "nonfinite_params": 0.0, "straggler": 0.0, "risk": 0.0}
         factor = self.config.loss_spike_factor
         watch = factor is not None and self.config.loss_spike != "off"
         self._loss_watch = LossWatch(self.events, float(factor)) if watch and factor is not None else None
@@ -504,7 +507,7 @@ class Job:
         self._start_straggler_detector()
         self._start_divergence_check()
         if self._risk is None and self._heartbeat.active:  # under stalwart run: its agent may warn
-            self._risk = RiskWatch(self._heartbeat.risk, self.comm.all_gather_ints_later, self.world_size)
+            self._risk = RiskWatch(self._heartbeat.risk, self._exchange.gather, self.world_size)
         if self._divergence is not None:
             self._divergence.last_agreed = self.step  # one copy of the replicated state was loaded, or DDP's own
         if self._light_wanted():
@@ -567,16 +570,21 @@ class Job:
                 continue
             risk = None
             evict: int | None = None
+            detect_started = time.perf_counter()
             if self._stragglers is not None:  # every rank, at the same steps: a window's end is a collective
                 self._stragglers.step_done(self.step, measured=not self._busy_step)
                 if self._stragglers.newly_flagged:  # the same verdict on every rank, so a save at the same step
                     risk = f"rank {min(self._stragglers.newly_flagged)} is a straggler"
                     if self.config.straggler_policy == "evict":
                         evict = min(self._stragglers.newly_flagged)
+            risk_started = time.perf_counter()
+            self._detect_s["straggler"] += risk_started - detect_started
             if self._risk is not None:  # the agents' warning signs, agreed at the same step on every rank
                 warned = self._risk.step_done(self.step)
                 if warned is not None:
                     risk = risk or f"a GPU warning on the node of rank {', '.join(map(str, warned))}"
+            self._exchange.flush()  # the window's one all-gather for both (nothing to send between windows)
+            self._detect_s["risk"] += time.perf_counter() - risk_started
             self._busy_step = False
             versions_s = 0.0
             if self._light_wanted():
@@ -706,6 +714,7 @@ class Job:
         recovery/rollback.py), agreed by every rank. Also runs the divergence check and the loss-spike check."""
         request = None
         rollbacks = self.config.max_rollbacks > 0
+        started = time.perf_counter()
         if self._divergence is not None and self._divergence.due(self.step):  # every rank, same steps
             try:
                 self._divergence.check(self.step)  # repairs an odd replica before this step's snapshot
@@ -714,6 +723,9 @@ class Job:
                     raise
                 self._diverged = exc
                 request = RollbackRequest("replica_divergence", self.step, exc.last_agreed, None)
+        now = time.perf_counter()
+        self._detect_s["divergence"] += now - started
+        started = now
         loss, self._fresh_loss = self._fresh_loss, None  # only a loss reported in this step
         if self._loss_watch is not None:
             rolls = rollbacks and self.config.loss_spike == "rollback"
@@ -722,6 +734,9 @@ class Job:
             # The ranks' losses differ: they agree, at one all-gather per step, only when a spike rolls back.
             if rolls and any(v[0] for v in self.comm.all_gather_ints([int(spiked)])):
                 request = request or RollbackRequest("loss_spike", self.step, self.step - 1, self.step - 1)
+        now = time.perf_counter()
+        self._detect_s["loss"] += now - started
+        started = now
         guard = self._guard
         if guard is not None and rollbacks and self._guard_agreed and guard.nonfinite_at == self.step - 1:
             # The guard kept this step's update out; if a parameter is already non-finite, the update before it put
@@ -730,6 +745,7 @@ class Job:
             if not all(v[0] for v in self.comm.all_gather_ints([int(all_finite(optimizers))])):
                 before = self.step - 2
                 request = request or RollbackRequest("nonfinite_parameters", self.step, before, before)
+        self._detect_s["nonfinite_params"] += time.perf_counter() - started
         return request
 
     def _roll_back(self, request: RollbackRequest, loader: Iterable[Any] | None) -> bool:
@@ -849,7 +865,7 @@ class Job:
         if not modules:
             return
         self._stragglers = StragglerDetector(
-            self.rank, self.world_size, self.events, self.comm.all_gather_ints_later, threshold=threshold,
+            self.rank, self.world_size, self.events, self._exchange.gather, threshold=threshold,
             announce=self.is_main,
         )  # fmt: skip
         self._stragglers.watch(modules)
@@ -891,6 +907,19 @@ class Job:
             else:
                 walk(obj.state_dict())
         return found
+
+    @property
+    def detector_seconds(self) -> float:
+        """Time the guard and the detectors took on the training thread in this process: the guard's judging at
+        the optimizer step and, at each step's end, the divergence, loss-spike, straggler and risk checks (not
+        the straggler hooks' timestamps inside backward, about a microsecond each). `stalwart bench overhead`
+        reports it per step."""
+        return sum(self.detector_breakdown.values())
+
+    @property
+    def detector_breakdown(self) -> dict[str, float]:
+        """`detector_seconds` by detector: guard, divergence, loss, nonfinite_params, straggler, risk."""
+        return {"guard": self._guard.seconds if self._guard is not None else 0.0, **self._detect_s}
 
     @property
     def skipped_steps(self) -> list[int]:

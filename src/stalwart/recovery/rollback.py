@@ -33,6 +33,9 @@ What triggers it (JobConfig):
   skipped (the harm came from a corrupted replica, not from the data).
 `max_rollbacks` rollbacks in a row (each within ROLLBACK_WINDOW steps of the previous one's trigger) mean the
 trouble is not one bad batch: the job stops with NumericError (exit 78, not restarted).
+
+Not invalidated: the images other nodes keep of this rank's snapshots (peer replicas, L3). A whole node lost
+right after a rollback, before the replay has passed the abandoned steps, could resume from one of them.
 """
 
 from __future__ import annotations

@@ -217,3 +217,48 @@ def _bootstrap_store(placement: Placement, timeout: timedelta) -> dist.Store | N
     if not addr or not port.isdigit() or os.environ.get(AGENT_STORE_ENV, "").lower() in ("1", "true"):
         return None
     return tcp_store(addr, int(port), is_server=placement.rank == 0, timeout=timeout, world_size=placement.world_size)
+
+
+class GatherBatch:
+    """Several small all-gathers started at the same step, carried by one collective (`flush`).
+
+    Why: detectors that compare ranks (straggler times, the agents' risk flags) each exchange a few ints every 10
+    steps; each collective costs tens of microseconds of dispatch on the training thread whatever its size, so
+    one per window does for all. `gather(values)` has the signature of `Comm.all_gather_ints_later`: it records
+    the values and returns the function that waits for every rank's values of that call; it may be called only
+    after `flush()` (the detectors read a window's result one window later). Every rank makes the same calls in
+    the same order, as with any collective."""
+
+    def __init__(self, gather_later: Callable[[list[int]], Callable[[], list[list[int]]]]) -> None:
+        self._gather_later = gather_later
+        self._parts: list[int] = []
+        self._slots: list[list[Callable[[], list[list[int]]]]] = []  # each filled by flush() with the wait
+
+    def gather(self, values: list[int]) -> Callable[[], list[list[int]]]:
+        start, end = len(self._parts), len(self._parts) + len(values)
+        self._parts.extend(values)
+        slot: list[Callable[[], list[list[int]]]] = []
+        self._slots.append(slot)
+
+        def result() -> list[list[int]]:
+            if not slot:
+                raise RuntimeError("GatherBatch: a result was read before flush()")
+            return [row[start:end] for row in slot[0]()]
+
+        return result
+
+    def flush(self) -> None:
+        """Start the one collective for every `gather` since the last flush (none: nothing)."""
+        if not self._parts:
+            return
+        wait = self._gather_later(self._parts)
+        done: list[list[list[int]]] = []
+
+        def once() -> list[list[int]]:
+            if not done:
+                done.append(wait())
+            return done[0]
+
+        for slot in self._slots:
+            slot.append(once)
+        self._parts, self._slots = [], []
