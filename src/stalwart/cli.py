@@ -15,6 +15,7 @@ commands:
   ckpt     list, verify or inspect a checkpoint directory
   nodes    the node exclusion list: 'nodes list', 'nodes clear [HOST]' (a node the GPU playbook took out)
   preflight  check this node: matmul throughput, a memory pattern test, an all-reduce among its devices
+  report   where a run's wall time went: goodput, its breakdown, each failure's detection and recovery
   bench    measure on this machine: 'bench checkpoint' compares stalwart with torch.save and DCP,
            'bench recovery' with torchrun (and torchft when installed)
   version  print stalwart's version
@@ -59,6 +60,12 @@ def _preflight(argv: list[str]) -> int:
     return main(argv)
 
 
+def _report(argv: list[str]) -> int:
+    from stalwart.telemetry.report_cli import main
+
+    return main(argv)
+
+
 def _bench(argv: list[str]) -> int:
     from stalwart.bench.cli import main
 
@@ -71,6 +78,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "ckpt": _ckpt,
     "nodes": _nodes,
     "preflight": _preflight,
+    "report": _report,
     "bench": _bench,
     "version": _version,
 }
