@@ -128,3 +128,28 @@ def test_a_bad_path_is_one_clear_error(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "stalwart", "report", str(foreign)], capture_output=True, text=True,
                          timeout=60, env=child_env())  # fmt: skip
     assert out.returncode == 2 and "not a stalwart event log" in out.stderr
+
+
+def test_prometheus_metrics_of_a_running_job(launch: Any) -> None:
+    """--metrics-port 0: the launcher serves the run's metrics on 127.0.0.1 while it runs, under conventional names."""
+    import urllib.request
+
+    faults = child_env(STALWART_FAULTS="kill@rank=1,step=10;nan@rank=0,step=30,restart=1")
+    job = launch(["--metrics-port", "0", *tiny_args("--steps", "400", "--step-sleep", "0.02")], env=faults)
+    listening = job.wait_for(lambda: job.events("metrics_listening"), 60, "the metrics server")[0]
+    assert listening["addr"] == "127.0.0.1"
+    url = f"http://127.0.0.1:{listening['port']}/metrics"
+
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}  # fmt: skip
+
+    metrics = job.wait_for(lambda: (m := scrape()).get("stalwart_step", 0) >= 60 and m, 120, "step 60 in the metrics")
+    assert metrics['stalwart_restarts_total{reason="killed"}'] == 1
+    assert metrics['stalwart_detector_events_total{event="nonfinite_gradients"}'] >= 1
+    assert metrics["stalwart_checkpoint_stall_seconds_total"] > 0
+    assert metrics["stalwart_checkpoint_persist_seconds_count"] >= 1
+    assert 0 < metrics["stalwart_step_seconds"] < 5
+    job.wait_for(lambda: 0 < scrape()["stalwart_goodput_ratio"] <= 1, 30, "a goodput figure")
+    assert job.wait(180) == 0, job.output()

@@ -48,6 +48,7 @@ from stalwart.runtime.env import (
     GLOO_IFNAME_ENV,
     HANG_TIMEOUT_ENV,
     HEARTBEAT_ENV,
+    METRICS_PORT_ENV,
     REFORM_ENV,
     SHARE_STORE_ENV,
     SNAPSHOT_DIR_ENV,
@@ -60,6 +61,7 @@ from stalwart.supervisor.host_pool import SparePool
 from stalwart.supervisor.rendezvous import rendezvous_handler
 from stalwart.supervisor.zygote import Zygote
 from stalwart.telemetry.events import EventLog
+from stalwart.telemetry.metrics import MetricsServer
 
 DEFAULT_EVENT_LOG = "stalwart-logs/events.jsonl"
 SNAPSHOTS_PREFIX = "stalwart-snapshots-"
@@ -114,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
         "turns it off)".replace("${REFORM_ENV}", REFORM_ENV),
     )
     preflight.add_arguments(parser)
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ[METRICS_PORT_ENV]) if os.environ.get(METRICS_PORT_ENV, "").isdigit() else None,
+        help="serve the run's Prometheus metrics on this port (0: any free one; default: off)",
+    )
+    parser.add_argument("--metrics-addr", default="127.0.0.1",
+                        help="the address the metrics listen on (default 127.0.0.1: this host only)")  # fmt: skip
     if "PET_MAX_RESTARTS" not in os.environ:
         parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
     return parser
@@ -304,6 +314,16 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1
     preflight.gate(args, events, nproc, say)  # before this node joins any rendezvous
+    if args.metrics_port is not None:
+        try:
+            metrics = MetricsServer(event_log, args.metrics_port, args.metrics_addr)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve metrics on {args.metrics_addr}:{args.metrics_port}: {exc.strerror or exc}"
+            ) from exc
+        cleanup.callback(metrics.close)
+        events.emit("metrics_listening", addr=metrics.addr, port=metrics.port)
+        say(f"Prometheus metrics at http://{metrics.addr}:{metrics.port}/metrics")
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
     if min_nodes < max_nodes:
         os.environ[ELASTIC_ENV] = "1"  # the world size may change between restarts; the Job allows it
