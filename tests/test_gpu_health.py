@@ -41,6 +41,8 @@ def test_the_playbook_follows_the_xid_catalog() -> None:
     assert playbook(79).action == DRAIN_NODE and "fallen off the bus" in playbook(79).meaning
     assert playbook(13).action == RESTART_PROCESS
     assert playbook(63).action == REPORT
+    # Checked against copies of NVIDIA's Xid Catalog spreadsheet (2026-11-24): IGNORE is report, RESET_GPU reset_gpu.
+    assert [playbook(x).action for x in (38, 43, 46, 64, 109, 143)] == [REPORT, REPORT, *["reset_gpu"] * 4]
     assert playbook(99999).action == REPORT and "not in stalwart's playbook" in playbook(99999).meaning
 
 

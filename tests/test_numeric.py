@@ -248,3 +248,19 @@ def test_a_job_in_one_process_reports_a_loss_spike_and_skips_a_nan_update(
     events = list(read_events(log))
     assert [e["step"] for e in events if e["event"] == "loss_spike"] == [31]  # after the step: 31 completed
     assert [e["step"] for e in events if e["event"] == "nonfinite_gradients"] == [33]
+
+
+def test_a_noisy_per_batch_loss_raises_no_spike(tmp_path: Path) -> None:
+    """Small batches give a heavy-tailed loss (here a chi-square of 4 degrees, scaled): 5x the median comes now and
+    then, but no outlier of the median-absolute-deviation test; a 100x batch still does."""
+    from stalwart.detect.numeric import LossWatch
+
+    g = torch.Generator().manual_seed(0)
+    watch = LossWatch(EventLog(tmp_path / "events.jsonl"), factor=5.0)
+    losses = torch.randn(3000, 4, generator=g).pow(2).mean(dim=1) * 0.5
+    assert (losses > 5 * losses.median()).sum() > 0, "the plain 5x rule would fire"
+    for step, loss in enumerate(losses.tolist()):
+        watch.observe(step, loss)
+    assert watch.spikes == []
+    watch.observe(3000, 100 * float(losses.median()))
+    assert watch.spikes == [3000]

@@ -16,6 +16,7 @@ commands:
   nodes    the node exclusion list: 'nodes list', 'nodes clear [HOST]' (a node the GPU playbook took out)
   preflight  check this node: matmul throughput, a memory pattern test, an all-reduce among its devices
   report   where a run's wall time went: goodput, its breakdown, each failure's detection and recovery
+  chaos    run a job under faults (a scenario file, or --suite quick) and check it ends as without them
   bench    measure on this machine: 'bench checkpoint' compares stalwart with torch.save and DCP,
            'bench recovery' with torchrun (and torchft when installed)
   version  print stalwart's version
@@ -66,6 +67,12 @@ def _report(argv: list[str]) -> int:
     return main(argv)
 
 
+def _chaos(argv: list[str]) -> int:
+    from stalwart.chaos.cli import main
+
+    return main(argv)
+
+
 def _bench(argv: list[str]) -> int:
     from stalwart.bench.cli import main
 
@@ -79,6 +86,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "nodes": _nodes,
     "preflight": _preflight,
     "report": _report,
+    "chaos": _chaos,
     "bench": _bench,
     "version": _version,
 }

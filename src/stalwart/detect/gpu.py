@@ -57,42 +57,60 @@ class XidRule:
 XID_PLAYBOOK: dict[int, XidRule] = {
     13: XidRule("graphics engine exception (often an application's illegal access)", RESTART_PROCESS),
     31: XidRule("GPU memory page fault (an application's illegal address)", RESTART_PROCESS),
-    32: XidRule("invalid or corrupted push buffer stream", RESTART_PROCESS),
-    38: XidRule("driver firmware error", RESET_GPU),
-    43: XidRule("GPU stopped processing (a channel was reset after an application error)", RESTART_PROCESS),
+    32: XidRule("invalid or corrupted push buffer stream (mostly PCIe quality)", RESTART_PROCESS),
+    38: XidRule("driver firmware error (FECS watchdog timeout)", REPORT),
+    43: XidRule("GPU stopped processing (the application faulted; the GPU stays healthy)", REPORT),
     45: XidRule("preemptive cleanup after an earlier error", REPORT),
+    46: XidRule("GPU stopped processing (GPU timeout)", RESET_GPU),
     48: XidRule("double-bit ECC error", RESET_GPU),
-    56: XidRule("display engine error", REPORT),
-    57: XidRule("error programming video memory interface", RESET_GPU),
-    58: XidRule("unstable video memory interface detected", RESET_GPU),
+    54: XidRule("auxiliary power is not connected to the GPU board", DRAIN_NODE),
+    56: XidRule("display engine error (unused on data-center GPUs)", REPORT),
+    57: XidRule("error programming video memory interface (unused on current GPUs)", REPORT),
+    58: XidRule("unstable video memory interface detected (unused on current GPUs)", REPORT),
     61: XidRule("internal micro-controller breakpoint or warning", RESET_GPU),
     62: XidRule("internal micro-controller halt", RESET_GPU),
     63: XidRule("ECC page retirement or row remapping recorded", REPORT),
-    64: XidRule("ECC page retirement or row remapping failed", DRAIN_NODE),
-    68: XidRule("video processor exception", RESTART_PROCESS),
+    64: XidRule("ECC page retirement or row remapping failed", RESET_GPU),
+    68: XidRule("video decoder (NVDEC) exception", RESTART_PROCESS),
     69: XidRule("graphics engine class error", RESTART_PROCESS),
     74: XidRule("NVLink error", RESET_GPU),
     79: XidRule("GPU has fallen off the bus", DRAIN_NODE),
     92: XidRule("high single-bit ECC error rate", REPORT),
     94: XidRule("contained ECC error (the application that used the memory must restart)", RESTART_PROCESS),
     95: XidRule("uncontained ECC error (every application on the GPU is affected)", RESET_GPU),
-    109: XidRule("context switch timeout", RESTART_PROCESS),
+    109: XidRule("context switch timeout", RESET_GPU),
     110: XidRule("security fault error", RESET_GPU),
     119: XidRule("GSP RPC timeout", RESET_GPU),
     120: XidRule("GSP error", RESET_GPU),
     121: XidRule("C2C link corrected error", REPORT),
-    122: XidRule("SPI PMU RPC read failure", RESET_GPU),
+    122: XidRule("SPI PMU RPC read failure (unused on current GPUs)", REPORT),
     123: XidRule("SPI PMU RPC write failure", RESET_GPU),
+    136: XidRule("link training failed", RESET_GPU),
     140: XidRule("unrecovered ECC error", RESET_GPU),
-    143: XidRule("GPU initialization failure", DRAIN_NODE),
-    144: XidRule("NVLink SAW MVB error", RESET_GPU),
+    143: XidRule("GPU initialization failure", RESET_GPU),
+    144: XidRule("NVLink SAW error", RESET_GPU),
     145: XidRule("NVLink RLW error", RESET_GPU),
+    146: XidRule("NVLink TLW error", RESET_GPU),
+    147: XidRule("NVLink TREX error", RESET_GPU),
+    148: XidRule("NVLink NVLPW control error", RESET_GPU),
     149: XidRule("NVLink NETIR error", RESET_GPU),
-    154: XidRule("GPU recovery action changed (the driver asks for a reset or a reboot)", DRAIN_NODE),
+    150: XidRule("NVLink MSE error", RESET_GPU),
+    151: XidRule("key rotation error (confidential computing: the VM must restart)", DRAIN_NODE),
+    154: XidRule("GPU recovery action changed (the message says reset or reboot)", RESET_GPU),
     155: XidRule("NVLink SW defined error", RESET_GPU),
+    156: XidRule("resource retirement event", RESET_GPU),
+    158: XidRule("GPU fatal timeout", RESET_GPU),
+    171: XidRule("uncorrectable DRAM error", RESET_GPU),
+    172: XidRule("uncorrectable SRAM error", RESET_GPU),
 }
-"""XID -> meaning and action, after NVIDIA's XID catalog (docs.nvidia.com/deploy/xid-errors). An XID not listed
-is reported with the action REPORT."""
+"""XID -> meaning and action, after NVIDIA's XID catalog (docs.nvidia.com/deploy/xid-errors, the "Xid Catalog"
+spreadsheet), checked on 2026-11-24 against three copies built from it (NVIDIA/NVSentinel's
+xiderrorsmapping.csv, leptonai/gpud's catalog_generated.go, and a YAML with the catalog's action definitions).
+The catalog's first action maps onto ours: RESTART_APP -> restart_process, RESET_GPU -> reset_gpu, RESTART_BM
+-> drain_node, IGNORE -> report. Where it says "Unused" (56-58, 122) the code is reported; 61 and 123 keep
+NVIDIA's older debug guidance (reset); 154 carries the action in its message, which an NVML XID event does not:
+reset_gpu, which here excludes the node like a drain. Codes whose action depends on sub-codes in the message
+(NVLink 144-150) take the catalog's fatal case. An XID not listed is reported with the action REPORT."""
 
 
 def playbook(xid: int) -> XidRule:

@@ -207,7 +207,13 @@ def _attach_failures(
         nxt_start = segments[i + 1].start
         noticed = [e for e in agent if e["event"] in ("worker_failed", "hang_detected")
                    and seg.end - 1.0 <= e["mono"] <= nxt_start]  # fmt: skip
-        if not noticed:
+        if not noticed:  # the launcher itself died (a node lost): whoever killed it said so, or nobody did
+            lost = [e for e in events if e["event"] == "fault_injected" and e.get("fault") == "kill_node"
+                    and seg.start <= e["mono"] <= nxt_start]  # fmt: skip
+            if lost:
+                seg.failure_at = seg.detected_at = float(lost[0]["mono"])
+                seg.kind = "kill_node"
+                seg.end = max(min(seg.end, seg.failure_at), seg.start)
             continue
         first = noticed[0]
         seg.detected_at = float(first["mono"])

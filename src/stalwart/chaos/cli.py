@@ -1,0 +1,169 @@
+"""`stalwart chaos`: run a job under faults and check that it ends where a run without them ends.
+
+    stalwart chaos SCENARIO.toml -- train.py --ckpt ckpt ...   # your job, your scenario (chaos/scenario.py)
+    stalwart chaos --suite quick                               # every fault type on the built-in job, < 5 min
+
+Each run happens in its own directory under `--workdir` (the job's relative paths land there): `reference/` (no
+faults; once, and reused by every scenario) and one per scenario. Per scenario it prints whether the run ended
+well, whether every committed checkpoint verifies and whether the final checkpoint is bitwise the reference's,
+then each failure's detection, time to the next step, steps lost and tier (telemetry/goodput.py). Exit status:
+0 when every scenario passed, 1 when one did not, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from rich.table import Table
+
+from stalwart.chaos import harness
+from stalwart.chaos.scenario import FaultSpec, Scenario, load
+from stalwart.errors import ConfigError
+from stalwart.telemetry.console import console
+from stalwart.telemetry.events import read_events
+from stalwart.telemetry.goodput import account
+
+TINY_JOB = ["-m", "stalwart.chaos.tiny_job", "--ckpt", "ckpt", "--steps", "60"]
+
+
+def quick_suite() -> list[Scenario]:
+    """Every fault type once, and the compound cases, on the built-in job (60 steps, checkpoints every 10)."""
+
+    def s(name: str, *faults: FaultSpec, expect: str = "identical") -> Scenario:
+        return Scenario(name, faults, expect=expect, timeout_s=240)
+
+    return [
+        s("kill", FaultSpec("kill", rank=1, step=20)),
+        s("hang", FaultSpec("stop", rank=0, step=20)),
+        s("slow_rank", FaultSpec("slow", rank=1, step=5, options={"ms": 10})),
+        s("nan_batch", FaultSpec("nan", rank=1, step=25), expect="completes"),
+        s("loss_spike", FaultSpec("spike", rank=0, step=30, options={"factor": 1000}), expect="completes"),
+        s("bit_flip", FaultSpec("flip", rank=1, step=23)),
+        s("storage_full", FaultSpec("storage_error", rank=0, step=20, options={"errno": "ENOSPC", "times": 2})),
+        s("kill_in_save", FaultSpec("kill_in_save", rank=1, step=30)),
+        s("kill_node", FaultSpec("kill_node", step=35)),
+        s("corrupt_checkpoint", FaultSpec("corrupt_checkpoint", step=45)),
+        s("stop_and_kill", FaultSpec("stop", rank=0, step=20), FaultSpec("kill", rank=1, step=20)),
+        s(
+            "kill_during_recovery",
+            FaultSpec("kill", rank=1, step=20),
+            FaultSpec("kill", rank=0, step=20, options={"restart": 1}),
+        ),
+    ]
+
+
+@dataclass(slots=True)
+class Outcome:
+    scenario: str
+    faults: list[str]
+    passed: bool
+    exit_code: int | None
+    seconds: float
+    checkpoints_ok: bool
+    identical: bool | None
+    problems: list[str] = field(default_factory=list)
+    goodput: float = 0.0
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    sent: list[str] = field(default_factory=list)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def main(argv: list[str]) -> int:
+    options, job = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    p = _Parser(prog="stalwart chaos", description="Run a job under faults; check it ends as without them.")
+    p.add_argument("scenario", nargs="?", type=Path, help="a scenario file (TOML); or --suite")
+    p.add_argument("--suite", choices=("quick",), help="built-in scenarios: quick (every fault type, < 5 min)")
+    p.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a new temporary dir)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(options)
+    if (args.scenario is None) == (args.suite is None):
+        raise ConfigError("give a scenario file or --suite quick")
+    scenarios = quick_suite() if args.suite else [load(args.scenario)]
+    if args.suite and job:
+        raise ConfigError("--suite runs the built-in job; give your own job with a scenario file")
+    job = job or TINY_JOB
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="stalwart-chaos-"))
+    out = console(stderr=True)
+    say = (lambda line: out.print(f"[chaos] {line}")) if not args.json else (lambda line: None)
+    first = scenarios[0]
+    say(f"reference run (no faults) in {workdir / 'reference'}")
+    reference = harness.run_job(None, job, workdir / "reference", say, timeout_s=first.timeout_s,
+                                nproc=first.nproc_per_node, max_restarts=first.max_restarts,
+                                launcher_args=first.launcher_args)  # fmt: skip
+    if reference.exit_code != 0:
+        raise ConfigError(f"the reference run (no faults) failed with status {reference.exit_code}; see "
+                          f"{reference.directory / 'output.log'}")  # fmt: skip
+    outcomes = []
+    for scenario in scenarios:
+        say(f"{scenario.name}: {'; '.join(f.label for f in scenario.faults)}")
+        outcome = run_scenario(scenario, job, workdir, say)
+        outcomes.append(outcome)
+        say(f"{scenario.name}: {'passed' if outcome.passed else 'FAILED: ' + '; '.join(outcome.problems)} "
+            f"({outcome.seconds:.1f} s)")  # fmt: skip
+    passed = all(o.passed for o in outcomes)
+    if args.json:
+        print(json.dumps({"workdir": str(workdir), "passed": passed, "scenarios": [asdict(o) for o in outcomes]}))
+    else:
+        _print(outcomes, workdir)
+    return 0 if passed else 1
+
+
+def run_scenario(scenario: Scenario, job: list[str], workdir: Path, say: Any) -> Outcome:
+    result = harness.run_job(scenario, job, workdir / scenario.name, say, timeout_s=scenario.timeout_s,
+                             nproc=scenario.nproc_per_node, max_restarts=scenario.max_restarts,
+                             launcher_args=scenario.launcher_args)  # fmt: skip
+    problems: list[str] = []
+    if result.exit_code is None:
+        problems.append(f"did not finish within {scenario.timeout_s:g} s")
+    elif result.exit_code != 0:
+        problems.append(f"stalwart run exited with status {result.exit_code}")
+    ckpt = result.directory / scenario.checkpoint_dir
+    bad = harness.verify_checkpoints(ckpt)
+    problems += bad
+    identical = None
+    if scenario.expect == "identical" and result.exit_code == 0:
+        differ = harness.compare_final(ckpt, workdir / "reference" / scenario.checkpoint_dir)
+        identical = not differ
+        problems += differ
+    g = account(read_events(result.log))
+    return Outcome(
+        scenario.name, [f.label for f in scenario.faults], not problems, result.exit_code, round(result.seconds, 2),
+        not bad, identical, problems, round(g.ratio, 4), [asdict(r) for r in g.recoveries], result.sent,
+    )  # fmt: skip
+
+
+def _print(outcomes: list[Outcome], workdir: Path) -> None:
+    out = console()
+    table = Table(title=f"chaos: {sum(o.passed for o in outcomes)} of {len(outcomes)} scenarios passed")
+    for column in ("scenario", "faults", "result", "bitwise", "goodput", "recoveries: detection / to next step / "
+                   "steps lost / state from"):  # fmt: skip
+        table.add_column(column, no_wrap=True)
+    for o in outcomes:
+        recoveries = (
+            ", ".join(
+                f"{r['kind']} {_s(r['detection_s'])} / {_s(r['recovery_s'])} / {r['steps_lost']} / {r['tier'] or '?'}"
+                for r in o.recoveries
+            )
+            or "none"
+        )
+        bitwise = "yes" if o.identical else "-" if o.identical is None else "NO"
+        table.add_row(o.scenario, "; ".join(o.faults), "passed" if o.passed else "FAILED", bitwise,
+                      f"{100 * o.goodput:.0f}%", recoveries)  # fmt: skip
+    out.print(table)
+    for o in outcomes:
+        for problem in o.problems:
+            out.print(f"{o.scenario}: {problem}")
+    out.print(f"{sum(o.seconds for o in outcomes):.0f} s of runs; each run's output.log and events.jsonl: {workdir}")
+
+
+def _s(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds:.2f} s"

@@ -1,0 +1,234 @@
+"""Running a job under a scenario's faults, and checking what it ended with.
+
+A run is `stalwart run` in its own directory (the job's relative paths land there) and its own session, watched
+through its event log. Step faults reach the job through STALWART_FAULTS; the harness sends time faults itself,
+writing a `fault_injected` event for each (so detection latencies can be measured), and launches the node
+again after it killed it, as a scheduler would (step faults are for the first launch only: a relaunched job
+starts its restart count from 0 again). Every process a run started is ended by pid when it is over.
+
+Verification after the run: the launcher's exit status, every committed checkpoint verifies (checksums of every
+shard), and the final checkpoint is bitwise the reference run's (every tensor's xxh3, and every rank's state
+skeleton) when the scenario expects an identical result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stalwart.chaos.scenario import HARNESS_KINDS, FaultSpec, Scenario
+from stalwart.checkpoint.format import layout
+from stalwart.checkpoint.storage import open_storage
+from stalwart.checkpoint.tools.inspect import verify
+from stalwart.runtime.env import EVENT_LOG_ENV, FAULTS_ENV
+from stalwart.runtime.process import spawn
+from stalwart.telemetry.events import EventLog
+
+Progress = Callable[[str], None]
+POLL_S = 0.05
+
+
+@dataclass(slots=True)
+class RunResult:
+    directory: Path
+    exit_code: int | None
+    """The last launcher's exit status; None when the run timed out."""
+    launches: int
+    seconds: float
+    sent: list[str] = field(default_factory=list)
+    """The time faults the harness sent, in order."""
+
+    @property
+    def log(self) -> Path:
+        return self.directory / "events.jsonl"
+
+
+class _Launch:
+    def __init__(self, cmd: list[str], directory: Path, env: dict[str, str]) -> None:
+        out = open(directory / "output.log", "ab")  # noqa: SIM115 - the child holds it; closed below
+        self.proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=directory, start_new_session=True)
+        out.close()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def run_job(
+    scenario: Scenario | None, job: list[str], directory: Path, progress: Progress, *, timeout_s: float = 600.0,
+    nproc: int = 2, max_restarts: int = 20, launcher_args: tuple[str, ...] = (),
+) -> RunResult:  # fmt: skip
+    """Run `job` (a script and its arguments) under `stalwart run` in `directory`, with the scenario's faults (None:
+    the fault-free reference)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    log = directory / "events.jsonl"
+    chaos_log = EventLog(log, role="chaos")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHELASTIC_", "PET_")) and k not in (FAULTS_ENV, EVENT_LOG_ENV)}  # fmt: skip
+    env.update({EVENT_LOG_ENV: str(log), "PYTHONUNBUFFERED": "1"})
+    if scenario is not None and scenario.step_faults():
+        env[FAULTS_ENV] = scenario.step_faults()
+    cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", str(nproc), "--max-restarts",
+           str(max_restarts), "--event-log", str(log), *launcher_args, *job]  # fmt: skip
+    schedule = _schedule(scenario, timeout_s) if scenario is not None else []
+    at_steps = sorted(((f.step, f) for f in scenario.faults if f.kind in HARNESS_KINDS and f.step is not None),
+                      key=lambda x: x[0]) if scenario is not None else []  # fmt: skip
+    progress_of: dict[str, int] = {"step": 0}
+    started = time.monotonic()
+    launch = _Launch(cmd, directory, env)
+    result = RunResult(directory, None, 1, 0.0)
+    workers: dict[int, int] = {}  # rank -> newest worker pid
+    offset = 0
+    try:
+        while time.monotonic() - started < timeout_s:
+            time.sleep(POLL_S)
+            offset = _read_pids(log, offset, workers, progress_of)
+            now = time.monotonic() - started
+            due = []
+            while schedule and schedule[0][0] <= now:
+                due.append(schedule.pop(0)[1])
+            while at_steps and at_steps[0][0] <= progress_of["step"]:
+                due.append(at_steps.pop(0)[1])
+            for spec in due:
+                relaunch = _send(spec, workers, launch, directory, scenario, chaos_log, result, progress)
+                if relaunch:
+                    env.pop(FAULTS_ENV, None)
+                    launch = _Launch(cmd, directory, env)
+                    result.launches += 1
+                    workers.clear()
+            code = launch.proc.poll()
+            if code is not None:
+                result.exit_code = code
+                break
+    finally:
+        if launch.proc.poll() is None:
+            launch.kill()
+        _read_pids(log, offset, workers, progress_of)
+        for pid in workers.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        chaos_log.close()
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _schedule(scenario: Scenario, horizon_s: float) -> list[tuple[float, FaultSpec]]:
+    """(seconds after the launch, fault) of every time fault, Poisson ones drawn from the scenario's seed."""
+    rng = random.Random(scenario.seed)
+    times: list[tuple[float, FaultSpec]] = []
+    for f in scenario.faults:
+        if f.at_s is not None:
+            times.append((f.at_s, f))
+        elif f.mtbf_s is not None:
+            t = rng.expovariate(1 / f.mtbf_s)
+            while t < horizon_s:
+                times.append((t, f))
+                t += rng.expovariate(1 / f.mtbf_s)
+    return sorted(times, key=lambda x: x[0])
+
+
+def _read_pids(log: Path, offset: int, workers: dict[int, int], progress: dict[str, int]) -> int:
+    """Newest worker pid per rank, and rank 0's newest completed step, from the log past `offset`."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+    except FileNotFoundError:
+        return offset
+    end = chunk.rfind(b"\n") + 1
+    for line in chunk[:end].splitlines():
+        with contextlib.suppress(ValueError):
+            e = json.loads(line)
+            if e.get("event") == "worker_started" and "rank" in e:
+                workers[int(e["rank"])] = int(e["pid"])
+            elif e.get("event") == "step_done" and e.get("rank") == 0:
+                progress["step"] = max(progress["step"], int(e["step"]))
+    return offset + end
+
+
+def _send(
+    spec: FaultSpec, workers: dict[int, int], launch: _Launch, directory: Path, scenario: Scenario | None,
+    log: EventLog, result: RunResult, progress: Progress,
+) -> bool:  # fmt: skip
+    """Send one time fault; whether the node must be launched again."""
+    if spec.kind in ("kill", "stop"):
+        pid = workers.get(spec.rank)
+        if pid is None:
+            progress(f"{spec.label}: rank {spec.rank} has no worker yet; not sent")
+            return False
+        log.emit("fault_injected", fault=spec.kind, rank=spec.rank, target_pid=pid, by="harness")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL if spec.kind == "kill" else signal.SIGSTOP)
+        result.sent.append(f"{spec.kind} rank {spec.rank} (pid {pid})")
+        return False
+    if spec.kind == "corrupt_checkpoint":
+        assert scenario is not None
+        damaged = _corrupt_newest(directory / scenario.checkpoint_dir)
+        result.sent.append(f"corrupted {damaged}" if damaged else "no committed checkpoint to corrupt")
+    log.emit("fault_injected", fault="kill_node", by="harness")
+    launch.kill()
+    for pid in workers.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    result.sent.append("killed the node (launcher and workers); launched it again")
+    progress(f"{spec.label}: node killed, launching it again")
+    return True
+
+
+def _corrupt_newest(root: Path) -> str | None:
+    """Flip one byte in the middle of the newest committed checkpoint's first data file."""
+    storage = open_storage(str(root), None)
+    steps = layout.committed_steps(storage)
+    if not steps:
+        return None
+    step_dir = root / layout.step_dir_name(steps[0])
+    data = sorted(step_dir.glob("*.data"))
+    if not data:
+        return None
+    path = data[0]
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0x5A]) if byte else b"\x01")
+    return str(path.relative_to(root.parent))
+
+
+def verify_checkpoints(root: Path) -> list[str]:
+    """Every problem of every committed checkpoint under `root`."""
+    storage = open_storage(str(root), None)
+    return [f"step {step}: {p}" for step in layout.committed_steps(storage) for p in verify(storage, step)]
+
+
+def compare_final(root: Path, reference: Path) -> list[str]:
+    """Why the newest checkpoint under `root` is not bitwise the newest under `reference` (none: it is)."""
+    a, b = open_storage(str(root), None), open_storage(str(reference), None)
+    steps_a, steps_b = layout.committed_steps(a), layout.committed_steps(b)
+    if not steps_a or not steps_b:
+        return [f"no committed checkpoint in {root if not steps_a else reference}"]
+    if steps_a[0] != steps_b[0]:
+        return [f"the final checkpoint is of step {steps_a[0]}, the reference's of step {steps_b[0]}"]
+    ma, mb = layout.read_manifest(a, steps_a[0]), layout.read_manifest(b, steps_b[0])
+    # The tracked objects' tensors, every one; not the RNG states: a generator the job never seeds (numpy's,
+    # Python's) differs between any two runs, and a wrongly restored one that matters (torch's, through dropout)
+    # shows in the parameters anyway.
+    ours = {t: e for t, e in ma.tensors.items() if "/rng/" not in t}
+    theirs = {t: e for t, e in mb.tensors.items() if "/rng/" not in t}
+    problems = []
+    if set(ours) != set(theirs):
+        problems.append(f"the final checkpoints hold different tensors ({len(ours)} and {len(theirs)})")
+    differ = sorted(t for t in set(ours) & set(theirs) if ours[t].xxh3 != theirs[t].xxh3)
+    if differ:
+        problems.append(f"{len(differ)} of {len(ours)} tensors differ from the reference's (first: {differ[0]})")
+    return problems

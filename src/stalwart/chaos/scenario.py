@@ -1,0 +1,168 @@
+"""A chaos scenario: which faults a run of the user's job meets, when, and how the run is launched.
+
+    # stalwart chaos scenario (TOML)
+    [run]
+    nproc_per_node = 2        # stalwart run's --nproc-per-node
+    max_restarts = 20
+    checkpoint_dir = "ckpt"   # the job's checkpoint directory, relative to each run's directory: verified after
+                              # the run, and its final checkpoint compared with the reference run's
+    timeout_s = 600           # a run that takes longer fails the scenario
+    seed = 0                  # the Poisson faults' draws
+
+    [[faults]]
+    kind = "kill"             # see KINDS
+    rank = 1
+    step = 30                 # when: at a step (the job's own injector, exact), or
+    # at_s = 12.5             # at seconds after the launch (the harness signals the process), or
+    # mtbf_s = 20             # as a Poisson process with this mean time between faults, for the whole run
+
+Step faults go to the job through STALWART_FAULTS (chaos/faults.py, exact and reproducible); time faults are sent
+by the harness to the process (chaos/harness.py). The scenario is checked whole before anything runs: one error
+line names the first problem.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stalwart.errors import ConfigError
+
+STEP_KINDS = ("kill", "hang", "slow", "nan", "spike", "flip", "storage_error", "kill_in_save", "stop")
+"""Faults the job's injector fires at a step (`stop` is a hang by SIGSTOP)."""
+TIME_KINDS = ("kill", "stop", "kill_node", "corrupt_checkpoint")
+"""Faults the harness sends at a time or as a Poisson process: SIGKILL or SIGSTOP to a rank's worker, SIGKILL to
+the launcher and every worker (a node lost; the harness launches it again, as a scheduler would), and damage to
+the newest committed checkpoint followed by a node loss (the restart must fall back to the one before)."""
+HARNESS_KINDS = ("kill_node", "corrupt_checkpoint")
+"""Faults only the harness can send; at a step, it sends them once rank 0 has logged that step."""
+EXPECTS = ("identical", "completes")
+KINDS = tuple(dict.fromkeys((*STEP_KINDS, *TIME_KINDS)))
+_OPTIONS = {"how", "ms", "errno", "times", "phase", "factor", "signal", "restart"}
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    kind: str
+    rank: int = 0
+    step: int | None = None
+    at_s: float | None = None
+    mtbf_s: float | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        when = (f"step {self.step}" if self.step is not None else f"{self.at_s:g} s" if self.at_s is not None
+                else f"every ~{self.mtbf_s:g} s")  # fmt: skip
+        who = "" if self.kind in ("kill_node", "corrupt_checkpoint") else f" rank {self.rank}"
+        return f"{self.kind}{who} at {when}"
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    faults: tuple[FaultSpec, ...]
+    nproc_per_node: int = 2
+    max_restarts: int = 20
+    checkpoint_dir: str = "ckpt"
+    timeout_s: float = 600.0
+    seed: int = 0
+    launcher_args: tuple[str, ...] = ()
+    """More `stalwart run` flags, e.g. ("--spares", "1")."""
+    expect: str = "identical"
+    """"identical": the final checkpoint must be bitwise the fault-free reference's; "completes": the run must end
+    well with valid checkpoints (faults that change the result on purpose: a skipped NaN batch, a rollback)."""
+
+    def step_faults(self) -> str:
+        """The STALWART_FAULTS value for the faults fired by the job at a step."""
+        parts = []
+        for f in self.faults:
+            if f.step is None or f.kind in HARNESS_KINDS:
+                continue
+            kind, options = f.kind, dict(f.options)
+            if kind == "stop":
+                kind, options = "hang", {"how": "sigstop"}
+            fields = [f"rank={f.rank}", f"step={f.step}", *(f"{k}={v}" for k, v in sorted(options.items()))]
+            parts.append(f"{kind}@{','.join(fields)}")
+        return ";".join(parts)
+
+
+def load(path: Path) -> Scenario:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"scenario {path} does not exist") from exc
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"scenario {path} cannot be read: {exc}") from exc
+    return parse(raw, path.stem)
+
+
+def parse(raw: dict[str, Any], name: str) -> Scenario:
+    run = raw.get("run", {})
+    unknown = sorted(set(raw) - {"run", "faults"})
+    if unknown or not isinstance(run, dict):
+        raise ConfigError(f"scenario {name}: unknown sections {unknown} (known: run, faults)")
+    known = {"nproc_per_node", "max_restarts", "checkpoint_dir", "timeout_s", "seed", "launcher_args", "expect"}
+    if set(run) - known:
+        raise ConfigError(f"scenario {name}: unknown [run] keys {sorted(set(run) - known)}")
+    faults = tuple(_fault(f, name, i) for i, f in enumerate(raw.get("faults", []), 1))
+    if not faults:
+        raise ConfigError(f"scenario {name} lists no [[faults]]")
+    try:
+        scenario = Scenario(
+            name,
+            faults,
+            nproc_per_node=int(run.get("nproc_per_node", 2)),
+            max_restarts=int(run.get("max_restarts", 20)),
+            checkpoint_dir=str(run.get("checkpoint_dir", "ckpt")),
+            timeout_s=float(run.get("timeout_s", 600)),
+            seed=int(run.get("seed", 0)),
+            launcher_args=tuple(str(a) for a in run.get("launcher_args", ())),
+            expect=str(run.get("expect", "identical")),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"scenario {name}: bad [run] value ({exc})") from exc
+    if scenario.expect not in EXPECTS:
+        raise ConfigError(f"scenario {name}: expect must be one of {', '.join(EXPECTS)}, got {scenario.expect!r}")
+    if scenario.nproc_per_node < 1 or scenario.timeout_s <= 0 or Path(scenario.checkpoint_dir).is_absolute():
+        raise ConfigError(f"scenario {name}: nproc_per_node >= 1, timeout_s > 0 and a relative checkpoint_dir")
+    for f in faults:
+        if f.rank >= scenario.nproc_per_node and f.kind not in ("kill_node", "corrupt_checkpoint"):
+            raise ConfigError(f"scenario {name}: {f.label} names a rank outside {scenario.nproc_per_node} ranks")
+    return scenario
+
+
+def _fault(raw: Any, name: str, index: int) -> FaultSpec:
+    where = f"scenario {name}, fault {index}"
+    if not isinstance(raw, dict) or raw.get("kind") not in KINDS:
+        kind = raw.get("kind") if isinstance(raw, dict) else raw
+        raise ConfigError(f"{where}: unknown kind {kind!r} (known: {', '.join(KINDS)})")
+    extra = set(raw) - {"kind", "rank", "step", "at_s", "mtbf_s"} - _OPTIONS
+    if extra:
+        raise ConfigError(f"{where}: unknown keys {sorted(extra)}")
+    whens = [k for k in ("step", "at_s", "mtbf_s") if k in raw]
+    if len(whens) != 1:
+        raise ConfigError(f"{where}: give exactly one of step, at_s, mtbf_s")
+    kind = raw["kind"]
+    if "step" in raw and kind not in (*STEP_KINDS, *HARNESS_KINDS):
+        raise ConfigError(f"{where}: {kind} happens at a time (at_s or mtbf_s), not at a step")
+    if "step" not in raw and kind not in TIME_KINDS:
+        raise ConfigError(f"{where}: {kind} happens at a step (step = N)")
+    try:
+        spec = FaultSpec(
+            kind,
+            rank=int(raw.get("rank", 0)),
+            step=int(raw["step"]) if "step" in raw else None,
+            at_s=float(raw["at_s"]) if "at_s" in raw else None,
+            mtbf_s=float(raw["mtbf_s"]) if "mtbf_s" in raw else None,
+            options={k: raw[k] for k in _OPTIONS if k in raw},
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: bad value ({exc})") from exc
+    if spec.rank < 0 or (spec.step is not None and spec.step < 0) or (spec.at_s is not None and spec.at_s < 0):
+        raise ConfigError(f"{where}: rank, step and at_s must not be negative")
+    if spec.mtbf_s is not None and spec.mtbf_s <= 0:
+        raise ConfigError(f"{where}: mtbf_s must be positive")
+    return spec

@@ -1,0 +1,109 @@
+"""`stalwart chaos` (chaos/scenario.py, chaos/harness.py, chaos/cli.py): a job under declared faults, verified
+against a fault-free reference run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import child_env
+from stalwart.chaos.scenario import parse
+from stalwart.errors import ConfigError
+
+
+def _chaos(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stalwart", "chaos", *args], capture_output=True, text=True,
+                          timeout=timeout, env=child_env())  # fmt: skip
+
+
+def test_a_scenario_becomes_step_faults_for_the_job_and_time_faults_for_the_harness() -> None:
+    s = parse({"run": {"nproc_per_node": 3, "seed": 4}, "faults": [
+        {"kind": "kill", "rank": 1, "step": 30},
+        {"kind": "stop", "rank": 2, "step": 40},
+        {"kind": "storage_error", "rank": 0, "step": 20, "errno": "ENOSPC", "times": 2},
+        {"kind": "kill", "rank": 0, "at_s": 12.5},
+        {"kind": "kill_node", "mtbf_s": 30},
+        {"kind": "corrupt_checkpoint", "step": 45},
+    ]}, "mixed")  # fmt: skip
+    assert s.step_faults() == (
+        "kill@rank=1,step=30;hang@rank=2,step=40,how=sigstop;storage_error@rank=0,step=20,errno=ENOSPC,times=2"
+    )
+    assert [f.label for f in s.faults][3:] == [
+        "kill rank 0 at 12.5 s", "kill_node at every ~30 s", "corrupt_checkpoint at step 45"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"faults": []}, "lists no"),
+        ({"faults": [{"kind": "meteor", "step": 1}]}, "unknown kind 'meteor'"),
+        ({"faults": [{"kind": "kill", "rank": 1}]}, "exactly one of step, at_s, mtbf_s"),
+        ({"faults": [{"kind": "nan", "at_s": 3}]}, "nan happens at a step"),
+        ({"faults": [{"kind": "kill", "rank": 5, "step": 3}]}, "outside 2 ranks"),
+        ({"run": {"expect": "maybe"}, "faults": [{"kind": "kill", "step": 3}]}, "expect must be one of"),
+        ({"run": {"checkpoint_dir": "/abs"}, "faults": [{"kind": "kill", "step": 3}]}, "relative checkpoint_dir"),
+        ({"fault": []}, "unknown sections"),
+    ],
+)
+def test_a_bad_scenario_is_one_clear_error(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse(raw, "bad")
+
+
+def test_your_own_scenario_file_with_time_and_poisson_faults(tmp_path: Path) -> None:
+    scenario = tmp_path / "mine.toml"
+    scenario.write_text(
+        '[run]\nnproc_per_node = 2\nseed = 1\ntimeout_s = 240\n\n'
+        '[[faults]]\nkind = "kill"\nrank = 1\nat_s = 4.0\n\n'
+        '[[faults]]\nkind = "kill"\nrank = 0\nmtbf_s = 3.0\n'  # seed 1 draws 0.4 s (no worker yet), 6.1 s, ...
+    )  # fmt: skip
+    job = ["-m", "stalwart.chaos.tiny_job", "--ckpt", "ckpt", "--steps", "300"]
+    out = _chaos(str(scenario), "--workdir", str(tmp_path / "runs"), "--json", "--", *job)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    (mine,) = report["scenarios"]
+    assert mine["passed"] and mine["identical"], mine
+    assert len(mine["sent"]) >= 2 and len(mine["recoveries"]) >= 2, "the fixed kill and at least one drawn one"
+    # A kill that lands during a recovery (before the next first step) merges into the recovery it interrupts,
+    # whose cause the log then cannot pair with one fault: its detection is unknown.
+    assert sum(r["detection_s"] is not None for r in mine["recoveries"]) >= 2
+    assert (tmp_path / "runs" / "reference" / "ckpt").is_dir()
+
+
+def test_a_scenario_that_fails_verification_exits_1(tmp_path: Path) -> None:
+    scenario = tmp_path / "wrong.toml"
+    scenario.write_text('[run]\ncheckpoint_dir = "elsewhere"\n\n[[faults]]\nkind = "kill"\nrank = 1\nstep = 10\n')
+    job = ["-m", "stalwart.chaos.tiny_job", "--ckpt", "ckpt", "--steps", "20"]
+    out = _chaos(str(scenario), "--workdir", str(tmp_path / "runs"), "--", *job)
+    assert out.returncode == 1
+    assert "FAILED" in out.stdout and "no committed checkpoint" in out.stdout
+
+
+def test_bad_command_lines_are_one_clear_error(tmp_path: Path) -> None:
+    for args, message in ((("--suite", "quick", "--", "x.py"), "--suite runs the built-in job"),
+                          ((), "give a scenario file or --suite quick"),
+                          ((str(tmp_path / "none.toml"),), "does not exist")):  # fmt: skip
+        out = _chaos(*args, timeout=60)
+        assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+@pytest.mark.slow
+def test_the_quick_suite_recovers_from_every_fault_type_bitwise(tmp_path: Path) -> None:
+    """Every fault type and the compound cases on the built-in job, in well under 5 minutes."""
+    out = _chaos("--suite", "quick", "--workdir", str(tmp_path), "--json", timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    outcomes = {o["scenario"]: o for o in report["scenarios"]}
+    assert all(o["passed"] for o in outcomes.values())
+    for name in ("kill", "hang", "bit_flip", "kill_node", "corrupt_checkpoint", "stop_and_kill",
+                 "kill_during_recovery", "storage_full", "kill_in_save"):  # fmt: skip
+        assert outcomes[name]["identical"], name
+    assert outcomes["loss_spike"]["recoveries"][0]["kind"] == "rollback"
+    assert outcomes["kill_node"]["recoveries"][0]["tier"] == "durable"
+    assert any("corrupted" in s for s in outcomes["corrupt_checkpoint"]["sent"])
