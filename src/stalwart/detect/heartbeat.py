@@ -13,8 +13,9 @@ A slot is written seqlock-style (sequence odd while writing, even when done), so
 slot: it reads again, or skips the slot until the next interval.
 
 The board's last slot goes the other way: the agent's risk counter, which it raises when its GPU watch sees a
-warning sign (throttling, rising ECC errors, rows pending remapping: supervisor/gpu_watch.py). Workers read it at
-each step's end (one load from mapped memory) and agree on a risk checkpoint (detect/risk.py).
+warning sign (throttling, rising ECC errors, rows pending remapping: supervisor/gpu_watch.py), and its
+preemption flag, set when the launcher gets SIGTERM. Workers read them at each step's end (a load from mapped
+memory) and agree on a risk checkpoint, or a last checkpoint and a clean exit (detect/risk.py).
 """
 
 from __future__ import annotations
@@ -112,6 +113,11 @@ class Board:
             end = max(self.slots, 1) * SLOT_BYTES
             self._map[:end] = bytes(end)
 
+    def request_preemption(self) -> None:
+        """Ask the workers for a last checkpoint and a clean exit (the launcher got SIGTERM)."""
+        if self._map is not None:
+            struct.pack_into("<q", self._map, max(self.slots, 1) * SLOT_BYTES + 8, 1)
+
     def raise_risk(self) -> int:
         """Tell the workers of a warning sign: the counter goes up by one; returns it."""
         if self._map is None:
@@ -175,6 +181,12 @@ class Heartbeat:
         if self._map is None or self._risk_offset < 0:
             return 0
         return int(struct.unpack_from("<q", self._map, self._risk_offset)[0])
+
+    def preemption_requested(self) -> bool:
+        """Whether the agent asked for a last checkpoint and a clean exit."""
+        if self._map is None or self._risk_offset < 0:
+            return False
+        return bool(struct.unpack_from("<q", self._map, self._risk_offset + 8)[0])
 
     def beat(self, step: int, phase: int, timeout_s: float | None) -> None:
         """Say "at `step`, in `phase`, and I will beat again within `timeout_s`" (None: do not watch me)."""

@@ -11,6 +11,10 @@ only, at slightly different steps: so every `every` steps they all-gather whethe
 on the gather of the window before (started a window earlier, so no rank waits for it). Every rank then sees
 the same answer at the same step. Detection to checkpoint: one to two windows (10-20 steps) after the agent's
 poll, which itself runs every 5 s.
+
+A preemption travels the same way: the launcher that gets SIGTERM sets a flag on its board, and at the window
+end where every rank has seen some rank's flag the job takes a last durable checkpoint and exits cleanly, so the
+next launch resumes from that step (JobConfig and `stalwart run --preempt-grace-s`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ WINDOW = 10
 
 
 class RiskWatch:
-    """Agrees across ranks on new warnings from the agents (module docstring)."""
+    """Agrees across ranks on new warnings from the agents, and on a preemption (module docstring)."""
 
     def __init__(
         self,
@@ -30,8 +34,13 @@ class RiskWatch:
         gather_later: Callable[[list[int]], Callable[[], list[list[int]]]],
         world_size: int,
         every: int = WINDOW,
+        preempted: Callable[[], bool] = lambda: False,
     ) -> None:
         self._read = read
+        self._preempted = preempted
+        self.preempt = False
+        """Set at the window's end at which every rank agrees that some agent asked for a last checkpoint and a
+        clean exit (SIGTERM to a launcher: a preemption)."""
         self._gather_later = gather_later
         self._world_size = world_size
         self.every = every
@@ -45,10 +54,14 @@ class RiskWatch:
             return None
         now = self._read()
         risen, self._seen = int(now != self._seen), now
+        preempt = int(self._preempted())
         if self._world_size < 2:
+            self.preempt = bool(preempt)
             return [0] if risen else None
-        pending, self._pending = self._pending, self._gather_later([risen])
+        pending, self._pending = self._pending, self._gather_later([risen, preempt])
         if pending is None:
             return None
-        ranks = [r for r, flags in enumerate(pending()) if flags[0]]
+        flags = pending()
+        self.preempt = any(f[1] for f in flags)
+        ranks = [r for r, f in enumerate(flags) if f[0]]
         return ranks or None

@@ -507,7 +507,8 @@ class Job:
         self._start_straggler_detector()
         self._start_divergence_check()
         if self._risk is None and self._heartbeat.active:  # under stalwart run: its agent may warn
-            self._risk = RiskWatch(self._heartbeat.risk, self._exchange.gather, self.world_size)
+            self._risk = RiskWatch(self._heartbeat.risk, self._exchange.gather, self.world_size,
+                                   preempted=self._heartbeat.preemption_requested)  # fmt: skip
         if self._divergence is not None:
             self._divergence.last_agreed = self.step  # one copy of the replicated state was loaded, or DDP's own
         if self._light_wanted():
@@ -609,6 +610,8 @@ class Job:
                 self.events.emit("risk_checkpoint", step=self.step, reason=risk, taken=self.save())
             if evict is not None:
                 self._evict(evict)
+            if self._risk is not None and self._risk.preempt and self.step < max_steps:
+                self._preempted()
         self._heartbeat.beat(self.step, PHASE_DONE, None)  # after the loop the worker is not watched
         if self.state is not JobState.FINISHED:
             self.state = JobState.FINISHED
@@ -811,6 +814,20 @@ class Job:
                 flush=True,
             )
         return True
+
+    def _preempted(self) -> None:
+        """Every rank, at the step they agreed on: a last durable checkpoint, then a clean exit (status 0), so the
+        launcher, which got SIGTERM, ends without a restart and the next launch resumes from this step."""
+        if self._last_saved != self.step:
+            self.save(wait=True)
+        else:
+            self.checkpointer.wait_durable()
+        self.events.emit("preempted", step=self.step)
+        if self.is_main:
+            print(f"stalwart: preempted: the checkpoint of step {self.step} is durable; exiting", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        self._heartbeat.beat(self.step, PHASE_DONE, None)
+        raise SystemExit(0)
 
     def _evict(self, straggler: int) -> None:
         """Every rank, at the step the straggler was flagged: once the checkpoint of this step is durable, the

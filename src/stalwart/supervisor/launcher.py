@@ -33,6 +33,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=int(os.environ[METRICS_PORT_ENV]) if os.environ.get(METRICS_PORT_ENV, "").isdigit() else None,
         help="serve the run's Prometheus metrics on this port (0: any free one; default: off)",
     )
+    parser.add_argument(
+        "--preempt-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM (a preemption), seconds the workers get to take a last durable checkpoint at an agreed "
+        "step and exit, before they are stopped (default 30; 0: stop at once); the launcher then exits 143",
+    )
     parser.add_argument("--metrics-addr", default="127.0.0.1",
                         help="the address the metrics listen on (default 127.0.0.1: this host only)")  # fmt: skip
     if "PET_MAX_RESTARTS" not in os.environ:
@@ -156,6 +164,8 @@ def _validate(args: argparse.Namespace) -> None:
     nproc = str(args.nproc_per_node)
     if nproc.lstrip("-").isdigit() and int(nproc) < 1:
         raise ConfigError(f"--nproc-per-node must be at least 1, got {nproc}")
+    if not 0 <= args.preempt_grace_s < float("inf"):
+        raise ConfigError(f"--preempt-grace-s must be a number of seconds >= 0, got {args.preempt_grace_s}")
     try:
         parse_timeout(args.hang_timeout)
     except ValueError as exc:
@@ -249,6 +259,8 @@ def _stop_on_signals() -> Iterator[None]:
         nonlocal stopping
         if stopping:
             return
+        if signum == signal.SIGTERM and _PREEMPTION.request():
+            return  # the workers save and exit; a second SIGTERM, or the grace period's end, stops them
         stopping = True
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
@@ -258,6 +270,47 @@ def _stop_on_signals() -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+class _Preemption:
+    """SIGTERM while workers run (a scheduler's preemption): ask them, through the heartbeat board, for a last
+    durable checkpoint and a clean exit (detect/risk.py), instead of killing them mid-step. If they have not
+    exited within the grace period, or a second SIGTERM comes, the launcher stops them as before."""
+
+    def __init__(self) -> None:
+        self.board: Board | None = None
+        self.grace_s = 0.0
+        self.events: EventLog | None = None
+        self.say: Any = None
+        self.requested = False
+        self._timer: threading.Timer | None = None
+
+    def arm(self, board: Board, grace_s: float, events: EventLog, say: Any) -> None:
+        self.board, self.grace_s, self.events, self.say = board, grace_s, events, say
+        self.requested = False
+
+    def request(self) -> bool:
+        """Handle a SIGTERM; False when it must stop the launcher at once (not armed, or already asked)."""
+        if self.board is None or self.grace_s <= 0 or self.requested:
+            return False
+        self.requested = True
+        self.board.request_preemption()
+        if self.events is not None:
+            self.events.emit("preemption_requested", grace_s=self.grace_s)
+        if self.say is not None:
+            self.say(f"received SIGTERM: asking the workers for a last checkpoint (grace {self.grace_s:g} s)")
+        self._timer = threading.Timer(self.grace_s, os.kill, (os.getpid(), signal.SIGTERM))
+        self._timer.daemon = True
+        self._timer.start()
+        return True
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self.board = self._timer = None
+
+
+_PREEMPTION = _Preemption()
 
 
 def launch(args: argparse.Namespace, say: Any) -> int:
@@ -394,7 +447,10 @@ def _run_agent(
 
     from stalwart.supervisor.agent import StalwartAgent
 
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = getattr(config, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    handled = getattr(config, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    if args.preempt_grace_s > 0:  # SIGTERM stays with our handler, which asks the workers to save first
+        handled = ",".join(sig for sig in handled.split(",") if sig.strip() != "SIGTERM")
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled
     rdzv_parameters = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -460,6 +516,7 @@ def _run_agent(
         ),
     )
     shutdown_rdzv = True
+    _PREEMPTION.arm(board, args.preempt_grace_s, events, say)
     try:
         result = agent.run()
     except SignalException as exc:
@@ -474,6 +531,7 @@ def _run_agent(
         say(f"cannot re-form the job: {type(exc).__name__}: {first}")
         return 1
     finally:
+        _PREEMPTION.disarm()
         if gpu is not None:
             gpu.close()
         if shutdown_rdzv:
@@ -482,6 +540,11 @@ def _run_agent(
         events.emit("launcher_exit", reason="rendezvous closed by another node", exitcode=1)
         say("the rendezvous was closed by another node; stopping")
         return 1
+    if not result.is_failed() and _PREEMPTION.requested:
+        status = 128 + signal.SIGTERM
+        events.emit("launcher_exit", reason="preempted", exitcode=status, restarts=agent.restart_count)
+        say("preempted: the workers took a last checkpoint and exited; launch again to resume from it")
+        return status
     if not result.is_failed():
         events.emit("launcher_exit", reason="succeeded", exitcode=0, restarts=agent.restart_count)
         return 0
