@@ -102,8 +102,10 @@ def test_the_quick_suite_recovers_from_every_fault_type_bitwise(tmp_path: Path) 
     outcomes = {o["scenario"]: o for o in report["scenarios"]}
     assert all(o["passed"] for o in outcomes.values())
     for name in ("kill", "hang", "bit_flip", "kill_node", "corrupt_checkpoint", "stop_and_kill",
-                 "kill_during_recovery", "storage_full", "kill_in_save"):  # fmt: skip
+                 "kill_during_recovery", "storage_full", "kill_in_save", "preemption"):  # fmt: skip
         assert outcomes[name]["identical"], name
+    (preempt,) = outcomes["preemption"]["recoveries"]
+    assert preempt["kind"] == "preempt" and preempt["steps_lost"] == 0 and preempt["tier"] == "durable"
     assert outcomes["loss_spike"]["recoveries"][0]["kind"] == "rollback"
     assert outcomes["kill_node"]["recoveries"][0]["tier"] == "durable"
     assert any("corrupted" in s for s in outcomes["corrupt_checkpoint"]["sent"])

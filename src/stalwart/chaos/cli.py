@@ -48,6 +48,7 @@ def quick_suite() -> list[Scenario]:
         s("kill_in_save", FaultSpec("kill_in_save", rank=1, step=30)),
         s("kill_node", FaultSpec("kill_node", step=35)),
         s("corrupt_checkpoint", FaultSpec("corrupt_checkpoint", step=45)),
+        s("preemption", FaultSpec("preempt", step=25)),
         s("stop_and_kill", FaultSpec("stop", rank=0, step=20), FaultSpec("kill", rank=1, step=20)),
         s(
             "kill_during_recovery",

@@ -171,6 +171,17 @@ def _send(
             os.kill(pid, signal.SIGKILL if spec.kind == "kill" else signal.SIGSTOP)
         result.sent.append(f"{spec.kind} rank {spec.rank} (pid {pid})")
         return False
+    if spec.kind == "preempt":
+        log.emit("fault_injected", fault="preempt", by="harness")
+        launch.proc.send_signal(signal.SIGTERM)
+        try:
+            code = launch.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            launch.kill()
+            code = None
+        result.sent.append(f"SIGTERM to the launcher (exit status {code}); launched it again")
+        progress(f"{spec.label}: launcher exited with status {code}, launching it again")
+        return True
     if spec.kind == "corrupt_checkpoint":
         assert scenario is not None
         damaged = _corrupt_newest(directory / scenario.checkpoint_dir)

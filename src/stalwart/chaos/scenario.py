@@ -32,11 +32,12 @@ from stalwart.errors import ConfigError
 
 STEP_KINDS = ("kill", "hang", "slow", "nan", "spike", "flip", "storage_error", "kill_in_save", "stop")
 """Faults the job's injector fires at a step (`stop` is a hang by SIGSTOP)."""
-TIME_KINDS = ("kill", "stop", "kill_node", "corrupt_checkpoint")
+TIME_KINDS = ("kill", "stop", "kill_node", "corrupt_checkpoint", "preempt")
 """Faults the harness sends at a time or as a Poisson process: SIGKILL or SIGSTOP to a rank's worker, SIGKILL to
 the launcher and every worker (a node lost; the harness launches it again, as a scheduler would), and damage to
-the newest committed checkpoint followed by a node loss (the restart must fall back to the one before)."""
-HARNESS_KINDS = ("kill_node", "corrupt_checkpoint")
+the newest committed checkpoint followed by a node loss (the restart must fall back to the one before), and
+a preemption: SIGTERM to the launcher, which must end with a last checkpoint; the harness launches it again."""
+HARNESS_KINDS = ("kill_node", "corrupt_checkpoint", "preempt")
 """Faults only the harness can send; at a step, it sends them once rank 0 has logged that step."""
 EXPECTS = ("identical", "completes")
 KINDS = tuple(dict.fromkeys((*STEP_KINDS, *TIME_KINDS)))
@@ -56,7 +57,7 @@ class FaultSpec:
     def label(self) -> str:
         when = (f"step {self.step}" if self.step is not None else f"{self.at_s:g} s" if self.at_s is not None
                 else f"every ~{self.mtbf_s:g} s")  # fmt: skip
-        who = "" if self.kind in ("kill_node", "corrupt_checkpoint") else f" rank {self.rank}"
+        who = "" if self.kind in HARNESS_KINDS else f" rank {self.rank}"
         return f"{self.kind}{who} at {when}"
 
 
@@ -129,7 +130,7 @@ def parse(raw: dict[str, Any], name: str) -> Scenario:
     if scenario.nproc_per_node < 1 or scenario.timeout_s <= 0 or Path(scenario.checkpoint_dir).is_absolute():
         raise ConfigError(f"scenario {name}: nproc_per_node >= 1, timeout_s > 0 and a relative checkpoint_dir")
     for f in faults:
-        if f.rank >= scenario.nproc_per_node and f.kind not in ("kill_node", "corrupt_checkpoint"):
+        if f.rank >= scenario.nproc_per_node and f.kind not in HARNESS_KINDS:
             raise ConfigError(f"scenario {name}: {f.label} names a rank outside {scenario.nproc_per_node} ranks")
     return scenario
 

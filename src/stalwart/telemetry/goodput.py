@@ -208,11 +208,11 @@ def _attach_failures(
         noticed = [e for e in agent if e["event"] in ("worker_failed", "hang_detected")
                    and seg.end - 1.0 <= e["mono"] <= nxt_start]  # fmt: skip
         if not noticed:  # the launcher itself died (a node lost): whoever killed it said so, or nobody did
-            lost = [e for e in events if e["event"] == "fault_injected" and e.get("fault") == "kill_node"
+            lost = [e for e in events if e["event"] == "fault_injected" and e.get("fault") in ("kill_node", "preempt")
                     and seg.start <= e["mono"] <= nxt_start]  # fmt: skip
             if lost:
                 seg.failure_at = seg.detected_at = float(lost[0]["mono"])
-                seg.kind = "kill_node"
+                seg.kind = str(lost[0]["fault"])
                 seg.end = max(min(seg.end, seg.failure_at), seg.start)
             continue
         first = noticed[0]
