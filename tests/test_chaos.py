@@ -85,6 +85,14 @@ def test_a_scenario_that_fails_verification_exits_1(tmp_path: Path) -> None:
     assert "FAILED" in out.stdout and "no committed checkpoint" in out.stdout
 
 
+def test_the_soak_suite_sizes_the_job_to_the_minutes_asked() -> None:
+    from stalwart.chaos.cli import soak_suite
+
+    (scenario,), job = soak_suite(10)
+    assert job[-2:] == ["--steps", "20000"] and {f.kind for f in scenario.faults} == {"kill", "stop", "kill_node"}
+    assert all(f.mtbf_s for f in scenario.faults) and scenario.timeout_s > 10 * 60
+
+
 def test_bad_command_lines_are_one_clear_error(tmp_path: Path) -> None:
     for args, message in ((("--suite", "quick", "--", "x.py"), "--suite runs the built-in job"),
                           ((), "give a scenario file or --suite quick"),
@@ -102,7 +110,8 @@ def test_the_quick_suite_recovers_from_every_fault_type_bitwise(tmp_path: Path) 
     outcomes = {o["scenario"]: o for o in report["scenarios"]}
     assert all(o["passed"] for o in outcomes.values())
     for name in ("kill", "hang", "bit_flip", "kill_node", "corrupt_checkpoint", "stop_and_kill",
-                 "kill_during_recovery", "storage_full", "kill_in_save", "preemption"):  # fmt: skip
+                 "kill_during_recovery", "storage_full", "kill_in_save", "preemption", "gpu_warning",
+                 "gpu_xid_13"):  # fmt: skip
         assert outcomes[name]["identical"], name
     (preempt,) = outcomes["preemption"]["recoveries"]
     assert preempt["kind"] == "preempt" and preempt["steps_lost"] == 0 and preempt["tier"] == "durable"

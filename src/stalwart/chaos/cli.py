@@ -28,14 +28,14 @@ from stalwart.telemetry.console import console
 from stalwart.telemetry.events import read_events
 from stalwart.telemetry.goodput import account
 
-TINY_JOB = ["-m", "stalwart.chaos.tiny_job", "--ckpt", "ckpt", "--steps", "60"]
+TINY_JOB = ["-m", "stalwart.chaos.tiny_job", "--ckpt", "ckpt", "--steps", "80"]
 
 
 def quick_suite() -> list[Scenario]:
     """Every fault type once, and the compound cases, on the built-in job (60 steps, checkpoints every 10)."""
 
-    def s(name: str, *faults: FaultSpec, expect: str = "identical") -> Scenario:
-        return Scenario(name, faults, expect=expect, timeout_s=240)
+    def s(name: str, *faults: FaultSpec, expect: str = "identical", require: tuple[str, ...] = ()) -> Scenario:
+        return Scenario(name, faults, expect=expect, timeout_s=240, require_events=require)
 
     return [
         s("kill", FaultSpec("kill", rank=1, step=20)),
@@ -49,6 +49,8 @@ def quick_suite() -> list[Scenario]:
         s("kill_node", FaultSpec("kill_node", step=35)),
         s("corrupt_checkpoint", FaultSpec("corrupt_checkpoint", step=45)),
         s("preemption", FaultSpec("preempt", step=25)),
+        s("gpu_warning", FaultSpec("gpu_warning", at_s=2.2, options={"gpu": 1}), require=("risk_checkpoint",)),
+        s("gpu_xid_13", FaultSpec("gpu_xid", at_s=2.4, options={"gpu": 1, "xid": 13}), require=("gpu_action",)),
         s("stop_and_kill", FaultSpec("stop", rank=0, step=20), FaultSpec("kill", rank=1, step=20)),
         s(
             "kill_during_recovery",
@@ -56,6 +58,21 @@ def quick_suite() -> list[Scenario]:
             FaultSpec("kill", rank=0, step=20, options={"restart": 1}),
         ),
     ]
+
+
+STEP_S = 0.03
+"""About how long a step of the built-in job takes here (25 ms of stand-in compute and the rest): --minutes
+becomes a step count with it."""
+
+
+def soak_suite(minutes: float) -> tuple[list[Scenario], list[str]]:
+    """Poisson faults on the built-in job for about `minutes` (kills of either rank, a hang, a lost node), with the
+    job sized to run that long without faults; and that job."""
+    steps = max(100, int(minutes * 60 / STEP_S))
+    faults = (FaultSpec("kill", rank=1, mtbf_s=45), FaultSpec("kill", rank=0, mtbf_s=90),
+              FaultSpec("stop", rank=1, mtbf_s=120), FaultSpec("kill_node", mtbf_s=240))  # fmt: skip
+    scenario = Scenario("soak", faults, timeout_s=minutes * 60 * 4 + 300, seed=int(minutes * 1000) % 997)
+    return [scenario], ["-m", "stalwart.chaos.tiny_job", "--ckpt", "ckpt", "--steps", str(steps)]
 
 
 @dataclass(slots=True)
@@ -82,16 +99,26 @@ def main(argv: list[str]) -> int:
     options, job = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     p = _Parser(prog="stalwart chaos", description="Run a job under faults; check it ends as without them.")
     p.add_argument("scenario", nargs="?", type=Path, help="a scenario file (TOML); or --suite")
-    p.add_argument("--suite", choices=("quick",), help="built-in scenarios: quick (every fault type, < 5 min)")
+    p.add_argument(
+        "--suite",
+        choices=("quick", "soak"),
+        help="built-in scenarios: quick (every fault type, < 5 min), soak (Poisson faults, --minutes)",
+    )
+    p.add_argument("--minutes", type=float, default=10.0, help="--suite soak: about how long (default 10)")
     p.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a new temporary dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(options)
     if (args.scenario is None) == (args.suite is None):
         raise ConfigError("give a scenario file or --suite quick")
-    scenarios = quick_suite() if args.suite else [load(args.scenario)]
     if args.suite and job:
         raise ConfigError("--suite runs the built-in job; give your own job with a scenario file")
-    job = job or TINY_JOB
+    if not 0 < args.minutes < 10_000:
+        raise ConfigError(f"--minutes must be a positive number, got {args.minutes}")
+    if args.suite == "soak":
+        scenarios, job = soak_suite(args.minutes)
+    else:
+        scenarios = quick_suite() if args.suite else [load(args.scenario)]
+        job = job or TINY_JOB
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="stalwart-chaos-"))
     out = console(stderr=True)
     say = (lambda line: out.print(f"[chaos] {line}")) if not args.json else (lambda line: None)
@@ -135,7 +162,10 @@ def run_scenario(scenario: Scenario, job: list[str], workdir: Path, say: Any) ->
         differ = harness.compare_final(ckpt, workdir / "reference" / scenario.checkpoint_dir)
         identical = not differ
         problems += differ
-    g = account(read_events(result.log))
+    events = list(read_events(result.log))
+    seen = {e.get("event") for e in events}
+    problems += [f"no {name} event" for name in scenario.require_events if name not in seen]
+    g = account(events)
     return Outcome(
         scenario.name, [f.label for f in scenario.faults], not problems, result.exit_code, round(result.seconds, 2),
         not bad, identical, problems, round(g.ratio, 4), [asdict(r) for r in g.recoveries], result.sent,
@@ -147,7 +177,8 @@ def _print(outcomes: list[Outcome], workdir: Path) -> None:
     table = Table(title=f"chaos: {sum(o.passed for o in outcomes)} of {len(outcomes)} scenarios passed")
     for column in ("scenario", "faults", "result", "bitwise", "goodput", "recoveries: detection / to next step / "
                    "steps lost / state from"):  # fmt: skip
-        table.add_column(column, no_wrap=True)
+        wraps = column.startswith(("faults", "recoveries"))  # long ones fold; the short ones keep their width
+        table.add_column(column, no_wrap=not wraps, min_width=None if wraps else len(column))
     for o in outcomes:
         recoveries = (
             ", ".join(

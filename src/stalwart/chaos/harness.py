@@ -24,12 +24,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from stalwart.chaos.scenario import HARNESS_KINDS, FaultSpec, Scenario
+from stalwart.chaos.scenario import GPU_KINDS, HARNESS_KINDS, FaultSpec, Scenario
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.storage import open_storage
 from stalwart.checkpoint.tools.inspect import verify
-from stalwart.runtime.env import EVENT_LOG_ENV, FAULTS_ENV
+from stalwart.runtime.env import EVENT_LOG_ENV, EXCLUDE_FILE_ENV, FAULTS_ENV, GPU_POLL_ENV, GPU_TELEMETRY_ENV
 from stalwart.runtime.process import spawn
 from stalwart.telemetry.events import EventLog
 
@@ -78,6 +79,10 @@ def run_job(
     env.update({EVENT_LOG_ENV: str(log), "PYTHONUNBUFFERED": "1"})
     if scenario is not None and scenario.step_faults():
         env[FAULTS_ENV] = scenario.step_faults()
+    env[EXCLUDE_FILE_ENV] = str(directory / "excluded-nodes.json")  # a drained node stays this run's business
+    if scenario is not None and any(f.kind in GPU_KINDS for f in scenario.faults):
+        env[GPU_TELEMETRY_ENV] = str(_gpu_script(scenario, directory, nproc))
+        env[GPU_POLL_ENV] = "0.2"
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", str(nproc), "--max-restarts",
            str(max_restarts), "--event-log", str(log), *launcher_args, *job]  # fmt: skip
     schedule = _schedule(scenario, timeout_s) if scenario is not None else []
@@ -127,6 +132,8 @@ def _schedule(scenario: Scenario, horizon_s: float) -> list[tuple[float, FaultSp
     rng = random.Random(scenario.seed)
     times: list[tuple[float, FaultSpec]] = []
     for f in scenario.faults:
+        if f.kind in GPU_KINDS:
+            continue  # replayed by the agent's scripted GPU provider (_gpu_script)
         if f.at_s is not None:
             times.append((f.at_s, f))
         elif f.mtbf_s is not None:
@@ -135,6 +142,23 @@ def _schedule(scenario: Scenario, horizon_s: float) -> list[tuple[float, FaultSp
                 times.append((t, f))
                 t += rng.expovariate(1 / f.mtbf_s)
     return sorted(times, key=lambda x: x[0])
+
+
+def _gpu_script(scenario: Scenario, directory: Path, devices: int) -> Path:
+    """The scripted GPU telemetry the agent replays (detect/gpu.ScriptedProvider): healthy devices, then the
+    scenario's warnings and XIDs at their times."""
+    samples: list[dict[str, Any]] = [{"at": 0.0, "index": i, "temperature_c": 60} for i in range(devices)]
+    xids = []
+    for f in scenario.faults:
+        gpu = int(f.options.get("gpu", 0))
+        if f.kind == "gpu_warning":
+            samples.append({"at": f.at_s, "index": gpu, "temperature_c": 92,
+                            "throttle_reasons": ["hw_thermal_slowdown"]})  # fmt: skip
+        elif f.kind == "gpu_xid":
+            xids.append({"at": f.at_s, "index": gpu, "xid": int(f.options["xid"])})
+    path = directory / "gpu-script.json"
+    path.write_text(json.dumps({"devices": devices, "samples": samples, "xids": xids}))
+    return path
 
 
 def _read_pids(log: Path, offset: int, workers: dict[int, int], progress: dict[str, int]) -> int:

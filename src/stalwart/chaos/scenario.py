@@ -8,6 +8,7 @@
                               # the run, and its final checkpoint compared with the reference run's
     timeout_s = 600           # a run that takes longer fails the scenario
     seed = 0                  # the Poisson faults' draws
+    require_events = []       # events the run must write, e.g. ["risk_checkpoint"]
 
     [[faults]]
     kind = "kill"             # see KINDS
@@ -38,10 +39,14 @@ the launcher and every worker (a node lost; the harness launches it again, as a 
 the newest committed checkpoint followed by a node loss (the restart must fall back to the one before), and
 a preemption: SIGTERM to the launcher, which must end with a last checkpoint; the harness launches it again."""
 HARNESS_KINDS = ("kill_node", "corrupt_checkpoint", "preempt")
+GPU_KINDS = ("gpu_warning", "gpu_xid")
+"""Scripted GPU telemetry at `at_s` after the launcher starts (detect/gpu.py's scripted provider): a thermal
+slowdown on GPU `gpu` (a warning sign: the job must take a risk checkpoint), or XID `xid` on it (the playbook's
+action: restart the worker on that GPU, or exclude the node, kept in the run's own exclusion file)."""
 """Faults only the harness can send; at a step, it sends them once rank 0 has logged that step."""
 EXPECTS = ("identical", "completes")
-KINDS = tuple(dict.fromkeys((*STEP_KINDS, *TIME_KINDS)))
-_OPTIONS = {"how", "ms", "errno", "times", "phase", "factor", "signal", "restart"}
+KINDS = tuple(dict.fromkeys((*STEP_KINDS, *TIME_KINDS, *GPU_KINDS)))
+_OPTIONS = {"how", "ms", "errno", "times", "phase", "factor", "signal", "restart", "gpu", "xid"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +62,8 @@ class FaultSpec:
     def label(self) -> str:
         when = (f"step {self.step}" if self.step is not None else f"{self.at_s:g} s" if self.at_s is not None
                 else f"every ~{self.mtbf_s:g} s")  # fmt: skip
-        who = "" if self.kind in HARNESS_KINDS else f" rank {self.rank}"
+        who = "" if self.kind in HARNESS_KINDS else f" GPU {self.options.get('gpu', 0)}" if self.kind in GPU_KINDS \
+            else f" rank {self.rank}"  # fmt: skip
         return f"{self.kind}{who} at {when}"
 
 
@@ -72,6 +78,8 @@ class Scenario:
     seed: int = 0
     launcher_args: tuple[str, ...] = ()
     """More `stalwart run` flags, e.g. ("--spares", "1")."""
+    require_events: tuple[str, ...] = ()
+    """Events the faulty run must have written (e.g. "risk_checkpoint" after a GPU warning)."""
     expect: str = "identical"
     """"identical": the final checkpoint must be bitwise the fault-free reference's; "completes": the run must end
     well with valid checkpoints (faults that change the result on purpose: a skipped NaN batch, a rollback)."""
@@ -105,7 +113,8 @@ def parse(raw: dict[str, Any], name: str) -> Scenario:
     unknown = sorted(set(raw) - {"run", "faults"})
     if unknown or not isinstance(run, dict):
         raise ConfigError(f"scenario {name}: unknown sections {unknown} (known: run, faults)")
-    known = {"nproc_per_node", "max_restarts", "checkpoint_dir", "timeout_s", "seed", "launcher_args", "expect"}
+    known = {"nproc_per_node", "max_restarts", "checkpoint_dir", "timeout_s", "seed", "launcher_args", "expect",
+             "require_events"}  # fmt: skip
     if set(run) - known:
         raise ConfigError(f"scenario {name}: unknown [run] keys {sorted(set(run) - known)}")
     faults = tuple(_fault(f, name, i) for i, f in enumerate(raw.get("faults", []), 1))
@@ -122,6 +131,7 @@ def parse(raw: dict[str, Any], name: str) -> Scenario:
             seed=int(run.get("seed", 0)),
             launcher_args=tuple(str(a) for a in run.get("launcher_args", ())),
             expect=str(run.get("expect", "identical")),
+            require_events=tuple(str(e) for e in run.get("require_events", ())),
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"scenario {name}: bad [run] value ({exc})") from exc
@@ -149,7 +159,11 @@ def _fault(raw: Any, name: str, index: int) -> FaultSpec:
     kind = raw["kind"]
     if "step" in raw and kind not in (*STEP_KINDS, *HARNESS_KINDS):
         raise ConfigError(f"{where}: {kind} happens at a time (at_s or mtbf_s), not at a step")
-    if "step" not in raw and kind not in TIME_KINDS:
+    if kind in GPU_KINDS and "at_s" not in raw:
+        raise ConfigError(f"{where}: {kind} happens at a time after the launch (at_s = seconds)")
+    if kind == "gpu_xid" and not isinstance(raw.get("xid"), int):
+        raise ConfigError(f"{where}: gpu_xid needs xid = an XID code")
+    if "step" not in raw and kind not in (*TIME_KINDS, *GPU_KINDS):
         raise ConfigError(f"{where}: {kind} happens at a step (step = N)")
     try:
         spec = FaultSpec(

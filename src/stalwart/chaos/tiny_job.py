@@ -32,7 +32,7 @@ class _Samples(torch.utils.data.Dataset):
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m stalwart.chaos.tiny_job")
     p.add_argument("--ckpt", default="ckpt")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=80)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--step-sleep", type=float, default=0.02, help="seconds per step, a stand-in for compute")
     p.add_argument("--divergence-every", type=int, default=10)

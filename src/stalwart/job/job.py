@@ -602,12 +602,13 @@ class Job:
             if first or self.step % self.config.log_every == 0:
                 self._log_step(step_s)
                 first = False
+            taken = None
             if self.step == max_steps:
-                self.save(wait=True)  # the run's last checkpoint is durable before steps() returns
-            elif self.step % self.config.checkpoint_every == 0:
-                self.save()
-            elif risk is not None:  # a warning sign: a durable checkpoint now, before it turns into a failure
-                self.events.emit("risk_checkpoint", step=self.step, reason=risk, taken=self.save())
+                taken = self.save(wait=True)  # the run's last checkpoint is durable before steps() returns
+            elif self.step % self.config.checkpoint_every == 0 or risk is not None:
+                taken = self.save()  # at a warning sign, a checkpoint now, before it turns into a failure
+            if risk is not None:  # (a regular one due at this step serves)
+                self.events.emit("risk_checkpoint", step=self.step, reason=risk, taken=taken)
             if evict is not None:
                 self._evict(evict)
             if self._risk is not None and self._risk.preempt and self.step < max_steps:
