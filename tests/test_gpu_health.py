@@ -188,7 +188,8 @@ def test_a_gpu_warning_sign_makes_every_rank_checkpoint_at_the_same_step(launch:
     assert job.wait(240) == 0, job.output()
     (warned,) = job.events("gpu_risk")
     assert warned["gpu"] == 1 and warned["reason"] == "slowdown (hw_thermal_slowdown)"
-    taken = job.events("risk_checkpoint")
+    # A straggler flag on a loaded machine is a risk checkpoint too; this test is about the GPU warning.
+    taken = [e for e in job.events("risk_checkpoint") if e["reason"].startswith("a GPU warning")]
     assert {e["rank"] for e in taken} == {0, 1} and len({e["step"] for e in taken}) == 1, "every rank, one step"
     assert taken[0]["reason"].startswith("a GPU warning on the node of rank") and taken[0]["taken"]
     step = taken[0]["step"]

@@ -150,9 +150,21 @@ def test_max_restarts_is_honoured(launch: Any, tmp_path: Path) -> None:
     assert job.events("job_stopped")[0]["reason"] == "max_restarts"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGKILL])
-def test_no_orphaned_workers_when_the_launcher_dies(launch: Any, sig: signal.Signals) -> None:
-    job = launch(tiny_args("--steps", "100000", "--step-sleep", "0.05", "--workers", "1", "--every", "1000"))
+@pytest.mark.parametrize(
+    ("sig", "grace"),
+    [(signal.SIGTERM, "30"), (signal.SIGTERM, "0")]
+    + [(s, "30") for s in (signal.SIGHUP, signal.SIGINT, signal.SIGKILL)],
+)
+def test_no_orphaned_workers_when_the_launcher_dies(launch: Any, sig: signal.Signals, grace: str) -> None:
+    """SIGTERM is a preemption by default (a last checkpoint, then 143); with --preempt-grace-s 0, and for the
+    other signals, the launcher stops the workers at once like torchrun. Either way nothing is left behind."""
+    job = launch(
+        [
+            "--preempt-grace-s",
+            grace,
+            *tiny_args("--steps", "100000", "--step-sleep", "0.05", "--workers", "1", "--every", "1000"),
+        ]
+    )
     job.wait_for(lambda: len(job.events("step_done")) >= 2, 90, "training to start")
     workers = list(job.worker_pids().values())
     assert len(workers) == 2 and all(alive(p) for p in workers)
@@ -168,9 +180,14 @@ def test_no_orphaned_workers_when_the_launcher_dies(launch: Any, sig: signal.Sig
     assert not any(alive(p) for p in pids), f"workers or their DataLoader workers outlived a {sig.name}ed launcher"
     if sig != signal.SIGKILL:  # handled like torchrun: workers stopped, shared memory removed, an event, 128 + N
         assert code == 128 + sig, job.output()[-2000:]
-        assert [e["reason"] for e in job.events("launcher_exit")] == [f"signal {sig.name}"]
+        preempted = sig == signal.SIGTERM and grace != "0"
+        reason = "preempted" if preempted else f"signal {sig.name}"
+        assert [e["reason"] for e in job.events("launcher_exit")] == [reason]
         assert not [p for p in shm if p.exists()], "the heartbeat board and the memory tier are removed"
         assert f"received {sig.name}" in job.output()
+        if preempted:
+            (saved,) = {e["step"] for e in job.events("preempted")}
+            assert (job.workdir / "ckpt" / f"step_{saved:08d}").is_dir(), "the last checkpoint is durable"
 
 
 def _children(parents: list[int]) -> list[int]:
