@@ -66,11 +66,11 @@ becomes a step count with it."""
 
 
 def soak_suite(minutes: float) -> tuple[list[Scenario], list[str]]:
-    """Poisson faults on the built-in job for about `minutes` (kills of either rank, a hang, a lost node), with the
-    job sized to run that long without faults; and that job."""
+    """Poisson faults on the built-in job for about `minutes` (kills of either rank, a hang, a lost node; one fault
+    every 36 s on average), with the job sized to run that long without faults; and that job."""
     steps = max(100, int(minutes * 60 / STEP_S))
-    faults = (FaultSpec("kill", rank=1, mtbf_s=45), FaultSpec("kill", rank=0, mtbf_s=90),
-              FaultSpec("stop", rank=1, mtbf_s=120), FaultSpec("kill_node", mtbf_s=240))  # fmt: skip
+    faults = (FaultSpec("kill", rank=1, mtbf_s=90), FaultSpec("kill", rank=0, mtbf_s=120),
+              FaultSpec("stop", rank=1, mtbf_s=180), FaultSpec("kill_node", mtbf_s=360))  # fmt: skip
     scenario = Scenario("soak", faults, timeout_s=minutes * 60 * 4 + 300, seed=int(minutes * 1000) % 997)
     return [scenario], ["-m", "stalwart.chaos.tiny_job", "--ckpt", "ckpt", "--steps", str(steps)]
 

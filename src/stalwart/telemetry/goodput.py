@@ -47,6 +47,20 @@ class Recovery:
     """From the failure (or its detection when the failure time is unknown) to the next step's start."""
     steps_lost: int
     tier: str | None
+    phases: dict[str, float] = field(default_factory=dict)
+    """The time from the failure to the next step, by phase: detection, reformation, restore, other."""
+    wasted_s: float = 0.0
+    """Time spent on steps this failure threw away (they were redone)."""
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One stretch of uninterrupted progress (an attempt of the workers, or the part of one before a rollback)."""
+
+    ended_by: str
+    """A fault's kind, "worker_failed", "hang", "rollback", or "finished" for the last one."""
+    points: list[tuple[float, int]]
+    """(seconds from the launch, completed steps), from the stretch's first step start."""
 
 
 @dataclass(slots=True)
@@ -56,6 +70,8 @@ class Goodput:
     badput: dict[str, float]
     final_step: int
     recoveries: list[Recovery] = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
+    """Progress over time, for the report's timeline."""
 
     @property
     def ratio(self) -> float:
@@ -111,13 +127,18 @@ def account(events: Iterable[dict[str, Any]]) -> Goodput:
     first = segments[0]
     badput["restore"] += first.restore_s
     badput["startup"] += max(0.0, first.start - start - first.restore_s)
+    attempts = [
+        Attempt(s.kind, [(round(s.start - start, 3), s.resume)] + [(round(t - start, 3), n) for n, t in s.points])
+        for s in segments
+    ]
     for i, seg in enumerate(segments):
         nxt = segments[i + 1] if i + 1 < len(segments) else None
         kept = min(nxt.resume, seg.reached) if nxt is not None else seg.reached
         kept_at = seg.time_of(kept)
         productive += kept_at - seg.start - seg.stall_s
         badput["checkpoint"] += seg.stall_s
-        badput["wasted_progress"] += max(0.0, seg.end - kept_at)
+        wasted = max(0.0, seg.end - kept_at)
+        badput["wasted_progress"] += wasted
         if nxt is None:
             badput["other"] += max(0.0, end - seg.end)
             continue
@@ -130,8 +151,10 @@ def account(events: Iterable[dict[str, Any]]) -> Goodput:
         badput["detection"] += detection
         badput["reformation"] += reform
         badput["restore"] += restore
-        badput["other"] += max(0.0, gap - detection - reform - restore)
+        other = max(0.0, gap - detection - reform - restore)
+        badput["other"] += other
         lost = max(0, seg.reached - nxt.resume)
+        phases = {"detection": detection, "reformation": reform, "restore": restore, "other": other}
         recoveries.append(
             Recovery(
                 seg.kind,
@@ -140,12 +163,14 @@ def account(events: Iterable[dict[str, Any]]) -> Goodput:
                 round(nxt.start - seg.end, 3),
                 lost,
                 nxt.tier,
+                {k: round(v, 3) for k, v in phases.items()},
+                round(wasted, 3),
             )
         )
     wall = end - start
     badput["other"] += wall - productive - sum(badput.values())  # what the segments' own accounting missed
     final = max(s.reached for s in segments)
-    return Goodput(wall, productive, badput, final, recoveries)
+    return Goodput(wall, productive, badput, final, recoveries, attempts)
 
 
 def _worker_started(rank0: list[dict[str, Any]], after: float, before: float) -> float | None:
