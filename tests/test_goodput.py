@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,10 @@ def test_a_kill_costs_detection_reformation_restore_and_the_redone_steps() -> No
     assert g.productive_s == pytest.approx(20.0)
     assert g.badput["wasted_progress"] == pytest.approx(2.5)
     assert _total(g) == pytest.approx(g.wall_s)
+    assert r.phases == pytest.approx({"detection": 0.5, "reformation": 1.0, "restore": 0.4, "other": 0.6})
+    assert sum(r.phases.values()) == pytest.approx(r.recovery_s) and r.wasted_s == pytest.approx(2.5)
+    assert [a.ended_by for a in g.attempts] == ["kill", "finished"]
+    assert g.attempts[1].points[0] == (14.0, 8) and g.attempts[1].points[-1] == (26.0, 20)
 
 
 def test_a_hang_is_detected_after_its_silence() -> None:
@@ -113,9 +118,81 @@ def test_stalwart_report_on_a_run_with_a_kill(launch: Any) -> None:
     assert r["kind"] == "kill" and r["steps_lost"] <= 1 and r["tier"] in ("memory", "peer")
     assert r["detection_s"] is not None and 0 <= r["detection_s"] < 5
     assert report["productive_s"] + sum(report["badput"].values()) == pytest.approx(report["wall_s"])
+    assert report["html"] is None, "--json alone writes no page"
     table = subprocess.run([sys.executable, "-m", "stalwart", "report", str(job.workdir)],
                            capture_output=True, text=True, timeout=60, env=child_env())  # fmt: skip
     assert table.returncode == 0 and "goodput" in table.stdout and "kill" in table.stdout
+    page = job.event_log.parent / "report.html"
+    assert f"report: {page}" in " ".join(table.stdout.split()) and page.read_text().count("<svg") == 3
+
+
+def _kill_run_log(tmp_path: Path) -> Path:
+    events = [
+        _agent("launcher_started", 0.0), _worker("worker_started", 0.5), _worker("fresh_start", 0.6),
+        *_steps(1, 10, 1.0, 1.0), _worker("checkpoint_committed", 6.2, step=5),
+        {"event": "fault_injected", "mono": 11.5, "rank": 1, "restart": 0, "fault": "kill", "step": 10},
+        _agent("worker_failed", 12.0, rank=1), _worker("worker_started", 13.0, 1),
+        _worker("resumed", 13.5, 1, step=8, tier="durable", seconds=0.4), *_steps(9, 20, 14.0, 1.0, 1),
+        _worker("job_finished", 26.0, 1), _agent("launcher_exit", 26.0, reason="succeeded", exitcode=0),
+    ]  # fmt: skip
+    log = tmp_path / "run" / "events.jsonl"
+    log.parent.mkdir()
+    log.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return log
+
+
+def _report(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stalwart", "report", *args], capture_output=True, text=True,
+                          timeout=120, env=child_env())  # fmt: skip
+
+
+def test_the_html_page_is_one_self_contained_file(tmp_path: Path) -> None:
+    """Figures inline as SVG, no scripts, nothing fetched from anywhere: the file alone is the report."""
+    from html.parser import HTMLParser
+
+    log = _kill_run_log(tmp_path)
+    out = _report(str(log.parent))
+    assert out.returncode == 0, out.stderr
+    text = (log.parent / "report.html").read_text()
+    tags: list[tuple[str, dict[str, str | None]]] = []
+
+    class Tags(HTMLParser):
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            tags.append((tag, dict(attrs)))
+
+    Tags().feed(text)
+    names = [t for t, _ in tags]
+    assert names.count("svg") == 3 and "script" not in names and "img" not in names and "link" not in names
+    assert not [a for _, attrs in tags for k, a in attrs.items() if k in ("src", "href")], "nothing external"
+    assert ">kill<" in text and "durable" in text and "26.0 s" in text  # the recovery row and the wall time
+    assert "succeeded (exit status 0)" in text
+    again = _report(str(log.parent), "--html", str(tmp_path / "elsewhere.html"))
+    assert again.returncode == 0 and (tmp_path / "elsewhere.html").read_text().count("<svg") == 3
+    none = _report(str(log), "--no-html", "--json")
+    assert none.returncode == 0 and json.loads(none.stdout)["html"] is None
+    for bad, message in ((["--html", str(tmp_path)], "is a directory"), (["--html", "x", "--no-html"], "not both")):
+        out = _report(str(log), *bad)
+        assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, out.stderr
+    assert sorted(p.name for p in log.parent.iterdir()) == ["events.jsonl", "report.html"], "no partial file left"
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (apt install chromium)")
+def test_the_page_renders_in_headless_chromium(tmp_path: Path) -> None:
+    """The page as a browser draws it: the timeline's progress line and the breakdown's productive bar are there."""
+    from matplotlib.image import imread
+
+    log = _kill_run_log(tmp_path)
+    assert _report(str(log.parent)).returncode == 0
+    shot = tmp_path / "shot.png"
+    subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    "--window-size=1200,1600", f"--screenshot={shot}", (log.parent / "report.html").as_uri()],
+                   capture_output=True, timeout=120, cwd=tmp_path, check=True)  # fmt: skip
+    pixels = imread(shot)[:, :, :3]
+    assert pixels.shape[:2] == (1600, 1200)
+    green = ((abs(pixels - [0x2E / 255, 0x7D / 255, 0x32 / 255]) < 0.02).all(axis=2)).sum()
+    assert green > 2000, "the productive bar (and the finished attempt's line) are drawn"
+    dark_rows = (pixels.mean(axis=2) < 0.5).any(axis=1).sum()
+    assert dark_rows > 300, "text and axes over much of the page, not a blank or error page"
 
 
 def test_a_bad_path_is_one_clear_error(tmp_path: Path) -> None:

@@ -2,8 +2,9 @@
 
 RUN is an event log (`stalwart run --event-log`), or a directory holding one as `events.jsonl` or
 `stalwart-logs/events.jsonl` (stalwart run's default). Prints the goodput and its breakdown and one line per
-failure or rollback (detection, recovery, steps lost, tier); `--json` prints the same as one object. Works on a
-log still being written.
+failure or rollback (detection, recovery, steps lost, tier), and writes a self-contained HTML page with figures
+(telemetry/report_html.py) next to the log as `report.html` (`--html PATH` elsewhere, `--no-html` not at all);
+`--json` prints the same numbers as one object. Works on a log still being written.
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from rich.table import Table
 
 from stalwart.errors import ConfigError
 from stalwart.telemetry.console import console
 from stalwart.telemetry.events import read_events
-from stalwart.telemetry.goodput import account, breakdown_rows
+from stalwart.telemetry.goodput import Goodput, account, breakdown_rows
 
 CANDIDATES = ("events.jsonl", "stalwart-logs/events.jsonl")
 
@@ -43,8 +44,13 @@ def find_log(path: Path) -> Path:
 def main(argv: list[str]) -> int:
     p = _Parser(prog="stalwart report", description="Where a run's wall time went: goodput and recoveries.")
     p.add_argument("run", type=Path, help="an event log, or a directory holding events.jsonl")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object (and write no page unless --html)")
+    p.add_argument("--html", type=Path, default=None, help="where to write the HTML page (default: report.html "
+                   "next to the event log)")  # fmt: skip
+    p.add_argument("--no-html", action="store_true", help="write no HTML page")
     args = p.parse_args(argv)
+    if args.html is not None and args.no_html:
+        raise ConfigError("give --html PATH or --no-html, not both")
     log = find_log(args.run)
     events = list(read_events(log))
     if not events:
@@ -52,9 +58,12 @@ def main(argv: list[str]) -> int:
     if not any(e.get("event") in ("launcher_started", "worker_started") for e in events):
         raise ConfigError(f"{log} is not a stalwart event log (no launcher or worker events)")
     g = account(events)
+    page = None if args.no_html or (args.json and args.html is None) else args.html or log.parent / "report.html"
+    if page is not None:
+        _write_page(page, g, events, log)
     if args.json:
         print(json.dumps({"log": str(log), "goodput": g.ratio, "wall_s": g.wall_s, "productive_s": g.productive_s,
-                          "badput": g.badput, "final_step": g.final_step,
+                          "badput": g.badput, "final_step": g.final_step, "html": str(page) if page else None,
                           "recoveries": [asdict(r) for r in g.recoveries]}))  # fmt: skip
         return 0
     out = console()
@@ -76,4 +85,22 @@ def main(argv: list[str]) -> int:
         out.print(rec)
     else:
         out.print("no failures or rollbacks")
+    if page is not None:
+        out.print(f"report: {page}")
     return 0
+
+
+def _write_page(page: Path, g: Goodput, events: list[dict[str, Any]], log: Path) -> None:
+    """Write the page through a temporary file, so a failed write never leaves half a page (or replaces a good one)."""
+    from stalwart.telemetry.report_html import render
+
+    text = render(g, events, log)
+    if page.is_dir():
+        raise ConfigError(f"--html {page} is a directory; give a file name")
+    partial = page.with_name(page.name + ".partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        partial.replace(page)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write the report page {page}: {exc.strerror or exc}") from exc
