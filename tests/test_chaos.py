@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from conftest import child_env
+from stalwart.chaos import netns
 from stalwart.chaos.scenario import parse
 from stalwart.errors import ConfigError
 
@@ -49,6 +50,11 @@ def test_a_scenario_becomes_step_faults_for_the_job_and_time_faults_for_the_harn
         ({"run": {"expect": "maybe"}, "faults": [{"kind": "kill", "step": 3}]}, "expect must be one of"),
         ({"run": {"checkpoint_dir": "/abs"}, "faults": [{"kind": "kill", "step": 3}]}, "relative checkpoint_dir"),
         ({"fault": []}, "unknown sections"),
+        ({"faults": [{"kind": "partition", "step": 3}]}, "needs a run over two hosts"),
+        ({"run": {"hosts": 3}, "faults": [{"kind": "kill", "step": 3}]}, "hosts must be 1 or 2"),
+        ({"faults": [{"kind": "kill", "step": 3, "duration_s": 4}]}, "duration_s = seconds is for a partition"),
+        ({"run": {"hosts": 2}, "faults": [{"kind": "kill_node", "step": 3, "host": 2}]}, "host outside 2"),
+        ({"run": {"hosts": 2}, "faults": [{"kind": "preempt", "step": 3}]}, "not supported yet"),
     ],
 )
 def test_a_bad_scenario_is_one_clear_error(raw: dict[str, Any], message: str) -> None:
@@ -118,3 +124,10 @@ def test_the_quick_suite_recovers_from_every_fault_type_bitwise(tmp_path: Path) 
     assert outcomes["loss_spike"]["recoveries"][0]["kind"] == "rollback"
     assert outcomes["kill_node"]["recoveries"][0]["tier"] == "durable"
     assert any("corrupted" in s for s in outcomes["corrupt_checkpoint"]["sent"])
+    if netns.available() is None:  # root: two hosts in network namespaces, one of them cut off for 3 s
+        partition = outcomes["partition"]
+        assert partition["identical"] and partition["sent"] == ["cut host 1 off for 3 s"], partition
+        (r,) = partition["recoveries"]
+        assert r["kind"] == "partition" and r["detection_s"] is not None, r
+    else:
+        assert "partition" not in outcomes and report["notes"] == [f"partition: left out ({netns.available()})"]

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +15,8 @@ from typing import Any
 import pytest
 
 from conftest import TINY, alive, child_env
+from stalwart.chaos import netns
+from stalwart.errors import ConfigError
 
 
 def _free_port() -> int:
@@ -108,36 +108,18 @@ def test_a_killed_node_is_replaced_and_the_job_ends_bitwise_identical(
     assert two_nodes["sha256"] == one_node["sha256"], "a replaced node ends where one clean node does"
 
 
-SUBNET = "10.231.77"  # only inside the test's own namespaces; nothing outside them sees these addresses
-
-
 @pytest.fixture
 def two_hosts() -> Iterator[list[tuple[str, str, str]]]:
-    """Two network namespaces joined by a veth pair: [(namespace, interface, address)] for each host."""
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        pytest.skip("network namespaces need root and iproute2")
-    tag = f"stw{os.getpid() % 100000}"
-    hosts = [(f"{tag}h{i}", f"{tag}v{i}", f"{SUBNET}.{i + 1}") for i in range(2)]
-
-    def ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
+    """Two network namespaces joined by a veth pair (chaos/netns.py): [(namespace, interface, address)] each."""
+    hosts = netns.Hosts()
     try:
-        for ns, _, _ in hosts:
-            ip("netns", "add", ns)
-        ip("link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
-        for ns, dev, addr in hosts:
-            ip("link", "set", dev, "netns", ns)
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            ip("-n", ns, "link", "set", dev, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as exc:
-        for ns, _, _ in hosts:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
-    yield hosts
-    for ns, _, _ in hosts:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)  # removes the veth pair too
+        hosts.__enter__()
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    try:
+        yield [(h.namespace, h.device, h.address) for h in hosts]
+    finally:
+        hosts.close()
 
 
 def test_two_hosts_with_their_own_addresses(launch: Any, tmp_path: Path, two_hosts: list[tuple[str, str, str]]) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.chaos import netns
 from stalwart.chaos.scenario import GPU_KINDS, HARNESS_KINDS, FaultSpec, Scenario
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.storage import open_storage
@@ -54,8 +55,8 @@ class RunResult:
 
 
 class _Launch:
-    def __init__(self, cmd: list[str], directory: Path, env: dict[str, str]) -> None:
-        out = open(directory / "output.log", "ab")  # noqa: SIM115 - the child holds it; closed below
+    def __init__(self, cmd: list[str], directory: Path, env: dict[str, str], name: str = "output") -> None:
+        out = open(directory / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it; closed below
         self.proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=directory, start_new_session=True)
         out.close()
 
@@ -65,13 +66,37 @@ class _Launch:
         self.proc.wait()
 
 
+@dataclass(slots=True)
+class _Node:
+    """One node's launch command and environment, and its current launch."""
+
+    cmd: list[str]
+    env: dict[str, str]
+    name: str
+    launch: _Launch | None = None
+    code: int | None = None
+
+    def start(self, directory: Path) -> None:
+        self.launch, self.code = _Launch(self.cmd, directory, self.env, self.name), None
+
+
 def run_job(
     scenario: Scenario | None, job: list[str], directory: Path, progress: Progress, *, timeout_s: float = 600.0,
-    nproc: int = 2, max_restarts: int = 20, launcher_args: tuple[str, ...] = (),
+    nproc: int = 2, max_restarts: int = 20, launcher_args: tuple[str, ...] = (), hosts: int = 1,
 ) -> RunResult:  # fmt: skip
     """Run `job` (a script and its arguments) under `stalwart run` in `directory`, with the scenario's faults (None:
-    the fault-free reference)."""
+    the fault-free reference); on `hosts` = 2, as two nodes of `nproc` ranks each in network namespaces."""
     directory.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        net = stack.enter_context(netns.Hosts()) if hosts == 2 else None
+        return _run(scenario, job, directory, progress, timeout_s, nproc, max_restarts, launcher_args, net)
+    raise AssertionError("unreachable")  # for mypy: the with block returns
+
+
+def _run(
+    scenario: Scenario | None, job: list[str], directory: Path, progress: Progress, timeout_s: float, nproc: int,
+    max_restarts: int, launcher_args: tuple[str, ...], net: netns.Hosts | None,
+) -> RunResult:  # fmt: skip
     log = directory / "events.jsonl"
     chaos_log = EventLog(log, role="chaos")
     env = {k: v for k, v in os.environ.items()
@@ -84,15 +109,29 @@ def run_job(
         env[GPU_TELEMETRY_ENV] = str(_gpu_script(scenario, directory, nproc))
         env[GPU_POLL_ENV] = "0.2"
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", str(nproc), "--max-restarts",
-           str(max_restarts), "--event-log", str(log), *launcher_args, *job]  # fmt: skip
+           str(max_restarts), "--event-log", str(log), *launcher_args]  # fmt: skip
+    if net is None:
+        nodes = [_Node([*cmd, *job], env, "output")]
+    else:  # host 0 holds the rendezvous store; a new namespace has every port free
+        port = random.randrange(20000, 60000)
+        nodes = [
+            _Node([*host.prefix(), *cmd, "--nnodes", "2", "--rdzv-endpoint", f"{net[0].address}:{port}",
+                   "--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", host.address, *job],
+                  {**env, "GLOO_SOCKET_IFNAME": host.device}, f"output-host{i}")
+            for i, host in enumerate(net)
+        ]  # fmt: skip
     schedule = _schedule(scenario, timeout_s) if scenario is not None else []
     at_steps = sorted(((f.step, f) for f in scenario.faults if f.kind in HARNESS_KINDS and f.step is not None),
                       key=lambda x: x[0]) if scenario is not None else []  # fmt: skip
     progress_of: dict[str, int] = {"step": 0}
     started = time.monotonic()
-    launch = _Launch(cmd, directory, env)
+    for node in nodes:
+        node.start(directory)
+        if net is not None and node is nodes[0]:
+            time.sleep(1.0)  # the store's host first, as an operator starts a multi-node job
     result = RunResult(directory, None, 1, 0.0)
     workers: dict[int, int] = {}  # rank -> newest worker pid
+    mends: list[tuple[float, int]] = []  # (when, host) a partition ends
     offset = 0
     try:
         while time.monotonic() - started < timeout_s:
@@ -104,20 +143,42 @@ def run_job(
                 due.append(schedule.pop(0)[1])
             while at_steps and at_steps[0][0] <= progress_of["step"]:
                 due.append(at_steps.pop(0)[1])
+            for when, host in [m for m in mends if m[0] <= now]:
+                mends.remove((when, host))
+                assert net is not None
+                net.mend(host)
+                chaos_log.emit("fault_ended", fault="partition", host=host, by="harness")
+                progress(f"partition of host {host} mended")
             for spec in due:
-                relaunch = _send(spec, workers, launch, directory, scenario, chaos_log, result, progress)
-                if relaunch:
-                    env.pop(FAULTS_ENV, None)
-                    launch = _Launch(cmd, directory, env)
+                if spec.kind == "partition":
+                    assert net is not None
+                    if any(h == spec.host for _, h in mends):
+                        continue  # already cut off
+                    chaos_log.emit("fault_injected", fault="partition", host=spec.host, duration_s=spec.duration_s,
+                                   by="harness")  # fmt: skip
+                    net.cut(spec.host)
+                    mends.append((now + spec.duration_s, spec.host))
+                    result.sent.append(f"cut host {spec.host} off for {spec.duration_s:g} s")
+                    progress(f"{spec.label}: host {spec.host} cut off")
+                    continue
+                node = nodes[spec.host if net is not None else 0]
+                if node.launch is None or node.code is not None:
+                    continue  # that node has exited already
+                if _send(spec, workers, node.launch, directory, scenario, chaos_log, result, progress):
+                    node.env.pop(FAULTS_ENV, None)
+                    node.start(directory)
                     result.launches += 1
                     workers.clear()
-            code = launch.proc.poll()
-            if code is not None:
-                result.exit_code = code
+            for node in nodes:
+                if node.code is None and node.launch is not None:
+                    node.code = node.launch.proc.poll()
+            if all(node.code is not None for node in nodes):
+                result.exit_code = next((n.code for n in nodes if n.code != 0), 0)
                 break
     finally:
-        if launch.proc.poll() is None:
-            launch.kill()
+        for node in nodes:
+            if node.launch is not None and node.launch.proc.poll() is None:
+                node.launch.kill()
         _read_pids(log, offset, workers, progress_of)
         for pid in workers.values():
             with contextlib.suppress(ProcessLookupError):

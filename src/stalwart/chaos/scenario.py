@@ -9,6 +9,7 @@
     timeout_s = 600           # a run that takes longer fails the scenario
     seed = 0                  # the Poisson faults' draws
     require_events = []       # events the run must write, e.g. ["risk_checkpoint"]
+    hosts = 1                 # 2: two hosts in network namespaces (root), nproc_per_node workers each
 
     [[faults]]
     kind = "kill"             # see KINDS
@@ -33,12 +34,15 @@ from stalwart.errors import ConfigError
 
 STEP_KINDS = ("kill", "hang", "slow", "nan", "spike", "flip", "storage_error", "kill_in_save", "stop")
 """Faults the job's injector fires at a step (`stop` is a hang by SIGSTOP)."""
-TIME_KINDS = ("kill", "stop", "kill_node", "corrupt_checkpoint", "preempt")
+TIME_KINDS = ("kill", "stop", "kill_node", "corrupt_checkpoint", "preempt", "partition")
 """Faults the harness sends at a time or as a Poisson process: SIGKILL or SIGSTOP to a rank's worker, SIGKILL to
 the launcher and every worker (a node lost; the harness launches it again, as a scheduler would), and damage to
 the newest committed checkpoint followed by a node loss (the restart must fall back to the one before), and
-a preemption: SIGTERM to the launcher, which must end with a last checkpoint; the harness launches it again."""
-HARNESS_KINDS = ("kill_node", "corrupt_checkpoint", "preempt")
+a preemption: SIGTERM to the launcher, which must end with a last checkpoint; the harness launches it again; and a
+network partition: on a run over two hosts (`hosts = 2`), host `host`'s link taken down for `duration_s` seconds.
+On two hosts the node-level faults hit host `host` (default 1: host 0 holds the rendezvous store, and a job
+outlives the loss of any node but that one, as under torchrun)."""
+HARNESS_KINDS = ("kill_node", "corrupt_checkpoint", "preempt", "partition")
 GPU_KINDS = ("gpu_warning", "gpu_xid")
 """Scripted GPU telemetry at `at_s` after the launcher starts (detect/gpu.py's scripted provider): a thermal
 slowdown on GPU `gpu` (a warning sign: the job must take a risk checkpoint), or XID `xid` on it (the playbook's
@@ -46,7 +50,9 @@ action: restart the worker on that GPU, or exclude the node, kept in the run's o
 """Faults only the harness can send; at a step, it sends them once rank 0 has logged that step."""
 EXPECTS = ("identical", "completes")
 KINDS = tuple(dict.fromkeys((*STEP_KINDS, *TIME_KINDS, *GPU_KINDS)))
-_OPTIONS = {"how", "ms", "errno", "times", "phase", "factor", "signal", "restart", "gpu", "xid"}
+_OPTIONS = {"how", "ms", "errno", "times", "phase", "factor", "signal", "restart", "gpu", "xid", "host", "duration_s"}
+PARTITION_S = 10.0
+"""How long a partition lasts unless `duration_s` says."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +70,20 @@ class FaultSpec:
                 else f"every ~{self.mtbf_s:g} s")  # fmt: skip
         who = "" if self.kind in HARNESS_KINDS else f" GPU {self.options.get('gpu', 0)}" if self.kind in GPU_KINDS \
             else f" rank {self.rank}"  # fmt: skip
+        if self.kind == "partition":
+            who = f" host {self.host} for {self.duration_s:g} s"
+        elif self.kind in HARNESS_KINDS and "host" in self.options:
+            who = f" host {self.host}"
         return f"{self.kind}{who} at {when}"
+
+    @property
+    def host(self) -> int:
+        """The host a node-level fault hits on a run over two hosts."""
+        return int(self.options.get("host", 1))
+
+    @property
+    def duration_s(self) -> float:
+        return float(self.options.get("duration_s", PARTITION_S))
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +102,13 @@ class Scenario:
     expect: str = "identical"
     """"identical": the final checkpoint must be bitwise the fault-free reference's; "completes": the run must end
     well with valid checkpoints (faults that change the result on purpose: a skipped NaN batch, a rollback)."""
+    hosts: int = 1
+    """2: the job runs on two hosts built from network namespaces (chaos/netns.py), `nproc_per_node` ranks on each;
+    the reference runs on one host with as many ranks."""
+
+    @property
+    def world_size(self) -> int:
+        return self.hosts * self.nproc_per_node
 
     def step_faults(self) -> str:
         """The STALWART_FAULTS value for the faults fired by the job at a step."""
@@ -114,7 +140,7 @@ def parse(raw: dict[str, Any], name: str) -> Scenario:
     if unknown or not isinstance(run, dict):
         raise ConfigError(f"scenario {name}: unknown sections {unknown} (known: run, faults)")
     known = {"nproc_per_node", "max_restarts", "checkpoint_dir", "timeout_s", "seed", "launcher_args", "expect",
-             "require_events"}  # fmt: skip
+             "require_events", "hosts"}  # fmt: skip
     if set(run) - known:
         raise ConfigError(f"scenario {name}: unknown [run] keys {sorted(set(run) - known)}")
     faults = tuple(_fault(f, name, i) for i, f in enumerate(raw.get("faults", []), 1))
@@ -132,6 +158,7 @@ def parse(raw: dict[str, Any], name: str) -> Scenario:
             launcher_args=tuple(str(a) for a in run.get("launcher_args", ())),
             expect=str(run.get("expect", "identical")),
             require_events=tuple(str(e) for e in run.get("require_events", ())),
+            hosts=int(run.get("hosts", 1)),
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"scenario {name}: bad [run] value ({exc})") from exc
@@ -139,9 +166,19 @@ def parse(raw: dict[str, Any], name: str) -> Scenario:
         raise ConfigError(f"scenario {name}: expect must be one of {', '.join(EXPECTS)}, got {scenario.expect!r}")
     if scenario.nproc_per_node < 1 or scenario.timeout_s <= 0 or Path(scenario.checkpoint_dir).is_absolute():
         raise ConfigError(f"scenario {name}: nproc_per_node >= 1, timeout_s > 0 and a relative checkpoint_dir")
+    if scenario.hosts not in (1, 2):
+        raise ConfigError(f"scenario {name}: hosts must be 1 or 2, got {scenario.hosts}")
     for f in faults:
-        if f.rank >= scenario.nproc_per_node and f.kind not in HARNESS_KINDS:
-            raise ConfigError(f"scenario {name}: {f.label} names a rank outside {scenario.nproc_per_node} ranks")
+        if f.rank >= scenario.world_size and f.kind not in HARNESS_KINDS:
+            raise ConfigError(f"scenario {name}: {f.label} names a rank outside {scenario.world_size} ranks")
+        if f.kind == "partition" and scenario.hosts != 2:
+            raise ConfigError(f"scenario {name}: a partition needs a run over two hosts ([run] hosts = 2)")
+        if f.kind in HARNESS_KINDS and not 0 <= f.host < scenario.hosts and "host" in f.options:
+            raise ConfigError(f"scenario {name}: {f.label} names a host outside {scenario.hosts}")
+        if f.kind == "preempt" and scenario.hosts == 2:
+            raise ConfigError(f"scenario {name}: a preemption of one host of two is not supported yet")
+        if f.kind == "partition" and f.duration_s <= 0:
+            raise ConfigError(f"scenario {name}: a partition's duration_s must be positive")
     return scenario
 
 
@@ -180,4 +217,8 @@ def _fault(raw: Any, name: str, index: int) -> FaultSpec:
         raise ConfigError(f"{where}: rank, step and at_s must not be negative")
     if spec.mtbf_s is not None and spec.mtbf_s <= 0:
         raise ConfigError(f"{where}: mtbf_s must be positive")
+    if "host" in raw and (not isinstance(raw["host"], int) or kind not in HARNESS_KINDS):
+        raise ConfigError(f"{where}: host = 0 or 1 is for node-level faults ({', '.join(HARNESS_KINDS)})")
+    if "duration_s" in raw and (not isinstance(raw["duration_s"], int | float) or kind != "partition"):
+        raise ConfigError(f"{where}: duration_s = seconds is for a partition")
     return spec

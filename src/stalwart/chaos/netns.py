@@ -1,0 +1,107 @@
+"""Hosts built from network namespaces: two "machines" with their own addresses on this one, and a cable between
+them that can be cut.
+
+Why: a network partition is a fault of the network, not of a process; to inject one for real, the job's nodes
+must talk over an interface the harness can take down. Two namespaces joined by a veth pair are exactly that:
+each node's launcher and workers run in their own namespace (`ip netns exec`), reach each other only through the
+pair, and `ip link set down` on one end cuts them apart (in-flight TCP retransmits until the link is back).
+Needs root and iproute2; the namespaces live only as long as the `Hosts` context, and their addresses (a private
+/24) are seen by nothing outside them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import TracebackType
+
+from stalwart.errors import ConfigError
+
+SUBNET = "10.231.79"
+_COUNTER = iter(range(1_000_000))
+_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    namespace: str
+    device: str
+    address: str
+
+    def prefix(self) -> list[str]:
+        """What runs a command on this host."""
+        return ["ip", "netns", "exec", self.namespace]
+
+
+def available() -> str | None:
+    """Why hosts cannot be built here (None: they can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "network namespaces need iproute2 (the ip command)"
+    return None
+
+
+class Hosts:
+    """Two hosts joined by a veth pair, for a `with` block: `hosts[0]`, `hosts[1]`, `cut(i)`, `mend(i)`."""
+
+    def __init__(self) -> None:
+        with _LOCK:
+            tag = f"stw{os.getpid() % 100000}c{next(_COUNTER)}"
+        self._hosts = [Host(f"{tag}h{i}", f"{tag}v{i}", f"{SUBNET}.{i + 1}") for i in range(2)]
+        self._made: list[str] = []
+
+    def __enter__(self) -> Hosts:
+        why = available()
+        if why is not None:
+            raise ConfigError(f"a run on two hosts (network namespaces) cannot be built here: {why}")
+        try:
+            for host in self._hosts:
+                _ip("netns", "add", host.namespace)
+                self._made.append(host.namespace)
+            _ip("link", "add", self._hosts[0].device, "type", "veth", "peer", "name", self._hosts[1].device)
+            for host in self._hosts:
+                _ip("link", "set", host.device, "netns", host.namespace)
+                _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.device)
+                _ip("-n", host.namespace, "link", "set", host.device, "up")
+                _ip("-n", host.namespace, "link", "set", "lo", "up")
+        except subprocess.CalledProcessError as exc:
+            self.close()
+            raise ConfigError(f"cannot create network namespaces: {(exc.stderr or b'').decode().strip()}") from exc
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __getitem__(self, index: int) -> Host:
+        return self._hosts[index]
+
+    def __len__(self) -> int:
+        return len(self._hosts)
+
+    def __iter__(self) -> Iterator[Host]:
+        return iter(self._hosts)
+
+    def cut(self, index: int) -> None:
+        """Take host `index`'s end of the cable down: it can reach no other host, nor they it."""
+        host = self._hosts[index]
+        _ip("-n", host.namespace, "link", "set", host.device, "down")
+
+    def mend(self, index: int) -> None:
+        host = self._hosts[index]
+        _ip("-n", host.namespace, "link", "set", host.device, "up")
+
+    def close(self) -> None:
+        """Delete the namespaces (the veth pair goes with them). Processes still inside keep theirs until they end;
+        the harness ends them first."""
+        for namespace in self._made:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+        self._made.clear()
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
