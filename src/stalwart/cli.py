@@ -17,6 +17,7 @@ commands:
   preflight  check this node: matmul throughput, a memory pattern test, an all-reduce among its devices
   report   where a run's wall time went: goodput, its breakdown, each failure's detection and recovery
   chaos    run a job under faults (a scenario file, or --suite quick) and check it ends as without them
+  sim      simulate failures of a job far larger than this machine: ETTR, lost time, spares, cost
   bench    measure on this machine: 'bench checkpoint' compares stalwart with torch.save and DCP,
            'bench recovery' with torchrun (and torchft when installed)
   version  print stalwart's version
@@ -73,6 +74,12 @@ def _chaos(argv: list[str]) -> int:
     return main(argv)
 
 
+def _sim(argv: list[str]) -> int:
+    from stalwart.sim.cli import main
+
+    return main(argv)
+
+
 def _bench(argv: list[str]) -> int:
     from stalwart.bench.cli import main
 
@@ -87,6 +94,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "preflight": _preflight,
     "report": _report,
     "chaos": _chaos,
+    "sim": _sim,
     "bench": _bench,
     "version": _version,
 }

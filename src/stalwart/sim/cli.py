@@ -1,0 +1,152 @@
+"""`stalwart sim`: what failures cost a training job of N GPUs over D days, under stalwart and without it.
+
+    stalwart sim --gpus 16384 --days 54                 # the Llama 3 setup: every policy, both systems, spares
+    stalwart sim --gpus 100000 --days 30 --policy adaptive --profile stalwart --spares 64 --json
+    stalwart sim --validate                             # the comparisons with published figures
+
+Prints one row per (system, policy): ETTR (mean and the 5-95% range over the runs), interruptions, where the
+lost time went, GPU-hours and money; with `--spares auto` (the default) first the number of spare nodes that
+minimises the cost per useful GPU-hour under stalwart's adaptive policy, then every row with that many.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, NoReturn
+
+from rich.table import Table
+
+from stalwart.errors import ConfigError
+from stalwart.sim.engine import BADPUT, POLICIES, Job, Policy, Result, simulate
+from stalwart.sim.failures import MODELS, FailureModel
+from stalwart.sim.profiles import PROFILES, load_costs
+from stalwart.telemetry.console import console
+
+SPARE_CHOICES = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def _positive(kind: type, name: str) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not value > 0 or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{name} must be positive, got {text}")
+        return value
+
+    return parse
+
+
+def main(argv: list[str]) -> int:
+    p = _Parser(prog="stalwart sim", description="Simulate failures of a large training job and what they cost.")
+    p.add_argument("--gpus", type=_positive(int, "--gpus"), default=16384, help="GPUs in the job (default 16384)")
+    p.add_argument("--days", type=_positive(float, "--days"), default=54.0, help="wall-clock days (default 54)")
+    p.add_argument("--gpus-per-node", type=_positive(int, "--gpus-per-node"), default=8)
+    p.add_argument("--failure-model", choices=MODELS, default="llama3",
+                   help="llama3: Llama 3's 419 interruptions in 54 days on 16,384 GPUs and their causes; rsc1, "
+                   "rsc2: node failure rates of Meta's research clusters (Kokolis et al.)")  # fmt: skip
+    p.add_argument("--weibull-shape", type=_positive(float, "--weibull-shape"), default=None,
+                   help="Weibull inter-failure times per node with this shape (default: exponential)")  # fmt: skip
+    p.add_argument("--policy", choices=(*POLICIES, "all"), default="all")
+    p.add_argument("--profile", choices=(*PROFILES, "all"), default="all", help="which system's recovery costs")
+    p.add_argument("--costs", type=Path, default=None, help="JSON of profile fields (seconds) replacing stalwart's")
+    p.add_argument("--checkpoint-interval-s", type=_positive(float, "--checkpoint-interval-s"), default=1800.0,
+                   help="the fixed policy's durable checkpoint interval (default 1800)")  # fmt: skip
+    p.add_argument("--spares", default="auto", help="spare nodes, or auto: the count with the lowest cost")
+    p.add_argument("--price", type=_positive(float, "--price"), default=2.0, help="money per GPU-hour (default 2.0)")
+    p.add_argument("--runs", type=_positive(int, "--runs"), default=64, help="independent runs (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG or SVG figure of the results")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--validate", action="store_true", help="compare with published figures (docs/simulation.md)")
+    args = p.parse_args(argv)
+    if args.validate:
+        from stalwart.sim.validate import main as validate
+
+        return validate(args.json)
+    started = time.perf_counter()
+    model = FailureModel.named(args.failure_model, args.weibull_shape)
+    profiles = dict(PROFILES)
+    if args.costs is not None:
+        profiles["stalwart"] = load_costs(profiles["stalwart"], args.costs)
+    chosen = list(profiles) if args.profile == "all" else [args.profile]
+    policies = list(POLICIES) if args.policy == "all" else [args.policy]
+    base = Job(args.gpus, args.days, gpus_per_node=args.gpus_per_node, price_per_gpu_hour=args.price)
+    fixed = Policy("fixed", checkpoint_interval_s=args.checkpoint_interval_s)
+
+    def run(profile: str, policy: str, spares: int) -> Result:
+        pol = fixed if policy == "fixed" else Policy(policy)
+        return simulate(replace(base, spares=spares), model, profiles[profile], pol, runs=args.runs, seed=args.seed)
+
+    sweep: list[Result] = []
+    if args.spares == "auto":
+        sweep_profile = "stalwart" if "stalwart" in chosen else chosen[0]
+        sweep_policy = "adaptive" if "adaptive" in policies else policies[0]
+        sweep = [run(sweep_profile, sweep_policy, s) for s in SPARE_CHOICES]
+        spares = min(sweep, key=lambda r: r.cost_per_useful_gpu_hour).spares
+    else:
+        try:
+            spares = int(args.spares)
+        except ValueError:
+            raise ConfigError(f"--spares must be a number of nodes or auto, got {args.spares!r}") from None
+        if spares < 0:
+            raise ConfigError(f"--spares must be >= 0, got {spares}")
+    results = [run(prof, pol, spares) for prof in chosen for pol in policies]
+    seconds = time.perf_counter() - started
+    if args.plot is not None:
+        from stalwart.sim.plot import write
+
+        write(args.plot, results, sweep)
+    if args.json:
+        print(json.dumps({"gpus": args.gpus, "days": args.days, "failure_model": args.failure_model,
+                          "weibull_shape": args.weibull_shape, "job_mtbf_h": model.job_mtbf_s(args.gpus) / 3600,
+                          "spares": spares, "seconds": round(seconds, 3),
+                          "profiles": {name: asdict(profiles[name]) for name in chosen},
+                          "results": [asdict(r) for r in results],
+                          "spares_sweep": [{"spares": r.spares, "ettr": r.ettr, "cost": r.cost,
+                                            "cost_per_useful_gpu_hour": r.cost_per_useful_gpu_hour} for r in sweep],
+                          "plot": str(args.plot) if args.plot else None}))  # fmt: skip
+        return 0
+    _print(results, sweep, model, args, spares, seconds)
+    return 0
+
+
+def _print(results: list[Result], sweep: list[Result], model: FailureModel, args: argparse.Namespace, spares: int,
+           seconds: float) -> None:  # fmt: skip
+    out = console()
+    shape = f"Weibull k={args.weibull_shape:g}" if args.weibull_shape else "exponential"
+    out.print(f"{args.gpus:,} GPUs for {args.days:g} days, failure model {args.failure_model} ({shape}): job MTBF "
+              f"{model.job_mtbf_s(args.gpus) / 3600:.2f} h; {args.runs} runs, seed {args.seed}")  # fmt: skip
+    if sweep:
+        table = Table(title=f"spare nodes ({sweep[0].profile}, {sweep[0].policy} policy)")
+        for column in ("spares", "ETTR", "waiting for a node", "GPU-hours", "cost per useful GPU-hour"):
+            table.add_column(column, justify="right", no_wrap=True)
+        for r in sweep:
+            mark = " <" if r.spares == spares else ""
+            table.add_row(str(r.spares), f"{100 * r.ettr:.2f}%", f"{100 * r.badput['waiting_for_node']:.2f}%",
+                          f"{r.gpu_hours:,.0f}", f"{r.cost_per_useful_gpu_hour:.4f}{mark}")  # fmt: skip
+        out.print(table)
+    table = Table(title=f"{spares} spare nodes")
+    columns = ("system", "policy", "ETTR", "5-95%", "interruptions", "checkpoint every", *[b.replace("_", " ")
+               for b in BADPUT], "cost")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("system", "policy") else "right", no_wrap=True)
+    for r in results:
+        every = f"{r.checkpoint_interval_s:.0f} s" + (f" / {r.snapshot_interval_s:.0f} s"
+                                                       if r.snapshot_interval_s else "")  # fmt: skip
+        table.add_row(r.profile, r.policy, f"{100 * r.ettr:.2f}%", f"{100 * r.ettr_p05:.1f}-{100 * r.ettr_p95:.1f}%",
+                      f"{r.interruptions:.0f}", every, *[f"{100 * r.badput[b]:.2f}%" for b in BADPUT],
+                      f"{r.cost:,.0f}")  # fmt: skip
+    out.print(table)
+    out.print(f"checkpoint every: durable / memory snapshot (seconds of work). Cost at {args.price:g} per GPU-hour, "
+              f"spares included. {seconds:.2f} s.")  # fmt: skip

@@ -1,0 +1,111 @@
+"""`stalwart sim` (sim/) and the checkpoint-interval formulas (policy/interval.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from conftest import child_env
+from stalwart.policy import interval
+from stalwart.sim.engine import BADPUT, POLICIES, Job, Policy, simulate
+from stalwart.sim.failures import LLAMA3_CAUSES, FailureModel
+from stalwart.sim.profiles import PROFILES, STALWART
+
+
+def _sim(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stalwart", "sim", *args], capture_output=True, text=True,
+                          timeout=120, env=child_env())  # fmt: skip
+
+
+def test_the_formulas_match_their_papers() -> None:
+    assert [round(interval.daly(300, h * 3600) / 60, 1) for h in (24, 6, 0.25)] == [116.7, 56.7, 9.1]  # Daly 2006
+    assert interval.young(60, 3600) == pytest.approx(657.27, abs=0.01)
+    assert interval.daly(60, 3600) == pytest.approx(interval.optimum_by_search(60, 3600, 300), rel=1e-3)
+    assert interval.daly(10, 4) == 4, "C >= 2M: checkpoint every MTBF"
+    assert interval.availability_optimal(60, 3600, 300) == pytest.approx(60 + (2 * 3900 * 60 + 3600) ** 0.5)
+    with pytest.raises(ValueError, match="positive"):
+        interval.young(0, 3600)
+
+
+def test_the_llama3_setup_has_its_interruptions_and_their_causes() -> None:
+    r = simulate(Job(16384, 54), FailureModel.named("llama3"), PROFILES["torchrun"], Policy("daly"), runs=32)
+    assert r.interruptions == pytest.approx(419, rel=0.05) and r.job_mtbf_h == pytest.approx(3.09, abs=0.01)
+    for cause in LLAMA3_CAUSES[:3]:
+        assert r.by_cause[cause.name] == pytest.approx(cause.count, rel=0.15), cause.name
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_second_of_the_wall_clock_is_accounted_for(profile: str, policy: str) -> None:
+    for spares in (0, 16):
+        r = simulate(Job(16384, 20, spares=spares), FailureModel.named("llama3"), PROFILES[profile], Policy(policy),
+                     runs=8)  # fmt: skip
+        assert r.ettr + sum(r.badput.values()) == pytest.approx(1.0, abs=1e-9)
+        assert set(r.badput) == set(BADPUT) and all(v >= -1e-12 for v in r.badput.values())
+        assert 0.5 < r.ettr < 1.0
+
+
+def test_the_simulator_converges_to_dalys_complete_model() -> None:
+    from stalwart.sim.validate import checks
+
+    by_name = {c.what: c for c in checks()}
+    for name in ("simulated ETTR vs Daly's complete model (the worst of 11 intervals)",
+                 "simulator's optimum interval vs Daly's formula (s)"):  # fmt: skip
+        assert by_name[name].ok, by_name[name]
+    assert by_name["simulator's optimum interval vs Daly's formula (s)"].error < 0.01
+
+
+def test_spares_remove_the_wait_for_a_node_and_the_adaptive_policy_learns_the_rate() -> None:
+    model = FailureModel.named("llama3")
+    none = simulate(Job(16384, 54, spares=0), model, STALWART, Policy("adaptive"), runs=16)
+    many = simulate(Job(16384, 54, spares=64), model, STALWART, Policy("adaptive"), runs=16)
+    assert none.badput["waiting_for_node"] > 0.02 and many.badput["waiting_for_node"] == 0.0
+    assert many.ettr > none.ettr and many.gpu_hours > none.gpu_hours
+    known = simulate(Job(16384, 54), model, STALWART, Policy("daly"), runs=16)
+    assert many.snapshot_interval_s == pytest.approx(known.snapshot_interval_s, rel=0.1), "from a 24 h prior"
+    slower = replace(STALWART, process_restart_s=60.0, node_swap_s=120.0)
+    assert simulate(Job(16384, 54, spares=64), model, slower, Policy("adaptive"), runs=16).ettr < many.ettr
+
+
+def test_weibull_failures_keep_the_mean_rate() -> None:
+    exp = FailureModel.named("llama3")
+    wei = FailureModel.named("llama3", weibull_shape=1.0)
+    a = simulate(Job(16384, 54), exp, STALWART, Policy("daly"), runs=16).interruptions
+    b = simulate(Job(16384, 54), wei, STALWART, Policy("daly"), runs=16).interruptions
+    assert b == pytest.approx(a, rel=0.1), "shape 1 is exponential"
+    early = FailureModel.named("llama3", weibull_shape=0.7)
+    assert simulate(Job(16384, 54), early, STALWART, Policy("daly"), runs=16).interruptions > a, "infant mortality"
+
+
+def test_stalwart_sim_alone_runs_the_llama3_setup(tmp_path: Path) -> None:
+    plot = tmp_path / "sim.png"
+    out = _sim("--json", "--runs", "16", "--plot", str(plot))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["gpus"] == 16384 and report["days"] == 54 and report["failure_model"] == "llama3"
+    rows = {(r["profile"], r["policy"]): r for r in report["results"]}
+    assert set(rows) == {(p, q) for p in PROFILES for q in POLICIES}
+    assert rows[("stalwart", "adaptive")]["ettr"] >= 0.98, "with the spares it picked"
+    assert rows[("stalwart", "adaptive")]["ettr"] > rows[("torchrun", "daly")]["ettr"]
+    best = min(report["spares_sweep"], key=lambda s: s["cost_per_useful_gpu_hour"])
+    assert report["spares"] == best["spares"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = _sim("--runs", "4", "--profile", "stalwart", "--policy", "adaptive", "--spares", "8")
+    assert table.returncode == 0 and "stalwart" in table.stdout and "adaptive" in table.stdout
+
+
+def test_bad_input_is_one_clear_error(tmp_path: Path) -> None:
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"restart_s": 3}')
+    for args, message in ((["--gpus", "0"], "--gpus must be positive"), (["--policy", "best"], "invalid choice"),
+                          (["--spares", "many"], "--spares must be a number"),
+                          (["--costs", str(tmp_path / "no.json")], "does not exist"),
+                          (["--costs", str(costs)], "unknown fields ['restart_s']"),
+                          (["--plot", str(tmp_path / "x.txt"), "--spares", "0"], ".png or .svg")):  # fmt: skip
+        out = _sim(*args)
+        assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, (args, out.stderr)
