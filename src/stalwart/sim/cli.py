@@ -26,7 +26,7 @@ from stalwart.sim.failures import MODELS, FailureModel
 from stalwart.sim.profiles import PROFILES, load_costs
 from stalwart.telemetry.console import console
 
-SPARE_CHOICES = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+SPARE_CHOICES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class _Parser(argparse.ArgumentParser):
