@@ -108,7 +108,7 @@ def test_resume_in_one_process_is_bitwise_identical(tmp_path: Path) -> None:
 
 
 def test_job_config_errors_are_clear(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="checkpoint_every must be a positive integer"):
+    with pytest.raises(ConfigError, match='checkpoint_every must be "auto" or a positive integer'):
         stalwart.Job(tmp_path, checkpoint_every=0)
     with pytest.raises(ConfigError, match="unexpected keyword"):
         stalwart.Job(tmp_path, checkpoint_evry=5)

@@ -117,6 +117,8 @@ class Checkpointer:
         self._chaos = chaos or (lambda step: None)
         """The faults a save of a step is to meet (FaultInjector.save_chaos), carried to the persister."""
         self._attempt = 0
+        self.last_stall_s: float | None = None
+        """The training stall of the newest snapshot this process took (checkpoint_every="auto" plans with it)."""
         self._own_comm = False  # standalone(): the one-rank group is ours to close
         self._staging = Staging()
         self._bg = Background(events, in_process=self.storage.process_local)
@@ -237,6 +239,7 @@ class Checkpointer:
         self._staging.ensure(total, pin=any(i.tensor.is_cuda for i in mine))
         self._staging.copy_in([i.tensor for i in mine], offsets)
         stall = time.monotonic() - started
+        self.last_stall_s = stall
         self._attempt += 1
         token = f"{self._token}-{self._attempt}"
         self._events.emit("checkpoint_snapshot", step=step, stall_s=stall, bytes=total)

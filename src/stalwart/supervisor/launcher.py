@@ -34,6 +34,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +50,7 @@ from stalwart.runtime.env import (
     GLOO_IFNAME_ENV,
     HANG_TIMEOUT_ENV,
     HEARTBEAT_ENV,
+    LAUNCH_TIME_ENV,
     METRICS_PORT_ENV,
     REFORM_ENV,
     SHARE_STORE_ENV,
@@ -397,6 +399,7 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
     except OSError as exc:
         raise ConfigError(f"cannot create the heartbeat board in /dev/shm: {exc.strerror or exc}") from exc
     os.environ[HEARTBEAT_ENV] = str(board.path)
+    os.environ.setdefault(LAUNCH_TIME_ENV, repr(time.time()))  # a relaunched node keeps a scheduler's value
     snapshots = board.path.with_name(SNAPSHOTS_PREFIX + board.path.name.removeprefix(BOARD_PREFIX))
     pool = SparePool(args.spares, events, zygote)
     try:
