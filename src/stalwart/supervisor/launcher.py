@@ -52,6 +52,7 @@ from stalwart.runtime.env import (
     HEARTBEAT_ENV,
     LAUNCH_TIME_ENV,
     METRICS_PORT_ENV,
+    PREEMPT_NOTICE_ENV,
     REFORM_ENV,
     SHARE_STORE_ENV,
     SNAPSHOT_DIR_ENV,
@@ -61,6 +62,7 @@ from stalwart.runtime.process import first_line
 from stalwart.supervisor import exclusion, preflight
 from stalwart.supervisor.gpu_watch import GpuWatch
 from stalwart.supervisor.host_pool import SparePool
+from stalwart.supervisor.preempt_notice import NoticeWatch, check_source
 from stalwart.supervisor.rendezvous import rendezvous_handler
 from stalwart.supervisor.zygote import Zygote
 from stalwart.telemetry.events import EventLog
@@ -132,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM (a preemption), seconds the workers get to take a last durable checkpoint at an agreed "
         "step and exit, before they are stopped (default 30; 0: stop at once); the launcher then exits 143",
     )
+    parser.add_argument(
+        "--preempt-notice",
+        default=os.environ.get(PREEMPT_NOTICE_ENV) or None,
+        metavar="SOURCE",
+        help="a preemption notice to watch: an http(s) URL of the cloud's metadata service (GCE's "
+        ".../instance/preempted, AWS's .../spot/instance-action) or file:PATH; at the notice, the same as SIGTERM",
+    )
     parser.add_argument("--metrics-addr", default="127.0.0.1",
                         help="the address the metrics listen on (default 127.0.0.1: this host only)")  # fmt: skip
     if "PET_MAX_RESTARTS" not in os.environ:
@@ -168,6 +177,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise ConfigError(f"--nproc-per-node must be at least 1, got {nproc}")
     if not 0 <= args.preempt_grace_s < float("inf"):
         raise ConfigError(f"--preempt-grace-s must be a number of seconds >= 0, got {args.preempt_grace_s}")
+    if args.preempt_notice is not None:
+        check_source(args.preempt_notice)
+        if args.preempt_grace_s <= 0:
+            raise ConfigError("--preempt-notice needs a grace period (--preempt-grace-s > 0) for the last checkpoint")
     try:
         parse_timeout(args.hang_timeout)
     except ValueError as exc:
@@ -291,16 +304,17 @@ class _Preemption:
         self.board, self.grace_s, self.events, self.say = board, grace_s, events, say
         self.requested = False
 
-    def request(self) -> bool:
-        """Handle a SIGTERM; False when it must stop the launcher at once (not armed, or already asked)."""
+    def request(self, why: str = "received SIGTERM") -> bool:
+        """Handle a SIGTERM (or a preemption notice); False when it must stop the launcher at once (not armed, or
+        already asked)."""
         if self.board is None or self.grace_s <= 0 or self.requested:
             return False
         self.requested = True
         self.board.request_preemption()
         if self.events is not None:
-            self.events.emit("preemption_requested", grace_s=self.grace_s)
+            self.events.emit("preemption_requested", grace_s=self.grace_s, why=why)
         if self.say is not None:
-            self.say(f"received SIGTERM: asking the workers for a last checkpoint (grace {self.grace_s:g} s)")
+            self.say(f"{why}: asking the workers for a last checkpoint (grace {self.grace_s:g} s)")
         self._timer = threading.Timer(self.grace_s, os.kill, (os.getpid(), signal.SIGTERM))
         self._timer.daemon = True
         self._timer.start()
@@ -520,6 +534,10 @@ def _run_agent(
     )
     shutdown_rdzv = True
     _PREEMPTION.arm(board, args.preempt_grace_s, events, say)
+    notice = None
+    if args.preempt_notice is not None:
+        notice = NoticeWatch(args.preempt_notice, lambda why: _PREEMPTION.request(f"preemption notice: {why}"),
+                             say).start()  # fmt: skip
     try:
         result = agent.run()
     except SignalException as exc:
@@ -534,6 +552,8 @@ def _run_agent(
         say(f"cannot re-form the job: {type(exc).__name__}: {first}")
         return 1
     finally:
+        if notice is not None:
+            notice.stop()
         _PREEMPTION.disarm()
         if gpu is not None:
             gpu.close()
