@@ -123,6 +123,7 @@ def test_the_quick_suite_recovers_from_every_fault_type_bitwise(tmp_path: Path) 
     assert preempt["kind"] == "preempt" and preempt["steps_lost"] == 0 and preempt["tier"] == "durable"
     assert outcomes["loss_spike"]["recoveries"][0]["kind"] == "rollback"
     assert outcomes["kill_node"]["recoveries"][0]["tier"] == "durable"
+    assert [r["kind"] for r in outcomes["gpu_xid_13"]["recoveries"]] == ["gpu_xid"], "paired with the XID's action"
     assert any("corrupted" in s for s in outcomes["corrupt_checkpoint"]["sent"])
     if netns.available() is None:  # root: two hosts in network namespaces, one of them cut off for 3 s
         partition = outcomes["partition"]

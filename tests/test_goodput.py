@@ -89,6 +89,18 @@ def test_a_hang_is_detected_after_its_silence() -> None:
     assert _total(g) == pytest.approx(g.wall_s)
 
 
+def test_a_gpu_xid_the_agent_acted_on_is_the_failures_cause() -> None:
+    events = [
+        _agent("launcher_started", 0.0), _worker("worker_started", 0.0), *_steps(1, 5, 0.0, 1.0),
+        _agent("gpu_action", 5.2, gpu=1, action="restart_process", reason="XID 13"),
+        _agent("worker_failed", 5.3, rank=1), _worker("worker_started", 5.6, 1),
+        _worker("resumed", 5.7, 1, step=5, tier="memory", seconds=0.1), *_steps(6, 8, 6.0, 1.0, 1),
+        _agent("launcher_exit", 9.0),
+    ]  # fmt: skip
+    (r,) = account(events).recoveries
+    assert r.kind == "gpu_xid" and r.detection_s == pytest.approx(0.1) and r.steps_lost == 0
+
+
 def test_a_rollback_wastes_the_steps_it_undoes() -> None:
     events = [
         _agent("launcher_started", 0.0), _worker("worker_started", 0.0), *_steps(1, 10, 0.0, 1.0),

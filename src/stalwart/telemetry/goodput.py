@@ -242,10 +242,14 @@ def _attach_failures(
             continue
         first = noticed[0]
         seg.detected_at = float(first["mono"])
-        faults = [e for e in events if e["event"] == "fault_injected" and seg.start <= e["mono"] <= seg.detected_at]
+        # The cause: an injected fault, or the agent acting on a GPU's XID (it stops that GPU's worker itself).
+        faults = [e for e in events if e["event"] in ("fault_injected", "gpu_action")
+                  and seg.start <= e["mono"] <= seg.detected_at]  # fmt: skip
         hang = next((e for e in noticed if e["event"] == "hang_detected"), None)
         if faults:
-            seg.failure_at, seg.kind = float(faults[0]["mono"]), str(faults[0].get("fault", "fault"))
+            first_fault = faults[0]
+            seg.failure_at = float(first_fault["mono"])
+            seg.kind = "gpu_xid" if first_fault["event"] == "gpu_action" else str(first_fault.get("fault", "fault"))
         elif hang is not None:
             seg.failure_at, seg.kind = float(hang["mono"]) - float(hang.get("silent_s", 0.0)), "hang"
         if seg.failure_at is not None:
