@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import time
@@ -40,6 +41,9 @@ def test_two_nodes_recover_from_a_killed_worker(launch: Any, tmp_path: Path) -> 
         assert [(e["step"], e["tier"]) for e in node.events("resumed")] == [(newest, "memory")]
     ranks = sorted(e["rank"] for node in nodes for e in node.events("worker_spawned") if e["restart"] == 0)
     assert ranks == [0, 1], "one global rank per node"
+    measured = [e for node in nodes for e in node.events("peer_bandwidth")]
+    assert sorted(e["node"] for e in measured) == [0, 1], "each agent timed its link once, at the first start"
+    assert measured[0]["inbound_gbps"] == measured[1]["inbound_gbps"] and min(measured[0]["inbound_gbps"].values()) > 0
 
     single = launch(["--nproc-per-node", "2", str(TINY), "--ckpt", "ckpt1", "--out", "out1", "--steps", "20"])
     assert single.wait(120) == 0, single.output()
@@ -160,3 +164,32 @@ def test_bad_input_on_one_node_stops_the_other_with_one_line(launch: Any, tmp_pa
     for node in nodes:
         assert "Traceback" not in node.output(), node.output()
         assert node.events("launcher_exit"), "each launcher records how it ended"
+
+
+def test_the_preflight_between_nodes_names_the_one_with_a_slow_link(launch: Any, tmp_path: Path) -> None:
+    """Three hosts on a bridge (network namespaces), one with its cable throttled to 80 Mbit/s: at the first start
+    the agents time each node's link to the next and all name the throttled host; the job runs on."""
+    if netns.available() is not None or not shutil.which("tc"):
+        pytest.skip("needs root, iproute2 and tc")
+    port = _free_port()
+    job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "5"]
+    with netns.Hosts(3) as hosts:
+        hosts.throttle(2, 80)
+        nodes = []
+        for i, host in enumerate(hosts):
+            args = ["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-endpoint", f"{hosts[0].address}:{port}",
+                    "--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", host.address, "--preflight-peer-mb", "4",
+                    *job_args]  # fmt: skip
+            nodes.append(launch(args, name=f"host{i}", env=child_env(GLOO_SOCKET_IFNAME=host.device),
+                                prefix=tuple(host.prefix())))  # fmt: skip
+            if i == 0:
+                nodes[0].wait_for(lambda: nodes[0].events("launcher_started"), 60, "the first agent")
+        for node in nodes:
+            assert node.wait(180) == 0, node.output()
+    measured = {e["address"]: e for node in nodes for e in node.events("peer_bandwidth")}
+    assert set(measured) == {h.address for h in hosts}
+    throttled = measured[hosts[2].address]["node"]
+    slow = [e for node in nodes for e in node.events("peer_link_slow")]
+    assert slow and all(e["suspects"] == [throttled] for e in slow), slow
+    assert {tuple(e["link"]) for e in slow} == {((throttled - 1) % 3, throttled), (throttled, (throttled + 1) % 3)}
+    assert f"likely node {throttled}" in "".join(n.output() for n in nodes)

@@ -93,3 +93,16 @@ def test_preflight_is_off_on_a_node_without_gpus_unless_asked(launch: Any) -> No
     assert wrong.wait(60) == 2
     assert "--preflight must be one of auto, on, off, got 'always'" in wrong.output()
     assert "Traceback" not in wrong.output()
+
+
+def test_the_verdict_between_nodes_is_relative_to_the_healthy_links() -> None:
+    from stalwart.supervisor.peer_check import judge
+
+    healthy = judge({0: 10.0, 1: 9.0, 2: 11.0, 3: 10.5}, None)
+    assert not healthy.slow_links and not healthy.suspects
+    one_bad = judge({0: 10.0, 1: 9.0, 2: 0.5, 3: 0.6}, None)  # node 2's links: into 2 (1->2) and out of it (2->3)
+    assert one_bad.slow_links == [(1, 2), (2, 3)] and one_bad.suspects == [2]
+    pair = judge({0: 0.2, 1: 10.0}, None)  # two nodes: a slow link, but which end is to blame is unknowable
+    assert pair.slow_links == [(1, 0)] and pair.suspects == []
+    floor = judge({0: 3.0, 1: 3.2, 2: 2.9}, min_gbps=5.0)
+    assert len(floor.slow_links) == 3 and floor.suspects == [0, 1, 2]

@@ -47,12 +47,17 @@ def available() -> str | None:
 
 
 class Hosts:
-    """Two hosts joined by a veth pair, for a `with` block: `hosts[0]`, `hosts[1]`, `cut(i)`, `mend(i)`."""
+    """Hosts for a `with` block: `hosts[i]`, `cut(i)`, `mend(i)`, `throttle(i, mbit)`. Two are joined by a veth
+    pair; more by a bridge in a namespace of its own (a switch), each host on its own port."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: int = 2) -> None:
+        if not 2 <= count <= 200:
+            raise ValueError(f"from 2 to 200 hosts, got {count}")
         with _LOCK:
             tag = f"stw{os.getpid() % 100000}c{next(_COUNTER)}"
-        self._hosts = [Host(f"{tag}h{i}", f"{tag}v{i}", f"{SUBNET}.{i + 1}") for i in range(2)]
+        self._hosts = [Host(f"{tag}h{i}", f"{tag}v{i}", f"{SUBNET}.{i + 1}") for i in range(count)]
+        self._switch = f"{tag}sw" if count > 2 else None
+        self._ports = [f"{tag}s{i}" for i in range(count)]  # the switch's end of each host's cable
         self._made: list[str] = []
 
     def __enter__(self) -> Hosts:
@@ -60,10 +65,19 @@ class Hosts:
         if why is not None:
             raise ConfigError(f"a run on two hosts (network namespaces) cannot be built here: {why}")
         try:
-            for host in self._hosts:
-                _ip("netns", "add", host.namespace)
-                self._made.append(host.namespace)
-            _ip("link", "add", self._hosts[0].device, "type", "veth", "peer", "name", self._hosts[1].device)
+            for namespace in [h.namespace for h in self._hosts] + ([self._switch] if self._switch else []):
+                _ip("netns", "add", namespace)
+                self._made.append(namespace)
+            if self._switch is None:
+                _ip("link", "add", self._hosts[0].device, "type", "veth", "peer", "name", self._hosts[1].device)
+            else:
+                _ip("-n", self._switch, "link", "add", "br0", "type", "bridge")
+                _ip("-n", self._switch, "link", "set", "br0", "up")
+                for host, port in zip(self._hosts, self._ports, strict=True):
+                    _ip("link", "add", host.device, "type", "veth", "peer", "name", port)
+                    _ip("link", "set", port, "netns", self._switch)
+                    _ip("-n", self._switch, "link", "set", port, "master", "br0")
+                    _ip("-n", self._switch, "link", "set", port, "up")
             for host in self._hosts:
                 _ip("link", "set", host.device, "netns", host.namespace)
                 _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.device)
@@ -94,6 +108,19 @@ class Hosts:
     def mend(self, index: int) -> None:
         host = self._hosts[index]
         _ip("-n", host.namespace, "link", "set", host.device, "up")
+
+    def throttle(self, index: int, mbit: float) -> None:
+        """Limit host `index`'s cable to `mbit` megabits per second both ways (a degraded NIC or port); needs tc."""
+        host = self._hosts[index]
+        if self._switch is not None:
+            ends = [(host.namespace, host.device), (self._switch, self._ports[index])]
+        else:
+            other = self._hosts[1 - index]
+            ends = [(host.namespace, host.device), (other.namespace, other.device)]
+        for namespace, device in ends:
+            subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
+                            "rate", f"{mbit}mbit", "burst", "64kb", "latency", "200ms"],
+                           check=True, capture_output=True, timeout=30)  # fmt: skip
 
     def close(self) -> None:
         """Delete the namespaces (the veth pair goes with them). Processes still inside keep theirs until they end;

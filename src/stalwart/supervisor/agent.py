@@ -31,10 +31,11 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from stalwart.detect.heartbeat import Beat, Board
 from stalwart.errors import EXIT_EVICTED, EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.runtime.process import process_state, stopped
-from stalwart.supervisor import exclusion
+from stalwart.supervisor import exclusion, peer_check
 from stalwart.supervisor.exclusion import Exclusion
 from stalwart.supervisor.gpu_watch import GpuWatch, is_restart
 from stalwart.supervisor.host_pool import Host, HostContext, SparePool, running_in
+from stalwart.supervisor.peer_check import PeerCheck
 from stalwart.supervisor.zygote import Zygote
 from stalwart.telemetry.events import EventLog
 
@@ -76,10 +77,12 @@ class StalwartAgent(LocalElasticAgent):
         hosts: bool = False,
         reform: bool = False,
         gpu: GpuWatch | None = None,
+        peer_check: PeerCheck | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._gpu = gpu
+        self._peer_check = peer_check  # the first start's bandwidth check between nodes (supervisor/peer_check.py)
         self.excluded: Exclusion | None = None
         self._events = events
         self._say = say
@@ -101,6 +104,9 @@ class StalwartAgent(LocalElasticAgent):
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self._peer_check is not None:
+            check, self._peer_check = self._peer_check, None  # once: at this agent's first start
+            self._check_peers(worker_group, check)
         if self._board is not None:
             self._board.clear()  # beats of the previous round must not count against the new workers
         self._hung.clear()
@@ -133,6 +139,35 @@ class StalwartAgent(LocalElasticAgent):
             )
             self._failed_at = None
         return pids
+
+    def _check_peers(self, worker_group: WorkerGroup, check: PeerCheck) -> None:
+        """Measure the links between nodes when the job first forms (every node at its first start); report."""
+        nodes, node, store = worker_group.group_world_size, worker_group.group_rank, worker_group.store
+        if nodes is None or node is None or store is None or nodes < 2:
+            return
+        with contextlib.suppress(Exception):
+            if store.check([f"{peer_check.KEY}/done"]):
+                return  # a node that joins a running job: the others are past their first start
+        started = time.monotonic()
+        inbound = peer_check.measure(store, node, nodes, check.address, check.payload_mb)
+        if inbound is None:
+            self._events.emit("peer_check_skipped", reason="a peer did not answer in time")
+            return
+        with contextlib.suppress(Exception):
+            store.set(f"{peer_check.KEY}/done", "1")
+        verdict = peer_check.judge(inbound, check.min_gbps)
+        measured = {str(k): round(v, 3) for k, v in inbound.items()}
+        self._events.emit("peer_bandwidth", node=node, address=check.address, inbound_gbps=measured,
+                          reference_gbps=round(verdict.reference_gbps, 3), payload_mb=check.payload_mb,
+                          seconds=round(time.monotonic() - started, 3))  # fmt: skip
+        for src, dst in verdict.slow_links:
+            self._events.emit("peer_link_slow", node=node, link=[src, dst], gbps=round(inbound[dst], 3),
+                              reference_gbps=round(verdict.reference_gbps, 3), suspects=verdict.suspects)  # fmt: skip
+        if verdict.slow_links and node == 0:
+            links = ", ".join(f"node {a} -> node {b} {inbound[b]:.2f} GB/s" for a, b in verdict.slow_links)
+            who = f"; likely node {', '.join(map(str, verdict.suspects))}" if verdict.suspects else ""
+            healthy = f"healthy links {verdict.reference_gbps:.2f} GB/s"
+            self._say(f"pre-flight between nodes: slow links ({links}; {healthy}){who}")
 
     def _emit_spawned(self, worker_group: WorkerGroup, from_spares: set[int], kept: set[int]) -> None:
         context = getattr(self, "_pcontext", None)

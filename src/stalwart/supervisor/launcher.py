@@ -287,6 +287,13 @@ def _stop_on_signals() -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def _host_port(endpoint: str) -> tuple[str, int]:
+    """host and port of a rendezvous endpoint ("host:port", "[v6]:port" or "host")."""
+    host, _, port = endpoint.rpartition(":") if endpoint.count(":") == 1 or endpoint.startswith("[") else (
+        endpoint, "", "")  # fmt: skip
+    return host.strip("[]") or endpoint, int(port) if port.isdigit() else 0
+
+
 class _Preemption:
     """SIGTERM while workers run (a scheduler's preemption): ask them, through the heartbeat board, for a last
     durable checkpoint and a clean exit (detect/risk.py), instead of killing them mid-step. If they have not
@@ -523,6 +530,7 @@ def _run_agent(
         spares=pool if pool.target else None,
         zygote=pool.zygote,
         reform=reforms(args),
+        peer_check=preflight.peer_check(args, config.max_nodes > 1, *_host_port(config.rdzv_endpoint)),
         **_supported(
             StalwartAgent.__mro__[1],
             spec=spec,

@@ -22,6 +22,7 @@ from stalwart.detect.gpu import nvml_device_count
 from stalwart.errors import ConfigError
 from stalwart.runtime.env import PREFLIGHT_ENV
 from stalwart.supervisor import exclusion
+from stalwart.supervisor.peer_check import PAYLOAD_MB, PeerCheck, route_address
 from stalwart.telemetry.events import EventLog
 
 MODES = ("auto", "on", "off")
@@ -41,6 +42,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pre-flight: fail a device under this matmul throughput")  # fmt: skip
     parser.add_argument("--preflight-min-busbw-gbps", type=float, default=None,
                         help="pre-flight: fail under this all-reduce bus bandwidth (GB/s)")  # fmt: skip
+    parser.add_argument("--preflight-peer-mb", type=int, default=PAYLOAD_MB,
+                        help="between nodes, at the job's first start: MB sent over each node's link to the next "
+                        f"to time it (default {PAYLOAD_MB}; 0: no check; also off with --preflight off)")  # fmt: skip
+    parser.add_argument("--preflight-min-link-gbps", type=float, default=None,
+                        help="between nodes: report a link under this bandwidth (GB/s) as slow, besides any under a "
+                        "quarter of the median")  # fmt: skip
+
+
+def peer_check(args: argparse.Namespace, multi_node: bool, store_host: str, store_port: int) -> PeerCheck | None:
+    """The check between nodes the agent makes at its first start (supervisor/peer_check.py), if any."""
+    if args.preflight_peer_mb < 0 or (args.preflight_min_link_gbps is not None and args.preflight_min_link_gbps <= 0):
+        raise ConfigError("--preflight-peer-mb must be >= 0 and --preflight-min-link-gbps > 0")
+    if not multi_node or args.preflight == "off" or args.preflight_peer_mb == 0:
+        return None
+    address = args.local_addr or route_address(store_host, store_port)
+    return PeerCheck(address, args.preflight_peer_mb, args.preflight_min_link_gbps)
 
 
 def gate(args: argparse.Namespace, events: EventLog, nproc: int, say: Any) -> None:
