@@ -31,6 +31,8 @@ COLORS = {
     "other": "#bdbdbd",
 }
 PHASES = ("detection", "reformation", "restore", "other")
+MAX_POINTS = 2000
+"""Points per attempt on the timeline (keeps the page small for a run of hours)."""
 MARKS = {  # event -> (label, colour, line style) on the timeline
     "fault_injected": ("fault", "#c62828", "-"),
     "worker_failed": ("failure noticed", "#ef6c00", ":"),
@@ -145,8 +147,12 @@ def _svg(fig: Any) -> str:
 def _timeline(g: Goodput, events: list[dict[str, Any]], start: float) -> str:
     fig, ax = _figure(10, 3.8)
     for i, attempt in enumerate(g.attempts):
-        ts = [t for t, _ in attempt.points]
-        steps = [s for _, s in attempt.points]
+        points = attempt.points
+        if len(points) > MAX_POINTS:  # a long run logs every step: a few thousand points draw the same line
+            stride = -(-len(points) // MAX_POINTS)
+            points = points[::stride] + [points[-1]]
+        ts = [t for t, _ in points]
+        steps = [s for _, s in points]
         ax.plot(ts, steps, color=COLORS["productive"] if attempt.ended_by == "finished" else "#455a64", lw=1.4,
                 label="progress" if i == 0 else None)  # fmt: skip
         if attempt.ended_by != "finished" and ts:
