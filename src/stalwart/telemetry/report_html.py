@@ -150,7 +150,7 @@ def _timeline(g: Goodput, events: list[dict[str, Any]], start: float) -> str:
         points = attempt.points
         if len(points) > MAX_POINTS:  # a long run logs every step: a few thousand points draw the same line
             stride = -(-len(points) // MAX_POINTS)
-            points = points[::stride] + [points[-1]]
+            points = [*points[::stride], points[-1]]
         ts = [t for t, _ in points]
         steps = [s for _, s in points]
         ax.plot(ts, steps, color=COLORS["productive"] if attempt.ended_by == "finished" else "#455a64", lw=1.4,
