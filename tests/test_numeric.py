@@ -264,3 +264,27 @@ def test_a_noisy_per_batch_loss_raises_no_spike(tmp_path: Path) -> None:
     assert watch.spikes == []
     watch.observe(3000, 100 * float(losses.median()))
     assert watch.spikes == [3000]
+
+
+def test_the_loss_spike_window_travels_with_the_checkpoint(tmp_path: Path) -> None:
+    """A resumed (or restarted) rank judges the next losses against the history a run without the stop had, not
+    an empty window: otherwise a spike right after a restart goes unseen and the runs part."""
+    import stalwart
+
+    def run(steps: int) -> Any:
+        job = stalwart.Job(tmp_path / "ckpt", checkpoint_every=1000)
+        model = torch.nn.Linear(2, 1)
+        job.track(model=model)
+        for step, _ in job.steps(max_steps=steps):
+            job.report(loss=1.0 + (step % 7) / 10)
+        job.close()
+        return job
+
+    first = run(30)
+    assert first._loss_watch is not None and len(first._loss_watch._losses) == 30
+    resumed = stalwart.Job(tmp_path / "ckpt", checkpoint_every=1000)
+    resumed.track(model=torch.nn.Linear(2, 1))
+    resumed.resume()
+    assert resumed._loss_watch is not None
+    assert list(resumed._loss_watch._losses) == list(first._loss_watch._losses)
+    resumed.close()

@@ -284,3 +284,16 @@ class LossWatch:
                 return True
         self._losses.append(value)
         return False
+
+    def state(self) -> torch.Tensor:
+        """The window, for checkpoints and snapshots: a restarted rank must judge the next losses against the same
+        history as a run without the failure, or it decides differently and the runs part. A fixed shape (NaN
+        past the losses seen), so the state's layout stays the same from step to step."""
+        window = torch.full((LOSS_WINDOW,), math.nan, dtype=torch.float64)
+        if self._losses:
+            window[: len(self._losses)] = torch.tensor(list(self._losses), dtype=torch.float64)
+        return window
+
+    def load(self, window: torch.Tensor) -> None:
+        self._losses.clear()
+        self._losses.extend(float(v) for v in window.tolist() if math.isfinite(v))

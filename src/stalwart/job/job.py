@@ -460,6 +460,9 @@ class Job:
                 ) from exc
         if restored.world_size == self.world_size:
             restore_rng(restored.state["rng"])
+            window = restored.state.get("detectors", {}).get("loss_window")
+            if self._loss_watch is not None and isinstance(window, torch.Tensor):
+                self._loss_watch.load(window)
         else:
             self.events.emit("world_size_changed", old=restored.world_size, new=self.world_size, step=restored.step)
             if self.is_main:
@@ -1081,12 +1084,15 @@ class Job:
         by default the completed steps); without the replicated objects if not `replicated` (what a light
         snapshot copies, memory.snapshot_light)."""
         names = self.checkpointer.replicated
-        return {
+        state = {
             "step": self.step if step is None else step,
             "objects": {n: obj.state_dict() for n, obj in self._objects.items() if replicated or n not in names},
             "rng": capture_rng(),
             "world_size": self.world_size,
         }
+        if self._loss_watch is not None:  # per rank; not compared by the commit point's check (it moves at report)
+            state["detectors"] = {"loss_window": self._loss_watch.state()}
+        return state
 
     def _per_rank_state(self, step: int) -> dict[str, Any]:
         return self._state(step, replicated=False)
