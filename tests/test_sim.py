@@ -109,3 +109,17 @@ def test_bad_input_is_one_clear_error(tmp_path: Path) -> None:
                           (["--plot", str(tmp_path / "x.txt"), "--spares", "0"], ".png or .svg")):  # fmt: skip
         out = _sim(*args)
         assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, (args, out.stderr)
+
+
+def test_costs_can_come_from_this_machines_bench_report(tmp_path: Path) -> None:
+    from stalwart.sim.profiles import load_costs
+
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"systems": {"stalwart": {"kill_to_step_s_median": 0.48, "hang_detect_s": 0.52},
+                                             "torchrun": {"kill_to_step_s_median": 5.72}}}))  # fmt: skip
+    profile = load_costs(STALWART, bench)
+    assert profile.process_restart_s == pytest.approx(0.38) and profile.detect_hang_s == 0.52
+    assert profile.node_swap_s == STALWART.node_swap_s, "what the bench does not measure stays"
+    out = _sim("--costs", str(bench), "--runs", "4", "--spares", "32", "--profile", "stalwart", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["profiles"]["stalwart"]["process_restart_s"] == pytest.approx(0.38)

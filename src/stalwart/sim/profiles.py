@@ -87,13 +87,18 @@ PROFILES = {p.name: p for p in (STALWART, TORCHRUN)}
 
 
 def load_costs(base: Profile, path: Path) -> Profile:
-    """`base` with the fields a JSON file gives replaced (`stalwart sim --costs FILE`)."""
+    """`base` with the fields a JSON file gives replaced (`stalwart sim --costs FILE`). The file is an object of
+    Profile fields, or what `stalwart bench recovery --json` printed on this machine: then stalwart's measured
+    kill-to-next-step median (less the detection) becomes `process_restart_s` and its hang detection
+    `detect_hang_s`."""
     try:
         given = json.loads(path.read_text())
     except FileNotFoundError as exc:
         raise ConfigError(f"--costs {path} does not exist") from exc
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--costs {path} is not a JSON object of seconds: {exc}") from exc
+    if isinstance(given, dict) and isinstance(given.get("systems"), dict):
+        given = _from_bench(given["systems"], base, path)
     known = {f.name for f in fields(Profile)} - {"name"}
     if not isinstance(given, dict) or set(given) - known:
         extra = sorted(set(given) - known) if isinstance(given, dict) else given
@@ -104,6 +109,16 @@ def load_costs(base: Profile, path: Path) -> Profile:
             wanted = "true or false" if key == "memory_tier" else "seconds >= 0"
             raise ConfigError(f"--costs {path}: {key} must be {wanted}")
     return replace(base, **given)
+
+
+def _from_bench(systems: dict[str, object], base: Profile, path: Path) -> dict[str, float]:
+    measured = systems.get("stalwart")
+    if not isinstance(measured, dict) or not isinstance(measured.get("kill_to_step_s_median"), int | float):
+        raise ConfigError(f"--costs {path}: a `stalwart bench recovery --json` report without stalwart's figures")
+    costs = {"process_restart_s": max(float(measured["kill_to_step_s_median"]) - base.detect_crash_s, 0.0)}
+    if isinstance(measured.get("hang_detect_s"), int | float):
+        costs["detect_hang_s"] = float(measured["hang_detect_s"])
+    return costs
 
 
 def as_dict(profile: Profile) -> dict[str, object]:
