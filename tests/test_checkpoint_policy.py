@@ -44,7 +44,9 @@ def test_a_job_under_auto_checkpoints_at_the_decided_rhythm(tmp_path: Path, monk
     stall and step time and checkpoints every Daly-optimal number of steps from then on, with an event."""
     log = tmp_path / "events.jsonl"
     monkeypatch.setenv(EVENT_LOG_ENV, str(log))
-    job = stalwart.Job(tmp_path / "ckpt", checkpoint_every="auto", expected_mtbf_s=5.0, log_every=1000)
+    job = stalwart.Job(
+        tmp_path / "ckpt", checkpoint_every="auto", expected_mtbf_s=5.0, log_every=1000, when_busy="wait"
+    )  # every due save happens, even when the previous one still persists
     model = torch.nn.Linear(64, 64)
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
     job.track(model=model, optim=optim)
