@@ -75,11 +75,12 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.parametrize("policy", ["rollback", "skip"])  # "skip" of a loss spike is the same: its update is in
 def test_a_loss_spike_rolls_back_and_ends_as_a_run_that_never_saw_the_batch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str
 ) -> None:
     log = tmp_path / "events.jsonl"
-    params, job = _run(tmp_path / "ck", log, monkeypatch, scale_at=33)
+    params, job = _run(tmp_path / "ck", log, monkeypatch, scale_at=33, loss_spike=policy)
     reference, _ = _run(tmp_path / "ref", tmp_path / "ref.jsonl", monkeypatch, skip=33)
     assert _equal(params, reference), "bitwise the run that dropped batch 33 itself"
     events = list(read_events(log))
@@ -181,7 +182,7 @@ def test_the_skip_record_round_trips_and_a_damaged_one_is_one_clear_error(tmp_pa
 
 
 def test_bad_rollback_options_are_one_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="loss_spike must be one of warn, rollback, off"):
+    with pytest.raises(ConfigError, match="loss_spike must be one of warn, skip, rollback, off"):
         stalwart.Job(tmp_path / "ck", loss_spike="restart")
     with pytest.raises(ConfigError, match="max_rollbacks must be an integer >= 0"):
         stalwart.Job(tmp_path / "ck", max_rollbacks=-1)

@@ -47,8 +47,12 @@ from stalwart.errors import NumericError
 from stalwart.telemetry.events import EventLog
 
 NONFINITE_POLICIES = ("skip", "off")
-SPIKE_POLICIES = ("warn", "skip", "off")
-LOSS_SPIKE_POLICIES = ("warn", "rollback", "off")
+SPIKE_POLICIES = ("warn", "skip", "rollback", "off")
+"""A gradient-norm spike is seen before its update is applied: "skip" drops the update; "rollback" is the same,
+since nothing was applied that going back could undo."""
+LOSS_SPIKE_POLICIES = ("warn", "skip", "rollback", "off")
+"""A loss spike is seen after its update is applied: the only way to skip its batch is to go back to a state from
+before it and drop it, so "skip" and "rollback" are the same."""
 SPIKE_WINDOW = 100
 """Finite gradient norms the spike detector averages over."""
 SPIKE_WARMUP = 20
@@ -129,9 +133,10 @@ class NumericGuard:
         spike = self._spike(norm)
         self._norms.append(norm)
         if spike is not None:
-            action = "skipped" if self.config.spike == "skip" else "warned"
+            drops = self.config.spike in ("skip", "rollback")
+            action = "skipped" if drops else "warned"
             self._events.emit("grad_norm_spike", step=step, grad_norm=norm, mean=spike, action=action)
-            if self.config.spike == "skip":
+            if drops:
                 self._norms.pop()  # a skipped spike does not raise the bar for the next one
                 return self._skipped(step, f"a gradient-norm spike ({norm:.3g}, {norm / spike:.0f}x the mean)")
         self._in_a_row = 0

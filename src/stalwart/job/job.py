@@ -162,7 +162,8 @@ class JobConfig:
     next batch; "off" applies it. Costs a read of a sample of each gradient per step (`grad_check_sample`)."""
     grad_spike: str = "warn"
     """A finite gradient norm over `grad_spike_factor` times the mean of the last 100: "warn" (the default) writes a
-    `grad_norm_spike` event and applies the update, "skip" drops it like a non-finite one, "off" ignores it."""
+    `grad_norm_spike` event and applies the update, "skip" drops it like a non-finite one ("rollback" is the same:
+    the update was not applied, so there is nothing to go back from), "off" ignores it."""
     grad_spike_factor: float = 10.0
     loss_spike_factor: float | None = 5.0
     """A loss given to `job.report(loss=...)` over this many times the median of the last 100 is a `loss_spike`
@@ -170,7 +171,8 @@ class JobConfig:
     loss_spike: str = "warn"
     """What a loss spike does (its update is already applied when the loss is reported): "warn" (the default) only
     the event; "rollback": every rank goes back to the newest snapshot or checkpoint from before that step and
-    skips its batch (L0, recovery/rollback.py; costs one small all-gather per step, to agree); "off": not
+    skips its batch (L0, recovery/rollback.py; costs one small all-gather per step, to agree); "skip" is the same
+    (the update is applied before the loss is known, so skipping the batch means going back); "off": not
     checked."""
     max_rollbacks: int = 3
     """Rollbacks in a row (each within 100 steps of the previous one's trigger) before the job stops with one line
@@ -781,7 +783,7 @@ class Job:
         started = now
         loss, self._fresh_loss = self._fresh_loss, None  # only a loss reported in this step
         if self._loss_watch is not None:
-            rolls = rollbacks and self.config.loss_spike == "rollback"
+            rolls = rollbacks and self.config.loss_spike in ("rollback", "skip")
             action = "rollback" if rolls else "warned"
             spiked = loss is not None and self._loss_watch.observe(self.step, loss, action=action)
             # The ranks' losses differ: they agree, at one all-gather per step, only when a spike rolls back.
