@@ -11,6 +11,7 @@ Needs root and iproute2; the namespaces live only as long as the `Hosts` context
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -37,12 +38,19 @@ class Host:
         return ["ip", "netns", "exec", self.namespace]
 
 
+@functools.cache
 def available() -> str | None:
-    """Why hosts cannot be built here (None: they can)."""
+    """Why hosts cannot be built here (None: they can). Root and `ip` are not enough in a container without
+    CAP_NET_ADMIN or CAP_SYS_ADMIN, so a namespace is made and deleted to find out (once per process)."""
     if os.geteuid() != 0:
         return "network namespaces need root"
     if shutil.which("ip") is None:
         return "network namespaces need iproute2 (the ip command)"
+    probe = f"stwprobe{os.getpid() % 100000}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        return f"cannot create network namespaces here ({made.stderr.strip() or made.returncode})"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
     return None
 
 
