@@ -31,6 +31,8 @@ COLORS = {
     "other": "#bdbdbd",
 }
 PHASES = ("detection", "reformation", "restore", "other")
+MAX_RUG = 300
+"""Committed checkpoints drawn along the timeline's bottom; more only paint a bar."""
 MAX_POINTS = 2000
 """Points per attempt on the timeline (keeps the page small for a run of hours)."""
 MARKS = {  # event -> (label, colour, line style) on the timeline
@@ -175,14 +177,14 @@ def _timeline(g: Goodput, events: list[dict[str, Any]], start: float) -> str:
                         xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7,
                         color=color)  # fmt: skip
     committed = [float(e["mono"]) - start for e in events if e.get("event") == "checkpoint_committed" and "mono" in e]
-    if committed:  # a rug along the bottom: when each durable checkpoint became usable
+    if 0 < len(committed) <= MAX_RUG:  # a rug along the bottom: when each durable checkpoint became usable
         ax.plot(committed, [0] * len(committed), "|", color=COLORS["checkpoint"], ms=9, mew=1.2, clip_on=False,
                 label="checkpoint committed")  # fmt: skip
     ax.set_xlabel("seconds from the launch")
     ax.set_ylabel("completed steps")
     ax.set_xlim(left=0, right=max(g.wall_s, 1e-3))
     ax.set_ylim(bottom=0)
-    ax.legend(loc="lower right", fontsize=8, frameon=False)
+    ax.legend(loc="upper left", fontsize=8, frameon=True, framealpha=0.9)
     return _svg(fig)
 
 
