@@ -16,7 +16,7 @@ spares included.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -82,7 +82,6 @@ class Result:
     """The durable interval in force at the end (mean over runs)."""
     snapshot_interval_s: float | None
     job_mtbf_h: float
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 def simulate(
