@@ -84,7 +84,9 @@ def test_a_dir_that_is_a_file_is_refused(tmp_path: Path, capsys: pytest.CaptureF
 def test_a_failed_measurement_exits_1_and_cleans_up(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def failing_child(name: str, size_bytes: int, saves: int, directory: Path, progress: Any) -> dict[str, Any]:
+    def failing_child(
+        name: str, size_bytes: int, saves: int, directory: Path, progress: Any, device: str = "cpu"
+    ) -> dict[str, Any]:
         directory.mkdir()
         (directory / "partial").write_bytes(b"x")
         raise checkpoint.BenchError(f"measuring {name} failed: boom")

@@ -73,17 +73,18 @@ def parse_size(text: str) -> int:
 class Workload:
     """An MLP and its AdamW optimizer whose parameters plus exp_avg plus exp_avg_sq make about `size_bytes`."""
 
-    def __init__(self, size_bytes: int) -> None:
+    def __init__(self, size_bytes: int, device: str = "cpu") -> None:
         torch.manual_seed(0)  # every system's process builds the same state
+        self.cuda = device.startswith("cuda")
         params = size_bytes // 12  # fp32 parameters, exp_avg and exp_avg_sq: three 4-byte floats per parameter
         # DEPTH layers of width w hold DEPTH * (w*w + w) parameters.
         width = max(8, int((-DEPTH + math.sqrt(DEPTH**2 + 4 * params * DEPTH)) / (2 * DEPTH)))
         layers: list[torch.nn.Module] = []
         for _ in range(DEPTH):
             layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-        self.model = torch.nn.Sequential(*layers[:-1])
+        self.model = torch.nn.Sequential(*layers[:-1]).to(device)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.batch = torch.randn(BATCH, width)
+        self.batch = torch.randn(BATCH, width).to(device)
         self.train_step()  # AdamW creates exp_avg and exp_avg_sq on its first step
         self.state_bytes = sum(t.numel() * t.element_size() for t in tensors_of(self.state(0)))
 
@@ -92,11 +93,13 @@ class Workload:
         return {"step": step, "objects": {"model": self.model.state_dict(), "optim": self.optim.state_dict()}}
 
     def train_step(self) -> float:
-        """One forward, backward and AdamW step; returns its seconds."""
+        """One forward, backward and AdamW step; returns its seconds (on a GPU, until the GPU has finished it)."""
         started = time.perf_counter()
         self.optim.zero_grad(set_to_none=True)
         self.model(self.batch).square().mean().backward()
         self.optim.step()
+        if self.cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - started
 
 
@@ -120,15 +123,16 @@ def measure_floor(workload: Workload, directory: Path, repeats: int) -> dict[str
     tensors = list(tensors_of(workload.state(0)))
     write_s = statistics.median(raw_write_times(workload.state_bytes, directory, repeats))
     return {
-        "memcpy_s": statistics.median(memcpy_times(tensors, repeats)),
+        "memcpy_s": statistics.median(memcpy_times(tensors, repeats, pinned=workload.cuda)),
         "write_gbps": workload.state_bytes / write_s / GB,
     }
 
 
-def memcpy_times(tensors: list[torch.Tensor], repeats: int) -> list[float]:
-    """Seconds to copy_ every tensor into one preallocated buffer, after one untimed copy."""
+def memcpy_times(tensors: list[torch.Tensor], repeats: int, *, pinned: bool = False) -> list[float]:
+    """Seconds to copy_ every tensor into one preallocated buffer, after one untimed copy. With `pinned` (the
+    state is on a GPU): a pinned host buffer and asynchronous copies, the fastest device-to-host copy there is."""
     total = sum(t.numel() * t.element_size() for t in tensors)
-    buffer = torch.empty(total, dtype=torch.uint8)
+    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
     buffer.fill_(0)  # touch every page now, so page faults are not part of the copy
     pairs, offset = [], 0
     for t in tensors:
@@ -139,7 +143,9 @@ def memcpy_times(tensors: list[torch.Tensor], repeats: int) -> list[float]:
     for _ in range(repeats + 1):
         started = time.perf_counter()
         for dst, src in pairs:
-            dst.copy_(src)
+            dst.copy_(src, non_blocking=pinned)
+        if pinned:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
     return times[1:]
 
@@ -280,7 +286,17 @@ class StalwartSave(Saver):
     def discard(self, step: int) -> None:
         """Nothing: keep_last=2 prunes, as in a real job."""
 
+    def overlap_with(self, optimizer: torch.optim.Optimizer) -> None:
+        """On a GPU, as a Job does by default: the optimizer's tensors are copied under the next step."""
+        from stalwart.checkpoint.save.overlap import UpdateFence
+
+        self._fence = UpdateFence([optimizer])
+        self._ck.overlap = self._fence
+
     def close(self) -> None:
+        fence = getattr(self, "_fence", None)
+        if fence is not None:
+            fence.close()
         getattr(self._ck, "close", lambda: None)()
 
 
@@ -317,14 +333,21 @@ def leave_group() -> None:
 
 def time_saves(saver: Saver, workload: Workload, saves: int, first_step: int) -> tuple[list[float], list[float]]:
     """Stall and durable seconds of `saves` saves, after one untimed warm-up save (imports, thread pools and
-    first page faults are one-off costs a long job never pays again)."""
+    first page faults are one-off costs a long job never pays again).
+
+    On a GPU a save may leave work that delays the next step (stalwart's copy overlapped with it, which that
+    step's optimizer step waits for), so there the stall is the save's time plus whatever the next training step
+    took beyond a quiet step's median: what the training loop loses in all."""
     stalls, durables = [], []
+    quiet = statistics.median(workload.train_step() for _ in range(BASELINE_STEPS)) if workload.cuda else 0.0
     for i in range(saves + 1):
         step = first_step + i
         state = workload.state(step)
         started = time.perf_counter()
         saver.save(step, state)
         stall = time.perf_counter() - started
+        if workload.cuda:
+            stall += max(0.0, workload.train_step() - quiet)
         saver.wait()
         durable = time.perf_counter() - started
         saver.discard(step - 1)
@@ -383,15 +406,18 @@ def peak_rss_mb() -> float:
     return max(own, children) * 1024 / MB  # ru_maxrss is in KiB on Linux
 
 
-def measure(system: str, size_bytes: int, saves: int, directory: Path) -> dict[str, Any]:
+def measure(system: str, size_bytes: int, saves: int, directory: Path, device: str = "cpu") -> dict[str, Any]:
     """Everything about one system (or the floor), measured in this process."""
     directory.mkdir()
-    workload = Workload(size_bytes)
+    workload = Workload(size_bytes, device)
     result: dict[str, Any] = {"system": system, "state_bytes": workload.state_bytes, "setup_rss_mb": peak_rss_mb()}
     if system == FLOOR:
         result.update(measure_floor(workload, directory, max(3, saves)))
     else:
-        result.update(measure_system(SAVERS[system](directory), workload, saves))
+        saver = SAVERS[system](directory)
+        if workload.cuda and isinstance(saver, StalwartSave):
+            saver.overlap_with(workload.optim)
+        result.update(measure_system(saver, workload, saves))
     result["peak_rss_mb"] = peak_rss_mb()
     return result
 
@@ -399,14 +425,23 @@ def measure(system: str, size_bytes: int, saves: int, directory: Path) -> dict[s
 # ------------------------------------------------------------------------------------------- the whole bench
 
 
-def run_bench(size_bytes: int, saves: int, parent: Path | None, progress: Progress) -> dict[str, Any]:
+def run_bench(
+    size_bytes: int, saves: int, parent: Path | None, progress: Progress, device: str = "cpu"
+) -> dict[str, Any]:
     """Measure the floor and every system, each in its own process, and return the report."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device on this machine")
     run_dir, created = make_run_dir(parent)
     started = time.perf_counter()
     try:
         machine = machine_info(run_dir)
-        progress(f"{size_bytes / MB:,.0f} MB of model + AdamW state, {saves} timed saves per system, in {run_dir}")
-        results = {name: run_child(name, size_bytes, saves, run_dir / name, progress) for name in (FLOOR, *SYSTEMS)}
+        machine["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+        where = f"on {machine['device']}" if device == "cuda" else "on the CPU"
+        progress(f"{size_bytes / MB:,.0f} MB of model + AdamW state {where}, {saves} timed saves per system, "
+                 f"in {run_dir}")  # fmt: skip
+        results = {
+            name: run_child(name, size_bytes, saves, run_dir / name, progress, device) for name in (FLOOR, *SYSTEMS)
+        }
     finally:
         shutil.rmtree(created, ignore_errors=True)
     return build_report(results, saves, machine, time.perf_counter() - started)
@@ -441,12 +476,14 @@ def first_missing(path: Path) -> Path | None:
     return missing
 
 
-def run_child(name: str, size_bytes: int, saves: int, directory: Path, progress: Progress) -> dict[str, Any]:
+def run_child(
+    name: str, size_bytes: int, saves: int, directory: Path, progress: Progress, device: str = "cpu"
+) -> dict[str, Any]:
     """Run `python -m stalwart.bench.checkpoint --system NAME` and return the JSON line it prints."""
     progress(f"{name}: started")
     started = time.perf_counter()
     cmd = [sys.executable, "-m", "stalwart.bench.checkpoint", "--system", name]
-    cmd += ["--size-bytes", str(size_bytes), "--saves", str(saves), "--dir", str(directory)]
+    cmd += ["--size-bytes", str(size_bytes), "--saves", str(saves), "--dir", str(directory), "--device", device]
     # The child dies with this process, whatever ends it (a measurement writes gigabytes).
     proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, death_signal=signal.SIGKILL)
     try:
@@ -553,8 +590,9 @@ def child_main(argv: list[str]) -> int:
     p.add_argument("--size-bytes", type=int, required=True)
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--dir", required=True, help="a directory that does not exist yet; it is created")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = p.parse_args(argv)
-    print(json.dumps(measure(args.system, args.size_bytes, args.saves, Path(args.dir))), flush=True)
+    print(json.dumps(measure(args.system, args.size_bytes, args.saves, Path(args.dir), args.device)), flush=True)
     return 0
 
 

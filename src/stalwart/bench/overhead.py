@@ -143,9 +143,25 @@ def _run(
         )
         # Half the budget goes to full copies when light snapshots are taken every step (JobConfig).
         measured["full_copy_budget"] = decisions[-1]["budget"] if decisions else None
+        saves = [e for e in read_events(log) if e["event"] == "checkpoint_snapshot" and e.get("rank", 0) == 0]
+        measured["save_stalls"] = [e["stall_s"] for e in saves]
+        measured["save_costs"] = save_costs(measured["step_times"], [e["step"] for e in saves], job["warmup"])
     median = statistics.median(measured["step_times"])
     progress(f"{label}: done in {time.perf_counter() - clock:.1f} s (median step {median * 1e3:.2f} ms)")
     return measured
+
+
+def save_costs(step_times: list[float], saved_at: list[int], warmup: int) -> list[float]:
+    """What each durable checkpoint cost the loop in all: the save of step S runs after the body of loop step S-1
+    and, on a GPU, its copy overlaps step S, whose optimizer step waits for it; so the two intervals S-1 and S
+    together, minus two median steps. Saves whose steps fall outside the timed window are left out."""
+    median = statistics.median(step_times)
+    costs = []
+    for s in saved_at:
+        i = s - 1 - warmup
+        if i >= 0 and i + 1 < len(step_times):
+            costs.append(step_times[i] + step_times[i + 1] - 2 * median)
+    return costs
 
 
 def _pooled(runs: list[dict[str, Any]], key: str) -> list[float]:
@@ -185,6 +201,10 @@ def build_report(
                 k: statistics.fmean(r["detector_breakdown_s"][k] for r in runs)
                 for k in runs[0].get("detector_breakdown_s", {})
             },
+            # Each durable save's stall as the Job measured it, and its whole cost in step time (save_costs):
+            # on a GPU the copy overlaps the next step, so the second is the one to compare with the floor.
+            "save_stall_s": [t for r in runs for t in r.get("save_stalls", [])],
+            "save_cost_s": [t for r in runs for t in r.get("save_costs", [])],
             "snapshot_every": runs[-1].get("snapshot_every"),
             "full_copy_budget": runs[-1].get("full_copy_budget"),
             "config": CONFIGS[name],

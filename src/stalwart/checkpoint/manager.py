@@ -50,6 +50,7 @@ from stalwart.checkpoint.format.serialize import (
 )
 from stalwart.checkpoint.load.rank_state import CORRUPT, MISMATCH, VALID, Restored, try_load
 from stalwart.checkpoint.save.background import Background
+from stalwart.checkpoint.save.overlap import UpdateFence
 from stalwart.checkpoint.save.request import PersistReply, PersistRequest
 from stalwart.checkpoint.save.staging import Staging, aligned
 from stalwart.checkpoint.storage import Storage, describe_error, open_storage
@@ -117,6 +118,9 @@ class Checkpointer:
         self._chaos = chaos or (lambda step: None)
         """The faults a save of a step is to meet (FaultInjector.save_chaos), carried to the persister."""
         self._attempt = 0
+        self.overlap: UpdateFence | None = None
+        """Set (by the Job) to copy the tensors only an optimizer step writes while the next step runs: the GPU
+        path's overlapped snapshot (checkpoint/save/overlap.py). None: every copy ends before save() returns."""
         self.last_stall_s: float | None = None
         """The training stall of the newest snapshot this process took (checkpoint_every="auto" plans with it)."""
         self._own_comm = False  # standalone(): the one-rank group is ours to close
@@ -236,8 +240,12 @@ class Checkpointer:
         for item in mine:
             offsets.append(total)
             total = aligned(total + item.nbytes)
-        self._staging.ensure(total, pin=any(i.tensor.is_cuda for i in mine))
-        self._staging.copy_in([i.tensor for i in mine], offsets)
+        cuda = next((i.tensor.device for i in mine if i.tensor.is_cuda), None)
+        self._staging.ensure(total, pin=cuda is not None)
+        stable = self.overlap.stable() if self.overlap is not None and cuda is not None else None
+        running = self._staging.copy_in([i.tensor for i in mine], offsets, stable)
+        if running is not None and self.overlap is not None and cuda is not None:
+            self.overlap.defer(running, cuda)  # the next optimizer step waits for the copy, on the GPU
         stall = time.monotonic() - started
         self.last_stall_s = stall
         self._attempt += 1
@@ -265,7 +273,10 @@ class Checkpointer:
 
         def build() -> PersistRequest:
             """The rest of the request, built on the sender thread after the stall: the skeleton's leaves are
-            immutable values and its containers are new, so the training loop cannot change it meanwhile."""
+            immutable values and its containers are new, so the training loop cannot change it meanwhile.
+            Staging is handed over only once the copies left running on the GPU are done."""
+            if running is not None:
+                running.synchronize()
             buf = io.BytesIO()
             torch.save(skeleton, buf)
             request.skeleton = base64.b64encode(buf.getvalue()).decode("ascii")

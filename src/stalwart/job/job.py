@@ -37,6 +37,7 @@ from stalwart.checkpoint.format import sharded
 from stalwart.checkpoint.format.serialize import check_loadable, flatten
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.manager import Checkpointer
+from stalwart.checkpoint.save.overlap import UpdateFence
 from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import MAX_REPLICAS, PeerReplicas
 from stalwart.detect.divergence import DivergenceCheck, broadcast_on_default_group
@@ -119,6 +120,11 @@ class JobConfig:
     it is skipped on every rank with a `checkpoint_skipped` event and training goes on (a slow or failing store
     never stalls training). "wait": it waits for the previous one (a `checkpoint_waited` event says how long), so
     every `checkpoint_every` step gets its checkpoint."""
+    checkpoint_overlap: bool = True
+    """On a GPU: a checkpoint's copy of the tracked optimizers' parameters and state to host memory runs under
+    the next step's forward and backward, and that step's optimizer step waits for it (on the GPU), so training
+    stalls only for starting the copy (checkpoint/save/overlap.py). Needs what every ordinary loop does: those
+    tensors change only in the optimizer's step(). False: save() returns after the whole copy. No effect on CPU."""
     persist_timeout_s: float = 600.0
     """How long a background persist keeps retrying a failing store before that save is given up."""
     storage_options: dict[str, Any] | None = None
@@ -218,6 +224,8 @@ class JobConfig:
             or self.checkpoint_every < 1
         ):  # fmt: skip
             raise ConfigError(f'checkpoint_every must be "auto" or a positive integer, got {self.checkpoint_every!r}')
+        if not isinstance(self.checkpoint_overlap, bool):
+            raise ConfigError(f"checkpoint_overlap must be True or False, got {self.checkpoint_overlap!r}")
         if not isinstance(self.expected_mtbf_s, int | float) or not 0 < self.expected_mtbf_s < float("inf"):
             raise ConfigError(f"expected_mtbf_s must be a positive number of seconds, got {self.expected_mtbf_s!r}")
         for name in ("keep_last", "log_every", "full_every"):
@@ -336,6 +344,7 @@ class Job:
         self._versions: dict[int, int] | None = None  # live tensors' data pointer -> version, at self.step
         self._commit: StepCommit | None = None  # light snapshots' commit point at the optimizer step
         self._guard: NumericGuard | None = None  # the numeric guard's pre-hooks on the tracked optimizers
+        self._fence: UpdateFence | None = None  # on a GPU: optimizer steps wait for a checkpoint's overlapped copy
         self._stragglers: StragglerDetector | None = None  # per-rank compute times, compared every window
         self._divergence: DivergenceCheck | None = None  # the replicas' fingerprints, compared now and then
         self._risk: RiskWatch | None = None  # the agent's warning signs (its GPU watch), agreed by the ranks
@@ -443,6 +452,8 @@ class Job:
 
     def _load(self, restored: Restored) -> None:
         """Load a restored state into the tracked objects and the RNG (at a new world size, the RNG stays)."""
+        if self._fence is not None:
+            self._fence.fence()  # a rollback writes the parameters in place: after a checkpoint's copy of them
         objects = sharded.rebuild(restored.state["objects"], sharded.meshes_of(self._objects.values()), restored.source)
         missing = sorted(set(self._objects) - set(objects))
         extra = sorted(set(objects) - set(self._objects))
@@ -527,6 +538,7 @@ class Job:
         self._heartbeat.beat(self.step, PHASE_RESUME, self._hang.grace())
         self.resume()
         self._start_guard()  # before the commit point: its pre-hook decides first whether the update happens
+        self._start_overlap()
         self._start_straggler_detector()
         self._start_divergence_check()
         if self._risk is None and self._heartbeat.active:  # under stalwart run: its agent may warn
@@ -584,6 +596,8 @@ class Job:
                         self._commit.disarm()
                     if self._guard is not None:
                         self._guard.disarm()
+            if self._fence is not None:
+                self._fence.fence()  # a step without an optimizer step must not outrun the checkpoint's copy
             self.step += 1
             step_s = time.monotonic() - started
             if not self._busy_step:
@@ -925,6 +939,21 @@ class Job:
             shards = any(sharded.is_dtensor(p) for o in optimizers for g in o.param_groups for p in g["params"])
             self._guard_agreed = replicated or shards or self.world_size == 1
 
+    def _start_overlap(self) -> None:
+        """On a GPU, checkpoints copy the tracked optimizers' tensors under the next step (save/overlap.py)."""
+        if self._fence is not None or not self.config.checkpoint_overlap or not torch.cuda.is_available():
+            return
+        optimizers = [o for o in self._objects.values() if isinstance(o, torch.optim.Optimizer)]
+        if optimizers:
+            self._fence = UpdateFence(optimizers)
+            self.checkpointer.overlap = self._fence
+
+    def _close_overlap(self) -> None:
+        if self._fence is not None:
+            self.checkpointer.overlap = None
+            self._fence.close()
+            self._fence = None
+
     def _start_straggler_detector(self) -> None:
         """Straggler detection over the tracked modules (detect/straggler.py), with more than one rank."""
         threshold = self.config.straggler_threshold
@@ -1109,6 +1138,7 @@ class Job:
         A persist still in flight is abandoned; the final checkpoint of steps() is durable before it returns."""
         self._close_commit()
         self._close_guard()
+        self._close_overlap()
         self._heartbeat.close()
         if self._memory is not None:
             self._memory.close()
@@ -1127,7 +1157,8 @@ class Job:
         with contextlib.suppress(Exception):
             self.checkpointer.abandon()  # first: the persister dies before anything else can go wrong
         kept = self._keep_live_state()
-        for step in (self._close_commit, self._close_guard, self._heartbeat.close, self.comm.forget):
+        closers = (self._close_commit, self._close_guard, self._close_overlap, self._heartbeat.close, self.comm.forget)
+        for step in closers:
             with contextlib.suppress(Exception):
                 step()
         if self._memory is not None:

@@ -7,7 +7,9 @@ and nothing is left in /dev/shm when either process dies.
 
 CUDA tensors are copied with non-blocking copies on a side stream into staging memory registered with
 cudaHostRegister (pinned), so the copy runs at PCIe bandwidth; the side stream first waits for the compute
-stream, and the snapshot waits for the side stream before the persister may read.
+stream, and the snapshot waits for the side stream before the persister may read. With `stable` (the storages
+only an optimizer step writes, checkpoint/save/overlap.py) the copies of those tensors are left running: the
+copy returns their completion event, and whoever hands staging to the persister waits for it first.
 """
 
 from __future__ import annotations
@@ -19,9 +21,14 @@ from collections.abc import Sequence
 
 import torch
 
+from stalwart.checkpoint.save.overlap import storage_key
+
 ALIGN = 64
 PAGE = 4096
 MAX_VIEWS = 65536
+_ABANDONED: list[object] = []
+"""Staging memory closed while a copy into it was still queued on the GPU (a hung compute stream): kept mapped
+for the rest of the process, since a DMA into freed memory would corrupt whatever reuses it."""
 GROW_SLACK = 1.1
 """Headroom when (re)allocating, so a state that grows a little (an optimizer's first step) does not
 reallocate at every save."""
@@ -59,6 +66,7 @@ class Staging:
         self._pinned = False
         self._stream: torch.cuda.Stream | None = None
         self._views: ViewCache = {}
+        self._running: torch.cuda.Event | None = None  # the newest copy left running on the side stream
 
     def spec(self) -> dict[str, int]:
         return {"pid": os.getpid(), "fd": self.fd, "size": self.size}
@@ -76,45 +84,91 @@ class Staging:
                 raise
             self.fd, self.size = fd, size
             self._buf = torch.frombuffer(self._map, dtype=torch.uint8)
-            self._buf.zero_()  # fault the pages in now, not during the first timed copies
+            # Fault the pages in now, not during the first timed copies. Also before cudaHostRegister: on an H100
+            # (2026-11-24) registering 5.3 GB of untouched pages made the first save stall 2.8-3.5 s, against
+            # 1.85 s for filling them first and then registering.
+            self._buf.zero_()
+            self._pinned = False
         if pin and not self._pinned and torch.cuda.is_available():
             assert self._buf is not None
             err = torch.cuda.cudart().cudaHostRegister(self._buf.data_ptr(), self.size, 0)
             self._pinned = int(err) == 0
 
-    def copy_in(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
-        """Copy every tensor to its offset; returns once all bytes are in staging (CUDA copies included).
+    def copy_in(
+        self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], stable: set[int] | None = None
+    ) -> torch.cuda.Event | None:
+        """Copy every tensor to its offset. Returns None once all bytes are in staging (CUDA copies included),
+        or, when `stable` names the storage of some CUDA tensors and staging is pinned, as soon as every other
+        byte is: the copies of those tensors then still run on the side stream, and the event returned marks
+        their end. Nothing may read staging, nor may the compute stream write those tensors, before it.
 
         Each tensor is copied into a view of staging with its own dtype and shape (laid out row-major, as a
         contiguous tensor is), so the source needs no reshaping and a non-contiguous tensor is copied once, not
         first made contiguous. The views are cached: a job saves the same shapes at the same offsets every time.
         """
+        self.settle()
         with torch.no_grad():  # tensors that require grad are copied as data, with no autograd record
-            self._copy(tensors, offsets)
+            return self._copy(tensors, offsets, stable if self._pinned else None)
 
-    def _copy(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
-        on_gpu = False
+    def _copy(
+        self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], stable: set[int] | None
+    ) -> torch.cuda.Event | None:
+        now: list[tuple[torch.Tensor, torch.Tensor]] = []
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        host: list[tuple[torch.Tensor, torch.Tensor]] = []
         for t, off in zip(tensors, offsets, strict=True):
-            dst = self._view(off, t.dtype, t.shape)
-            if t.is_cuda:
-                if not on_gpu:  # the side stream must see every write the compute stream has queued
-                    if self._stream is None:
-                        self._stream = torch.cuda.Stream(device=t.device)
-                    self._stream.wait_stream(torch.cuda.current_stream(t.device))
-                    on_gpu = True
-                assert self._stream is not None
-                with torch.cuda.stream(self._stream):
-                    dst.copy_(t, non_blocking=self._pinned)
+            pair = (t, self._view(off, t.dtype, t.shape))
+            if not t.is_cuda:
+                host.append(pair)
+            elif stable is not None and storage_key(t) in stable:
+                later.append(pair)
             else:
-                dst.copy_(t)
-        if on_gpu and self._stream is not None:
-            self._stream.synchronize()
+                now.append(pair)
+        first = done = None
+        if now or later:
+            device = (now or later)[0][0].device
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=device)
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream(device))  # sees every write queued before the save
+            with torch.cuda.stream(stream):
+                for t, dst in now:
+                    dst.copy_(t, non_blocking=self._pinned)
+                if now:
+                    first = torch.cuda.Event()
+                    first.record(stream)
+                for t, dst in later:
+                    dst.copy_(t, non_blocking=True)
+                    t.record_stream(stream)  # the allocator must not reuse its memory before the copy ran
+                if later:
+                    done = torch.cuda.Event()
+                    done.record(stream)
+        for t, dst in host:  # meanwhile the GPU's copies run
+            dst.copy_(t)
+        if first is not None:
+            first.synchronize()
+        self._running = done
+        return done
+
+    def settle(self) -> None:
+        """Wait for the copy left running, if any (by the next save it has finished long ago)."""
+        if self._running is not None:
+            self._running.synchronize()
+            self._running = None
 
     def _view(self, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
         assert self._buf is not None
         return typed_view(self._buf, self._views, offset, dtype, shape)
 
     def close(self) -> None:
+        if self._running is not None and not self._running.query():
+            # A copy into this memory is still queued behind a compute stream that may never move (a hung
+            # collective): keep the memory mapped rather than let the DMA land in freed pages.
+            _ABANDONED.append((self._map, self._buf, self.fd))
+            self._running, self._map, self._buf, self._pinned, self.fd, self.size = None, None, None, False, -1, 0
+            self._views.clear()
+            return
+        self._running = None
         if self._pinned and self._buf is not None:
             with contextlib.suppress(Exception):
                 torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())

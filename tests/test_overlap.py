@@ -1,0 +1,65 @@
+"""The CPU-visible half of the overlapped checkpoint copy (checkpoint/save/overlap.py); the GPU half, where copies
+really run while the next step does, is tests/test_gpu_overlap.py (run on a lent GPU)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from stalwart.checkpoint.save.overlap import UpdateFence, storage_key
+from stalwart.checkpoint.save.staging import Staging
+from stalwart.errors import ConfigError
+from stalwart.job.job import JobConfig
+
+
+def test_the_fence_hooks_every_optimizer_and_removes_its_hooks() -> None:
+    model = torch.nn.Linear(4, 4)
+    optims = [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.AdamW(model.parameters())]
+    before = [len(o._optimizer_step_pre_hooks) for o in optims]
+    fence = UpdateFence(optims)
+    assert [len(o._optimizer_step_pre_hooks) for o in optims] == [b + 1 for b in before]
+    assert fence.stable() == set(), "CPU tensors are never left to a side stream"
+    assert not fence.pending
+    fence.fence()  # nothing pending: a no-op, also without CUDA
+    optims[0].step()  # the hook runs and does nothing
+    fence.close()
+    assert [len(o._optimizer_step_pre_hooks) for o in optims] == before
+
+
+def test_views_of_one_tensor_share_a_storage_key() -> None:
+    t = torch.zeros(8, 8)
+    assert storage_key(t[2:]) == storage_key(t) == storage_key(t.view(-1))
+    assert storage_key(t.clone()) != storage_key(t)
+
+
+def test_cpu_tensors_are_copied_before_copy_in_returns_whatever_stable_says() -> None:
+    staging = Staging()
+    try:
+        a, b = torch.arange(16, dtype=torch.float32), torch.arange(8, dtype=torch.int64)
+        staging.ensure(1024, pin=False)
+        assert staging.copy_in([a, b], [0, 128], stable={storage_key(a), storage_key(b)}) is None
+        assert staging._buf is not None
+        assert torch.equal(staging._buf[: a.nbytes].view(torch.float32), a)
+        assert torch.equal(staging._buf[128 : 128 + b.nbytes].view(torch.int64), b)
+    finally:
+        staging.close()
+
+
+def test_checkpoint_overlap_must_be_a_bool(tmp_path: object) -> None:
+    assert JobConfig(checkpoint_dir="x").checkpoint_overlap is True
+    with pytest.raises(ConfigError, match="checkpoint_overlap must be True or False"):
+        JobConfig(checkpoint_dir="x", checkpoint_overlap="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where there is no GPU")
+def test_bench_checkpoint_on_cuda_without_a_gpu_is_one_clear_error() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "stalwart", "bench", "checkpoint", "--device", "cuda", "--size", "1MB"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "torch sees no CUDA device" in proc.stderr
+    assert "Traceback" not in proc.stderr
