@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from tests.conftest import open_checkpointer
 
 from stalwart.checkpoint.save.overlap import UpdateFence, storage_key
 from stalwart.checkpoint.save.staging import Staging
@@ -63,3 +65,20 @@ def test_bench_checkpoint_on_cuda_without_a_gpu_is_one_clear_error() -> None:
     assert proc.returncode != 0
     assert "torch sees no CUDA device" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_prepare_allocates_staging_off_the_training_thread_and_the_save_uses_it(tmp_path: Path) -> None:
+    state = {"step": 1, "objects": {"m": {"w": torch.randn(1000, 100), "b": torch.arange(7)}}}
+    ck = open_checkpointer(tmp_path / "ck")
+    assert ck._staging.size == 0
+    ck.prepare(state)
+    ck._settle_prepare()
+    size = ck._staging.size
+    assert size >= 1000 * 100 * 4 + 7 * 8
+    assert ck.save(1, state, wait=True)
+    assert ck._staging.size == size, "the save allocated again"
+    restored = ck.load_latest()
+    assert restored is not None
+    assert torch.equal(restored.state["objects"]["m"]["w"], state["objects"]["m"]["w"])
+    ck.prepare(state)  # once staging exists: nothing to do
+    assert ck._preparing is None

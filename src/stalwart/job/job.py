@@ -638,6 +638,9 @@ class Job:
                 if full_due:  # every rank, at the same steps: the plan is agreed in a collective
                     self._plan_snapshots(time.perf_counter() - snapshot_started)
             reform.allow_requests()  # a re-forming request deferred by the commit point is raised here
+            if first:  # the optimizer's state exists now: staging is allocated while the next steps run
+                with contextlib.suppress(Exception):
+                    self.checkpointer.prepare(self._state())
             if first or self.step % self.config.log_every == 0:
                 self._log_step(step_s)
                 first = False
