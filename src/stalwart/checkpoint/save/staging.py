@@ -116,9 +116,12 @@ class Staging:
         now: list[tuple[torch.Tensor, torch.Tensor]] = []
         later: list[tuple[torch.Tensor, torch.Tensor]] = []
         host: list[tuple[torch.Tensor, torch.Tensor]] = []
+        devices = {t.device for t in tensors if t.is_cuda}
         for t, off in zip(tensors, offsets, strict=True):
             pair = (t, self._view(off, t.dtype, t.shape))
-            if not t.is_cuda:
+            if not t.is_cuda or len(devices) > 1:
+                # Several GPUs in one process: each would need its own side stream and event; a blocking copy,
+                # queued after that device's compute, is simple and correct (and rare enough to be slow).
                 host.append(pair)
             elif stable is not None and storage_key(t) in stable:
                 later.append(pair)
@@ -127,7 +130,7 @@ class Staging:
         first = done = None
         if now or later:
             device = (now or later)[0][0].device
-            if self._stream is None:
+            if self._stream is None or self._stream.device != device:
                 self._stream = torch.cuda.Stream(device=device)
             stream = self._stream
             stream.wait_stream(torch.cuda.current_stream(device))  # sees every write queued before the save
