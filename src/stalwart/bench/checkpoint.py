@@ -269,6 +269,7 @@ class StalwartSave(Saver):
         root = directory / "ckpt"
         root.mkdir()
         self._ck: Any = Checkpointer.standalone(root, keep_last=2, token="bench")
+        self._fence: Any = None  # overlap_with(): the optimizer's fence, on a GPU
         self._wait: Callable[[], Any] | None = getattr(self._ck, "wait_durable", None)
         self._in_flight: Callable[[], Any] | None = getattr(self._ck, "persist_in_flight", None)
 
@@ -294,9 +295,8 @@ class StalwartSave(Saver):
         self._ck.overlap = self._fence
 
     def close(self) -> None:
-        fence = getattr(self, "_fence", None)
-        if fence is not None:
-            fence.close()
+        if self._fence is not None:
+            self._fence.close()
         getattr(self._ck, "close", lambda: None)()
 
 

@@ -24,7 +24,6 @@ from stalwart.bench.checkpoint import MB, parse_size
 from stalwart.checkpoint import Checkpointer
 
 TENSORS = 10
-SETTLE_S = 0.5  # poll interval while the background allocation runs
 
 
 def first_and_second(state: dict[str, object], prepare: bool) -> dict[str, float]:
@@ -37,8 +36,7 @@ def first_and_second(state: dict[str, object], prepare: bool) -> dict[str, float
             started = time.perf_counter()
             ck.prepare(state)
             out["prepare_call_s"] = time.perf_counter() - started
-            while ck._preparing is not None and ck._preparing.is_alive():  # a training loop would run steps here
-                time.sleep(SETTLE_S)
+            ck._settle_prepare()  # a training loop would run steps meanwhile
             out["prepare_background_s"] = time.perf_counter() - started
         for n, key in ((1, "first_stall_s"), (2, "second_stall_s")):
             started = time.perf_counter()

@@ -67,17 +67,6 @@ from stalwart.runtime.dist import Comm, IntMessage, Placement
 from stalwart.telemetry.events import EventLog
 
 _OK, _UNSAVABLE = 1, -1  # a rank's vote on a save
-
-
-def _layout(items: list[TensorItem]) -> tuple[list[int], int]:
-    """Each tensor's offset in staging, and the bytes staging must hold."""
-    offsets, total = [], 0
-    for item in items:
-        offsets.append(total)
-        total = aligned(total + item.nbytes)
-    return offsets, total
-
-
 SHARED_DIR_TIMEOUT_S = 10.0
 DEFAULT_PERSIST_TIMEOUT_S = 600.0
 STANDALONE_TIMEOUT = timedelta(seconds=60)
@@ -95,6 +84,15 @@ class SaveVote(IntMessage):
     """Of the replicated tensors' names, dtypes and shapes: must be equal everywhere."""
     base: int
     """Rank 0's choice: the full checkpoint a delta refers to, or -1 for a full one."""
+
+
+def _layout(items: list[TensorItem]) -> tuple[list[int], int]:
+    """Each tensor's offset in staging, and the bytes staging must hold."""
+    offsets, total = [], 0
+    for item in items:
+        offsets.append(total)
+        total = aligned(total + item.nbytes)
+    return offsets, total
 
 
 class Checkpointer:
@@ -253,10 +251,10 @@ class Checkpointer:
         cuda = next((i.tensor.device for i in mine if i.tensor.is_cuda), None)
         self._settle_prepare()
         self._staging.ensure(total, pin=cuda is not None)
-        stable = self.overlap.stable() if self.overlap is not None and cuda is not None else None
-        running = self._staging.copy_in([i.tensor for i in mine], offsets, stable)
-        if running is not None and self.overlap is not None and cuda is not None:
-            self.overlap.defer(running, cuda)  # the next optimizer step waits for the copy, on the GPU
+        fence = self.overlap if cuda is not None else None
+        running = self._staging.copy_in([i.tensor for i in mine], offsets, fence.stable() if fence else None)
+        if running is not None and fence is not None and cuda is not None:
+            fence.defer(running, cuda)  # the next optimizer step waits for the copy, on the GPU
         stall = time.monotonic() - started
         self.last_stall_s = stall
         self._attempt += 1
