@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from stalwart.checkpoint.format import sharded
+from stalwart.checkpoint.format.serialize import frozen
 from stalwart.errors import NumericError
 from stalwart.telemetry.events import EventLog
 
@@ -272,6 +273,7 @@ class LossWatch:
         self.factor = factor
         self._losses: deque[float] = deque(maxlen=LOSS_WINDOW)
         self.spikes: list[int] = []
+        self._window: torch.Tensor | None = None  # state() until the window changes
 
     def observe(self, step: int, loss: Any, *, action: str = "warned") -> bool:
         """Whether `loss` (after `step` completed steps) is a spike; if so, an event with `action`."""
@@ -288,17 +290,23 @@ class LossWatch:
                 self._events.emit("loss_spike", step=step, loss=value, median=median, factor=self.factor, action=action)
                 return True
         self._losses.append(value)
+        self._window = None
         return False
 
     def state(self) -> torch.Tensor:
         """The window, for checkpoints and snapshots: a restarted rank must judge the next losses against the same
         history as a run without the failure, or it decides differently and the runs part. A fixed shape (NaN
-        past the losses seen), so the state's layout stays the same from step to step."""
+        past the losses seen), so the state's layout stays the same from step to step. The same tensor until a
+        loss joins the window (light snapshots read it twice a step); never written in place once returned."""
+        if self._window is not None:
+            return self._window
         window = torch.full((LOSS_WINDOW,), math.nan, dtype=torch.float64)
         if self._losses:
             window[: len(self._losses)] = torch.tensor(list(self._losses), dtype=torch.float64)
+        self._window = frozen(window)
         return window
 
     def load(self, window: torch.Tensor) -> None:
         self._losses.clear()
         self._losses.extend(float(v) for v in window.tolist() if math.isfinite(v))
+        self._window = None

@@ -64,6 +64,7 @@ from stalwart.errors import (
 )
 from stalwart.job import lifecycle
 from stalwart.job.commit import StepCommit
+from stalwart.job.live import LiveState
 from stalwart.job.rng import capture_rng, restore_rng
 from stalwart.policy.checkpoint import DEFAULT_PRIOR_MTBF_S, CheckpointInterval
 from stalwart.policy.snapshot import LightCost, SnapshotSchedule
@@ -341,7 +342,7 @@ class Job:
         )
         self._snapshot_s = 0.0
         self._reform = self._memory is not None and reform.enabled()
-        self._versions: dict[int, int] | None = None  # live tensors' data pointer -> version, at self.step
+        self._live = LiveState(self.placement.rank)  # what a survivor keeps: live tensors' versions, skeleton
         self._commit: StepCommit | None = None  # light snapshots' commit point at the optimizer step
         self._guard: NumericGuard | None = None  # the numeric guard's pre-hooks on the tracked optimizers
         self._fence: UpdateFence | None = None  # on a GPU: optimizer steps wait for a checkpoint's overlapped copy
@@ -365,7 +366,6 @@ class Job:
         self._interval = CheckpointInterval(self.config.expected_mtbf_s) if self.config.checkpoint_every == "auto" \
             else None  # fmt: skip
         self._created_wall = time.time()  # this launch's age, when the launcher does not say (plain torchrun)
-        self._replicated_skeleton: tuple[int, dict[str, Any]] | None = None  # (step, skeleton) for a stash
         self._busy_step = False
         self._saved_once = False
         self.checkpointer = Checkpointer(
@@ -547,8 +547,7 @@ class Job:
         if self._divergence is not None:
             self._divergence.last_agreed = self.step  # one copy of the replicated state was loaded, or DDP's own
         if self._light_wanted():
-            self._versions = self._live_versions()
-            self._remember_replicated_skeleton(self._state())
+            self._read_live(fresh=True)
             self._start_commit()
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self._full_budget(), self.step)
         self._light_cost = LightCost(self.config.snapshot_budget / 2)
@@ -584,7 +583,7 @@ class Job:
                     and not first
                     and (self._light_always() or self._schedule.due(self.step + 1))
                 ):
-                    self._commit.arm(self.step, set(self._versions or ()))  # the first step may create optimizer state
+                    self._commit.arm(self.step, self._live.key)  # the first step may create optimizer state
                 try:
                     yield self.step, batch
                 except GeneratorExit:
@@ -629,7 +628,7 @@ class Job:
             versions_s = 0.0
             if self._light_wanted():
                 versions_started = time.perf_counter()
-                self._versions = self._live_versions()
+                self._live.read(self._objects, self.checkpointer.replicated)
                 versions_s = time.perf_counter() - versions_started
             full_due = self._schedule.due(self.step)
             if self._memory is not None and (full_due or self._light_always()):
@@ -866,9 +865,8 @@ class Job:
             self._commit.forget()
         if self._divergence is not None:
             self._divergence.last_agreed = self.step  # one copy of the replicated state was loaded
-        if self._versions is not None:
-            self._versions = self._live_versions()
-            self._remember_replicated_skeleton(self._state())
+        if self._live.held:
+            self._read_live(fresh=True)
         self._schedule.next_step = min(self._schedule.next_step, self.step + 1)
         self.events.emit(
             "rolled_back", step=self.step, reason=request.reason, trigger=request.trigger, from_step=from_step,
@@ -1032,7 +1030,7 @@ class Job:
         parameters, which are not version-checked) there is nothing for a survivor to keep and no light mode."""
         optimizers = [o for n, o in self._objects.items()
                       if n in self.checkpointer.replicated and isinstance(o, torch.optim.Optimizer)]  # fmt: skip
-        if self._memory is None or not self._versions or not optimizers:
+        if self._memory is None or not self._live.held or not optimizers:
             return
         self._commit = StepCommit(
             self._memory,
@@ -1058,60 +1056,61 @@ class Job:
         half of it (2-rank bench job, 2-core VM)."""
         assert self._memory is not None
         began = time.perf_counter()
-        state, replicated = self._state(), self.checkpointer.replicated
-        seconds = 0.0
+        replicated = self.checkpointer.replicated
         if self._light_always():
-            light = bool(self._versions)
+            light = self._live.held
             full = not light or full_due
         else:
             fixed = self.config.replicated_snapshot_every
             snapshot_every = self._schedule.interval  # fixed under light snapshots (see _fixed_snapshot_every)
             every = (fixed if isinstance(fixed, int) else 1) * snapshot_every
-            light = self._light_wanted() and every > snapshot_every and bool(self._versions)
+            light = self._light_wanted() and every > snapshot_every and self._live.held
             full = not light or self.step % every == 0
+        # The whole state only when something copies it; a light step's end reads the per-rank part and the
+        # replicated objects' skeleton alone (job/live.py).
+        state = self._state() if full or not light else None
+        seconds = 0.0
         push = "full" if full else ""  # which image goes to the peer replicas (L3): the one this step relies on
         if light:
-            live = set(self._versions or ())
+            live = self._live.key
             commit = self._commit
             if commit is not None and commit.committed(self.step):
                 # Taken (and sent to the replicas) at the optimizer step; it stands if the per-rank state has not
                 # changed since.
                 push = ""
-                if not commit.check(state):  # it changed: overwrite both light slots, and copy in full
-                    for _ in range(2):
+                if not commit.check(state if state is not None else self._per_rank_state(self.step)):
+                    state = state if state is not None else self._state()
+                    for _ in range(2):  # it changed: overwrite both light slots, and copy in full
                         self._memory.snapshot(self.step, state, replicated, live=live)
                     full, push = True, "full"
                 seconds = commit.seconds
             else:
+                state = state if state is not None else self._state()
                 self._memory.snapshot(self.step, state, replicated, live=live)
                 push = "light"
-            self._remember_replicated_skeleton(state)
+            self._remember_skeleton(state)
             seconds += versions_s + time.perf_counter() - began
             self._light_cost.observe(seconds)
         if full:
+            assert state is not None
             seconds += self._memory.snapshot(self.step, state, replicated)[0]
         if push:
             self._replicas.push(self.step, light=push == "light")
             seconds += self._replicas.seconds
         self._snapshot_s = seconds
 
-    def _live_versions(self) -> dict[int, int]:
-        """Data pointer -> version counter of every tensor a survivor can keep: the parameters of replicated
-        modules and the state of replicated optimizers. Any in-place write (an optimizer step) bumps a version,
-        so equal versions at a failure prove these tensors still hold the state of the last completed step."""
-        versions: dict[int, int] = {}
-        for name in self.checkpointer.replicated:
-            obj = self._objects[name]
-            if isinstance(obj, torch.nn.Module):
-                tensors: Iterable[torch.Tensor] = obj.parameters()
-            elif isinstance(obj, torch.optim.Optimizer):
-                tensors = (t for st in obj.state.values() for t in st.values() if isinstance(t, torch.Tensor))
-            else:
-                continue
-            for t in tensors:
-                if type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cpu:
-                    versions[t.data_ptr()] = t._version
-        return versions
+    def _read_live(self, *, fresh: bool = False) -> None:
+        """The live tensors' versions and the replicated objects' skeleton, at the completed step."""
+        self._live.read(self._objects, self.checkpointer.replicated, fresh=fresh)
+        self._remember_skeleton(None)
+
+    def _remember_skeleton(self, state: dict[str, Any] | None) -> None:
+        """The replicated objects' non-tensor state (a scheduler's epoch, the optimizer's hyperparameters) at
+        the completed step, from `state` when the caller has it: a survivor hands it over with its live tensors
+        (see job/commit.py)."""
+        replicated = self.checkpointer.replicated
+        states = None if state is None else {n: state["objects"][n] for n in replicated}
+        self._live.remember(self.step, self._objects, replicated, states)
 
     def _state(self, step: int | None = None, *, replicated: bool = True) -> dict[str, Any]:
         """The full training state of this rank, as checkpoints and memory snapshots hold it (labelled `step`,
@@ -1204,26 +1203,19 @@ class Job:
 
     def _keep_live_state(self) -> bool:
         """Keep references to the live tensors for the next run if they still hold step `self.step`."""
-        if self.state is not JobState.RUNNING or self._versions is None or not self._versions:
+        versions = self._live.versions
+        if self.state is not JobState.RUNNING or not versions:
             return False
         with contextlib.suppress(Exception):
-            if self._live_versions() == self._versions:
+            if self._live.unchanged(self._objects, self.checkpointer.replicated):
                 # Only the replicated objects: their state_dict() is local (no collective with the lost peer).
                 _, items = flatten({"objects": self._replicated_states()}, self.rank, self.checkpointer.replicated)
-                ptrs = self._versions
-                live = {i.id: i.tensor for i in items if i.id.startswith("R/") and i.tensor.data_ptr() in ptrs}
-                got = self._replicated_skeleton
+                live = {i.id: i.tensor for i in items if i.id.startswith("R/") and i.tensor.data_ptr() in versions}
+                got = self._live.skeleton
                 skeleton = got[1] if got is not None and got[0] == self.step else None
                 reform.keep(reform.Stash(self.step, self.world_size, live, skeleton))
                 return True
         return False
-
-    def _remember_replicated_skeleton(self, state: dict[str, Any]) -> None:
-        """The replicated objects' non-tensor state (a scheduler's epoch, the optimizer's hyperparameters) at
-        the completed step: a survivor hands it over with its live tensors (see job/commit.py)."""
-        replicated = self.checkpointer.replicated
-        objects = {n: state["objects"][n] for n in replicated}
-        self._replicated_skeleton = (self.step, flatten({"objects": objects}, self.rank, replicated)[0]["objects"])
 
     def _log_step(self, step_s: float) -> None:
         metrics = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in self._metrics.items()}

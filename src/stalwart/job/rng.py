@@ -7,11 +7,14 @@ CUDA device's generator (when CUDA has been initialised).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import random
 from typing import Any
 
 import torch
+
+from stalwart.checkpoint.format.serialize import frozen
 
 try:
     import numpy as np
@@ -22,11 +25,12 @@ except ImportError:  # numpy is optional for torch and for us
 def capture_rng() -> dict[str, Any]:
     """Every generator's state. Called at every step's commit point and end under light snapshots, so the
     generators that have not moved since the last call cost a comparison, not a conversion (_PythonState,
-    _NumpyState)."""
-    version, internal, gauss = random.getstate()
+    _TorchState, _NumpyState), and return the very tensors of the last capture: later comparisons and copies of
+    an unchanged state then see the same object and skip the work."""
+    version, internal, gauss = _PYTHON.capture()
     state: dict[str, Any] = {
-        "python": {"version": version, "state": _PYTHON.tensor(internal), "gauss": gauss},
-        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": internal, "gauss": gauss},
+        "torch": _TORCH.capture(),
     }
     if np is not None:
         state["numpy"] = _NUMPY.capture()
@@ -35,23 +39,86 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
+MT_WORDS = 624
+PY_STATE_OFFSET = 16
+"""Where CPython's `_random.Random` keeps `int index; uint32_t state[624]`: right after the object header."""
+SAMPLE_WORDS = 32
+"""Words of a Mersenne Twister read to tell whether it moved (see `_PythonState`)."""
+
+
 class _PythonState:
-    """Python's 625-word state as an int64 tensor, the previous tensor again when the words are the same (a
-    tuple comparison, 3 us, against 20 us to convert; 63 us through torch.tensor). Captured tensors are never
+    """Python's generator state, its 625 words as an int64 tensor, the previous tensor again when it has not
+    moved. `random.getstate()` builds a tuple of 625 ints (9 us warm, 40-90 us inside a training step on the
+    2-core VM, where the step's matrix products have taken the caches). Whether the generator moved is read
+    from its C struct instead: its position and first 32 words (132 bytes). A Mersenne Twister that moves
+    either advances its position or, at the end of its 624 words, regenerates all of them: that 32 regenerated
+    words all come out as before has a chance of 2**-1024. Only when it moved is the whole state read (2.5 KB).
+    The layout (index, then the 624 words) is checked against getstate() once, and the global generator's
+    identity every call; where either differs, every capture uses getstate(). Captured tensors are never
     written in place, so sharing one is safe."""
 
     def __init__(self) -> None:
-        self._words: tuple[int, ...] | None = None
-        self._tensor: torch.Tensor | None = None
+        self._inst: Any = None
+        self._address = 0  # of the struct's index; 0: the layout is not the one checked, getstate() every time
+        self._sample = b""
+        self._last: tuple[int, torch.Tensor, Any] | None = None
 
-    def tensor(self, words: tuple[int, ...]) -> torch.Tensor:
-        if self._tensor is None or words != self._words:
-            if np is None:
-                self._tensor = torch.tensor(words, dtype=torch.int64)
-            else:
-                self._tensor = torch.from_numpy(np.fromiter(words, dtype=np.int64, count=len(words)))
-            self._words = words
-        return self._tensor
+    def _watch(self, inst: Any) -> None:
+        self._inst, self._sample, self._last, self._address = inst, b"", None, 0
+        with contextlib.suppress(Exception):
+            address = id(inst) + PY_STATE_OFFSET
+            _, internal, _ = inst.getstate()
+            if tuple(_words(ctypes.string_at(address, 4 + 4 * MT_WORDS))) == tuple(internal):
+                self._address = address
+
+    def forget(self) -> None:
+        """After a setstate: the next capture reads the whole state."""
+        self._sample, self._last = b"", None
+
+    def capture(self) -> tuple[int, torch.Tensor, Any]:
+        inst: Any = random._inst  # the generator behind random.random() and friends
+        if inst is not self._inst:
+            self._watch(inst)
+        if not self._address:
+            version, internal, gauss = inst.getstate()
+            return version, _tensor(internal), gauss
+        sample = ctypes.string_at(self._address, 4 + 4 * SAMPLE_WORDS)
+        gauss = inst.gauss_next
+        last = self._last
+        if last is not None and sample == self._sample and gauss is last[2]:
+            return last
+        raw = ctypes.string_at(self._address, 4 + 4 * MT_WORDS)
+        self._sample, self._last = raw[: len(sample)], (inst.VERSION, _tensor(_words(raw)), gauss)
+        return self._last
+
+
+def _words(raw: bytes) -> list[int]:
+    """The 625 words of getstate(): the 624 state words, then the index (stored first in the struct)."""
+    index = int.from_bytes(raw[:4], "little", signed=True)
+    words = list(memoryview(raw)[4:].cast("I"))
+    words.append(index)
+    return words
+
+
+def _tensor(words: Any) -> torch.Tensor:
+    if np is None:
+        return frozen(torch.tensor(list(words), dtype=torch.int64))
+    return frozen(torch.from_numpy(np.fromiter(words, dtype=np.int64, count=len(words))))
+
+
+class _TorchState:
+    """torch's CPU generator: get_rng_state() is a fresh 5 KB tensor each call; when it equals the last one,
+    the last one is returned (never written in place, so sharing it is safe)."""
+
+    def __init__(self) -> None:
+        self._last: torch.Tensor | None = None
+
+    def capture(self) -> torch.Tensor:
+        state = torch.get_rng_state()
+        if self._last is not None and torch.equal(state, self._last):
+            return self._last
+        self._last = frozen(state)
+        return state
 
 
 MT_BYTES = 624 * 4 + 4
@@ -60,25 +127,26 @@ MT_BYTES = 624 * 4 + 4
 
 class _NumpyState:
     """numpy's legacy global generator. `np.random.get_state()` takes about 53 us (it copies the 624 words one
-    at a time); reading the bit generator's raw words through its ctypes interface takes 0.5 us. When they are
-    what the last capture saw and that capture held no cached Gaussian, the state is the same and the last
-    capture is returned. (A cached Gaussian can be used up without the words moving, so then the full read is
-    taken.) The raw layout is checked against get_state() once; if it differs, every capture is a full read.
-    Only a set_state can put a cached Gaussian back without moving the words: `restore_rng` forgets the last
-    capture, and a script that calls np.random.set_state itself between two captures is not covered."""
+    at a time). Whether it moved is read as for Python's generator (`_PythonState`): its position and first 32
+    words, through the bit generator's ctypes interface. When they are what the last capture saw and that
+    capture held no cached Gaussian, the state is the same and the last capture is returned. (A cached Gaussian
+    can be used up without the words moving, so then the full read is taken.) The raw layout is checked against
+    get_state() once; if it differs, every capture is a full read. Only a set_state can put a cached Gaussian
+    back without moving the words: `restore_rng` forgets the last capture, and a script that calls
+    np.random.set_state itself between two captures is not covered."""
 
     def __init__(self) -> None:
-        self._watched = False
-        self._bit_generator: Any = None
+        self._mtrand: Any = None
+        self._rand: Any = None
         self._address = 0
-        self._raw = b""
+        self._sample = b""
         self._state: dict[str, Any] | None = None
 
-    def _watch(self, bit_generator: Any) -> None:
-        self._address, self._raw, self._state = 0, b"", None
-        self._watched, self._bit_generator = True, bit_generator
+    def _watch(self, mtrand: Any) -> None:
+        self._address, self._sample, self._state = 0, b"", None
+        self._mtrand, self._rand = mtrand, getattr(mtrand, "_rand", None)
         try:
-            address = int(bit_generator.ctypes.state_address)
+            address = int(self._rand._bit_generator.ctypes.state_address)
             raw = ctypes.string_at(address, MT_BYTES)
             kind, keys, pos, _, _ = np.random.get_state(legacy=True)
             words = np.frombuffer(raw[: 624 * 4], dtype=np.uint32)
@@ -89,20 +157,23 @@ class _NumpyState:
 
     def forget(self) -> None:
         """After a set_state: the next capture is a full read."""
-        self._raw, self._state = b"", None
+        self._sample, self._state = b"", None
 
     def capture(self) -> dict[str, Any]:
-        current = getattr(getattr(getattr(np.random, "mtrand", None), "_rand", None), "_bit_generator", None)
-        if not self._watched or current is not self._bit_generator:
-            self._watch(current)  # the first capture, or the global generator was replaced
-        raw = ctypes.string_at(self._address, MT_BYTES) if self._address else b""
-        if raw and raw == self._raw and self._state is not None and not self._state["has_gauss"]:
-            return self._state
+        mtrand = self._mtrand
+        if mtrand is None or mtrand._rand is not self._rand:
+            self._watch(getattr(np.random, "mtrand", None))  # the first capture, or the global generator was replaced
+        address = self._address
+        sample = ctypes.string_at(address, 4 * SAMPLE_WORDS) + ctypes.string_at(address + MT_BYTES - 4, 4) \
+            if address else b""  # fmt: skip
+        state = self._state
+        if sample and sample == self._sample and state is not None and not state["has_gauss"]:
+            return state
         kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        self._raw = raw
+        self._sample = sample
         self._state = {
             "kind": kind,
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "keys": frozen(torch.from_numpy(np.asarray(keys, dtype=np.int64))),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached": float(cached),
@@ -111,12 +182,14 @@ class _NumpyState:
 
 
 _PYTHON = _PythonState()
+_TORCH = _TorchState()
 _NUMPY = _NumpyState()
 
 
 def restore_rng(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+    _PYTHON.forget()
     torch.set_rng_state(state["torch"])
     if np is not None and "numpy" in state:
         n = state["numpy"]

@@ -26,6 +26,7 @@ import os
 import struct
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,11 +34,13 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.format.serialize import (
+    FlattenCache,
     TensorItem,
     assign_owners,
     dtype_from_name,
     dtype_name,
     flatten,
+    is_frozen,
     unflatten,
 )
 from stalwart.checkpoint.save.staging import ViewCache, aligned, typed_view
@@ -68,6 +71,9 @@ class _Slot:
         self._map: mmap.mmap | None = None
         self._views: ViewCache = {}
         self._buf: torch.Tensor | None = None
+        self.toc: bytes | None = None  # the table of contents this process last wrote here (_toc's cached bytes)
+        self.written: dict[int, torch.Tensor] = {}
+        """Offset -> the frozen tensor (serialize.frozen) this process last copied there: not copied again."""
 
     def header(self) -> tuple[int, ...] | None:
         if self._map is not None:  # this process's own mapping of the file: no open() per snapshot
@@ -105,6 +111,8 @@ class _Slot:
         return typed_view(self._buf, self._views, offset, dtype, shape)
 
     def close(self) -> None:
+        self.toc = None
+        self.written.clear()
         self._views.clear()
         self._buf = None
         if self._map is not None:
@@ -140,6 +148,8 @@ class MemoryTier:
         self._toc_cache: dict[str, tuple[Any, bytes]] = {}
         # snapshot_light's reused part: (live data pointers, replicated skeleton or None, live id -> dtype, shape)
         self._light_reuse: tuple[frozenset[int], dict[str, Any] | None, dict[str, Any]] | None = None
+        self._per_rank = FlattenCache(rank, frozenset())  # snapshot_light's per-rank state, same shape each step
+        self._next: dict[str, int] = {}  # kind -> the slot this process writes next (the older one)
 
     def _slot_path(self, local_rank: int, index: int, kind: str = "slot") -> Path:
         # kind: slot, light, and ward<k>.slot, ward<k>.light for the images kept for another node's rank (L3)
@@ -167,6 +177,7 @@ class MemoryTier:
         (recovery/rollback.py) they belong to a history the job abandoned, and a restart must not resume from
         them. Returns the steps forgotten."""
         forgotten = []
+        self._next.clear()
         for slot in (*self._slots, *self._light):
             h = slot.header()
             if h is None or h[2] <= step or h[3] != self.rank:
@@ -185,7 +196,7 @@ class MemoryTier:
         step: int,
         state: dict[str, Any],
         replicated: frozenset[str] = frozenset(),
-        live: set[int] | None = None,
+        live: AbstractSet[int] | None = None,
     ) -> tuple[float, int]:
         """Copy this rank's share of `state` into the older slot; returns (seconds, bytes). The whole cost is
         this copy. `replicated` names the objects that are identical on every rank (split across local ranks).
@@ -220,7 +231,7 @@ class MemoryTier:
         return time.perf_counter() - started, total
 
     def snapshot_light(
-        self, step: int, state: dict[str, Any], replicated: Callable[[], dict[str, Any]], live: set[int]
+        self, step: int, state: dict[str, Any], replicated: Callable[[], dict[str, Any]], live: AbstractSet[int]
     ) -> tuple[float, int] | None:
         """A light snapshot from this rank's own part of the state alone: `state` holds only the per-rank
         objects (with the step, RNG and world size), and the replicated objects' part (their skeleton and the ids,
@@ -233,13 +244,13 @@ class MemoryTier:
         without). Returns None, having written nothing, when a replicated tensor is not live (a module's
         buffers, which change in the forward pass and must be copied): `snapshot` then takes the whole state."""
         started = time.perf_counter()
-        key = frozenset(live)
+        key = live if isinstance(live, frozenset) else frozenset(live)
         if self._light_reuse is None or self._light_reuse[0] != key:
             self._light_reuse = (key, *self._replicated_part(replicated(), live))
         _, shared_skeleton, absent = self._light_reuse
         if shared_skeleton is None:
             return None
-        skeleton, items = flatten(state, self.rank, frozenset())
+        skeleton, items = self._per_rank.flatten(state)
         skeleton["objects"] = {**skeleton["objects"], **shared_skeleton}
         table, total = [], 0
         for item in items:
@@ -248,7 +259,9 @@ class MemoryTier:
         self._write(step, "light", skeleton, table, total, absent, survivor_skeleton=tuple(shared_skeleton))
         return time.perf_counter() - started, total
 
-    def _replicated_part(self, objects: dict[str, Any], live: set[int]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    def _replicated_part(
+        self, objects: dict[str, Any], live: AbstractSet[int]
+    ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
         """(skeleton of the replicated objects, their live tensors' id -> [dtype, shape]); (None, {}) if any of
         their tensors is not live."""
         skeleton, items = flatten({"objects": objects}, self.rank, frozenset(objects))
@@ -274,14 +287,30 @@ class MemoryTier:
         the header valid last."""
         toc = self._toc(kind, skeleton, table, absent, survivor_skeleton)
         data_offset = aligned(HEADER_BYTES + len(toc), PAGE)
-        target = self._older(self._light if kind == "light" else self._slots)
+        slots = self._light if kind == "light" else self._slots
+        index = self._next.get(kind)
+        if index is None:  # the first write, or another wrote a slot: from the headers
+            index = slots.index(self._older(slots))
+        target = slots[index]
         m = target.ensure(data_offset + total)
         HEADER.pack_into(m, 0, MAGIC, 0, -1, self.rank, self.world_size, 0, 0, 0)  # invalid while writing
-        m[HEADER_BYTES : HEADER_BYTES + len(toc)] = toc
+        if target.toc is not toc:  # another layout: what the slot held where is no longer known
+            m[HEADER_BYTES : HEADER_BYTES + len(toc)] = toc
+            target.toc = toc
+            target.written.clear()
+        written = target.written
         with torch.no_grad():
             for item, offset in table:
-                target.view(data_offset + offset, item.tensor.dtype, item.tensor.shape).copy_(item.tensor)
+                at = data_offset + offset
+                if written.get(at) is item.tensor:
+                    continue  # a frozen tensor this slot already holds there (a generator that has not moved)
+                target.view(at, item.tensor.dtype, item.tensor.shape).copy_(item.tensor)
+                if is_frozen(item.tensor):
+                    written[at] = item.tensor
+                else:
+                    written.pop(at, None)
         HEADER.pack_into(m, 0, MAGIC, 1, step, self.rank, self.world_size, len(toc), data_offset, total)
+        self._next[kind] = 1 - index  # now the older one, as long as only this process writes them
 
     @staticmethod
     def _older(slots: list[_Slot]) -> _Slot:
@@ -385,6 +414,7 @@ class MemoryTier:
         rank's slots (the older); False (nothing written) if it is not a whole image of this rank."""
         if not _whole_image(image, self.world_size) or HEADER.unpack_from(image)[3] != self.rank:
             return False
+        self._next.clear()
         _write_image(self._older(self._light if light else self._slots), image)
         return True
 
@@ -466,6 +496,7 @@ class MemoryTier:
         return {}, bytearray()
 
     def close(self) -> None:
+        self._next.clear()
         for slot in [*self._slots, *self._light]:
             slot.close()
 
@@ -494,6 +525,8 @@ def _whole_image(image: bytes, world_size: int) -> bool:
 def _write_image(target: _Slot, image: bytes) -> None:
     """Write a slot image received from elsewhere: invalid while the body is written, its header last."""
     m = target.ensure(len(image))
+    target.toc = None
+    target.written.clear()
     HEADER.pack_into(m, 0, MAGIC, 0, -1, 0, 0, 0, 0, 0)
     m[HEADER_BYTES : len(image)] = image[HEADER_BYTES:]
     m[:HEADER_BYTES] = image[:HEADER_BYTES]
