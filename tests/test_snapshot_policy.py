@@ -6,7 +6,16 @@ import pytest
 
 from stalwart.errors import ConfigError
 from stalwart.job.job import JobConfig
-from stalwart.policy.snapshot import LIGHT_SAMPLES, MAX_INTERVAL, WARMUP, LightCost, SnapshotSchedule, interval_for
+from stalwart.policy.snapshot import (
+    LIGHT_SAMPLES,
+    LIGHT_SHARE,
+    MAX_INTERVAL,
+    WARMUP,
+    LightCost,
+    SnapshotSchedule,
+    full_copy_budget,
+    interval_for,
+)
 
 
 def test_the_interval_keeps_the_copy_within_the_budget() -> None:
@@ -93,6 +102,16 @@ def test_light_snapshots_are_judged_on_their_measured_cost_after_enough_samples(
     assert cost.too_dear(0.004, 0.067), "4 ms of a 67 ms step is over 1%: full copies instead"
     assert not cost.too_dear(0.0006, 0.067), "0.6 ms is within it"
     assert not cost.too_dear(0.004, 0.0), "no step time measured: nothing to judge"
+
+
+def test_full_copies_get_what_light_snapshots_leave_of_the_budget_and_at_least_a_quarter() -> None:
+    assert full_copy_budget(0.01, None, 0.0) == pytest.approx(0.01 * (1 - LIGHT_SHARE)), "before light is judged"
+    assert full_copy_budget(0.01, 0.0002, 0.05) == pytest.approx(0.006), "0.4% of the steps to light, 0.6% left"
+    assert full_copy_budget(0.01, 0.00035, 0.05) == pytest.approx(0.003), "light at its 0.7%: 0.3% left"
+    assert full_copy_budget(0.01, 0.0, 0.05) == pytest.approx(0.01)
+    light, step = 0.00037, 0.05  # at the edge of the light share: both within the budget together
+    assert not LightCost(0.01 * LIGHT_SHARE).too_dear(light, step)
+    assert light / step + full_copy_budget(0.01, light, step) <= 0.01 + 1e-12
 
 
 @pytest.mark.parametrize("bad", [-1, "often", 1.5, True])

@@ -141,8 +141,17 @@ def _run(
         measured["snapshot_every"] = (
             decisions[-1]["interval"] if decisions else (config.get("snapshot_every", 1) or None)
         )
-        # Half the budget goes to full copies when light snapshots are taken every step (JobConfig).
-        measured["full_copy_budget"] = decisions[-1]["budget"] if decisions else None
+        events = read_events(log)
+        judged = [e for e in events if e["event"] in ("light_snapshots_kept", "light_snapshots_off")]
+        measured["light"] = (
+            {"kept": judged[0]["event"] == "light_snapshots_kept", "light_s": judged[0].get("light_s")}
+            if judged
+            else None
+        )
+        # Under light snapshots every step, full copies get what those leave of the budget (JobConfig): the
+        # judgment of light snapshots says how much, else the last interval decision.
+        budgets = [e["full_copy_budget"] for e in judged if "full_copy_budget" in e]
+        measured["full_copy_budget"] = budgets[-1] if budgets else decisions[-1]["budget"] if decisions else None
         saves = [e for e in read_events(log) if e["event"] == "checkpoint_snapshot" and e.get("rank", 0) == 0]
         measured["save_stalls"] = [e["stall_s"] for e in saves]
         measured["save_costs"] = save_costs(measured["step_times"], [e["step"] for e in saves], job["warmup"])
@@ -207,6 +216,8 @@ def build_report(
             "save_cost_s": [t for r in runs for t in r.get("save_costs", [])],
             "snapshot_every": runs[-1].get("snapshot_every"),
             "full_copy_budget": runs[-1].get("full_copy_budget"),
+            # Light snapshots (several ranks): whether they stayed on, and their judged cost per step, per round.
+            "light": [r.get("light") for r in runs],
             "config": CONFIGS[name],
             "launcher": LAUNCHER.get(name, []),
         }

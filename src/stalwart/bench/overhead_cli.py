@@ -105,6 +105,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _light(rounds: list[dict[str, Any] | None]) -> str:
+    """ ", light every step (0.35 ms)" when light snapshots stayed on in every round, ", light off (...)" else."""
+    judged = [r for r in rounds if r]
+    if not judged:
+        return ""
+    costs = "/".join(f"{r['light_s'] * 1e3:.2f}" for r in judged if r.get("light_s") is not None)
+    kept = all(r["kept"] for r in judged)
+    return f", light {'every step' if kept else 'off'} ({costs} ms)" if costs else ""
+
+
 def print_report(console: Console, report: dict[str, Any]) -> None:
     m = report["machine"]
     console.print(
@@ -128,7 +138,7 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
             f"{c['mean_ratio']:.3f}×", f"{100 * c['inline_overhead']:+.2f}%",
             f"{c['optimizer_step_s'] * 1e3:.2f} ms",
             "" if c.get("detector_s") is None else f"{c['detector_s'] * 1e3:.3f} ms ({100 * c['detector_share']:.2f}%)",
-            "never" if not every else f"{every} steps",
+            ("never" if not every else f"{every} steps") + _light(c.get("light") or []),
         )  # fmt: skip
     console.print(table)
     floor = report["floor"]

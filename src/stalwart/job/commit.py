@@ -78,6 +78,9 @@ class StepCommit:
         self.seconds = 0.0
         self.off: str | None = None
         self._told = False  # whether the other ranks know this rank's light snapshots are off
+        self.agreed_off = False
+        """Whether every rank knows light snapshots are off: set at the commit point where they learn it. Until
+        then a rank whose own check turned them off still counts them on in decisions taken in a collective."""
 
     def arm(self, step: int, live: frozenset[int]) -> None:
         """The step after `step` completed steps is starting; `live` are the data pointers a survivor keeps."""
@@ -103,6 +106,7 @@ class StepCommit:
             if not self._told:  # the other ranks are still committing: meet them once, saying so
                 self._told = True
                 self._barrier(1)
+                self.agreed_off = True
             self._committed = step
             self._faults.in_optimizer(self._step, "after_barrier")
             return
@@ -122,6 +126,8 @@ class StepCommit:
         if peer_off and self.off is None:  # another rank turned light snapshots off: all do, at the same step
             self.off = "another rank's per-rank state changed after the optimizer step"
             self._told = True
+        if peer_off:
+            self.agreed_off = True
             self._events.emit("light_snapshots_off", step=step, reason=self.off)
         # A barrier that knows its own cost (the ranks' skew is not: the next collective would wait for it too)
         self.seconds += work + (time.perf_counter() - started - work if cost is None else cost)

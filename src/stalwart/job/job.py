@@ -67,7 +67,7 @@ from stalwart.job.commit import StepCommit
 from stalwart.job.live import LiveState
 from stalwart.job.rng import capture_rng, restore_rng
 from stalwart.policy.checkpoint import DEFAULT_PRIOR_MTBF_S, CheckpointInterval
-from stalwart.policy.snapshot import LightCost, SnapshotSchedule
+from stalwart.policy.snapshot import LIGHT_SHARE, LightCost, SnapshotSchedule, full_copy_budget
 from stalwart.recovery import reform
 from stalwart.recovery.restore import Restorer
 from stalwart.recovery.rollback import RollbackCap, RollbackRequest, all_finite, read_skips, write_skips
@@ -149,7 +149,8 @@ class JobConfig:
     light snapshot, taken at the optimizer step behind a barrier, see job/commit.py) and a restart takes the
     replicated state from a survivor: at most the interrupted step is redone. The whole state is still copied now
     and then, for a failure that leaves no survivor. "auto" (the default, with snapshot_every="auto" and more
-    than one rank): a light snapshot every step and full copies within half the snapshot budget. N > 1: light
+    than one rank): a light snapshot every step while it costs at most three quarters of the snapshot budget,
+    and full copies within what it leaves of the budget (at least a quarter). N > 1: light
     snapshots, full copies every N snapshots. 1: every snapshot is full. CPU tensors only (on GPUs every
     snapshot is full); see docs/architecture.md (L1)."""
     peer_replicas: int = 1
@@ -362,7 +363,8 @@ class Job:
         self._local_barrier: LocalBarrier | None = None  # its barrier when every rank is on this node
         self._commits = 0  # commit points started (each names its own barrier)
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self.config.snapshot_budget, 0)
-        self._light_cost = LightCost(self.config.snapshot_budget / 2)
+        self._light_cost = LightCost(self.config.snapshot_budget * LIGHT_SHARE)
+        self._light_kept = False  # whether light snapshots were judged and kept (one event says so)
         self._interval = CheckpointInterval(self.config.expected_mtbf_s) if self.config.checkpoint_every == "auto" \
             else None  # fmt: skip
         self._created_wall = time.time()  # this launch's age, when the launcher does not say (plain torchrun)
@@ -550,7 +552,7 @@ class Job:
             self._read_live(fresh=True)
             self._start_commit()
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self._full_budget(), self.step)
-        self._light_cost = LightCost(self.config.snapshot_budget / 2)
+        self._light_cost = LightCost(self.config.snapshot_budget * LIGHT_SHARE)
         if self._interval is not None:
             self._interval.start(self.step)
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
@@ -636,6 +638,8 @@ class Job:
                 self._snapshot(full_due, versions_s)
                 if full_due:  # every rank, at the same steps: the plan is agreed in a collective
                     self._plan_snapshots(time.perf_counter() - snapshot_started)
+                elif self._light_agreed() and self._light_cost.first_judgment():  # the same step on every rank
+                    self._judge_light()
             reform.allow_requests()  # a re-forming request deferred by the commit point is raised here
             if first:  # the optimizer's state exists now: staging is allocated while the next steps run
                 with contextlib.suppress(Exception):
@@ -735,8 +739,11 @@ class Job:
         return max(int(every), 1)  # 0: no memory tier, so no snapshot is ever due
 
     def _full_budget(self) -> float:
-        """Under light snapshots every step, full copies only matter when no rank survives: half the budget."""
-        return self.config.snapshot_budget / (2 if self._light_always() else 1)
+        """Under light snapshots every step, full copies only matter when no rank survives: what light snapshots
+        leave of the budget, at least a quarter of it (policy/snapshot.full_copy_budget)."""
+        if not self._light_always():
+            return self.config.snapshot_budget
+        return full_copy_budget(self.config.snapshot_budget, None, 0.0)
 
     def _light_always(self) -> bool:
         """A light snapshot every step, full copies on the budgeted schedule: replicated_snapshot_every="auto"
@@ -746,7 +753,7 @@ class Job:
     def _plan_snapshots(self, seconds: float) -> None:
         """After a snapshot that took `seconds` on the training thread (gathering the state, the copy, the
         replicas): the next one's step, from costs every rank agrees on (policy/snapshot.py)."""
-        if self._light_always() and self._light_cost.judged():
+        if self._light_agreed() and self._light_cost.judged():
             self._judge_light()
         decision = self._schedule.taken(self.step, seconds, self._largest)
         if decision is not None and self.is_main:
@@ -759,18 +766,41 @@ class Job:
         return max(g[0] for g in gathered) / 1e6, max(g[1] for g in gathered) / 1e6
 
     def _judge_light(self) -> None:
-        """Under "auto": keep light snapshots only while they cost at most their half of the budget, decided
-        alike on every rank from the largest light cost and step time (policy/snapshot.LightCost)."""
+        """Under "auto": keep light snapshots only while they cost at most their share of the budget, decided
+        alike on every rank from the largest light cost and step time (policy/snapshot.LightCost); full copies
+        get what they leave of it."""
         light_s, step_s = self._largest(self._light_cost.mine(), self._schedule.step_s())
         if not self._light_cost.too_dear(light_s, step_s):
+            self._schedule.budget = full_copy_budget(self.config.snapshot_budget, light_s, step_s)
+            if not self._light_kept and self.is_main:  # once per run: what they cost and what they may
+                self.events.emit("light_snapshots_kept", step=self.step, light_s=light_s, step_s=step_s,
+                                 budget=self._light_cost.budget, full_copy_budget=self._schedule.budget)  # fmt: skip
+            self._light_kept = True
             return
         assert self._commit is not None
+        self._commit.agreed_off = True  # every rank decides this at the same step
         self._commit.off = (
             f"light snapshots cost {light_s * 1e3:.2f} ms per step of {step_s * 1e3:.1f} ms, over their budget "
             f"of {100 * self._light_cost.budget:g}%: full copies on the budget instead"
         )
-        self.events.emit("light_snapshots_off", step=self.step, reason=self._commit.off, light_s=light_s)
         self._schedule.budget = self.config.snapshot_budget
+        self.events.emit(
+            "light_snapshots_off", step=self.step, reason=self._commit.off, light_s=light_s, step_s=step_s,
+            budget=self._light_cost.budget, full_copy_budget=self._schedule.budget,
+        )  # fmt: skip
+
+    def _light_agreed(self) -> bool:
+        """_light_always() as every rank knows it, for decisions taken in a collective: a rank whose own check
+        turned light snapshots off tells the others only at the next commit point (job/commit.py)."""
+        commit = self._commit
+        return (
+            self.config.replicated_snapshot_every == "auto"
+            and commit is not None
+            and not commit.agreed_off
+            and self._reform
+            and self.config.snapshot_every == "auto"
+            and self.world_size > 1
+        )
 
     def _light_wanted(self) -> bool:
         """Light snapshots: asked for, under re-forming, and not turned off by the commit point's check."""

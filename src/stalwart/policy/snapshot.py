@@ -100,22 +100,38 @@ def interval_for(snapshot_s: float, step_s: float, budget: float) -> int:
 
 LIGHT_SAMPLES = 32
 """Light snapshots measured before their cost is judged (and the least a run keeps them)."""
+LIGHT_SHARE = 0.75
+"""The share of the snapshot budget light snapshots may take when they are taken every step; full copies get
+the rest of the budget, at least the other quarter (see LightCost)."""
+
+
+def full_copy_budget(budget: float, light_s: float | None, step_s: float) -> float:
+    """The part of `budget` left to full copies next to light snapshots every step that cost `light_s` a step
+    of `step_s` (None: not judged yet). Light snapshots come first: they keep the loss of the common failure
+    (one rank lost, the others survive) to the interrupted step, while full copies only matter when no rank
+    survives. Full copies keep at least 1 - LIGHT_SHARE of the budget, so the two together stay within it
+    whenever light snapshots are kept (they are turned off above LIGHT_SHARE)."""
+    if light_s is None or step_s <= 0:
+        return budget * (1 - LIGHT_SHARE)
+    return max(budget - light_s / step_s, budget * (1 - LIGHT_SHARE))
 
 
 class LightCost:
-    """Whether light snapshots every step stay within their half of the budget, judged from their measured cost.
+    """Whether light snapshots every step stay within their share of the budget, judged from their measured cost.
 
     Why: a light snapshot copies little, but it waits on a barrier of every rank at the optimizer step (the
-    commit point). On two busy CPU cores that wait measured 4-5 ms per step, more than a full copy of the bench
-    job's 48 MB; on a large model a full copy is far dearer than a barrier. So neither is right everywhere, and
-    the job measures: after LIGHT_SAMPLES light snapshots, if the median of the largest rank's cost is over
-    `budget` of the step time, light snapshots are turned off for the run (every rank decides alike, from
-    gathered values) and full copies take the whole budget."""
+    commit point) and reads the per-rank state twice a step. On two busy CPU cores that measured 4-5 ms per
+    step at first (a gloo barrier), more than a full copy of the bench job's 48 MB; on a large model a full
+    copy is far dearer than a light snapshot. So neither is right everywhere, and the job measures: after
+    LIGHT_SAMPLES light snapshots, if the median of the largest rank's cost is over `budget` (LIGHT_SHARE of
+    the snapshot budget) of the step time, light snapshots are turned off for the run (every rank decides
+    alike, from gathered values) and full copies take the whole budget."""
 
     def __init__(self, budget: float) -> None:
         self.budget = budget
         self._costs: deque[float] = deque(maxlen=STEP_WINDOW)
         self._seen = 0
+        self._first_done = False
 
     def observe(self, seconds: float) -> None:
         """One step's light-snapshot cost on this rank (its capture, barrier and end-of-step check)."""
@@ -127,6 +143,14 @@ class LightCost:
 
     def judged(self) -> bool:
         return self._seen >= LIGHT_SAMPLES
+
+    def first_judgment(self) -> bool:
+        """True once, at the step of the LIGHT_SAMPLES-th observation: where every rank judges first (and not
+        only at the next full copy, which can be hundreds of steps later)."""
+        if self._seen < LIGHT_SAMPLES or self._first_done:
+            return False
+        self._first_done = True
+        return True
 
     def too_dear(self, light_s: float, step_s: float) -> bool:
         """With the agreed (largest) light cost and step time: over the budget."""
