@@ -56,6 +56,28 @@ def test_torch_and_numpy_captures_are_shared_while_unmoved_and_fresh_after() -> 
     assert c["numpy"]["pos"] == pos and np.array_equal(c["numpy"]["keys"].numpy(), keys.astype(np.int64))
 
 
+def test_every_capture_between_draws_of_every_size_is_exact() -> None:
+    """Draws of 1 to 7 words at a time, past several regenerations (some ending exactly where the position was):
+    each capture equals the generators' full state, read the slow way."""
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    for k in range(1, 700):
+        n = k % 7 + 1
+        if k % 3 == 0:
+            [random.getrandbits(32) for _ in range(n)]
+        elif k % 3 == 1:
+            torch.randint(0, 1000, (n,))
+        else:
+            np.random.randint(0, 1000, size=n)
+        got = capture_rng()
+        assert _python_matches(got), k
+        assert torch.equal(got["torch"], torch.get_rng_state()), k
+        _, keys, pos, _, _ = np.random.get_state(legacy=True)
+        assert got["numpy"]["pos"] == pos and np.array_equal(got["numpy"]["keys"].numpy(), keys.astype(np.int64))
+    assert capture_rng() is capture_rng(), "nothing moved: the same capture"
+
+
 def test_a_flatten_template_gives_what_flatten_gives_and_falls_back_when_the_shape_changes() -> None:
     cache = FlattenCache(rank=1, replicated=frozenset({"m"}))
 
@@ -163,4 +185,97 @@ def test_slot_writes_skip_frozen_tensors_already_there_and_copy_everything_else(
     assert tier.forget_after(4) == [5]
     tier.snapshot(5, {"step": 5, "objects": {"u": {"t": user}}, "rng": {"a": steady, "b": moving}})
     assert tier.steps() == [5, 4], "after a forget the invalid slot is written, not the one holding step 4"
+    tier.close()
+
+
+def test_plain_values_travel_beside_the_pickled_skeleton_and_come_back_as_they_were() -> None:
+    from collections import OrderedDict
+
+    from stalwart.checkpoint.tiers.toc import TocCache, fill_values, parse_toc, split_values
+
+    skeleton = {
+        "step": 7,
+        "objects": {"d": OrderedDict(a=1, b=True, c=1.0, n=None, s="x", t=(2, 3.5), nan=float("nan"))},
+        "ref": {"__stalwart_tensor__": "r0/x"},
+        "size": torch.Size([2]),
+    }
+    values: list[Any] = []
+    shape = split_values(skeleton, values)
+    assert shape["ref"] == skeleton["ref"] and shape["size"] == torch.Size([2]), "references and other leaves stay"
+    back = fill_values(shape, values)
+    assert type(back["objects"]["d"]) is OrderedDict and back["objects"]["d"]["t"] == (2, 3.5)
+    assert [type(v) for v in back["objects"]["d"].values()] == [int, bool, float, type(None), str, tuple, float]
+    tocs = TocCache()
+    first, layout = tocs.toc("light", skeleton, [], {})
+    skeleton["objects"]["d"]["a"] = 2  # a value: the same layout
+    second, again = tocs.toc("light", skeleton, [], {})
+    assert again is layout and second != first
+    assert tocs.toc("light", skeleton, [], {})[0] is second, "nothing changed: the same bytes"
+    skeleton["objects"]["d"]["a"] = 2.0  # equal, but written otherwise: a new table of contents
+    third, _ = tocs.toc("light", skeleton, [], {})
+    assert third != second
+    got, _, _, _ = parse_toc(third, step=9)
+    assert got["step"] == 9 and got["objects"]["d"]["a"] == 2.0 and type(got["objects"]["d"]["a"]) is float
+    assert got["objects"]["d"]["b"] is True and got["objects"]["d"]["nan"] != got["objects"]["d"]["nan"]
+    skeleton["objects"]["d"]["z"] = 0  # a new key: a new layout
+    assert tocs.toc("light", skeleton, [], {})[1] is not layout
+
+
+def test_a_table_of_contents_that_grows_past_a_page_moves_the_tensors_and_they_are_copied_again(
+    tmp_path: Path,
+) -> None:
+    tier = MemoryTier(tmp_path, rank=0, world_size=1)
+    steady = frozen(torch.arange(8.0))
+    for step, text in enumerate(["a", "b", "c" * 5000, "d", "e", "f"], start=1):  # slots: 1, 3, 5 and 2, 4, 6
+        state = {"step": step, "objects": {"u": {"text": text}}, "rng": {"a": steady}}
+        tier.snapshot(step, state)
+        got = tier.load(step).state
+        assert got["objects"]["u"]["text"] == text and torch.equal(got["rng"]["a"], steady), step
+    tier.close()
+
+
+def test_a_light_snapshot_whose_per_rank_state_shares_memory_is_still_read_back_whole(tmp_path: Path) -> None:
+    """Two per-rank tensors sharing memory leave FlattenCache without a template: the general way is taken."""
+    tier = MemoryTier(tmp_path, rank=0, world_size=2)
+    replicated = {"m": {"w": torch.ones(4), "lr": 0.1}}
+    live = frozenset({replicated["m"]["w"].data_ptr()})
+    survivor = {"m": {"w": {"__stalwart_tensor__": "R/m/w"}, "lr": 0.1}}
+    for step in (1, 2, 3):
+        shared = torch.full((3,), float(step))
+        per_rank = {"step": step, "objects": {"p": {"a": shared, "b": shared, "n": step}}, "world_size": 2}
+        assert tier.snapshot_light(step, per_rank, lambda: replicated, live) is not None
+        _, content = tier.light(step)
+        got = tier.load_light(step, content, {"R/m/w": replicated["m"]["w"]}, survivor).state
+        assert got["step"] == step and got["objects"]["p"]["n"] == step
+        assert torch.equal(got["objects"]["p"]["a"], shared) and torch.equal(got["objects"]["p"]["b"], shared)
+    tier.close()
+
+
+def test_light_snapshots_with_a_counter_that_moves_every_step_read_back_every_step(tmp_path: Path) -> None:
+    tier = MemoryTier(tmp_path, rank=1, world_size=2)
+    replicated = {"m": {"w": torch.ones(4), "lr": 0.1}}
+    live = frozenset({replicated["m"]["w"].data_ptr()})
+    survivor = {"m": {"w": {"__stalwart_tensor__": "R/m/w"}, "lr": 0.1}}
+    window = frozen(torch.zeros(5, dtype=torch.float64))
+    for step in range(1, 8):
+        data = {"epoch": step // 3, "batch": step, "name": "x" * step, "flag": step % 2 == 0, "none": None}
+        per_rank = {"step": step, "objects": {"data": data}, "rng": {"t": window}, "world_size": 2}
+        assert tier.snapshot_light(step, per_rank, lambda: replicated, live) is not None
+        for back in {step, max(1, step - 1)}:  # both slots
+            _, content = tier.light(back)
+            got = tier.load_light(back, content, {"R/m/w": replicated["m"]["w"]}, survivor).state
+            want = {"epoch": back // 3, "batch": back, "name": "x" * back, "flag": back % 2 == 0, "none": None}
+            assert got["step"] == back and got["objects"]["data"] == want, (step, back)
+            assert type(got["objects"]["data"]["flag"]) is bool
+    tier.close()
+
+
+def test_a_tensor_that_grows_in_place_in_the_table_is_read_back_at_its_new_size(tmp_path: Path) -> None:
+    """A per-rank history that grows by a few elements a step keeps every offset (the last tensor, aligned):
+    the table of contents must still change, or the snapshot reads back the old size."""
+    tier = MemoryTier(tmp_path, rank=0, world_size=1)
+    for step in range(1, 6):
+        history = torch.arange(step, dtype=torch.int64)
+        tier.snapshot(step, {"step": step, "objects": {"seen": {"ids": history}}})
+        assert torch.equal(tier.load(step).state["objects"]["seen"]["ids"], history), step
     tier.close()

@@ -156,11 +156,11 @@ def test_a_light_snapshot_from_the_per_rank_part_reuses_the_replicated_part_and_
     tier.close()
 
 
-def test_snapshots_that_differ_only_in_their_step_pickle_their_skeleton_once(
+def test_snapshots_that_differ_only_in_their_step_or_plain_values_pickle_their_skeleton_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The step lives in the slot's header, not the pickled skeleton: a light snapshot every step would
-    otherwise pickle an unchanged skeleton again each time (half its cost inside a training step)."""
+    """The step lives in the slot's header and plain values beside the pickled skeleton: a light snapshot every
+    step would otherwise pickle its skeleton again each time (half its cost inside a training step)."""
     pickled = []
     real_save = torch.save
     monkeypatch.setattr(torch, "save", lambda *a, **k: (pickled.append(1), real_save(*a, **k))[1])
@@ -176,8 +176,14 @@ def test_snapshots_that_differ_only_in_their_step_pickle_their_skeleton_once(
         _, content = tier.light(step)
         got = tier.load_light(step, content, {"R/m/w": replicated["m"]["w"]}, survivor).state
         assert got["step"] == step and torch.equal(got["objects"]["mine"]["r"], torch.full((4,), float(step)))
-    per_rank["rng"] = {"n": 2}  # any other change to the skeleton is pickled
-    assert tier.snapshot_light(7, per_rank, lambda: replicated, live) is not None and len(pickled) == 2
+    per_rank["rng"] = {"n": 2}  # a plain value: written beside the pickled skeleton, not pickled
+    assert tier.snapshot_light(7, per_rank, lambda: replicated, live) is not None and len(pickled) == 1
+    per_rank["rng"] = {"n": 2, "m": 1.5}  # another structure: pickled
+    assert tier.snapshot_light(8, per_rank, lambda: replicated, live) is not None and len(pickled) == 2
+    for step, n in ((7, {"n": 2}), (8, {"n": 2, "m": 1.5})):
+        _, content = tier.light(step)
+        got = tier.load_light(step, content, {"R/m/w": replicated["m"]["w"]}, survivor).state
+        assert got["rng"] == n and type(got["rng"]["n"]) is int
     tier.close()
 
 

@@ -30,6 +30,8 @@ from stalwart.errors import CheckpointCorruptError, UnsavableStateError
 _LEAVES = frozenset({int, float, bool, str, bytes, type(None), torch.Size, torch.dtype, torch.device})
 _TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _MAPPINGS = frozenset({dict, OrderedDict})
+PLAIN_VALUES = frozenset({int, float, bool, str, type(None)})
+"""The leaves a memory slot writes beside its pickled skeleton, as JSON (checkpoint/tiers/toc.py)."""
 _SEQUENCES = frozenset({list, tuple})
 
 
@@ -219,22 +221,31 @@ class FlattenCache:
         self._replicated = replicated
         self._same_tensors = same_tensors
         self._template: Any = None
+        self.values: list[Any] = []
+        """The last state's plain values (PLAIN_VALUES), in the order a walk of its skeleton meets them."""
+        self.template: object | None = None
+        """The same object while the last states had the same template (None: flattened without one): what
+        besides `values` could differ between their skeletons is then nothing."""
 
     def flatten(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], list[TensorItem]]:
         if self._template is not None:
             items: list[TensorItem] = []
+            values: list[Any] = []
             try:
-                refilled: dict[str, Any] = _refill(state, self._template, items, self._same_tensors)
+                refilled: dict[str, Any] = _refill(state, self._template, items, values, self._same_tensors)
             except _Mismatch:
                 pass
             else:
                 if self._same_tensors or _distinct(items):  # memory shared between two: flatten writes it once
+                    self.values = values
                     return refilled, items
         skeleton, items = flatten(state, self._rank, self._replicated)
+        self.values = []
         try:
-            self._template = _template(skeleton, {i.id: i for i in items}, set())
+            self._template = _template(skeleton, {i.id: i for i in items}, set(), self.values)
         except _Mismatch:  # sharded or shared tensors: flattened every time
             self._template = None
+        self.template = self._template
         return skeleton, items
 
     def skeleton(self, state: Mapping[str, Any]) -> dict[str, Any]:
@@ -246,8 +257,15 @@ def _distinct(items: list[TensorItem]) -> bool:
     return len(set(sized)) == len(sized)
 
 
-def _template(skeleton: Any, items: dict[str, TensorItem], seen: set[str]) -> Any:
+_VALUE = object()
+"""A plain value's place in a template: any plain value may be there."""
+
+
+def _template(skeleton: Any, items: dict[str, TensorItem], seen: set[str], values: list[Any]) -> Any:
     kind = type(skeleton)
+    if kind in PLAIN_VALUES:
+        values.append(skeleton)
+        return _VALUE
     if kind in _MAPPINGS:
         if len(skeleton) == 1 and REF_KEY in skeleton:
             tid = skeleton[REF_KEY]
@@ -258,16 +276,21 @@ def _template(skeleton: Any, items: dict[str, TensorItem], seen: set[str]) -> An
             return _Ref(skeleton, tid, t.data_ptr(), t.dtype, t.shape, items[tid].nbytes)
         if sharded.KEY in skeleton:
             raise _Mismatch
-        return kind((k, _template(v, items, seen)) for k, v in skeleton.items())
+        return kind((k, _template(v, items, seen, values)) for k, v in skeleton.items())
     if kind in _SEQUENCES:
-        return kind(_template(v, items, seen) for v in skeleton)
+        return kind(_template(v, items, seen, values) for v in skeleton)
     return skeleton
 
 
-def _refill(value: Any, template: Any, items: list[TensorItem], same_tensors: bool) -> Any:
+def _refill(value: Any, template: Any, items: list[TensorItem], values: list[Any], same_tensors: bool) -> Any:
     kind = type(value)
-    if kind in _LEAVES:
-        if type(template) is _Ref:
+    if kind in PLAIN_VALUES:
+        if template is not _VALUE:
+            raise _Mismatch
+        values.append(value)
+        return value
+    if kind in _LEAVES:  # bytes, torch.Size, dtype, device: part of the template
+        if type(template) is not kind or template != value:
             raise _Mismatch
         return value
     if kind in _TENSORS:
@@ -287,10 +310,10 @@ def _refill(value: Any, template: Any, items: list[TensorItem], same_tensors: bo
         for key, item in value.items():
             if key not in template:
                 raise _Mismatch
-            out[key] = _refill(item, template[key], items, same_tensors)
+            out[key] = _refill(item, template[key], items, values, same_tensors)
         return out
     if kind in _SEQUENCES:
         if type(template) is not kind or len(template) != len(value):
             raise _Mismatch
-        return kind(_refill(v, t, items, same_tensors) for v, t in zip(value, template, strict=True))
+        return kind(_refill(v, t, items, values, same_tensors) for v, t in zip(value, template, strict=True))
     raise _Mismatch

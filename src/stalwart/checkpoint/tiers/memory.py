@@ -17,10 +17,7 @@ memory, and hashing every step would cost more than the copy (durable checkpoint
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import io
-import json
 import mmap
 import os
 import struct
@@ -44,13 +41,12 @@ from stalwart.checkpoint.format.serialize import (
     unflatten,
 )
 from stalwart.checkpoint.save.staging import ViewCache, aligned, typed_view
+from stalwart.checkpoint.tiers.toc import STEP_IN_HEADER, TocCache, parse_toc, split_values
 from stalwart.errors import CheckpointCorruptError
 from stalwart.runtime.env import SNAPSHOT_DIR_ENV as SNAPSHOT_DIR_ENV
 
 MAGIC = 0x5354_414C_5741_5254  # "STALWART"
 HEADER = struct.Struct("<QqqqqqQQ")  # magic, valid, step, rank, world_size, toc_len, data_offset, data_len
-STEP_IN_HEADER = "in the header"
-"""The skeleton's step as written: the header holds it (see MemoryTier._toc)."""
 HEADER_BYTES = 64
 PAGE = 4096
 
@@ -71,7 +67,9 @@ class _Slot:
         self._map: mmap.mmap | None = None
         self._views: ViewCache = {}
         self._buf: torch.Tensor | None = None
-        self.toc: bytes | None = None  # the table of contents this process last wrote here (_toc's cached bytes)
+        self.toc: bytes | None = None  # the table of contents this process last wrote here (TocCache's bytes)
+        self.layout: bytes | None = None  # and its layout token, with the data offset it put the tensors at
+        self.data_offset = -1
         self.written: dict[int, torch.Tensor] = {}
         """Offset -> the frozen tensor (serialize.frozen) this process last copied there: not copied again."""
 
@@ -111,7 +109,7 @@ class _Slot:
         return typed_view(self._buf, self._views, offset, dtype, shape)
 
     def close(self) -> None:
-        self.toc = None
+        self.toc = self.layout = None
         self.written.clear()
         self._views.clear()
         self._buf = None
@@ -145,7 +143,7 @@ class MemoryTier:
         self.local_world_size = max(1, local_world_size)
         self._slots = [_Slot(self._slot_path(local_rank, i)) for i in (0, 1)]
         self._light = [_Slot(self._slot_path(local_rank, i, "light")) for i in (0, 1)]
-        self._toc_cache: dict[str, tuple[Any, bytes]] = {}
+        self._tocs = TocCache()
         # snapshot_light's reused part: (live data pointers, replicated skeleton or None, live id -> dtype, shape)
         self._light_reuse: tuple[frozenset[int], dict[str, Any] | None, dict[str, Any]] | None = None
         self._per_rank = FlattenCache(rank, frozenset())  # snapshot_light's per-rank state, same shape each step
@@ -250,13 +248,26 @@ class MemoryTier:
         _, shared_skeleton, absent = self._light_reuse
         if shared_skeleton is None:
             return None
-        skeleton, items = self._per_rank.flatten(state)
-        skeleton["objects"] = {**skeleton["objects"], **shared_skeleton}
+        flat = self._per_rank
+        skeleton, items = flat.flatten({k: v for k, v in state.items() if k != "step"})  # the step: in the header
         table, total = [], 0
         for item in items:
             table.append((item, total))
             total = aligned(total + item.nbytes)
-        self._write(step, "light", skeleton, table, total, absent, survivor_skeleton=tuple(shared_skeleton))
+        survivor = tuple(shared_skeleton)
+
+        def shape_of() -> dict[str, Any]:
+            """The per-rank skeleton split into shape and values (as flat.values), the replicated part whole."""
+            shape = split_values(skeleton, [])
+            return {"step": STEP_IN_HEADER, **shape, "objects": {**shape["objects"], **shared_skeleton}}
+
+        if flat.template is None:  # no template (shared memory between two tensors): the general way
+            merged = {"step": step, **skeleton, "objects": {**skeleton["objects"], **shared_skeleton}}
+            self._write(step, "light", merged, table, total, absent, survivor_skeleton=survivor)
+        else:
+            toc = self._tocs.toc_split("light", (flat.template, shared_skeleton, absent), shape_of, flat.values,
+                                       table, absent, survivor)  # fmt: skip
+            self._write(step, "light", None, table, total, absent, survivor_skeleton=survivor, toc=toc)
         return time.perf_counter() - started, total
 
     def _replicated_part(
@@ -282,11 +293,12 @@ class MemoryTier:
         absent: dict[str, Any],
         *,
         survivor_skeleton: tuple[str, ...] = (),
+        toc: tuple[bytes, bytes] | None = None,
     ) -> None:
         """Into the older slot of `kind`: the header invalid first, then the table of contents and the tensors,
         the header valid last."""
-        toc = self._toc(kind, skeleton, table, absent, survivor_skeleton)
-        data_offset = aligned(HEADER_BYTES + len(toc), PAGE)
+        contents, layout = toc or self._tocs.toc(kind, skeleton, table, absent, survivor_skeleton)
+        data_offset = aligned(HEADER_BYTES + len(contents), PAGE)
         slots = self._light if kind == "light" else self._slots
         index = self._next.get(kind)
         if index is None:  # the first write, or another wrote a slot: from the headers
@@ -294,10 +306,12 @@ class MemoryTier:
         target = slots[index]
         m = target.ensure(data_offset + total)
         HEADER.pack_into(m, 0, MAGIC, 0, -1, self.rank, self.world_size, 0, 0, 0)  # invalid while writing
-        if target.toc is not toc:  # another layout: what the slot held where is no longer known
-            m[HEADER_BYTES : HEADER_BYTES + len(toc)] = toc
-            target.toc = toc
-            target.written.clear()
+        if target.layout is not layout or target.data_offset != data_offset:
+            target.written.clear()  # another layout: what the slot held where is no longer known
+            target.layout, target.data_offset = layout, data_offset
+        if target.toc is not contents:
+            m[HEADER_BYTES : HEADER_BYTES + len(contents)] = contents
+            target.toc = contents
         written = target.written
         with torch.no_grad():
             for item, offset in table:
@@ -309,7 +323,7 @@ class MemoryTier:
                     written[at] = item.tensor
                 else:
                     written.pop(at, None)
-        HEADER.pack_into(m, 0, MAGIC, 1, step, self.rank, self.world_size, len(toc), data_offset, total)
+        HEADER.pack_into(m, 0, MAGIC, 1, step, self.rank, self.world_size, len(contents), data_offset, total)
         self._next[kind] = 1 - index  # now the older one, as long as only this process writes them
 
     @staticmethod
@@ -317,38 +331,6 @@ class MemoryTier:
         headers = [s.header() for s in slots]
         steps = [h[2] if h is not None else -1 for h in headers]
         return slots[0] if steps[0] <= steps[1] else slots[1]
-
-    def _toc(
-        self,
-        kind: str,
-        skeleton: Any,
-        table: list[tuple[TensorItem, int]],
-        absent: dict[str, list[Any]],
-        survivor_skeleton: tuple[str, ...] = (),
-    ) -> bytes:
-        """The table of contents; pickling the skeleton is skipped when it equals the previous snapshot's.
-
-        The skeleton's step is left out (the header holds it; `_read_slot` puts it back): it changes every
-        snapshot, and with it in, every light snapshot pickled its skeleton again (torch.save, base64, JSON:
-        about half of a light snapshot's 0.7 ms inside a training step on the 2-core VM)."""
-        if isinstance(skeleton, dict) and "step" in skeleton:
-            skeleton = {**skeleton, "step": STEP_IN_HEADER}
-        key = (skeleton, [(i.id, o) for i, o in table], absent, survivor_skeleton)
-        cached = self._toc_cache.get(kind)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        buf = io.BytesIO()
-        torch.save(skeleton, buf)
-        contents: dict[str, Any] = {
-            "skeleton": base64.b64encode(buf.getvalue()).decode("ascii"),
-            "tensors": {i.id: [o, i.nbytes, dtype_name(i.tensor.dtype), list(i.tensor.shape)] for i, o in table},
-            "live": absent,
-        }
-        if survivor_skeleton:
-            contents["survivor_skeleton"] = sorted(survivor_skeleton)
-        toc = json.dumps(contents).encode()
-        self._toc_cache[kind] = (key, toc)
-        return toc
 
     def load(self, step: int) -> MemorySnapshot:
         """The state of `step` from whichever slot holds it, replicated tensors it did not copy from its local
@@ -525,7 +507,7 @@ def _whole_image(image: bytes, world_size: int) -> bool:
 def _write_image(target: _Slot, image: bytes) -> None:
     """Write a slot image received from elsewhere: invalid while the body is written, its header last."""
     m = target.ensure(len(image))
-    target.toc = None
+    target.toc = target.layout = None
     target.written.clear()
     HEADER.pack_into(m, 0, MAGIC, 0, -1, 0, 0, 0, 0, 0)
     m[HEADER_BYTES : len(image)] = image[HEADER_BYTES:]
@@ -563,11 +545,7 @@ def _read_slot(path: Path, header: tuple[int, ...], step: int) -> _SlotContent:
     if got != data_len or again[1:3] != (1, step):  # overwritten while we read
         raise CheckpointCorruptError(f"the memory snapshot of step {step} changed while it was read")
     try:
-        toc = json.loads(toc_raw)
-        table: dict[str, list[Any]] = toc["tensors"]
-        skeleton = torch.load(io.BytesIO(base64.b64decode(toc["skeleton"])), map_location="cpu", weights_only=True)
+        skeleton, table, live, survivor_skeleton = parse_toc(toc_raw, step)
     except Exception as exc:
         raise CheckpointCorruptError(f"the memory snapshot of step {step} cannot be read: {exc}") from exc
-    if isinstance(skeleton, dict) and skeleton.get("step") == STEP_IN_HEADER:
-        skeleton["step"] = step  # the header's (see MemoryTier._toc)
-    return _SlotContent(skeleton, table, data, toc.get("live", {}), tuple(toc.get("survivor_skeleton", ())))
+    return _SlotContent(skeleton, table, data, live, survivor_skeleton)
