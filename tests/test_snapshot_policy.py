@@ -7,6 +7,7 @@ import pytest
 from stalwart.errors import ConfigError
 from stalwart.job.job import JobConfig
 from stalwart.policy.snapshot import (
+    FULL_FLOOR,
     LIGHT_SAMPLES,
     LIGHT_SHARE,
     MAX_INTERVAL,
@@ -105,13 +106,14 @@ def test_light_snapshots_are_judged_on_their_measured_cost_after_enough_samples(
 
 
 def test_full_copies_get_what_light_snapshots_leave_of_the_budget_and_at_least_a_quarter() -> None:
-    assert full_copy_budget(0.01, None, 0.0) == pytest.approx(0.01 * (1 - LIGHT_SHARE)), "before light is judged"
+    assert full_copy_budget(0.01, None, 0.0) == pytest.approx(0.01 * FULL_FLOOR), "before light is judged"
     assert full_copy_budget(0.01, 0.0002, 0.05) == pytest.approx(0.006), "0.4% of the steps to light, 0.6% left"
-    assert full_copy_budget(0.01, 0.00035, 0.05) == pytest.approx(0.003), "light at its 0.7%: 0.3% left"
+    assert full_copy_budget(0.01, 0.00045, 0.05) == pytest.approx(0.0025), "light at 0.9%: the floor"
     assert full_copy_budget(0.01, 0.0, 0.05) == pytest.approx(0.01)
-    light, step = 0.00037, 0.05  # at the edge of the light share: both within the budget together
+    light, step = 0.00049, 0.05  # at the edge of the light share: kept, and full copies keep their floor
     assert not LightCost(0.01 * LIGHT_SHARE).too_dear(light, step)
-    assert light / step + full_copy_budget(0.01, light, step) <= 0.01 + 1e-12
+    assert LightCost(0.01 * LIGHT_SHARE).too_dear(0.00051, step)
+    assert light / step + full_copy_budget(0.01, light, step) <= 0.01 * (1 + FULL_FLOOR) + 1e-12
 
 
 @pytest.mark.parametrize("bad", [-1, "often", 1.5, True])

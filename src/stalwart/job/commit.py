@@ -126,9 +126,9 @@ class StepCommit:
         if peer_off and self.off is None:  # another rank turned light snapshots off: all do, at the same step
             self.off = "another rank's per-rank state changed after the optimizer step"
             self._told = True
+            self._events.emit("light_snapshots_off", step=step, reason=self.off)
         if peer_off:
             self.agreed_off = True
-            self._events.emit("light_snapshots_off", step=step, reason=self.off)
         # A barrier that knows its own cost (the ranks' skew is not: the next collective would wait for it too)
         self.seconds += work + (time.perf_counter() - started - work if cost is None else cost)
         self._faults.in_optimizer(self._step, "after_barrier")

@@ -149,8 +149,8 @@ class JobConfig:
     light snapshot, taken at the optimizer step behind a barrier, see job/commit.py) and a restart takes the
     replicated state from a survivor: at most the interrupted step is redone. The whole state is still copied now
     and then, for a failure that leaves no survivor. "auto" (the default, with snapshot_every="auto" and more
-    than one rank): a light snapshot every step while it costs at most three quarters of the snapshot budget,
-    and full copies within what it leaves of the budget (at least a quarter). N > 1: light
+    than one rank): a light snapshot every step while it costs at most the snapshot budget, and full copies
+    within what it leaves of the budget, at least a quarter of it (policy/snapshot.py). N > 1: light
     snapshots, full copies every N snapshots. 1: every snapshot is full. CPU tensors only (on GPUs every
     snapshot is full); see docs/architecture.md (L1)."""
     peer_replicas: int = 1
