@@ -473,8 +473,8 @@ def run_bench(
             if name == "stalwart":
                 systems[name]["note"] = (
                     "stalwart run with JobConfig's defaults: memory snapshots within a 1% budget of step time (light "
-                    "ones every step while they cost at most half of it, the survivor keeping the replicated state "
-                    "live; full copies on the budget's interval)"
+                    "ones every step while they cost at most all of it, the survivor keeping the replicated state "
+                    "live; full copies in what they leave of it, at least a quarter)"
                 )
             if name == "stalwart_full":
                 systems[name]["note"] = (
