@@ -234,40 +234,48 @@ def test_a_table_of_contents_that_grows_past_a_page_moves_the_tensors_and_they_a
     tier.close()
 
 
+class _LightTier:
+    """A rank's memory tier with one live replicated tensor, light snapshots written and read back through it."""
+
+    def __init__(self, path: Path, rank: int) -> None:
+        self.tier = MemoryTier(path, rank=rank, world_size=2)
+        self.w = torch.ones(4)
+        self.replicated = {"m": {"w": self.w, "lr": 0.1}}
+
+    def write(self, step: int, per_rank: dict[str, Any]) -> None:
+        live = frozenset({self.w.data_ptr()})
+        assert self.tier.snapshot_light(step, per_rank, lambda: self.replicated, live) is not None
+
+    def read(self, step: int) -> dict[str, Any]:
+        _, content = self.tier.light(step)
+        survivor = {"m": {"w": {"__stalwart_tensor__": "R/m/w"}, "lr": 0.1}}
+        return self.tier.load_light(step, content, {"R/m/w": self.w}, survivor).state
+
+
 def test_a_light_snapshot_whose_per_rank_state_shares_memory_is_still_read_back_whole(tmp_path: Path) -> None:
     """Two per-rank tensors sharing memory leave FlattenCache without a template: the general way is taken."""
-    tier = MemoryTier(tmp_path, rank=0, world_size=2)
-    replicated = {"m": {"w": torch.ones(4), "lr": 0.1}}
-    live = frozenset({replicated["m"]["w"].data_ptr()})
-    survivor = {"m": {"w": {"__stalwart_tensor__": "R/m/w"}, "lr": 0.1}}
+    light = _LightTier(tmp_path, rank=0)
     for step in (1, 2, 3):
         shared = torch.full((3,), float(step))
-        per_rank = {"step": step, "objects": {"p": {"a": shared, "b": shared, "n": step}}, "world_size": 2}
-        assert tier.snapshot_light(step, per_rank, lambda: replicated, live) is not None
-        _, content = tier.light(step)
-        got = tier.load_light(step, content, {"R/m/w": replicated["m"]["w"]}, survivor).state
+        light.write(step, {"step": step, "objects": {"p": {"a": shared, "b": shared, "n": step}}, "world_size": 2})
+        got = light.read(step)
         assert got["step"] == step and got["objects"]["p"]["n"] == step
         assert torch.equal(got["objects"]["p"]["a"], shared) and torch.equal(got["objects"]["p"]["b"], shared)
-    tier.close()
+    light.tier.close()
 
 
 def test_light_snapshots_with_a_counter_that_moves_every_step_read_back_every_step(tmp_path: Path) -> None:
-    tier = MemoryTier(tmp_path, rank=1, world_size=2)
-    replicated = {"m": {"w": torch.ones(4), "lr": 0.1}}
-    live = frozenset({replicated["m"]["w"].data_ptr()})
-    survivor = {"m": {"w": {"__stalwart_tensor__": "R/m/w"}, "lr": 0.1}}
+    light = _LightTier(tmp_path, rank=1)
     window = frozen(torch.zeros(5, dtype=torch.float64))
     for step in range(1, 8):
         data = {"epoch": step // 3, "batch": step, "name": "x" * step, "flag": step % 2 == 0, "none": None}
-        per_rank = {"step": step, "objects": {"data": data}, "rng": {"t": window}, "world_size": 2}
-        assert tier.snapshot_light(step, per_rank, lambda: replicated, live) is not None
+        light.write(step, {"step": step, "objects": {"data": data}, "rng": {"t": window}, "world_size": 2})
         for back in {step, max(1, step - 1)}:  # both slots
-            _, content = tier.light(back)
-            got = tier.load_light(back, content, {"R/m/w": replicated["m"]["w"]}, survivor).state
+            got = light.read(back)
             want = {"epoch": back // 3, "batch": back, "name": "x" * back, "flag": back % 2 == 0, "none": None}
             assert got["step"] == back and got["objects"]["data"] == want, (step, back)
             assert type(got["objects"]["data"]["flag"]) is bool
-    tier.close()
+    light.tier.close()
 
 
 def test_a_tensor_that_grows_in_place_in_the_table_is_read_back_at_its_new_size(tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ from stalwart.job.job import JobConfig
 from stalwart.policy.snapshot import (
     FULL_FLOOR,
     LIGHT_SAMPLES,
-    LIGHT_SHARE,
     MAX_INTERVAL,
     WARMUP,
     LightCost,
@@ -111,8 +110,8 @@ def test_full_copies_get_what_light_snapshots_leave_of_the_budget_and_at_least_a
     assert full_copy_budget(0.01, 0.00045, 0.05) == pytest.approx(0.0025), "light at 0.9%: the floor"
     assert full_copy_budget(0.01, 0.0, 0.05) == pytest.approx(0.01)
     light, step = 0.00049, 0.05  # at the edge of the light share: kept, and full copies keep their floor
-    assert not LightCost(0.01 * LIGHT_SHARE).too_dear(light, step)
-    assert LightCost(0.01 * LIGHT_SHARE).too_dear(0.00051, step)
+    assert not LightCost(0.01).too_dear(light, step)
+    assert LightCost(0.01).too_dear(0.00051, step)
     assert light / step + full_copy_budget(0.01, light, step) <= 0.01 * (1 + FULL_FLOOR) + 1e-12
 
 

@@ -67,7 +67,7 @@ from stalwart.job.commit import StepCommit
 from stalwart.job.live import LiveState
 from stalwart.job.rng import capture_rng, restore_rng
 from stalwart.policy.checkpoint import DEFAULT_PRIOR_MTBF_S, CheckpointInterval
-from stalwart.policy.snapshot import LIGHT_SHARE, LightCost, SnapshotSchedule, full_copy_budget
+from stalwart.policy.snapshot import LightCost, SnapshotSchedule, full_copy_budget
 from stalwart.recovery import reform
 from stalwart.recovery.restore import Restorer
 from stalwart.recovery.rollback import RollbackCap, RollbackRequest, all_finite, read_skips, write_skips
@@ -363,7 +363,7 @@ class Job:
         self._local_barrier: LocalBarrier | None = None  # its barrier when every rank is on this node
         self._commits = 0  # commit points started (each names its own barrier)
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self.config.snapshot_budget, 0)
-        self._light_cost = LightCost(self.config.snapshot_budget * LIGHT_SHARE)
+        self._light_cost = LightCost(self.config.snapshot_budget)
         self._light_kept = False  # whether light snapshots were judged and kept (one event says so)
         self._interval = CheckpointInterval(self.config.expected_mtbf_s) if self.config.checkpoint_every == "auto" \
             else None  # fmt: skip
@@ -552,7 +552,7 @@ class Job:
             self._read_live(fresh=True)
             self._start_commit()
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self._full_budget(), self.step)
-        self._light_cost = LightCost(self.config.snapshot_budget * LIGHT_SHARE)
+        self._light_cost = LightCost(self.config.snapshot_budget)
         if self._interval is not None:
             self._interval.start(self.step)
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
@@ -792,19 +792,17 @@ class Job:
     def _light_agreed(self) -> bool:
         """_light_always() as every rank knows it, for decisions taken in a collective: a rank whose own check
         turned light snapshots off tells the others only at the next commit point (job/commit.py)."""
-        commit = self._commit
         return (
             self.config.replicated_snapshot_every == "auto"
-            and commit is not None
-            and not commit.agreed_off
-            and self._reform
-            and self.config.snapshot_every == "auto"
-            and self.world_size > 1
+            and self._commit is not None
+            and self._light_wanted(agreed=True)
         )
 
-    def _light_wanted(self) -> bool:
-        """Light snapshots: asked for, under re-forming, and not turned off by the commit point's check."""
-        off = self._commit is not None and self._commit.off is not None
+    def _light_wanted(self, *, agreed: bool = False) -> bool:
+        """Light snapshots: asked for, under re-forming, and not turned off by the commit point's check (with
+        `agreed`: not known to every rank to be off)."""
+        commit = self._commit
+        off = commit is not None and (commit.agreed_off if agreed else commit.off is not None)
         every = self.config.replicated_snapshot_every
         auto = self.config.snapshot_every == "auto" and self.world_size > 1
         asked = auto if every == "auto" else int(every) > 1

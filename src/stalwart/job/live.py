@@ -10,7 +10,7 @@ bench job on the 2-core VM (2026-11-25), where a step's matrix products leave Py
 
 - the live tensors are listed once and listed again when an optimizer's state grows (its first step) or a
   fresh read is asked for (at a failure and after a restore): walking a model's modules for its parameters
-  was most of the versions' 105 us per step (now 35-45 us);
+  was most of the versions' 105 us per step (now 35-47 us);
 - the skeleton is walked without its tensors (serialize.FlattenCache), a module whose state_dict() can only
   hold its parameters (no buffers, no extra state, no state-dict hooks) is not asked for it at all (its
   skeleton depends only on which tensors it holds, which the live tensors' data pointers say), and a plain
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from stalwart.checkpoint.format.serialize import FlattenCache
+from stalwart.checkpoint.format.serialize import PLAIN_VALUES, FlattenCache
 
 
 class LiveState:
@@ -116,9 +116,6 @@ class LiveState:
         self.skeleton = (step, skeletons)
 
 
-_PLAIN = frozenset({int, float, bool, str, type(None)})
-
-
 class _OptimizerSkeleton:
     """An optimizer's skeleton from its param_groups alone, for an optimizer whose state_dict() is torch's own
     (no override, no hooks) and whose state holds nothing but live tensors: the "state" part is then only
@@ -158,7 +155,7 @@ class _OptimizerSkeleton:
                 if k == "params":
                     continue
                 kind = type(v)
-                if kind not in _PLAIN and not (kind is tuple and all(type(x) in _PLAIN for x in v)):
+                if kind not in PLAIN_VALUES and not (kind is tuple and all(type(x) in PLAIN_VALUES for x in v)):
                     return None
                 packed[k] = v
             packed["params"] = list(params)

@@ -60,8 +60,8 @@ SAMPLE_WORDS = 32
 
 class _PythonState:
     """Python's generator state, its 625 words as an int64 tensor, the previous tensor again when it has not
-    moved. `random.getstate()` builds a tuple of 625 ints (9 us warm, 40-90 us inside a training step on the
-    2-core VM, where the step's matrix products have taken the caches). Whether the generator moved is read
+    moved. `random.getstate()` builds a tuple of 625 ints (9 us warm, 29 us on the 2-core VM right after a 64 MB
+    copy, which leaves the caches as a training step's matrix products do). Whether the generator moved is read
     from its C struct instead: its position and first 32 words (132 bytes). A Mersenne Twister that moves
     either advances its position or, at the end of its 624 words, regenerates all of them: that 32 regenerated
     words all come out as before has a chance of 2**-1024. Only when it moved is the whole state read (2.5 KB).

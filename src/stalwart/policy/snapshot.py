@@ -100,8 +100,6 @@ def interval_for(snapshot_s: float, step_s: float, budget: float) -> int:
 
 LIGHT_SAMPLES = 32
 """Light snapshots measured before their cost is judged (and the least a run keeps them)."""
-LIGHT_SHARE = 1.0
-"""The share of the snapshot budget light snapshots may take when they are taken every step."""
 FULL_FLOOR = 0.25
 """The share of the snapshot budget full copies keep beside light snapshots, whatever those cost."""
 
@@ -112,9 +110,10 @@ def full_copy_budget(budget: float, light_s: float | None, step_s: float) -> flo
     (one rank lost, the others survive) to the interrupted step, while full copies only matter when no rank
     survives. Full copies keep at least FULL_FLOOR of the budget, so with light snapshots at their limit the
     memory tier takes up to 1.25 times the budget on the training thread. Its whole cost is still below that
-    of full copies alone within the budget: on 2 ranks sharing 2 cores a full copy slowed the steps by about
-    2.7 times its own time (memory bandwidth and caches, JobConfig.snapshot_budget), a light snapshot, which
-    copies a few kilobytes, by about its own time."""
+    of full copies alone within the budget, as far as this VM shows: on 2 ranks sharing 2 cores a full copy
+    slowed the steps by about 2.7 times its own time (memory bandwidth and caches, JobConfig.snapshot_budget),
+    and a light snapshot copies a few kilobytes, so it has little of that to add (not measured apart: the
+    plain runs' spread there is wider than either)."""
     if light_s is None or step_s <= 0:
         return budget * FULL_FLOOR
     return max(budget - light_s / step_s, budget * FULL_FLOOR)
@@ -127,8 +126,8 @@ class LightCost:
     commit point) and reads the per-rank state twice a step. On two busy CPU cores that measured 4-5 ms per
     step at first (a gloo barrier), more than a full copy of the bench job's 48 MB; on a large model a full
     copy is far dearer than a light snapshot. So neither is right everywhere, and the job measures: after
-    LIGHT_SAMPLES light snapshots, if the median of the largest rank's cost is over `budget` (LIGHT_SHARE of
-    the snapshot budget) of the step time, light snapshots are turned off for the run (every rank decides
+    LIGHT_SAMPLES light snapshots, if the median of the largest rank's cost is over `budget` (the snapshot
+    budget) of the step time, light snapshots are turned off for the run (every rank decides
     alike, from gathered values) and full copies take the whole budget."""
 
     def __init__(self, budget: float) -> None:
