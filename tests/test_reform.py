@@ -153,6 +153,27 @@ def test_light_snapshots_turn_off_when_per_rank_state_changes_after_the_optimize
     _no_orphans(job)
 
 
+@pytest.mark.parametrize(("budget", "verdict"), [("0.9", "light_snapshots_kept"), ("0.000001", "light_snapshots_off")])
+def test_light_snapshots_are_judged_against_their_own_budget(launch: Any, budget: str, verdict: str) -> None:
+    # Under the defaults ("auto" for both), after 32 light snapshots the ranks compare their cost with
+    # light_snapshot_budget, not with the full copies' snapshot_budget (3% in the tiny job).
+    args = tiny_args(
+        "--steps", "40", *LIGHT["auto"], "--light-snapshot-budget", budget, "--snapshot-budget", "0.03"
+    )  # fmt: skip
+    job = launch(args)
+    assert job.wait(120) == 0, job.output()
+    judged = [e for e in job.events(verdict) if e["rank"] == 0]
+    assert judged and judged[0]["budget"] == float(budget), judged
+    assert judged[0]["step"] == 32 and judged[0]["light_s"] > 0, judged
+    other = "light_snapshots_off" if verdict == "light_snapshots_kept" else "light_snapshots_kept"
+    assert not job.events(other)
+    if verdict == "light_snapshots_off":
+        assert judged[0]["full_copy_budget"] == 0.03, "full copies take the whole snapshot budget"
+    else:  # full copies get what light snapshots leave of the 3%, at least a quarter of it
+        left = max(0.03 - judged[0]["light_s"] / judged[0]["step_s"], 0.03 * 0.25)
+        assert judged[0]["full_copy_budget"] == pytest.approx(left, rel=1e-3), judged
+
+
 def test_light_snapshots_turn_off_on_every_rank_when_one_rank_alone_changes_after_the_optimizer_step(
     launch: Any, tmp_path: Path
 ) -> None:

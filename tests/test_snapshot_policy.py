@@ -127,6 +127,12 @@ def test_a_bad_snapshot_budget_is_one_clear_error(bad: object) -> None:
         JobConfig(checkpoint_dir="x", snapshot_budget=bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("bad", [0, 1, -0.1, "2%", None])
+def test_a_bad_light_snapshot_budget_is_one_clear_error(bad: object) -> None:
+    with pytest.raises(ConfigError, match="light_snapshot_budget"):
+        JobConfig(checkpoint_dir="x", light_snapshot_budget=bad)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("bad", [0, -3, "sometimes", 2.0, False])
 def test_a_bad_replicated_snapshot_every_is_one_clear_error(bad: object) -> None:
     with pytest.raises(ConfigError, match="replicated_snapshot_every"):
@@ -136,4 +142,5 @@ def test_a_bad_replicated_snapshot_every_is_one_clear_error(bad: object) -> None
 def test_the_defaults_are_budgeted_full_copies_and_light_snapshots() -> None:
     config = JobConfig(checkpoint_dir="x")
     assert (config.snapshot_every, config.snapshot_budget) == ("auto", 0.01)
+    assert config.light_snapshot_budget == 0.02, "their own budget, apart from the full copies' 1%"
     assert config.replicated_snapshot_every == "auto"

@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--fsdp", action="store_true", help="shard model and optimizer with FSDP2 instead of DDP")
     p.add_argument("--snapshot-every", type=_every, default=1, help="memory-tier snapshots (0: durable only; auto)")
     p.add_argument("--snapshot-budget", type=float, default=0.03, help="with --snapshot-every auto")
+    p.add_argument("--light-snapshot-budget", type=float, default=0.02, help="as JobConfig's")
     p.add_argument("--replicated-snapshot-every", type=_every, default=1, help=">1 or auto: light snapshots (L1)")
     p.add_argument("--peer-replicas", type=int, default=1, help="L3: copies of each snapshot on other nodes")
     p.add_argument("--per-rank-sched", action="store_true", help="the scheduler is per-rank state (not replicated)")
@@ -105,6 +106,7 @@ def main() -> None:
         when_busy=args.when_busy,
         snapshot_every=args.snapshot_every,
         snapshot_budget=args.snapshot_budget,
+        light_snapshot_budget=args.light_snapshot_budget,
         replicated_snapshot_every=args.replicated_snapshot_every,
         peer_replicas=args.peer_replicas,
         divergence_every=args.divergence_every or None,

@@ -472,9 +472,9 @@ def run_bench(
                 )
             if name == "stalwart":
                 systems[name]["note"] = (
-                    "stalwart run with JobConfig's defaults: memory snapshots within a 1% budget of step time (light "
-                    "ones every step while they cost at most all of it, the survivor keeping the replicated state "
-                    "live; full copies in what they leave of it, at least a quarter)"
+                    "stalwart run with JobConfig's defaults: a light memory snapshot every step while they cost "
+                    "at most 2% of a step (the survivor keeping the replicated state live), full copies within "
+                    "what they leave of a 1% budget, at least a quarter of it"
                 )
             if name == "stalwart_full":
                 systems[name]["note"] = (

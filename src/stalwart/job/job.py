@@ -143,13 +143,21 @@ class JobConfig:
     (0 < b < 1). Their whole cost is larger: on 2 ranks sharing 2 cores the steps slowed by about 2.7x the
     snapshot's own time (the copy competes for memory bandwidth and caches), so 1% keeps the whole, with the
     durable checkpoints' stall, near 3% (`stalwart bench overhead`, docs/benchmarks.md)."""
+    light_snapshot_budget: float = 0.02
+    """Under light snapshots (`replicated_snapshot_every="auto"`): the fraction of step time a light snapshot every
+    step may take before they are turned off for the run (0 < b < 1). Light snapshots have their own budget,
+    apart from `snapshot_budget`, because they buy what full copies cannot at any interval: a failure that leaves
+    a survivor redoes at most the interrupted step. On the 2-core bench jobs they cost 0.9-1.2% of a step
+    (2026-11-25); judged against the 1% snapshot budget they turned off in some runs and not others, so how
+    many steps a kill lost was a coin toss. At 2% the memory tier takes at most 2.25% of the training thread
+    (light snapshots plus the full copies' floor, a quarter of `snapshot_budget`)."""
     replicated_snapshot_every: int | str = "auto"
     """Light snapshots: under re-forming (`stalwart run`'s default), the survivors of a failure keep the replicated
     parameters and optimizer state in their own memory, so a snapshot need copy only the small per-rank rest (a
     light snapshot, taken at the optimizer step behind a barrier, see job/commit.py) and a restart takes the
     replicated state from a survivor: at most the interrupted step is redone. The whole state is still copied now
     and then, for a failure that leaves no survivor. "auto" (the default, with snapshot_every="auto" and more
-    than one rank): a light snapshot every step while it costs at most the snapshot budget, and full copies
+    than one rank): a light snapshot every step while it costs at most `light_snapshot_budget`, and full copies
     within what it leaves of the budget, at least a quarter of it (policy/snapshot.py). N > 1: light
     snapshots, full copies every N snapshots. 1: every snapshot is full. CPU tensors only (on GPUs every
     snapshot is full); see docs/architecture.md (L1)."""
@@ -245,6 +253,10 @@ class JobConfig:
             raise ConfigError(f'snapshot_every must be "auto" or an integer >= 0, got {self.snapshot_every!r}')
         if not isinstance(self.snapshot_budget, int | float) or not 0 < self.snapshot_budget < 1:
             raise ConfigError(f"snapshot_budget must be a fraction between 0 and 1, got {self.snapshot_budget!r}")
+        if not isinstance(self.light_snapshot_budget, int | float) or not 0 < self.light_snapshot_budget < 1:
+            raise ConfigError(
+                f"light_snapshot_budget must be a fraction between 0 and 1, got {self.light_snapshot_budget!r}"
+            )
         if self.hang_timeout_s is not None and (
             not isinstance(self.hang_timeout_s, int | float) or not 0 < self.hang_timeout_s < float("inf")
         ):
@@ -363,7 +375,7 @@ class Job:
         self._local_barrier: LocalBarrier | None = None  # its barrier when every rank is on this node
         self._commits = 0  # commit points started (each names its own barrier)
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self.config.snapshot_budget, 0)
-        self._light_cost = LightCost(self.config.snapshot_budget)
+        self._light_cost = LightCost(self.config.light_snapshot_budget)
         self._light_kept = False  # whether light snapshots were judged and kept (one event says so)
         self._interval = CheckpointInterval(self.config.expected_mtbf_s) if self.config.checkpoint_every == "auto" \
             else None  # fmt: skip
@@ -552,7 +564,7 @@ class Job:
             self._read_live(fresh=True)
             self._start_commit()
         self._schedule = SnapshotSchedule(self._fixed_snapshot_every(), self._full_budget(), self.step)
-        self._light_cost = LightCost(self.config.snapshot_budget)
+        self._light_cost = LightCost(self.config.light_snapshot_budget)
         if self._interval is not None:
             self._interval.start(self.step)
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
@@ -766,7 +778,7 @@ class Job:
         return max(g[0] for g in gathered) / 1e6, max(g[1] for g in gathered) / 1e6
 
     def _judge_light(self) -> None:
-        """Under "auto": keep light snapshots only while they cost at most their share of the budget, decided
+        """Under "auto": keep light snapshots only while they cost at most `light_snapshot_budget`, decided
         alike on every rank from the largest light cost and step time (policy/snapshot.LightCost); full copies
         get what they leave of it."""
         light_s, step_s = self._largest(self._light_cost.mine(), self._schedule.step_s())

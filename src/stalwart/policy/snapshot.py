@@ -108,27 +108,29 @@ def full_copy_budget(budget: float, light_s: float | None, step_s: float) -> flo
     """The part of `budget` left to full copies next to light snapshots every step that cost `light_s` a step
     of `step_s` (None: not judged yet). Light snapshots come first: they keep the loss of the common failure
     (one rank lost, the others survive) to the interrupted step, while full copies only matter when no rank
-    survives. Full copies keep at least FULL_FLOOR of the budget, so with light snapshots at their limit the
-    memory tier takes up to 1.25 times the budget on the training thread. Its whole cost is still below that
-    of full copies alone within the budget, as far as this VM shows: on 2 ranks sharing 2 cores a full copy
-    slowed the steps by about 2.7 times its own time (memory bandwidth and caches, JobConfig.snapshot_budget),
-    and a light snapshot copies a few kilobytes, so it has little of that to add (not measured apart: the
-    plain runs' spread there is wider than either)."""
+    survives. Full copies keep at least FULL_FLOOR of the budget, so with light snapshots at their own limit
+    (JobConfig.light_snapshot_budget) the memory tier takes up to that plus a quarter of `budget` on the
+    training thread. A full copy's whole cost is larger than its time on the training thread (on 2 ranks sharing
+    2 cores it slowed the steps by about 2.7 times its own time: memory bandwidth and caches,
+    JobConfig.snapshot_budget), while a light snapshot copies a few kilobytes, so it has little of that to add
+    (not measured apart: the plain runs' spread there is wider than either)."""
     if light_s is None or step_s <= 0:
         return budget * FULL_FLOOR
     return max(budget - light_s / step_s, budget * FULL_FLOOR)
 
 
 class LightCost:
-    """Whether light snapshots every step stay within their share of the budget, judged from their measured cost.
+    """Whether light snapshots every step stay within their budget, judged from their measured cost.
 
     Why: a light snapshot copies little, but it waits on a barrier of every rank at the optimizer step (the
     commit point) and reads the per-rank state twice a step. On two busy CPU cores that measured 4-5 ms per
     step at first (a gloo barrier), more than a full copy of the bench job's 48 MB; on a large model a full
     copy is far dearer than a light snapshot. So neither is right everywhere, and the job measures: after
-    LIGHT_SAMPLES light snapshots, if the median of the largest rank's cost is over `budget` (the snapshot
-    budget) of the step time, light snapshots are turned off for the run (every rank decides
-    alike, from gathered values) and full copies take the whole budget."""
+    LIGHT_SAMPLES light snapshots, if the median of the largest rank's cost is over `budget`
+    (JobConfig.light_snapshot_budget, 2%) of the step time, light snapshots are turned off for the run (every
+    rank decides alike, from gathered values) and full copies take the whole snapshot budget. Their budget is
+    their own, not a share of the full copies' 1%: they measured 0.9-1.2% of a step on the 2-core bench jobs,
+    and a line drawn at 1% turned them off in some runs and not in others."""
 
     def __init__(self, budget: float) -> None:
         self.budget = budget
