@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.bench.recovery import fault_only, goodput_badput
+from stalwart.bench.recovery import SETTLE_S, fault_only, goodput_badput, steady_pace
 
 STEP = 0.1
 
@@ -51,3 +51,41 @@ def test_a_second_kill_before_the_next_step_keeps_the_system_down_from_the_first
     badput = goodput_badput(done, [1.25, 1.9], 0.0, 2.6, STEP)
     assert badput["recovery"] == pytest.approx(2.5 - STEP - 1.25)
     assert badput["redone"] == pytest.approx(STEP)
+
+
+def test_the_steady_pace_leaves_out_the_start_and_the_seconds_after_each_kill() -> None:
+    # 0.1 s steps from 1 s to 60 s, except 0.3 s steps for 10 s after the start and after the kill at 30 s, and
+    # one step across the kill: the steady pace is the 0.1 s of the rest, whatever those slow stretches hold.
+    done, t, step = [], 1.0, 1
+    while t < 60.0:
+        slow = t < SETTLE_S or 30.0 <= t < 30.0 + SETTLE_S
+        t = round(t + (0.3 if slow else 0.1), 6)
+        done.append((t, step))
+        step += 1
+    assert steady_pace(done, [30.0], 0.0) == pytest.approx(0.1)
+    assert steady_pace(done, [], 0.0) == pytest.approx(0.1), "the stretch after 30 s is slow but too short to matter"
+    assert steady_pace(done[:40], [], 0.0) is None, "no step 10 s after the start: no pace"
+
+
+def test_the_report_gives_both_goodputs_and_the_two_paces() -> None:
+    import io
+
+    from rich.console import Console
+
+    from stalwart.bench.recovery_cli import print_report
+
+    bad = {"startup": 2.0, "recovery": 3.0, "redone": 0.3, "tail": 0.0, "slower_steps": 20.0, "wall": 300.0}
+    system = {
+        "kill_to_step_s_median": 0.45, "kill_to_step_s_max": 0.5, "steps_lost_max": 0, "survivor_stall_s_median": 0.4,
+        "hang_detect_s": 0.5, "goodput": 0.881, "goodput_own_pace": 0.934, "bitwise_identical": True,
+        "step_s_median": 0.05, "badput_s": bad, "goodput_fault_only": 0.982,
+        "own_pace_badput_s": {**bad, "slower_steps": 10.0}, "goodput_step_s": {"reference": 0.0514, "own_pace": 0.0532},
+    }  # fmt: skip
+    out = io.StringIO()
+    report = {"kills": 5, "job": {"model": "m"}, "systems": {"torchrun": system, "stalwart": system},
+              "ratios": {"torchrun_over_stalwart_kill_to_step": 7.0}, "stock_torchrun": None}  # fmt: skip
+    print_report(Console(file=out, width=240), report)
+    text = out.getvalue()
+    assert "88.1% (93.4%)" in text
+    assert "stalwart, at its own pace (53.2 ms a step" in text and "reference 51.4 ms): " in text
+    assert "slower steps 10.0 s" in text and "slower steps 20.0 s" in text

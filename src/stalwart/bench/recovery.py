@@ -8,7 +8,9 @@ For each system, in one invocation:
 - hang: rank 1 is SIGSTOPped; the seconds until the system reports it (a `hang_detected` event), or null if it
   does not within `--hang-wait` seconds.
 - goodput: the job runs `--goodput-seconds` with rank 1 killed every `--kill-every` seconds; goodput is the step
-  time of the steps in the final history (a redone step counts once) over the wall time.
+  time of the steps in the final history (a redone step counts once) over the wall time, each step counted at
+  the fault-free reference run's median step and again at the run's own steady pace (steady_pace: its steps
+  away from start and kills, which leaves out the VM's drift between the two runs).
 torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (without it, restarted workers can hang on stale gloo
 addresses); `--stock-trials` single-kill runs of stock torchrun report how often it recovers at all. torchft is
 measured only if it is installed; otherwise its entries are null with a note. Every process the bench starts is
@@ -287,14 +289,26 @@ def measure_hang(system: str, workdir: Path, wait_s: float, progress: Progress, 
         run.stop()
 
 
+@dataclass(frozen=True)
+class Goodput:
+    """A goodput run's result, counted twice: each kept step at the fault-free reference run's median step
+    (`goodput`, `badput_s`), and at the same run's own steady pace (`own_pace`, `own_pace_badput_s`)."""
+
+    goodput: float
+    badput_s: dict[str, float]
+    steady_step_s: float | None
+    own_pace: float | None
+    own_pace_badput_s: dict[str, float] | None
+
+
 def measure_goodput(
     system: str, workdir: Path, seconds: float, kill_every: float, step_s: float, progress: Progress, spares: int = 2
-) -> tuple[float, dict[str, float]]:
+) -> Goodput:
     """Productive time kept over wall time, with rank 1 killed every `kill_every` seconds: the steps in the final
     history (a redone step counts once) times `step_s`, the median step of the fault-free run. Counting a fixed
     step time, not each step's own, charges a system for everything that slows its steps or runs between them
     (snapshots, spares starting up), not only for the time it is down. Returns the goodput and where the rest of
-    the wall time went (`badput`)."""
+    the wall time went (`badput`); the same again at the run's own steady pace (steady_pace)."""
     run = Run(system, workdir, steps=1_000_000, spares=spares, seconds=seconds + 120)
     run.start()
     started = run.started
@@ -319,12 +333,39 @@ def measure_goodput(
     done = [(e["mono"], e["step"]) for e in run.events
             if e["event"] == "step_done" and e.get("rank") == 0 and e["mono"] <= end]  # fmt: skip
     if not done:
-        return 0.0, {}
+        return Goodput(0.0, {}, None, None, None)
     first = min(step for _, step in done)
     final = max(step for _, step in done)  # steps first..final are the history; a redone step counts once
     kills = [e["mono"] for e in run.events if e["event"] == "fault_injected" and e["mono"] <= end]
     badput = goodput_badput(sorted(done), kills, started, end, step_s)
-    return (final - first + 1) * step_s / (end - started), badput
+    steady = steady_pace(sorted(done), kills, started)
+    own = None if steady is None else goodput_badput(sorted(done), kills, started, end, steady)
+    kept, wall = final - first + 1, end - started
+    return Goodput(kept * step_s / wall, badput, steady, None if steady is None else kept * steady / wall, own)
+
+
+SETTLE_S = 10.0
+"""Steps this long after a start or a kill count toward a run's steady pace."""
+
+
+def steady_pace(done: list[tuple[float, int]], kills: list[float], started: float) -> float | None:
+    """The median time of a step in the stretches of a goodput run that are more than SETTLE_S seconds from its
+    start and from the latest kill, from rank 0's completed steps (time, step), sorted: the pace the same run
+    had at the same time, away from failures. Why: the reference run's median step is taken minutes earlier,
+    and this VM's speed drifts between runs by more than the goodput target leaves (two fault-free 2-minute
+    runs 4 minutes apart: medians 51.4 and 52.8 ms; the first 30 s of two goodput runs, before any kill: 53.9
+    and 57.7 ms, 2026-11-25). Counting each kept step at this pace leaves the drift out but keeps everything a
+    kill costs within SETTLE_S of it (the replacement's first steps, spares starting) and every periodic cost
+    (checkpoint stalls, full copies). What it cannot see is a slowdown that lasts through the whole run; the
+    report gives this pace beside the reference's so that one would show. None: too few steady steps (< 20)."""
+    marks = [started, *kills]
+    steps = [
+        after - before
+        for (before, s0), (after, s1) in itertools.pairwise(done)
+        if s1 == s0 + 1 and before - max(m for m in marks if m <= before) > SETTLE_S
+        and not any(before < k <= after for k in kills)
+    ]  # fmt: skip
+    return statistics.median(steps) if len(steps) >= 20 else None
 
 
 def goodput_badput(
@@ -393,17 +434,24 @@ def fault_only(badput: dict[str, float] | None) -> float | None:
 
 
 def summarize(
-    kills: dict[str, Any], hang_s: float | None, goodput: float | None, badput: dict[str, float] | None = None
+    kills: dict[str, Any], hang_s: float | None, good: Goodput | None, reference_step_s: float
 ) -> dict[str, Any]:
+    badput = good.badput_s if good is not None else None
     return {
         "kill_to_step_s_median": statistics.median(kills["kill_to_step_s"]),
         "kill_to_step_s_max": max(kills["kill_to_step_s"]),
         "steps_lost_max": max(kills["steps_lost"]),
         "survivor_stall_s_median": statistics.median(kills["survivor_stall_s"]),
         "hang_detect_s": hang_s,
-        "goodput": goodput,
+        "goodput": good.goodput if good is not None else None,
         "badput_s": badput,
         "goodput_fault_only": fault_only(badput),
+        "goodput_own_pace": good.own_pace if good is not None else None,
+        "own_pace_badput_s": good.own_pace_badput_s if good is not None else None,
+        "goodput_step_s": {
+            "reference": reference_step_s,
+            "own_pace": good.steady_step_s if good is not None else None,
+        },
         "bitwise_identical": kills["bitwise_identical"],
         "step_s_median": kills["step_s_median"],
         "samples": kills,
@@ -449,13 +497,13 @@ def run_bench(
             k = measure_kills(name, root / f"{name}-kills", schedule, progress, spares)
             k["bitwise_identical"] = _results(root / f"{name}-kills") == expected
             hang = measure_hang(name, root / f"{name}-hang", hang_wait, progress, spares)
-            good, badput = None, None
+            good = None
             if goodput_seconds > 0:
                 progress(f"{name}: goodput run of {goodput_seconds:.0f} s, rank 1 killed every {kill_every:.0f} s")
-                good, badput = measure_goodput(
+                good = measure_goodput(
                     name, root / f"{name}-goodput", goodput_seconds, kill_every, reference_step_s, progress, spares
                 )
-            systems[name] = summarize(k, hang, good, badput)
+            systems[name] = summarize(k, hang, good, reference_step_s)
             if name == "torchrun" and hang is None:
                 systems[name]["note"] = (
                     f"no hang detection: a SIGSTOPped rank was not reported within {hang_wait:.0f} s (survivors "
@@ -526,6 +574,6 @@ def _reference_run(system: str, workdir: Path, steps: int, progress: Progress) -
 
 def _torchft_entry() -> dict[str, Any]:
     keys = ("kill_to_step_s_median", "kill_to_step_s_max", "steps_lost_max", "survivor_stall_s_median",
-            "hang_detect_s", "goodput")  # fmt: skip
+            "hang_detect_s", "goodput", "goodput_own_pace")  # fmt: skip
     note = "torchft is not installed in this environment (pip install 'stalwart[bench]' or torchft); not measured"
     return {**dict.fromkeys(keys), "note": note}

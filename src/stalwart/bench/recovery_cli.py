@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from stalwart.bench.cli import positive_int
-from stalwart.bench.recovery import BenchError, run_bench
+from stalwart.bench.recovery import SETTLE_S, BenchError, run_bench
 from stalwart.telemetry.console import console as make_console
 
 
@@ -81,10 +81,12 @@ def _s(value: float | None) -> str:
 def print_report(console: Console, report: dict[str, Any]) -> None:
     table = Table(title=f"recovery, {report['kills']} kills per system ({report['job']['model']})")
     for column in ("system", "kill→step median", "max", "steps lost max", "survivor stall", "hang detect",
-                   "goodput", "bitwise identical", "median step"):  # fmt: skip
+                   "goodput (own pace)", "bitwise identical", "median step"):  # fmt: skip
         table.add_column(column, justify="left" if column == "system" else "right")
     for name, s in report["systems"].items():
         goodput = "n/a" if s.get("goodput") is None else f"{100 * s['goodput']:.1f}%"
+        if s.get("goodput_own_pace") is not None:
+            goodput += f" ({100 * s['goodput_own_pace']:.1f}%)"
         identical = {True: "yes", False: "NO", None: "n/a"}[s.get("bitwise_identical")]
         table.add_row(
             name, _s(s["kill_to_step_s_median"]), _s(s["kill_to_step_s_max"]),
@@ -103,6 +105,13 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
                 f"{name}, goodput run of {bad['wall']:.0f} s, time lost: {parts}; goodput without the steps' "
                 f"speed {100 * s['goodput_fault_only']:.1f}%"
             )
+            own, pace = s.get("own_pace_badput_s"), s.get("goodput_step_s") or {}
+            if own and pace.get("own_pace"):
+                parts = ", ".join(f"{part.replace('_', ' ')} {v:.1f} s" for part, v in own.items() if part != "wall")
+                console.print(
+                    f"{name}, at its own pace ({1e3 * pace['own_pace']:.1f} ms a step, {SETTLE_S:.0f} s or more from "
+                    f"a start or kill; reference {1e3 * pace['reference']:.1f} ms): {parts}"
+                )
     ratio = report["ratios"]["torchrun_over_stalwart_kill_to_step"]
     console.print(f"torchrun ÷ stalwart, kill to next step: {ratio:.1f}×")
     stock = report.get("stock_torchrun")
