@@ -214,17 +214,17 @@ def test_without_a_survivor_the_newest_full_copy_or_checkpoint_is_used(launch: A
 def test_under_the_defaults_without_a_survivor_the_newest_full_copy_or_checkpoint_is_used(
     launch: Any, reference: Any
 ) -> None:
-    # JobConfig's defaults: light snapshots every step, full copies on a budget (policy/snapshot.py), whose
-    # steps follow from the snapshot_interval events: the three after the start, then every `interval` steps.
+    # JobConfig's defaults: light snapshots every step, full copies on a budget (policy/snapshot.py) and pushed
+    # back by each durable checkpoint; step_done events name the newest full copy (steps 1-13 were logged before
+    # the kill, which comes at the start of step 14).
     job = launch(
         tiny_args(*ARGS, *LIGHT["auto"]), env=child_env(STALWART_FAULTS="kill@rank=0,step=13;kill@rank=1,step=13")
     )
     assert job.wait(180) == 0, job.output()
     decisions = [e for e in job.events("snapshot_interval") if e["restart"] == 0]
-    full = {1, 2, 3}
-    for d, after in zip(decisions, [*decisions[1:], None], strict=True):
-        end = after["step"] if after is not None else 13
-        full |= set(range(d["step"], end + 1, d["interval"]))
+    done = [e for e in job.events("step_done") if e["restart"] == 0 and e["rank"] == 0]
+    full = {e["full_copy_step"] for e in done} - {None}
+    assert {1, 2, 3} <= full, "the warm-up's full copies"
     committed = [e["step"] for e in job.events("checkpoint_committed") if e["restart"] == 0]
     newest = max(max(s for s in full if s <= 13), *committed)
     # As above, step 12's commit event can die with rank 0's persister after its manifest was written.
@@ -234,6 +234,23 @@ def test_under_the_defaults_without_a_survivor_the_newest_full_copy_or_checkpoin
     assert {e["tier"] for e in resumed} <= {"memory", "durable"}
     _assert_identical(job, reference)
     _no_orphans(job)
+
+
+def test_under_light_snapshots_a_durable_checkpoint_serves_as_the_full_copy(launch: Any) -> None:
+    # Checkpoints every 4 steps, full copies every ~10-50 steps by their budget: after the three of the warm-up,
+    # each checkpoint pushes the next full copy an interval past it, so none is taken while they keep coming.
+    # (Light snapshots kept whatever they cost here: --light-snapshot-budget 0.9.)
+    args = tiny_args("--steps", "80", "--step-sleep", "0.03", "--every", "4", *LIGHT["auto"],
+                     "--snapshot-budget", "0.01", "--light-snapshot-budget", "0.9")  # fmt: skip
+    job = launch(args, env=child_env(STALWART_FAULTS="kill@rank=1,step=60"))
+    assert job.wait(180) == 0, job.output()
+    decisions = [e for e in job.events("snapshot_interval") if e["restart"] == 0]
+    premise = "full copies rarer than checkpoints, and due within the run without them"
+    assert decisions and 4 < decisions[0]["interval"] <= 70, (premise, decisions)
+    done = [e for e in job.events("step_done") if e["restart"] == 0 and e["rank"] == 0]
+    assert {e["full_copy_step"] for e in done} == {1, 2, 3}, "no full copy after the warm-up"
+    resumed = [e for e in job.events("resumed") if e["restart"] == 1]
+    assert {(e["step"], e["tier"]) for e in resumed} == {(60, "peer")}, "a survivor: light snapshot + live state"
 
 
 def test_a_full_copy_newer_than_the_checkpoint_is_used_when_no_one_survives(launch: Any, reference: Any) -> None:

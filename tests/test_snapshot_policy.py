@@ -53,6 +53,25 @@ def test_after_the_warmup_snapshots_follow_the_budget() -> None:
     assert schedule.interval == 4
 
 
+def test_a_durable_checkpoint_serves_as_a_full_copy_and_pushes_the_next_one_back() -> None:
+    # Interval 8 (12 ms copies of 50 ms steps within 3%); a durable checkpoint every 5 steps: after the warm-up,
+    # each checkpoint moves the next full copy to 8 steps after it, so none is due while they keep coming.
+    schedule = SnapshotSchedule(None, 0.03, start=0)
+    taken = []
+    for step in range(1, 41):
+        schedule.observe_step(0.05)
+        if schedule.due(step):
+            taken.append(step)
+            schedule.taken(step, 0.012, lambda a, b: (a, b))
+        if step % 5 == 0 and step <= 25:
+            schedule.served(step)
+    assert taken == [1, 2, 3, 25 + 8], "checkpoints at 5..25 keep full copies away (11 without them), then 8 on"
+    fixed = SnapshotSchedule(4, 0.03, start=0)
+    assert not fixed.served(5) and fixed.due(8), "a fixed interval counts from step 0 whatever is saved"
+    early = SnapshotSchedule(None, 0.03, start=0)
+    assert not early.served(1), "not during the warm-up: those snapshots allocate the slots"
+
+
 def test_the_slowest_rank_sets_the_interval_for_everyone() -> None:
     schedule = SnapshotSchedule(None, 0.03, start=100)
     taken = _run(schedule, 140, step_s=0.05, snap_s=0.001, peers=0.012)  # another rank copies 12 ms: interval 8

@@ -354,6 +354,7 @@ class Job:
             self._memory, self.comm, self.events, self.config.peer_replicas, _local_world_size()
         )
         self._snapshot_s = 0.0
+        self._full_copy_step: int | None = None  # the newest full copy in node memory (step_done reports it)
         self._reform = self._memory is not None and reform.enabled()
         self._live = LiveState(self.placement.rank)  # what a survivor keeps: live tensors' versions, skeleton
         self._commit: StepCommit | None = None  # light snapshots' commit point at the optimizer step
@@ -667,6 +668,8 @@ class Job:
                 taken = self.save()  # at a warning sign, a checkpoint now, before it turns into a failure
                 if regular and self._interval is not None:
                     self._plan_checkpoints()
+                if taken:
+                    self._full_copy_served()
             if risk is not None:  # (a regular one due at this step serves)
                 self.events.emit("risk_checkpoint", step=self.step, reason=risk, taken=taken)
             if evict is not None:
@@ -770,6 +773,23 @@ class Job:
         decision = self._schedule.taken(self.step, seconds, self._largest)
         if decision is not None and self.is_main:
             self.events.emit("snapshot_interval", **dataclasses.asdict(decision))
+
+    def _full_copy_served(self) -> None:
+        """After a durable checkpoint taken on every rank (a save's vote is agreed), under light snapshots: the
+        checkpoint holds all a full copy would, for the one failure full copies are kept for, a failure that
+        leaves no rank alive (whenever a rank survives, light snapshots and its live state serve). So the next
+        full copy is due an interval after the checkpoint: with checkpoints more frequent than full copies (the
+        recovery bench job: every 20 steps against every 25-40), the state is no longer copied twice over in
+        the same stretch of steps. Light snapshots' cost is judged here too (a collective at the same step on
+        every rank), as it is at a full copy, so it is still measured while full copies wait. Only with a local
+        checkpoint_dir: read back from object storage, a checkpoint is far slower than a full copy in node
+        memory."""
+        if self._memory is None or not self._light_agreed() or self.checkpointer.storage.local_path() is None:
+            return
+        if self._light_cost.judged():
+            self._judge_light()
+        if self._light_agreed():
+            self._schedule.served(self.step)
 
     def _largest(self, first_s: float, second_s: float) -> tuple[float, float]:
         """Each of two durations at its largest over the ranks (one collective, microseconds as integers): what
@@ -1134,6 +1154,7 @@ class Job:
         if full:
             assert state is not None
             seconds += self._memory.snapshot(self.step, state, replicated)[0]
+            self._full_copy_step = self.step
         if push:
             self._replicas.push(self.step, light=push == "light")
             seconds += self._replicas.seconds
@@ -1262,6 +1283,7 @@ class Job:
         if self._memory is not None:
             metrics["snapshot_s"] = self._snapshot_s
             metrics["snapshot_every"] = self._schedule.interval
+            metrics["full_copy_step"] = self._full_copy_step
         self.events.emit("step_done", step=self.step, step_s=step_s, **metrics)
 
     def _announce(self, fault: Fault) -> None:

@@ -69,6 +69,15 @@ class SnapshotSchedule:
             return step % self.every == 0
         return step >= self.next_step
 
+    def served(self, step: int) -> bool:
+        """A durable checkpoint of `step` was taken on every rank and serves as this step's full copy: the next
+        full copy is due an interval after it, not earlier. Only for the budgeted schedule after its warm-up (a
+        fixed interval counts from step 0). Returns whether that moved the next full copy."""
+        if self.every is not None or self._taken < WARMUP or step + self.interval <= self.next_step:
+            return False
+        self.next_step = step + self.interval
+        return True
+
     def taken(
         self, step: int, snapshot_s: float, agree: Callable[[float, float], tuple[float, float]]
     ) -> IntervalDecision | None:
