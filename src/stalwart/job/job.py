@@ -148,9 +148,10 @@ class JobConfig:
     step may take before they are turned off for the run (0 < b < 1). Light snapshots have their own budget,
     apart from `snapshot_budget`, because they buy what full copies cannot at any interval: a failure that leaves
     a survivor redoes at most the interrupted step. On the 2-core bench jobs they cost 0.9-1.2% of a step
-    (2026-11-25); judged against the 1% snapshot budget they turned off in some runs and not others, so how
-    many steps a kill lost was a coin toss. At 2% the memory tier takes at most 2.25% of the training thread
-    (light snapshots plus the full copies' floor, a quarter of `snapshot_budget`)."""
+    (2026-11-25); judged against the 1% snapshot budget they were kept at one judgment and turned off at a later
+    one as the measurements moved, so how many steps a kill lost was a coin toss. At 2% the memory tier takes at
+    most 2.25% of the training thread (light snapshots plus the full copies' floor, a quarter of
+    `snapshot_budget`)."""
     replicated_snapshot_every: int | str = "auto"
     """Light snapshots: under re-forming (`stalwart run`'s default), the survivors of a failure keep the replicated
     parameters and optimizer state in their own memory, so a snapshot need copy only the small per-rank rest (a

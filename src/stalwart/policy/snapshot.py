@@ -139,7 +139,7 @@ class LightCost:
     (JobConfig.light_snapshot_budget, 2%) of the step time, light snapshots are turned off for the run (every
     rank decides alike, from gathered values) and full copies take the whole snapshot budget. Their budget is
     their own, not a share of the full copies' 1%: they measured 0.9-1.2% of a step on the 2-core bench jobs,
-    and a line drawn at 1% turned them off in some runs and not in others."""
+    and a line drawn at 1% kept them at one judgment and turned them off at the next as the measurements moved."""
 
     def __init__(self, budget: float) -> None:
         self.budget = budget
