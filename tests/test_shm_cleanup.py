@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
+from typing import Any
 
 from stalwart.detect.heartbeat import Board
 from stalwart.supervisor.launcher import _remove_stale_shared_memory
@@ -38,3 +40,26 @@ def test_a_dead_launchers_memory_goes_even_when_its_pid_was_reused(tmp_path: Pat
     snapshots = _snapshots_of(board)
     assert sorted(_remove_stale_shared_memory(tmp_path)) == sorted([board, snapshots])
     assert not board.exists() and not snapshots.exists()
+
+
+def test_log_directories_of_sigkilled_launchers_go_and_live_ones_stay(tmp_path: Path, monkeypatch: Any) -> None:
+    # torch elastic's log directory: the launcher holds its lock file locked for its life. One left by a dead
+    # launcher (a lock file nobody holds) goes; a live launcher's stays, and so does a directory without a lock
+    # file (not one of ours to judge, or from before the lock).
+    import contextlib
+
+    from stalwart.supervisor.launcher import LOG_DIR_LOCK, LOG_DIR_PREFIX, _log_dir, _remove_stale_log_dirs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = tmp_path / f"{LOG_DIR_PREFIX}dead"
+    (dead / "attempt_0").mkdir(parents=True)
+    (dead / LOG_DIR_LOCK).write_bytes(b"")
+    old = tmp_path / f"{LOG_DIR_PREFIX}old"
+    old.mkdir()
+    with contextlib.ExitStack() as cleanup:
+        live = _log_dir(cleanup)
+        assert live.parent == tmp_path and (live / LOG_DIR_LOCK).exists()
+        assert _remove_stale_log_dirs() == [dead]
+        assert live.exists() and old.exists() and not dead.exists()
+    assert not live.exists(), "the launcher removes its own on the way out"
+    assert _remove_stale_log_dirs() == [] and old.exists()

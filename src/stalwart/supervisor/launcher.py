@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import importlib.util
 import logging
 import os
@@ -411,8 +412,8 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
     # torch elastic makes a log directory per run (attempt and rank folders, error files) and, with no
     # --log-dir, leaves it in /tmp for ever: one per run. Ours lives as long as the launcher.
     if args.log_dir is None:
-        args.log_dir = tempfile.mkdtemp(prefix="stalwart-logs-")
-        cleanup.callback(shutil.rmtree, args.log_dir, ignore_errors=True)
+        _remove_stale_log_dirs()
+        args.log_dir = str(_log_dir(cleanup))
     config, cmd, cmd_args = config_from_args(args)  # several nodes must share a run id: keep torchrun's "none"
     _remove_stale_shared_memory()
     try:
@@ -434,6 +435,37 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
         pool.close()
         board.close()
         shutil.rmtree(snapshots, ignore_errors=True)  # the memory tier lives exactly as long as the agent
+
+
+LOG_DIR_PREFIX = "stalwart-logs-"
+LOG_DIR_LOCK = ".launcher.lock"
+
+
+def _log_dir(cleanup: contextlib.ExitStack) -> Path:
+    """torch elastic's log directory for this launcher, removed when it ends. A SIGKILLed launcher cannot remove
+    it (a test suite left about six a run), so it holds a lock file that the launcher keeps locked for its
+    life, and the next launcher removes directories whose lock is free (_remove_stale_log_dirs). The lock is
+    taken under another name and renamed into place, so no directory is ever seen with its lock file free."""
+    path = Path(tempfile.mkdtemp(prefix=LOG_DIR_PREFIX))
+    cleanup.callback(shutil.rmtree, path, ignore_errors=True)
+    claim = path / f"{LOG_DIR_LOCK}.new"
+    fd = os.open(claim, os.O_CREAT | os.O_RDWR, 0o600)  # not inherited by what this process execs
+    cleanup.callback(os.close, fd)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(claim, path / LOG_DIR_LOCK)
+    return path
+
+
+def _remove_stale_log_dirs(tmp: Path | None = None) -> list[Path]:
+    """Log directories left in the temporary directory by launchers that were SIGKILLed: their lock is free
+    (Board.abandoned, which holds for a reused pid and another pid namespace). Returns what went."""
+    removed = []
+    for path in Path(tmp or tempfile.gettempdir()).glob(f"{LOG_DIR_PREFIX}*"):
+        lock = path / LOG_DIR_LOCK
+        if lock.exists() and Board.abandoned(lock):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def _remove_stale_shared_memory(shm: Path = Path("/dev/shm")) -> list[Path]:
