@@ -251,6 +251,7 @@ def test_under_light_snapshots_a_durable_checkpoint_serves_as_the_full_copy(laun
     assert {e["full_copy_step"] for e in done} == {1, 2, 3}, "no full copy after the warm-up"
     resumed = [e for e in job.events("resumed") if e["restart"] == 1]
     assert {(e["step"], e["tier"]) for e in resumed} == {(60, "peer")}, "a survivor: light snapshot + live state"
+    _no_orphans(job)
 
 
 def test_a_full_copy_newer_than_the_checkpoint_is_used_when_no_one_survives(launch: Any, reference: Any) -> None:

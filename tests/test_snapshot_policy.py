@@ -30,8 +30,11 @@ def test_the_interval_keeps_the_copy_within_the_budget() -> None:
         assert snap / (k * step) <= 0.03 < snap / ((k - 1) * step) if k > 1 else True
 
 
-def _run(schedule: SnapshotSchedule, steps: int, step_s: float, snap_s: float, peers: float = 0.0) -> list[int]:
-    """Drive a schedule as the Job does; `peers` is another rank's snapshot cost, for the agreement."""
+def _run(
+    schedule: SnapshotSchedule, steps: int, step_s: float, snap_s: float, peers: float = 0.0, saves: range = range(0)
+) -> list[int]:
+    """Drive a schedule as the Job does; `peers` is another rank's snapshot cost, for the agreement; `saves` the
+    steps where a durable checkpoint is taken after the step's snapshot."""
     taken = []
 
     def agree(mine_step: float, mine_snap: float) -> tuple[float, float]:
@@ -42,6 +45,8 @@ def _run(schedule: SnapshotSchedule, steps: int, step_s: float, snap_s: float, p
         if schedule.due(step):
             taken.append(step)
             schedule.taken(step, snap_s, agree)
+        if step in saves:
+            schedule.served(step)
     return taken
 
 
@@ -56,15 +61,7 @@ def test_after_the_warmup_snapshots_follow_the_budget() -> None:
 def test_a_durable_checkpoint_serves_as_a_full_copy_and_pushes_the_next_one_back() -> None:
     # Interval 8 (12 ms copies of 50 ms steps within 3%); a durable checkpoint every 5 steps: after the warm-up,
     # each checkpoint moves the next full copy to 8 steps after it, so none is due while they keep coming.
-    schedule = SnapshotSchedule(None, 0.03, start=0)
-    taken = []
-    for step in range(1, 41):
-        schedule.observe_step(0.05)
-        if schedule.due(step):
-            taken.append(step)
-            schedule.taken(step, 0.012, lambda a, b: (a, b))
-        if step % 5 == 0 and step <= 25:
-            schedule.served(step)
+    taken = _run(SnapshotSchedule(None, 0.03, start=0), 40, step_s=0.05, snap_s=0.012, saves=range(5, 26, 5))
     assert taken == [1, 2, 3, 25 + 8], "checkpoints at 5..25 keep full copies away (11 without them), then 8 on"
     fixed = SnapshotSchedule(4, 0.03, start=0)
     assert not fixed.served(5) and fixed.due(8), "a fixed interval counts from step 0 whatever is saved"

@@ -330,16 +330,16 @@ def measure_goodput(
         end = time.monotonic()
     finally:
         run.stop()
-    done = [(e["mono"], e["step"]) for e in run.events
-            if e["event"] == "step_done" and e.get("rank") == 0 and e["mono"] <= end]  # fmt: skip
+    done = sorted((e["mono"], e["step"]) for e in run.events
+                  if e["event"] == "step_done" and e.get("rank") == 0 and e["mono"] <= end)  # fmt: skip
     if not done:
         return Goodput(0.0, {}, None, None, None)
     first = min(step for _, step in done)
     final = max(step for _, step in done)  # steps first..final are the history; a redone step counts once
     kills = [e["mono"] for e in run.events if e["event"] == "fault_injected" and e["mono"] <= end]
-    badput = goodput_badput(sorted(done), kills, started, end, step_s)
-    steady = steady_pace(sorted(done), kills, started)
-    own = None if steady is None else goodput_badput(sorted(done), kills, started, end, steady)
+    badput = goodput_badput(done, kills, started, end, step_s)
+    steady = steady_pace(done, kills, started)
+    own = None if steady is None else goodput_badput(done, kills, started, end, steady)
     kept, wall = final - first + 1, end - started
     return Goodput(kept * step_s / wall, badput, steady, None if steady is None else kept * steady / wall, own)
 

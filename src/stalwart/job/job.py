@@ -780,7 +780,7 @@ class Job:
         checkpoint holds all a full copy would, for the one failure full copies are kept for, a failure that
         leaves no rank alive (whenever a rank survives, light snapshots and its live state serve). So the next
         full copy is due an interval after the checkpoint: with checkpoints more frequent than full copies (the
-        recovery bench job: every 20 steps against every 25-40), the state is no longer copied twice over in
+        recovery bench job: every 20 steps against every 20-84), the state is no longer copied twice over in
         the same stretch of steps. Light snapshots' cost is judged here too (a collective at the same step on
         every rank), as it is at a full copy, so it is still measured while full copies wait. Only with a local
         checkpoint_dir: read back from object storage, a checkpoint is far slower than a full copy in node
