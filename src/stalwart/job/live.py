@@ -78,30 +78,22 @@ class LiveState:
         versions = {t.data_ptr(): t._version for t in live_tensors(objects, replicated)}
         return versions == self.versions
 
-    def remember(
-        self,
-        step: int,
-        objects: Mapping[str, Any],
-        replicated: frozenset[str],
-        states: Mapping[str, Any] | None = None,
-    ) -> None:
-        """The replicated objects' skeleton at the end of `step`; `states` are their state_dicts by name when
-        the caller has them already."""
+    def remember(self, step: int, objects: Mapping[str, Any], replicated: frozenset[str]) -> None:
+        """The replicated objects' skeleton at the end of `step`."""
         skeletons: dict[str, Any] = {}
         for name in replicated:
             obj = objects[name]
-            if states is None:
-                if isinstance(obj, torch.nn.Module):
-                    known = self._modules.get(name)
-                    if known is not None and known[0] is self.key:
-                        skeletons[name] = known[1]
-                        continue
-                elif isinstance(obj, torch.optim.Optimizer) and name in self._optimizers:
-                    fast = self._optimizers[name].skeleton(obj, self.key)
-                    if fast is not None:
-                        skeletons[name] = fast
-                        continue
-            state = states[name] if states is not None else obj.state_dict()
+            if isinstance(obj, torch.nn.Module):
+                known = self._modules.get(name)
+                if known is not None and known[0] is self.key:
+                    skeletons[name] = known[1]
+                    continue
+            elif isinstance(obj, torch.optim.Optimizer) and name in self._optimizers:
+                fast = self._optimizers[name].skeleton(obj, self.key)
+                if fast is not None:
+                    skeletons[name] = fast
+                    continue
+            state = obj.state_dict()
             cache = self._skeletons.get(name)
             if cache is None:
                 cache = self._skeletons[name] = FlattenCache(self._rank, frozenset({name}), same_tensors=True)
