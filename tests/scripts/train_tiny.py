@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--peer-replicas", type=int, default=1, help="L3: copies of each snapshot on other nodes")
     p.add_argument("--per-rank-sched", action="store_true", help="the scheduler is per-rank state (not replicated)")
     p.add_argument("--rank1-draws-late", action="store_true", help="rank 1 alone draws after the optimizer step")
+    p.add_argument("--allreduce-after-step", action="store_true", help="a logging all-reduce after optim.step()")
     p.add_argument("--compute-sleep", type=float, default=0.0, help="seconds of 'compute' before each forward")
     p.add_argument("--divergence-every", type=int, default=100, help="0: no replica divergence check")
     p.add_argument("--robust", default="", help="DDP comm hook: stalwart.robust_aggregation(METHOD)")
@@ -161,6 +162,8 @@ def main() -> None:
         if args.rank1_draws_late and job.rank == 1:
             torch.rand(1)  # per-rank state changed after the optimizer step, on one rank only
         sched.step()
+        if args.allreduce_after_step and job.world_size > 1:
+            torch.distributed.all_reduce(loss.detach().clone())  # a logged mean loss: a collective after the update
         job.report(loss=loss.detach())
         if args.step_sleep:
             time.sleep(args.step_sleep)

@@ -1228,7 +1228,7 @@ class Job:
         atexit.unregister(self.close)
         with contextlib.suppress(Exception):
             self.checkpointer.abandon()  # first: the persister dies before anything else can go wrong
-        kept = self._keep_live_state()
+        lost = self._keep_live_state()
         closers = (self._close_commit, self._close_guard, self._close_overlap, self._heartbeat.close, self.comm.forget)
         for step in closers:
             with contextlib.suppress(Exception):
@@ -1238,7 +1238,8 @@ class Job:
                 self._memory.close()
         self._owns_process_group = False
         with contextlib.suppress(Exception):
-            self.events.emit("reforming", step=self.step, kept_live_state=kept)
+            why = {} if lost is None else {"why": lost}
+            self.events.emit("reforming", step=self.step, kept_live_state=lost is None, **why)
         self.events.close()
 
     def _commit_barrier(self) -> Callable[[int], tuple[float | None, int]]:
@@ -1271,11 +1272,12 @@ class Job:
             self._local_barrier.close()
             self._local_barrier = None
 
-    def _keep_live_state(self) -> bool:
-        """Keep references to the live tensors for the next run if they still hold step `self.step`."""
+    def _keep_live_state(self) -> str | None:
+        """Keep references to the live tensors for the next run if they still hold step `self.step`; returns
+        None when kept, else why not (for the `reforming` event)."""
         versions = self._live.versions
         if self.state is not JobState.RUNNING or not versions:
-            return False
+            return "no live tensors were read (light snapshots are off or the job had not started)"
         with contextlib.suppress(Exception):
             if self._live.unchanged(self._objects, self.checkpointer.replicated):
                 # Only the replicated objects: their state_dict() is local (no collective with the lost peer).
@@ -1284,8 +1286,15 @@ class Job:
                 got = self._live.skeleton
                 skeleton = got[1] if got is not None and got[0] == self.step else None
                 reform.keep(reform.Stash(self.step, self.world_size, live, skeleton))
-                return True
-        return False
+                return None
+        if self._commit is not None and self._commit.committed(self.step + 1):
+            # The next step's commit point ran and its optimizer step too: the step's tail (a scheduler, a
+            # logging all-reduce) did not finish, so the replicated state is neither step's.
+            return (
+                f"the failure surfaced inside the loop body after the optimizer step of step {self.step + 1} (a "
+                "collective after optimizer.step()): the live tensors hold neither that step nor the one before"
+            )
+        return f"the live tensors were written after the end of step {self.step}"
 
     def _log_step(self, step_s: float) -> None:
         metrics = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in self._metrics.items()}
