@@ -240,7 +240,7 @@ def test_torchrun_static_flags_keep_their_meaning(monkeypatch: pytest.MonkeyPatc
 
 def test_same_script_under_torchrun_and_as_one_process(launch: Any, tmp_path: Path) -> None:
     torchrun = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--log-dir", "logs",
          str(TINY), "--ckpt", "ckpt", "--out", "out", "--steps", "6"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=child_env(),
     )  # fmt: skip

@@ -116,7 +116,7 @@ def _run(
         cmd = [sys.executable, *args, "--mode", "plain"]
     elif config is None:  # torchrun's own defaults (it sets OMP_NUM_THREADS=1 for several ranks, as stalwart run)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc,
-               *args, "--mode", "plain"]  # fmt: skip
+               "--log-dir", str(workdir / "torchrun-logs"), *args, "--mode", "plain"]  # fmt: skip
     else:
         cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", nproc, "--event-log", str(log),
                *launcher, *args, "--mode", "stalwart", "--ckpt", str(workdir / "ckpt"),

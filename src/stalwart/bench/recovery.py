@@ -83,8 +83,9 @@ class Run:
         elif self.system == "torchrun":
             if not self.stock:
                 env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+            # Its log directory in the run's (torch elastic's default, a new one in /tmp, outlives a SIGKILL).
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
-                   "--max-restarts=100", *job]  # fmt: skip
+                   "--max-restarts=100", "--log-dir", str(self.workdir / "torchrun-logs"), *job]  # fmt: skip
         else:
             cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", str(NPROC), "--max-restarts", "100",
                    "--spares", str(self.spares), "--event-log", str(self.log), *job]  # fmt: skip

@@ -38,6 +38,8 @@ def trial(launcher: str, workdir: Path, kill_after: int, timeout_s: float) -> di
     cmd = [*LAUNCHERS[launcher], "--nproc-per-node", "2", "--max-restarts", "3"]
     if launcher == "stalwart":
         cmd += ["--event-log", str(events)]
+    else:  # torch elastic's log directory in the trial's, not a new one in /tmp that a killed launcher leaves
+        cmd += ["--log-dir", str(workdir / "torchrun-logs")]
     cmd += ["-m", "stalwart.demo.train", "--out", str(workdir), "--steps", "60", "--checkpoint-every", "10"]
     log = open(workdir / "output.log", "wb")  # noqa: SIM115
     proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # dies with us

@@ -18,6 +18,7 @@ from typing import NoReturn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from stalwart.demo.runner import JobRun, run_job
 from stalwart.demo.summary import Summary, summarize
@@ -53,8 +54,11 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--workdir {workdir} is not empty; give a new or empty directory")
     console = make_console(stderr=True)
     console.print(
-        f"[bold]stalwart demo[/]: GPT on 2 CPU ranks, {args.steps} steps, checkpoint every "
-        f"{args.checkpoint_every}; SIGKILL rank 1 at step {kill_at} (seed {seed}); work dir {workdir}"
+        Text.assemble(
+            ("stalwart demo", "bold"),
+            f": GPT on 2 CPU ranks, {args.steps} steps, checkpoint every {args.checkpoint_every}; SIGKILL rank 1 "
+            f"at step {kill_at} (seed {seed}); work dir {workdir}",
+        )
     )
     try:
         faulty = _run(console, "with a failure", JobRun(workdir / "faulty", args.steps, kill_at=kill_at), args)
@@ -114,6 +118,6 @@ def _print(console: Console, s: Summary) -> None:
     table.add_row("kill to next completed step", k2s)
     table.add_row("final validation loss", f"{s.final_loss:.4f}")
     table.add_row("run with failure / reference", f"{s.faulty_run_s:.1f} s / {s.reference_run_s:.1f} s")
-    verdict = "[green]yes[/]" if s.bitwise_identical else "[red]NO[/]"
+    verdict = Text("yes", style="green") if s.bitwise_identical else Text("NO", style="red")
     table.add_row("final parameters bitwise identical", verdict)
     make_console().print(table)

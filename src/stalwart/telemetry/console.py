@@ -16,7 +16,9 @@ PIPE_WIDTH = 200
 
 
 def console(*, stderr: bool = False) -> Console:
-    """A rich Console for stalwart's commands: no highlighting of numbers, no wrapping of sentences."""
+    """A rich Console for stalwart's commands: no highlighting of numbers, no wrapping of sentences, and no
+    markup: what is printed is printed as it is (a path or a note with brackets, "pip install 'stalwart[bench]'",
+    lost its bracketed part as a style tag); colour comes from rich Text objects."""
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else PIPE_WIDTH
-    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=width)
+    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=width, markup=False)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from rich.table import Table
+from rich.text import Text
 
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.storage import Storage, describe_error
@@ -109,7 +110,8 @@ def _verify(root: Storage, step: int | None, as_json: bool) -> int:
         if not results:
             out.print(f"{root.display()}: no committed checkpoints")
         for s, problems in results.items():
-            out.print(f"step {s}: " + ("[green]ok[/]" if not problems else f"[red]FAILED[/] ({len(problems)})"))
+            verdict = ("ok", "green") if not problems else ("FAILED", "red")
+            out.print(Text.assemble(f"step {s}: ", verdict, "" if not problems else f" ({len(problems)})"))
             for problem in problems:
                 out.print(f"  {problem}", highlight=False)
     return EXIT_INVALID if any(results.values()) else 0
