@@ -57,6 +57,21 @@ def test_a_majority_repairs_the_odd_replica_in_place(tmp_path: Path) -> None:
     assert check.last_agreed == 20
 
 
+def test_the_job_hears_of_a_divergence_before_any_repair_or_error(tmp_path: Path) -> None:
+    # The Job voids its survivor's live state there (a peer dying in the repair's broadcasts must not leave a
+    # half-repaired replica to hand on): the callback comes before the first broadcast and before the error.
+    order: list[str] = []
+    check, _, sent = _check(tmp_path, [5, 5, 6], [torch.zeros(3)])
+    assert check.check(20, on_odd=lambda: order.append(f"odd after {len(sent)} broadcasts")) is False
+    assert order == ["odd after 0 broadcasts"] and len(sent) == 1
+    check, _, _ = _check(tmp_path, [5, 6], [torch.zeros(3)])
+    with pytest.raises(ReplicaDivergenceError):
+        check.check(30, on_odd=lambda: order.append("odd, no majority"))
+    assert order[-1] == "odd, no majority"
+    check, _, _ = _check(tmp_path, [5, 5], [torch.zeros(3)])
+    assert check.check(40, on_odd=lambda: order.append("never")) and "never" not in order
+
+
 def test_without_a_majority_the_job_stops_with_the_last_step_they_agreed_on(tmp_path: Path) -> None:
     prints = [5, 5]
     check, _, _ = _check(tmp_path, prints, [torch.zeros(3)])

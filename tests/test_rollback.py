@@ -225,3 +225,26 @@ def test_two_diverged_replicas_roll_back_to_where_they_last_agreed(launch: Any) 
     results, expected = job.results(), reference.results()
     for rank in (0, 1):
         assert results[rank]["sha256"] == expected[rank]["sha256"]
+
+
+def test_a_survivor_does_not_keep_a_step_that_a_rollback_was_voted_for(launch: Any) -> None:
+    """Light snapshots: rank 1's loss spikes in step 25 while rank 0 dies after that step's commit barrier. Rank 1
+    finishes step 25, sees the spike and fails in the vote: its parameters hold step 25 with the spike's update,
+    which it must not hand to the replacement (it would resume there, the spike's update kept). It keeps nothing
+    and the restart goes back to a full copy or checkpoint; the spike fault fires once, so the replayed step 25
+    is an ordinary one and the run ends as a fault-free run."""
+    args = ("--steps", "30", "--every", "100", "--snapshot-every", "auto", "--replicated-snapshot-every", "auto")
+    faults = "spike@rank=1,step=24;kill_in_optimizer@rank=0,step=24,phase=after_barrier"
+    job = launch(tiny_args(*args, "--loss-spike", "rollback"), env=child_env(STALWART_FAULTS=faults))
+    reference = launch(tiny_args(*args), name="reference")
+    assert job.wait(180) == 0, job.output()
+    assert reference.wait(180) == 0, reference.output()
+    reforming = job.events("reforming")
+    assert [(e["rank"], e["step"], e["kept_live_state"]) for e in reforming] == [(1, 25, False)], reforming
+    assert "loss spike at step 25" in reforming[0]["why"], reforming
+    resumed = [e for e in job.events("resumed") if e["restart"] == 1]
+    assert resumed and all(e["step"] <= 24 for e in resumed), resumed
+    results, expected = job.results(), reference.results()
+    for rank in (0, 1):
+        assert results[rank]["sha256"] == expected[rank]["sha256"]
+        assert results[rank]["seen"] == expected[rank]["seen"]

@@ -99,13 +99,16 @@ class DivergenceCheck:
     def due(self, step: int) -> bool:
         return self.world_size > 1 and step % self.every == 0
 
-    def check(self, step: int) -> bool:
-        """At `step` (every rank): compare; repair the odd replicas if a majority agrees. Whether all agreed."""
+    def check(self, step: int, on_odd: Callable[[], None] | None = None) -> bool:
+        """At `step` (every rank): compare; repair the odd replicas if a majority agrees. Whether all agreed.
+        `on_odd` runs as soon as the replicas are known to differ, before any repair or error."""
         tensors = self._tensors()
         prints = [g[0] for g in self._gather([fingerprint(tensors)])]
         if len(set(prints)) == 1:
             self.last_agreed = step
             return True
+        if on_odd is not None:
+            on_odd()
         odd, good = odd_ranks(prints)
         self._events.emit("replica_divergence", step=step, odd=odd, fingerprints=[str(p) for p in prints],
                           last_agreed=self.last_agreed, repair_from=good)  # fmt: skip

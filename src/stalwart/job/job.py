@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import os
 import secrets
 import sys
@@ -358,6 +359,7 @@ class Job:
         self._full_copy_step: int | None = None  # the newest full copy in node memory (step_done reports it)
         self._reform = self._memory is not None and reform.enabled()
         self._live = LiveState(self.placement.rank)  # what a survivor keeps: live tensors' versions, skeleton
+        self._live_void: str | None = None  # why the last read must not be kept: a verdict on its step's state
         self._commit: StepCommit | None = None  # light snapshots' commit point at the optimizer step
         self._guard: NumericGuard | None = None  # the numeric guard's pre-hooks on the tracked optimizers
         self._fence: UpdateFence | None = None  # on a GPU: optimizer steps wait for a checkpoint's overlapped copy
@@ -624,6 +626,8 @@ class Job:
                 iterator = iter(loader) if loader is not None else None  # from the restored data position
                 self._busy_step = False
                 continue
+            if rollback is not None and self._light_wanted():
+                self._read_live()  # nothing to roll back to (a loss spike only reported): this step's state stands
             risk = None
             evict: int | None = None
             detect_started = time.perf_counter()
@@ -845,8 +849,9 @@ class Job:
         started = time.perf_counter()
         if self._divergence is not None and self._divergence.due(self.step):  # every rank, same steps
             try:
-                if not self._divergence.check(self.step) and self._light_wanted():  # repairs an odd replica
-                    self._read_live()  # before this step's snapshot; the repair moved the tensors' versions
+                void = functools.partial(self._void_live, f"the replicas differed at step {self.step}")
+                if not self._divergence.check(self.step, on_odd=void) and self._light_wanted():
+                    self._read_live()  # repaired (in place, versions unmoved): the state of this step again
             except ReplicaDivergenceError as exc:
                 if not rollbacks or exc.last_agreed is None:
                     raise
@@ -860,6 +865,8 @@ class Job:
             rolls = rollbacks and self.config.loss_spike in ("rollback", "skip")
             action = "rollback" if rolls else "warned"
             spiked = loss is not None and self._loss_watch.observe(self.step, loss, action=action)
+            if rolls and spiked:
+                self._void_live(f"a loss spike at step {self.step} calls for a rollback")
             # The ranks' losses differ: they agree, at one all-gather per step, only when a spike rolls back.
             if rolls and any(v[0] for v in self.comm.all_gather_ints([int(spiked)])):
                 request = request or RollbackRequest("loss_spike", self.step, self.step - 1, self.step - 1)
@@ -871,11 +878,24 @@ class Job:
             # The guard kept this step's update out; if a parameter is already non-finite, the update before it put
             # it there unseen (a lone NaN outside the guard's sample): go back to before that one.
             optimizers = [o for o in self._objects.values() if isinstance(o, torch.optim.Optimizer)]
-            if not all(v[0] for v in self.comm.all_gather_ints([int(all_finite(optimizers))])):
+            finite = all_finite(optimizers)
+            if not finite:
+                self._void_live(f"non-finite parameters at step {self.step}")
+            if not all(v[0] for v in self.comm.all_gather_ints([int(finite)])):
                 before = self.step - 2
                 request = request or RollbackRequest("nonfinite_parameters", self.step, before, before)
         self._detect_s["nonfinite_params"] += time.perf_counter() - started
+        if request is not None:
+            self._void_live(f"step {self.step} is to be rolled back ({request.reason.replace('_', ' ')})")
         return request
+
+    def _void_live(self, why: str) -> None:
+        """The live state read at this step's end must not be handed to a replacement: a check has judged the
+        step's state (a divergence, a loss spike, non-finite parameters), and a peer dying in the collectives
+        that follow (the verdict's vote, a repair, the rollback) must not leave a survivor that resumes from it.
+        The next read (after a repair, or the rollback's restore) clears it."""
+        if self._live_void is None:
+            self._live_void = why
 
     def _roll_back(self, request: RollbackRequest, loader: Iterable[Any] | None) -> bool:
         """Go back to the newest good state and skip the batch (recovery/rollback.py). Collective. False when there
@@ -1181,6 +1201,7 @@ class Job:
         replicated = self.checkpointer.replicated
         self._live.read(self._objects, replicated, fresh=fresh)
         self._live.remember(self.step, self._objects, replicated)
+        self._live_void = None
 
     def _state(self, step: int | None = None, *, replicated: bool = True) -> dict[str, Any]:
         """The full training state of this rank, as checkpoints and memory snapshots hold it (labelled `step`,
@@ -1275,9 +1296,15 @@ class Job:
     def _keep_live_state(self) -> str | None:
         """Keep references to the live tensors for the next run if they still hold step `self.step`; returns
         None when kept, else why not (for the `reforming` event)."""
+        if self.state is not JobState.RUNNING:
+            return f"the job was {self.state.value}, not inside its training loop"
+        if not self._light_wanted():
+            return "light snapshots are off"
+        if self._live_void is not None:
+            return self._live_void
         versions = self._live.versions
-        if self.state is not JobState.RUNNING or not versions:
-            return "no live tensors were read (light snapshots are off or the job had not started)"
+        if not versions:
+            return "no live tensors were read"
         with contextlib.suppress(Exception):
             if self._live.unchanged(self._objects, self.checkpointer.replicated):
                 # Only the replicated objects: their state_dict() is local (no collective with the lost peer).
