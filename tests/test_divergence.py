@@ -19,11 +19,23 @@ def test_a_single_flipped_bit_changes_the_fingerprint_of_every_dtype() -> None:
         t = (torch.arange(37) % 7).to(dtype)
         before = fingerprint([t, torch.ones(3)])
         raw = t.view(torch.uint8)
-        raw[5] ^= 1
-        assert fingerprint([t, torch.ones(3)]) != before, dtype
+        for at in (5, raw.numel() - 1):  # in a whole 64-bit word, and in the bytes past the last one
+            raw[at] ^= 1 << 7
+            assert fingerprint([t, torch.ones(3)]) != before, (dtype, at)
+            raw[at] ^= 1 << 7
+        assert fingerprint([t, torch.ones(3)]) == before
     a, b = torch.ones(4), torch.zeros(4)
     assert fingerprint([a, b]) != fingerprint([b, a]), "the tensors' order counts"
     assert fingerprint([torch.arange(6.0).reshape(2, 3).t()]) == fingerprint([torch.arange(6.0).reshape(2, 3).t()])
+
+
+def test_a_view_fingerprints_as_its_own_bytes_wherever_it_starts() -> None:
+    # A slice starting mid-word of its storage (4 bytes in) sums the same words as a copy of it: replicas whose
+    # tensors are views at different offsets still agree.
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8):
+        storage = torch.arange(40).to(dtype)
+        view = storage[1:30]
+        assert fingerprint([view]) == fingerprint([view.clone()]), dtype
 
 
 def test_the_majority_decides_and_a_tie_decides_nothing() -> None:
