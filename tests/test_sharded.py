@@ -124,12 +124,12 @@ def test_forged_shard_descriptions_are_corrupt(info: Any) -> None:
 
 
 PARTIAL = """
-import torch, torch.distributed as dist, tempfile, os
+import sys, torch, torch.distributed as dist, os
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial
 from stalwart.checkpoint.format.serialize import flatten
 from stalwart.errors import UnsavableStateError
-dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1)
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(sys.argv[1], "s"), 1), rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))
 t = DTensor.from_local(torch.ones(3), mesh, [Partial()])
 try:
@@ -140,7 +140,7 @@ dist.destroy_process_group()
 """
 
 
-def test_partial_dtensor_is_refused_at_save_with_its_path() -> None:
-    done = subprocess.run([sys.executable, "-c", PARTIAL], capture_output=True, text=True, timeout=120)
+def test_partial_dtensor_is_refused_at_save_with_its_path(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", PARTIAL, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "refused: m/w is a DTensor with placement Partial" in done.stdout
