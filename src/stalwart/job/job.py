@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import functools
 import os
 import secrets
 import sys
@@ -359,7 +358,6 @@ class Job:
         self._full_copy_step: int | None = None  # the newest full copy in node memory (step_done reports it)
         self._reform = self._memory is not None and reform.enabled()
         self._live = LiveState(self.placement.rank)  # what a survivor keeps: live tensors' versions, skeleton
-        self._live_void: str | None = None  # why the last read must not be kept: a verdict on its step's state
         self._commit: StepCommit | None = None  # light snapshots' commit point at the optimizer step
         self._guard: NumericGuard | None = None  # the numeric guard's pre-hooks on the tracked optimizers
         self._fence: UpdateFence | None = None  # on a GPU: optimizer steps wait for a checkpoint's overlapped copy
@@ -849,8 +847,11 @@ class Job:
         started = time.perf_counter()
         if self._divergence is not None and self._divergence.due(self.step):  # every rank, same steps
             try:
-                void = functools.partial(self._void_live, f"the replicas differed at step {self.step}")
-                if not self._divergence.check(self.step, on_odd=void) and self._light_wanted():
+                odd = f"the replicas differed at step {self.step}"
+                if (
+                    not self._divergence.check(self.step, on_odd=lambda: self._live.forbid(odd))
+                    and self._light_wanted()
+                ):
                     self._read_live()  # repaired (in place, versions unmoved): the state of this step again
             except ReplicaDivergenceError as exc:
                 if not rollbacks or exc.last_agreed is None:
@@ -866,7 +867,7 @@ class Job:
             action = "rollback" if rolls else "warned"
             spiked = loss is not None and self._loss_watch.observe(self.step, loss, action=action)
             if rolls and spiked:
-                self._void_live(f"a loss spike at step {self.step} calls for a rollback")
+                self._live.forbid(f"a loss spike at step {self.step} calls for a rollback")
             # The ranks' losses differ: they agree, at one all-gather per step, only when a spike rolls back.
             if rolls and any(v[0] for v in self.comm.all_gather_ints([int(spiked)])):
                 request = request or RollbackRequest("loss_spike", self.step, self.step - 1, self.step - 1)
@@ -880,22 +881,14 @@ class Job:
             optimizers = [o for o in self._objects.values() if isinstance(o, torch.optim.Optimizer)]
             finite = all_finite(optimizers)
             if not finite:
-                self._void_live(f"non-finite parameters at step {self.step}")
+                self._live.forbid(f"non-finite parameters at step {self.step}")
             if not all(v[0] for v in self.comm.all_gather_ints([int(finite)])):
                 before = self.step - 2
                 request = request or RollbackRequest("nonfinite_parameters", self.step, before, before)
         self._detect_s["nonfinite_params"] += time.perf_counter() - started
         if request is not None:
-            self._void_live(f"step {self.step} is to be rolled back ({request.reason.replace('_', ' ')})")
+            self._live.forbid(f"step {self.step} is to be rolled back ({request.reason.replace('_', ' ')})")
         return request
-
-    def _void_live(self, why: str) -> None:
-        """The live state read at this step's end must not be handed to a replacement: a check has judged the
-        step's state (a divergence, a loss spike, non-finite parameters), and a peer dying in the collectives
-        that follow (the verdict's vote, a repair, the rollback) must not leave a survivor that resumes from it.
-        The next read (after a repair, or the rollback's restore) clears it."""
-        if self._live_void is None:
-            self._live_void = why
 
     def _roll_back(self, request: RollbackRequest, loader: Iterable[Any] | None) -> bool:
         """Go back to the newest good state and skip the batch (recovery/rollback.py). Collective. False when there
@@ -1201,7 +1194,6 @@ class Job:
         replicated = self.checkpointer.replicated
         self._live.read(self._objects, replicated, fresh=fresh)
         self._live.remember(self.step, self._objects, replicated)
-        self._live_void = None
 
     def _state(self, step: int | None = None, *, replicated: bool = True) -> dict[str, Any]:
         """The full training state of this rank, as checkpoints and memory snapshots hold it (labelled `step`,
@@ -1300,8 +1292,8 @@ class Job:
             return f"the job was {self.state.value}, not inside its training loop"
         if not self._light_wanted():
             return "light snapshots are off"
-        if self._live_void is not None:
-            return self._live_void
+        if self._live.void is not None:
+            return self._live.void
         versions = self._live.versions
         if not versions:
             return "no live tensors were read"

@@ -46,6 +46,8 @@ class LiveState:
         self._skeletons: dict[str, FlattenCache] = {}
         self._modules: dict[str, tuple[frozenset[int], Any]] = {}  # plain modules: (key, skeleton)
         self._optimizers: dict[str, _OptimizerSkeleton] = {}
+        self.void: str | None = None
+        """Why the last read must not be handed on (a check judged its step's state); the next read clears it."""
 
     @property
     def held(self) -> bool:
@@ -70,6 +72,15 @@ class LiveState:
             if ptrs != self._ptrs:
                 self._ptrs, self.key = ptrs, frozenset(ptrs)
         self._counts = [t._version for t in self._tensors]
+        self.void = None
+
+    def forbid(self, why: str) -> None:
+        """The state this read saw must not go to a replacement: a check has judged the step (replicas differ, a
+        loss spike calls for a rollback, non-finite parameters), and a peer dying in the collectives that follow
+        (the verdict's vote, a repair, the rollback) must not leave a survivor that resumes from it. The first
+        reason stays."""
+        if self.void is None:
+            self.void = why
 
     def unchanged(self, objects: Mapping[str, Any], replicated: frozenset[str]) -> bool:
         """Whether the live tensors, walked afresh, are still those of the last read, at the same versions."""
