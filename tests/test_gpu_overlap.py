@@ -99,3 +99,52 @@ def test_without_overlap_the_copy_ends_inside_save(tmp_path: Path) -> None:
     restored = ck.load_latest()
     assert restored is not None
     _same(expected["objects"], restored.state["objects"], "objects")
+
+
+@pytest.mark.parametrize("with_batchnorm", [False, True])
+def test_a_memory_snapshot_holds_its_step_while_the_next_steps_run(tmp_path: Path, with_batchnorm: bool) -> None:
+    """The memory tier's full snapshot on a GPU (checkpoint/tiers/memory.py): the first copy into each slot is the
+    synchronous pageable one and registers the slot with CUDA on a thread; from then on the optimizer's tensors
+    are copied on a side stream under the next step, the snapshot is listed only once published, and it holds
+    its step bit for bit."""
+    from stalwart.checkpoint.save.overlap import UpdateFence
+    from stalwart.checkpoint.tiers.memory import MemoryTier
+
+    torch.manual_seed(0)
+    width = 4096  # 8 layers: 0.54 GB of parameters, 1.6 GB with AdamW
+    layers: list[torch.nn.Module] = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(width, width)]
+        layers += [torch.nn.BatchNorm1d(width)] if with_batchnorm else [torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers).cuda()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(64, width, device="cuda")
+    _train(model, optim, x)
+    tier = MemoryTier(tmp_path, rank=0, world_size=1)
+    fence = UpdateFence([optim])
+    tier.overlap = fence
+    try:
+        for step in (1, 2):  # one synchronous copy into each slot; each slot is then registered
+            tier.snapshot(step, {"step": step, "objects": {"model": model.state_dict(), "optim": optim.state_dict()}})
+            assert tier.running is None, "a copy into pageable memory was left running"
+            _train(model, optim, x)
+        for slot in tier._slots:
+            if slot._pinning is not None:
+                slot._pinning.join()
+            assert slot.pinned, "a slot was not registered with CUDA"
+        for step in (3, 4, 5):
+            state = {"step": step, "objects": {"model": model.state_dict(), "optim": optim.state_dict()}}
+            torch.cuda.synchronize()
+            expected = _clone(state)
+            tier.snapshot(step, state)
+            assert tier.running == step and fence.pending, "the optimizer's tensors were not left to the side stream"
+            assert step not in tier.steps(), "listed before it was published"
+            _train(model, optim, x)  # forward (BatchNorm buffers change), backward, optimizer step: all in place
+            assert tier.publish() == step
+            restored = tier.load(step)
+            _same(expected["objects"], restored.state["objects"], "objects")
+            torch.cuda.synchronize()
+            assert not torch.equal(expected["objects"]["model"]["0.weight"], model[0].weight.cpu()), "did not train"
+    finally:
+        tier.close()
+        fence.close()

@@ -38,6 +38,7 @@ from stalwart.checkpoint.format.serialize import check_loadable, flatten
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.save.overlap import UpdateFence
+from stalwart.checkpoint.save.side_copy import ThreadedSideCopy, side_copy_for_tests
 from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import MAX_REPLICAS, PeerReplicas
 from stalwart.detect.divergence import DivergenceCheck, broadcast_on_default_group
@@ -346,7 +347,11 @@ class Job:
         self._hang = HangTimer(fixed)
         self._memory = (
             MemoryTier.from_env(
-                self.placement.rank, self.placement.world_size, self.placement.local_rank, _local_world_size()
+                self.placement.rank,
+                self.placement.world_size,
+                self.placement.local_rank,
+                _local_world_size(),
+                side_copy=side_copy_for_tests(),
             )
             if self.config.snapshot_every != 0
             else None
@@ -355,6 +360,8 @@ class Job:
             self._memory, self.comm, self.events, self.config.peer_replicas, _local_world_size()
         )
         self._snapshot_s = 0.0
+        self._snapshot_late_s = 0.0  # what publishing an overlapped snapshot cost at the next step's end
+        self._push_at_publish = False  # the peer replicas get an overlapped snapshot once it is published
         self._full_copy_step: int | None = None  # the newest full copy in node memory (step_done reports it)
         self._reform = self._memory is not None and reform.enabled()
         self._live = LiveState(self.placement.rank)  # what a survivor keeps: live tensors' versions, skeleton
@@ -619,6 +626,7 @@ class Job:
                 self._hang.observe(step_s)
                 self._schedule.observe_step(step_s)
             live_s = self._live_at_step_end()  # before any collective of this step's end
+            self._publish_snapshot()
             rollback = self._rollback_wanted()
             if rollback is not None and self._roll_back(rollback, loader):
                 iterator = iter(loader) if loader is not None else None  # from the restored data position
@@ -769,6 +777,7 @@ class Job:
         replicas): the next one's step, from costs every rank agrees on (policy/snapshot.py)."""
         if self._light_agreed() and self._light_cost.judged():
             self._judge_light()
+        seconds, self._snapshot_late_s = seconds + self._snapshot_late_s, 0.0  # the last one's publish, if any
         decision = self._schedule.taken(self.step, seconds, self._largest)
         if decision is not None and self.is_main:
             self.events.emit("snapshot_interval", **dataclasses.asdict(decision))
@@ -1012,19 +1021,47 @@ class Job:
             self._guard_agreed = replicated or shards or self.world_size == 1
 
     def _start_overlap(self) -> None:
-        """On a GPU, checkpoints copy the tracked optimizers' tensors under the next step (save/overlap.py)."""
-        if self._fence is not None or not self.config.checkpoint_overlap or not torch.cuda.is_available():
+        """On a GPU, checkpoints and full memory snapshots copy the tracked optimizers' tensors under the next
+        step (save/overlap.py). Under the tests' threaded stand-in for a side stream (save/side_copy.py), memory
+        snapshots do so on a CPU too."""
+        host = self._memory is not None and isinstance(self._memory._side, ThreadedSideCopy)
+        if self._fence is not None or not self.config.checkpoint_overlap or not (torch.cuda.is_available() or host):
             return
         optimizers = [o for o in self._objects.values() if isinstance(o, torch.optim.Optimizer)]
         if optimizers:
-            self._fence = UpdateFence(optimizers)
+            self._fence = UpdateFence(optimizers, host=host)
             self.checkpointer.overlap = self._fence
+            if self._memory is not None:
+                self._memory.overlap = self._fence
 
     def _close_overlap(self) -> None:
         if self._fence is not None:
             self.checkpointer.overlap = None
+            if self._memory is not None:
+                self._memory.overlap = None
             self._fence.close()
             self._fence = None
+
+    def _publish_snapshot(self) -> None:
+        """At the step's end after an overlapped full snapshot (on a GPU), on every rank alike: the snapshot is
+        valid from now on (its copy ran under this step, whose optimizer step waited for it), and only now does
+        it go to the peer replicas. What this costs counts towards the snapshot's cost at the next plan: the
+        wait here, the push, and how long this step's optimizer step waited for the copy on the GPU (timed by
+        the fence; a checkpoint's copy running at the same time is counted in with it)."""
+        memory = self._memory
+        if memory is None or memory.running is None:
+            self._push_at_publish = False  # (dropped by a rollback)
+            return
+        started = time.perf_counter()
+        published = memory.publish()
+        if published is not None:
+            self._full_copy_step = published
+        if self._push_at_publish:
+            self._push_at_publish = False
+            self._replicas.push(published if published is not None else -1, light=False)
+            # (an empty image if it was given up: the push is a collective every rank takes part in)
+        stalled = self._fence.take_stall_s() if self._fence is not None else 0.0  # the optimizer step's wait
+        self._snapshot_late_s += time.perf_counter() - started + stalled
 
     def _start_straggler_detector(self) -> None:
         """Straggler detection over the tracked modules (detect/straggler.py), with more than one rank."""
@@ -1163,8 +1200,13 @@ class Job:
             self._light_cost.observe(seconds)
         if full:
             assert state is not None
+            if self._fence is not None:
+                self._fence.take_stall_s()  # what it timed so far belongs to checkpoints, not to this snapshot
             seconds += self._memory.snapshot(self.step, state, replicated)[0]
-            self._full_copy_step = self.step
+            if self._memory.running is None:
+                self._full_copy_step = self.step
+            elif push == "full":
+                push, self._push_at_publish = "", True  # its copy still runs: sent once it is published
         if push:
             self._replicas.push(self.step, light=push == "light")
             seconds += self._replicas.seconds
@@ -1248,7 +1290,7 @@ class Job:
                 step()
         if self._memory is not None:
             with contextlib.suppress(Exception):
-                self._memory.close()
+                self._memory.close(wait_s=0.0)  # a snapshot's copy on a GPU that may hang: only if already done
         self._owns_process_group = False
         with contextlib.suppress(Exception):
             why = {} if lost is None else {"why": lost}

@@ -19,6 +19,7 @@ optimizer step cannot outrun the copy either.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,13 +32,19 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 class UpdateFence:
-    """Holds the newest overlapped copy's completion event and makes the compute stream wait for it before any
-    tracked optimizer updates its tensors (a step pre-hook on each)."""
+    """Holds the overlapped copies' completion events (a checkpoint's and a memory snapshot's may be running at
+    once) and makes the compute stream wait for them before any tracked optimizer updates its tensors (a step
+    pre-hook on each).
 
-    def __init__(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    With `host` (tests only, side_copy.ThreadedSideCopy): CPU tensors count as stable too, and the fence waits
+    on the host for copies that a thread runs."""
+
+    def __init__(self, optimizers: Iterable[torch.optim.Optimizer], *, host: bool = False) -> None:
         self._optimizers = list(optimizers)
-        self._pending: torch.cuda.Event | None = None
-        self._device: torch.device | None = None
+        self._host = host
+        self._pending: list[tuple[Any, torch.device | None]] = []
+        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # the compute stream's waits, timed
+        self._host_stall_s = 0.0
         self._handles = [opt.register_step_pre_hook(self._before_update) for opt in self._optimizers]
 
     def stable(self) -> set[int]:
@@ -46,40 +53,66 @@ class UpdateFence:
         for opt in self._optimizers:
             for group in opt.param_groups:
                 for p in group["params"]:
-                    if p.is_cuda:
+                    if p.is_cuda or self._host:
                         keys.add(storage_key(p))
             for state in opt.state.values():
                 for value in state.values():
-                    if isinstance(value, torch.Tensor) and value.is_cuda:
+                    if isinstance(value, torch.Tensor) and (value.is_cuda or self._host):
                         keys.add(storage_key(value))
         return keys
 
-    def defer(self, done: torch.cuda.Event, device: torch.device) -> None:
-        """A copy whose completion is `done` reads stable tensors: no update may start before it."""
-        self._pending, self._device = done, device
+    def defer(self, done: Any, device: torch.device | None) -> None:
+        """A copy whose completion is `done` (a torch.cuda.Event on `device`, or with device None an event the
+        host waits for) reads stable tensors: no update may start before it."""
+        self._pending.append((done, device))
 
     @property
     def pending(self) -> bool:
-        return self._pending is not None
+        return bool(self._pending)
 
     def fence(self) -> None:
-        """Order the compute stream after the pending copy (no host wait: the GPU waits, and only if the copy
-        is still running)."""
-        done, device = self._pending, self._device
-        if done is None:
-            return
-        self._pending = None
-        torch.cuda.current_stream(device).wait_event(done)
+        """Order the compute stream after the pending copies (no host wait for a GPU's: the GPU waits, and only
+        if a copy is still running)."""
+        pending, self._pending = self._pending, []
+        for done, device in pending:
+            if device is None:
+                started = time.perf_counter()
+                done.synchronize()
+                self._host_stall_s += time.perf_counter() - started
+            else:
+                stream = torch.cuda.current_stream(device)
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record(stream)
+                stream.wait_event(done)
+                after.record(stream)
+                self._stalls = [*self._stalls[-63:], (before, after)]  # read at snapshots' publishes, if any
+
+    def take_stall_s(self) -> float:
+        """How long training waited for the copies at the fences since the last call, as far as that is known
+        yet (a GPU wait is timed by two events around it on the compute stream, read once they have passed;
+        zero when the copy had ended before the optimizer step came). This is what an overlapped copy costs
+        beyond enqueueing it."""
+        total, self._host_stall_s = self._host_stall_s, 0.0
+        waiting = []
+        for before, after in self._stalls:
+            if after.query():
+                total += before.elapsed_time(after) / 1e3
+            else:
+                waiting.append((before, after))
+        self._stalls = waiting[-64:]
+        return total
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.fence()
 
     def close(self) -> None:
-        """Remove the hooks, ordering the compute stream after a copy still pending (no host wait: closing after a
-        hung collective must not hang; staging itself outlives a copy into it, see Staging.close)."""
+        """Remove the hooks, ordering the compute stream after copies still pending (no host wait for a GPU's:
+        closing after a hung collective must not hang; staging itself outlives a copy into it, see
+        Staging.close)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        with contextlib.suppress(Exception):
-            self.fence()
-        self._pending = None
+        if any(device is not None for _, device in self._pending):
+            with contextlib.suppress(Exception):
+                self.fence()
+        self._pending = []

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from stalwart.checkpoint.save.overlap import storage_key
+from stalwart.checkpoint.save.side_copy import CopyDone, SideCopy
 
 ALIGN = 64
 PAGE = 4096
@@ -64,9 +64,9 @@ class Staging:
         self._map: mmap.mmap | None = None
         self._buf: torch.Tensor | None = None
         self._pinned = False
-        self._stream: torch.cuda.Stream | None = None
+        self._side = SideCopy()
         self._views: ViewCache = {}
-        self._running: torch.cuda.Event | None = None  # the newest copy left running on the side stream
+        self._running: CopyDone | None = None  # the newest copy left running on the side stream
 
     def spec(self) -> dict[str, int]:
         return {"pid": os.getpid(), "fd": self.fd, "size": self.size}
@@ -96,7 +96,7 @@ class Staging:
 
     def copy_in(
         self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], stable: set[int] | None = None
-    ) -> torch.cuda.Event | None:
+    ) -> CopyDone | None:
         """Copy every tensor to its offset. Returns None once all bytes are in staging (CUDA copies included),
         or, when `stable` names the storage of some CUDA tensors and staging is pinned, as soon as every other
         byte is: the copies of those tensors then still run on the side stream, and the event returned marks
@@ -112,44 +112,9 @@ class Staging:
 
     def _copy(
         self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], stable: set[int] | None
-    ) -> torch.cuda.Event | None:
-        now: list[tuple[torch.Tensor, torch.Tensor]] = []
-        later: list[tuple[torch.Tensor, torch.Tensor]] = []
-        host: list[tuple[torch.Tensor, torch.Tensor]] = []
-        devices = {t.device for t in tensors if t.is_cuda}
-        for t, off in zip(tensors, offsets, strict=True):
-            pair = (t, self._view(off, t.dtype, t.shape))
-            if not t.is_cuda or len(devices) > 1:
-                # Several GPUs in one process: each would need its own side stream and event; a blocking copy,
-                # queued after that device's compute, is simple and correct (and rare enough to be slow).
-                host.append(pair)
-            elif stable is not None and storage_key(t) in stable:
-                later.append(pair)
-            else:
-                now.append(pair)
-        first = done = None
-        if now or later:
-            device = (now or later)[0][0].device
-            if self._stream is None or self._stream.device != device:
-                self._stream = torch.cuda.Stream(device=device)
-            stream = self._stream
-            stream.wait_stream(torch.cuda.current_stream(device))  # sees every write queued before the save
-            with torch.cuda.stream(stream):
-                for t, dst in now:
-                    dst.copy_(t, non_blocking=self._pinned)
-                if now:
-                    first = torch.cuda.Event()
-                    first.record(stream)
-                for t, dst in later:
-                    dst.copy_(t, non_blocking=True)
-                    t.record_stream(stream)  # the allocator must not reuse its memory before the copy ran
-                if later:
-                    done = torch.cuda.Event()
-                    done.record(stream)
-        for t, dst in host:  # meanwhile the GPU's copies run
-            dst.copy_(t)
-        if first is not None:
-            first.synchronize()
+    ) -> CopyDone | None:
+        pairs = [(t, self._view(off, t.dtype, t.shape)) for t, off in zip(tensors, offsets, strict=True)]
+        done = self._side.copy(pairs, pinned=self._pinned, stable=stable)
         self._running = done
         return done
 

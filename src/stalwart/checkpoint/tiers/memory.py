@@ -21,6 +21,7 @@ import contextlib
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
@@ -40,6 +41,8 @@ from stalwart.checkpoint.format.serialize import (
     is_frozen,
     unflatten,
 )
+from stalwart.checkpoint.save.overlap import UpdateFence
+from stalwart.checkpoint.save.side_copy import CopyDone, SideCopy
 from stalwart.checkpoint.save.staging import ViewCache, aligned, typed_view
 from stalwart.checkpoint.tiers.toc import STEP_IN_HEADER, TocCache, parse_toc, split_values
 from stalwart.errors import CheckpointCorruptError
@@ -49,6 +52,12 @@ MAGIC = 0x5354_414C_5741_5254  # "STALWART"
 HEADER = struct.Struct("<QqqqqqQQ")  # magic, valid, step, rank, world_size, toc_len, data_offset, data_len
 HEADER_BYTES = 64
 PAGE = 4096
+CLOSE_WAIT_S = 5.0
+"""How long closing waits for a snapshot's copy still running on the GPU before giving it up (a hung stream)."""
+_ABANDONED: list[object] = []
+"""Slot mappings given up while a copy into them was still queued on the GPU: kept mapped for the rest of the
+process (a DMA into freed memory would corrupt whatever reuses it); their files are unlinked, so no later
+snapshot shares their pages."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +81,9 @@ class _Slot:
         self.data_offset = -1
         self.written: dict[int, torch.Tensor] = {}
         """Offset -> the frozen tensor (serialize.frozen) this process last copied there: not copied again."""
+        self.pinned = False  # registered with CUDA (cudaHostRegister): a GPU copy into it can run asynchronously
+        self._pinning: threading.Thread | None = None
+        self._pin_failed = False
 
     def header(self) -> tuple[int, ...] | None:
         if self._map is not None:  # this process's own mapping of the file: no open() per snapshot
@@ -108,7 +120,54 @@ class _Slot:
         assert self._buf is not None
         return typed_view(self._buf, self._views, offset, dtype, shape)
 
+    def pin_later(self) -> None:
+        """Register the mapping with CUDA on a background thread, once (after a first snapshot has faulted its
+        pages in: registering untouched pages was measured slower, see save/staging.py). Until it is done,
+        copies into this slot are the synchronous pageable ones; afterwards they run at PCIe bandwidth and can
+        be left running under the next step."""
+        if self.pinned or self._pinning is not None or self._pin_failed or self._buf is None:
+            return
+        buf = self._buf
+
+        def register() -> None:
+            try:
+                err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+            except Exception:
+                err = -1
+            if int(err) == 0:
+                self.pinned = True
+            else:
+                self._pin_failed = True
+
+        self._pinning = threading.Thread(target=register, daemon=True, name="memory-slot-pin")
+        self._pinning.start()
+
+    def _unpin(self) -> None:
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
+        if self.pinned and self._buf is not None:
+            with contextlib.suppress(Exception):
+                torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
+        self.pinned = False
+
+    def give_up(self) -> None:
+        """A copy into this slot is still queued on a GPU that may never run it: keep the mapping alive for the
+        rest of the process and unlink the file, so that whatever writes this slot next gets new pages."""
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
+        _ABANDONED.append((self._map, self._buf))
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        self._map = self._buf = None
+        self.pinned = False
+        self.toc = self.layout = None
+        self.written.clear()
+        self._views.clear()
+
     def close(self) -> None:
+        self._unpin()
         self.toc = self.layout = None
         self.written.clear()
         self._views.clear()
@@ -126,6 +185,12 @@ class MemoryTier:
     rank, so the ranks of one node split them: each tensor is copied by one local rank (the same pure assignment
     as the durable checkpoint's owners, over the local ranks), and a rank restoring reads the tensors it did not
     copy from its local peers' slots of the same step. With 2 ranks per node each copies half.
+
+    On a GPU a full snapshot is copied like a durable checkpoint's (save/side_copy.py): into slots registered
+    with CUDA, on a side stream, the copies of the tensors only an optimizer step writes left running under the
+    next step. Such a snapshot is not valid until `publish()` (the Job calls it at the next step's end, on every
+    rank alike): its header is written then, so a rank that dies before it still has its previous snapshot,
+    whole, and never a torn one.
     """
 
     def __init__(
@@ -135,6 +200,7 @@ class MemoryTier:
         world_size: int,
         local_rank: int = 0,
         local_world_size: int = 1,
+        side_copy: SideCopy | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.rank = rank
@@ -148,17 +214,25 @@ class MemoryTier:
         self._light_reuse: tuple[frozenset[int], dict[str, Any] | None, dict[str, Any]] | None = None
         self._per_rank = FlattenCache(rank, frozenset())  # snapshot_light's per-rank state, same shape each step
         self._next: dict[str, int] = {}  # kind -> the slot this process writes next (the older one)
+        self._side = side_copy or SideCopy()
+        self.overlap: UpdateFence | None = None
+        """On a GPU (set by the Job, as Checkpointer.overlap): a full snapshot's copies of the tensors only an
+        optimizer step writes are left running under the next step, and the fence orders that step's optimizer
+        after them. None: every copy ends before snapshot() returns."""
+        self._pending: _Pending | None = None  # the full snapshot whose copy was left running, not yet valid
 
     def _slot_path(self, local_rank: int, index: int, kind: str = "slot") -> Path:
         # kind: slot, light, and ward<k>.slot, ward<k>.light for the images kept for another node's rank (L3)
         return self.directory / f"local{local_rank:05d}.{kind}{index}"
 
     @classmethod
-    def from_env(cls, rank: int, world_size: int, local_rank: int, local_world_size: int) -> MemoryTier | None:
+    def from_env(
+        cls, rank: int, world_size: int, local_rank: int, local_world_size: int, side_copy: SideCopy | None = None
+    ) -> MemoryTier | None:
         directory = os.environ.get(SNAPSHOT_DIR_ENV)
         if not directory or not os.path.isdir(directory):
             return None
-        return cls(directory, rank, world_size, local_rank, local_world_size)
+        return cls(directory, rank, world_size, local_rank, local_world_size, side_copy)
 
     def steps(self, *, light: bool = False) -> list[int]:
         """The steps this rank holds whole (or, with `light`, light snapshots of), newest first, for this rank
@@ -176,6 +250,9 @@ class MemoryTier:
         them. Returns the steps forgotten."""
         forgotten = []
         self._next.clear()
+        if self._pending is not None and self._pending.step > step:
+            forgotten.append(self._pending.step)
+            self._drop_pending()
         for slot in (*self._slots, *self._light):
             h = slot.header()
             if h is None or h[2] <= step or h[3] != self.rank:
@@ -204,9 +281,10 @@ class MemoryTier:
         id, dtype and shape, and everything else (per-rank objects, RNG, buffers) is copied into the light
         slots. A restore then takes the live tensors from a survivor (see `load_light`).
 
-        The copy is synchronous on purpose: copying parameters on a background thread while the next step runs
-        was measured here (2 cores, 2 workers) to save no wall time, and it would rest on the assumption that
-        nothing but the optimizer writes parameters."""
+        On a CPU the copy is synchronous on purpose: copying parameters on a background thread while the next
+        step runs was measured here (2 cores, 2 workers) to save no wall time. On a GPU with `overlap` set, a full
+        snapshot's copies of stable tensors run on a side stream and the snapshot is valid from `publish()` on
+        (the class docstring); `running` says whether one is pending."""
         started = time.perf_counter()
         skeleton, items = flatten(state, self.rank, replicated)
         table, total, absent = [], 0, {}
@@ -227,6 +305,37 @@ class MemoryTier:
                 total = aligned(total + item.nbytes)
         self._write(step, "light" if live is not None else "full", skeleton, table, total, absent)
         return time.perf_counter() - started, total
+
+    @property
+    def running(self) -> int | None:
+        """The step of the full snapshot whose copy is still to be published, if any."""
+        return self._pending.step if self._pending is not None else None
+
+    def publish(self, wait_s: float | None = None) -> int | None:
+        """Make the snapshot whose copy was left running valid once the copy has ended; returns its step (None
+        if there was none, or it was given up). Waits for the copy (by the next step's end it has long ended:
+        that step's optimizer step waited for it on the GPU), for at most `wait_s` seconds if given: a copy
+        still queued then (behind a hung compute stream) is given up, and its slot with it."""
+        pending = self._pending
+        if pending is None:
+            return None
+        self._pending = None
+        if not _ended(pending.done, wait_s):
+            pending.slot.give_up()
+            self._next.clear()  # the next snapshot goes to the slot given up (a new file), not over the older one
+            return None
+        m = pending.slot._map
+        if m is None:
+            return None
+        HEADER.pack_into(m, 0, *pending.header)
+        return pending.step
+
+    def _drop_pending(self, wait_s: float | None = None) -> None:
+        """Let the running copy end and leave its snapshot invalid (a rollback abandoned its step)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and not _ended(pending.done, wait_s):
+            pending.slot.give_up()
+            self._next.clear()
 
     def snapshot_light(
         self, step: int, state: dict[str, Any], replicated: Callable[[], dict[str, Any]], live: AbstractSet[int]
@@ -304,6 +413,8 @@ class MemoryTier:
         if index is None:  # the first write, or another wrote a slot: from the headers
             index = slots.index(self._older(slots))
         target = slots[index]
+        if self._pending is not None and self._pending.slot is target:
+            self._drop_pending()  # never published (no step's end came): its copy ends before this one starts
         m = target.ensure(data_offset + total)
         HEADER.pack_into(m, 0, MAGIC, 0, -1, self.rank, self.world_size, 0, 0, 0)  # invalid while writing
         if target.layout is not layout or target.data_offset != data_offset:
@@ -313,17 +424,28 @@ class MemoryTier:
             m[HEADER_BYTES : HEADER_BYTES + len(contents)] = contents
             target.toc = contents
         written = target.written
+        pairs = []
+        for item, offset in table:
+            at = data_offset + offset
+            if written.get(at) is item.tensor:
+                continue  # a frozen tensor this slot already holds there (a generator that has not moved)
+            pairs.append((item.tensor, target.view(at, item.tensor.dtype, item.tensor.shape)))
+            if is_frozen(item.tensor):
+                written[at] = item.tensor
+            else:
+                written.pop(at, None)
+        fence = self.overlap if kind == "full" else None
         with torch.no_grad():
-            for item, offset in table:
-                at = data_offset + offset
-                if written.get(at) is item.tensor:
-                    continue  # a frozen tensor this slot already holds there (a generator that has not moved)
-                target.view(at, item.tensor.dtype, item.tensor.shape).copy_(item.tensor)
-                if is_frozen(item.tensor):
-                    written[at] = item.tensor
-                else:
-                    written.pop(at, None)
-        HEADER.pack_into(m, 0, MAGIC, 1, step, self.rank, self.world_size, len(contents), data_offset, total)
+            done = self._side.copy(pairs, pinned=target.pinned, stable=fence.stable() if fence else None)
+        device = next((t.device for t, _ in pairs if t.is_cuda), None)
+        if device is not None:
+            target.pin_later()  # the next snapshots into this slot copy at PCIe speed, and can overlap
+        header = (MAGIC, 1, step, self.rank, self.world_size, len(contents), data_offset, total)
+        if done is not None and fence is not None:
+            fence.defer(done, device)  # the next optimizer step waits for the copy (on the GPU)
+            self._pending = _Pending(step, done, target, header)
+        else:
+            HEADER.pack_into(m, 0, *header)
         self._next[kind] = 1 - index  # now the older one, as long as only this process writes them
 
     @staticmethod
@@ -396,6 +518,7 @@ class MemoryTier:
         rank's slots (the older); False (nothing written) if it is not a whole image of this rank."""
         if not _whole_image(image, self.world_size) or HEADER.unpack_from(image)[3] != self.rank:
             return False
+        self._drop_pending()
         self._next.clear()
         _write_image(self._older(self._light if light else self._slots), image)
         return True
@@ -477,10 +600,36 @@ class MemoryTier:
                 return got.table, got.data
         return {}, bytearray()
 
-    def close(self) -> None:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Publish a snapshot whose copy is still running if it ends within `wait_s` (0 after a failure: only
+        one already done), then unmap the slots."""
+        self.publish(wait_s)
         self._next.clear()
         for slot in [*self._slots, *self._light]:
             slot.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A full snapshot whose copy was left running: its slot's header is written when the copy has ended."""
+
+    step: int
+    done: CopyDone
+    slot: _Slot
+    header: tuple[int, ...]
+
+
+def _ended(done: CopyDone, wait_s: float | None) -> bool:
+    """Whether the copy has ended, waiting for it for at most `wait_s` seconds (None: as long as it takes)."""
+    if wait_s is None:
+        done.synchronize()
+        return True
+    deadline = time.monotonic() + wait_s
+    while not done.query():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def _read_image(path: Path, header: tuple[int, ...]) -> bytes:

@@ -1,0 +1,201 @@
+"""A memory snapshot whose copy runs under the next step (the GPU path of checkpoint/tiers/memory.py), checked on a
+CPU through save/side_copy.ThreadedSideCopy: the same contract as a CUDA side stream (the stable tensors' copies
+run later, an event marks their end, the fence orders the next optimizer step after it), with a thread instead
+of a DMA engine and a release the test holds. On a lent GPU the real path runs in tests/test_gpu_overlap.py.
+
+What must hold: a snapshot is listed only once it is published, after its copy ended; until then a restart
+finds the one before it, whole; the optimizer cannot update what is still being copied; a copy that never ends
+is given up without its pages being reused; a rollback drops it.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import Launch, child_env, tiny_args
+from stalwart.checkpoint.save.overlap import UpdateFence
+from stalwart.checkpoint.save.side_copy import FAKE_ENV, ThreadDone, ThreadedSideCopy
+from stalwart.checkpoint.tiers.memory import _ABANDONED, MemoryTier
+
+
+def _job() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, optim)  # the optimizer's state exists
+    return model, optim
+
+
+def _train(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    optim.zero_grad(set_to_none=True)
+    model(torch.ones(4, 64)).square().mean().backward()
+    optim.step()
+
+
+def _state(step: int, model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
+    return {"step": step, "objects": {"model": model.state_dict(), "optim": optim.state_dict()}}
+
+
+def _weights(step: int, tier: MemoryTier) -> torch.Tensor:
+    return tier.load(step).state["objects"]["model"]["weight"]
+
+
+def _overlapped(tmp_path: Path, optim: torch.optim.Optimizer) -> tuple[MemoryTier, ThreadedSideCopy, UpdateFence]:
+    side = ThreadedSideCopy(release=threading.Event())
+    tier = MemoryTier(tmp_path, rank=0, world_size=1, side_copy=side)
+    fence = UpdateFence([optim], host=True)
+    tier.overlap = fence
+    return tier, side, fence
+
+
+def test_a_snapshot_is_listed_only_once_published_and_holds_its_step_though_the_next_step_ran(tmp_path: Path) -> None:
+    model, optim = _job()
+    tier, side, fence = _overlapped(tmp_path, optim)
+    side.release.set()
+    tier.snapshot(1, _state(1, model, optim))
+    assert tier.publish() == 1
+    side.release.clear()
+    at_2 = model.weight.detach().clone()
+    tier.snapshot(2, _state(2, model, optim))
+    assert tier.running == 2 and fence.pending
+    assert tier.steps() == [1], "listed before its copy ended"
+    assert tier.image(2, light=False) == b"", "sent to a peer before its copy ended"
+
+    stepping = threading.Thread(target=_train, args=(model, optim))  # the next step's optimizer step
+    stepping.start()
+    stepping.join(0.3)
+    assert stepping.is_alive(), "the optimizer updated the parameters while their copy was still running"
+    side.release.set()
+    stepping.join(10)
+    assert not stepping.is_alive()
+    assert not torch.equal(model.weight.detach(), at_2), "the step did update them once the copy had ended"
+
+    assert tier.publish() == 2
+    assert tier.running is None and tier.steps() == [2, 1]
+    assert torch.equal(_weights(2, tier), at_2), "the snapshot does not hold its step"
+    tier.close()
+    fence.close()
+
+
+def test_a_rank_that_dies_before_publishing_leaves_the_snapshot_before_it_whole(tmp_path: Path) -> None:
+    model, optim = _job()
+    tier, side, fence = _overlapped(tmp_path, optim)
+    side.release.set()
+    tier.snapshot(1, _state(1, model, optim))
+    tier.publish()
+    at_1 = model.weight.detach().clone()
+    _train(model, optim)
+    tier.snapshot(2, _state(2, model, optim))
+    tier.publish()
+    _train(model, optim)
+    side.release.clear()
+    tier.snapshot(3, _state(3, model, optim))  # into step 1's slot, its copy not yet ended
+    restarted = MemoryTier(tmp_path, rank=0, world_size=1)  # what a replacement process finds
+    assert restarted.steps() == [2], "step 3 is listed before it was published, or step 2 is gone"
+    side.release.set()
+    side.threads[-1].join(10)
+    assert restarted.steps() == [2], "a copy that ended is not a published snapshot"
+    assert not torch.equal(_weights(2, restarted), at_1)
+    tier.close(wait_s=0.0)  # closing publishes one whose copy has ended
+    assert restarted.steps() == [3, 2]
+    restarted.close()
+    fence.close()
+
+
+def test_a_copy_that_never_ends_is_given_up_and_its_pages_are_never_reused(tmp_path: Path) -> None:
+    model, optim = _job()
+    tier, side, fence = _overlapped(tmp_path, optim)
+    side.release.set()
+    tier.snapshot(1, _state(1, model, optim))
+    tier.publish()
+    side.release.clear()
+    tier.snapshot(2, _state(2, model, optim))  # a copy queued behind a hung compute stream, say
+    fence._pending.clear()  # (the hung step never reaches its optimizer step)
+    held = len(_ABANDONED)
+    assert tier.publish(wait_s=0.05) is None
+    assert len(_ABANDONED) == held + 1, "the mapping the copy still writes was not kept"
+    assert tier.steps() == [1]
+    for _ in range(3):
+        _train(model, optim)
+    stale, side.release = side.release, threading.Event()
+    side.release.set()
+    tier.snapshot(5, _state(5, model, optim))
+    assert tier.publish() == 5
+    want = model.weight.detach().clone()
+    _train(model, optim)  # the stale copy reads its sources when it runs at last: they differ from step 5's now
+    stale.set()
+    side.threads[1].join(10)  # the copy of step 2 lands at last, after step 5 was published
+    assert tier.steps() == [5, 1], "the slot given up was not the one written next"
+    assert torch.equal(_weights(5, tier), want), "the given-up copy landed in a newer snapshot"
+    tier.close()
+    fence.close()
+
+
+def test_a_rollback_drops_a_snapshot_not_yet_published(tmp_path: Path) -> None:
+    model, optim = _job()
+    tier, side, fence = _overlapped(tmp_path, optim)
+    side.release.set()
+    tier.snapshot(1, _state(1, model, optim))
+    tier.publish()
+    tier.snapshot(2, _state(2, model, optim))
+    assert tier.forget_after(1) == [2]
+    assert tier.running is None and tier.publish() is None
+    assert tier.steps() == [1]
+    tier.close()
+    fence.close()
+
+
+def test_the_fence_waits_for_every_copy_deferred_to_it() -> None:
+    model, optim = _job()
+    fence = UpdateFence([optim], host=True)
+    assert fence.stable() >= {p.untyped_storage().data_ptr() for p in model.parameters()}
+    first, second = ThreadDone(), ThreadDone()
+    fence.defer(first, None)
+    fence.defer(second, None)
+    stepping = threading.Thread(target=_train, args=(model, optim))
+    stepping.start()
+    first.set()
+    stepping.join(0.3)
+    assert stepping.is_alive(), "the fence let the update run before the second copy ended"
+    second.set()
+    stepping.join(10)
+    assert not stepping.is_alive() and not fence.pending
+    assert fence.take_stall_s() > 0, "the update's wait for the copies was not counted"
+    assert fence.take_stall_s() == 0, "counted twice"
+    fence.close()
+
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    job = Launch(tmp_path_factory.mktemp("reference"), tiny_args("--steps", str(STEPS)), child_env())
+    try:
+        assert job.wait(120) == 0, job.output()
+        return job.results()
+    finally:
+        job.reap()
+
+
+@pytest.mark.parametrize("faults", ["kill@rank=1,step=13", "kill@rank=0,step=9;kill@rank=1,step=9"])
+def test_a_job_whose_snapshots_overlap_the_next_step_resumes_bitwise_identical(
+    launch: object, reference: dict, faults: str
+) -> None:
+    """Under `stalwart run` with every full snapshot's copy left running until the next step's end: a kill
+    loses the snapshot being copied (the step before it is resumed), and the run ends bitwise identical."""
+    job = launch(tiny_args("--steps", str(STEPS)), env=child_env(STALWART_FAULTS=faults, **{FAKE_ENV: "1"}))  # type: ignore[operator]
+    assert job.wait(180) == 0, job.output()
+    resumed = job.events("resumed")
+    killed_at = int(faults.split("step=")[1].split(";")[0])
+    assert resumed and all(e["tier"] == "memory" for e in resumed), resumed
+    assert {e["step"] for e in resumed} == {killed_at - 1}, "the snapshot being copied at the kill was used"
+    results = job.results()
+    for rank in (0, 1):
+        assert results[rank]["step"] == STEPS
+        assert results[rank]["sha256"] == reference[rank]["sha256"], "parameters differ from the fault-free run"
+        assert results[rank]["seen"] == reference[rank]["seen"], "the sample history differs"
