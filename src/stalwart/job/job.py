@@ -38,7 +38,7 @@ from stalwart.checkpoint.format.serialize import check_loadable, flatten
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.save.overlap import UpdateFence
-from stalwart.checkpoint.save.side_copy import ThreadedSideCopy, side_copy_for_tests
+from stalwart.checkpoint.save.side_copy import side_copy_for_tests
 from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import MAX_REPLICAS, PeerReplicas
 from stalwart.detect.divergence import DivergenceCheck, broadcast_on_default_group
@@ -1024,7 +1024,7 @@ class Job:
         """On a GPU, checkpoints and full memory snapshots copy the tracked optimizers' tensors under the next
         step (save/overlap.py). Under the tests' threaded stand-in for a side stream (save/side_copy.py), memory
         snapshots do so on a CPU too."""
-        host = self._memory is not None and isinstance(self._memory._side, ThreadedSideCopy)
+        host = self._memory is not None and self._memory.copies_on_host
         if self._fence is not None or not self.config.checkpoint_overlap or not (torch.cuda.is_available() or host):
             return
         optimizers = [o for o in self._objects.values() if isinstance(o, torch.optim.Optimizer)]

@@ -42,7 +42,7 @@ from stalwart.checkpoint.format.serialize import (
     unflatten,
 )
 from stalwart.checkpoint.save.overlap import UpdateFence
-from stalwart.checkpoint.save.side_copy import CopyDone, SideCopy
+from stalwart.checkpoint.save.side_copy import CopyDone, SideCopy, ThreadedSideCopy
 from stalwart.checkpoint.save.staging import ViewCache, aligned, typed_view
 from stalwart.checkpoint.tiers.toc import STEP_IN_HEADER, TocCache, parse_toc, split_values
 from stalwart.errors import CheckpointCorruptError
@@ -305,6 +305,12 @@ class MemoryTier:
                 total = aligned(total + item.nbytes)
         self._write(step, "light" if live is not None else "full", skeleton, table, total, absent)
         return time.perf_counter() - started, total
+
+    @property
+    def copies_on_host(self) -> bool:
+        """Whether this tier's overlapped copies are the tests' threaded stand-in (save/side_copy.py): then CPU
+        tensors can be left copying too, and the fence waits for them on the host."""
+        return isinstance(self._side, ThreadedSideCopy)
 
     @property
     def running(self) -> int | None:
