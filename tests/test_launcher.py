@@ -333,3 +333,32 @@ def test_a_one_node_rendezvous_skips_the_random_start_delay(monkeypatch: pytest.
         handler.shutdown()
     assert not [d for d in delays if isinstance(d, tuple)], delays
     assert dynamic_rendezvous._delay is record, "torch's own delay function is back in place"
+
+
+def test_the_rendezvous_names_its_events_without_inspecting_the_whole_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch names each rendezvous event after its caller with inspect.stack() (most of a restart's rendezvous in
+    the agent); stalwart's handler swaps in a frame lookup that gives the same names."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
+
+    from stalwart.supervisor.rendezvous import rendezvous_handler
+
+    original = dynamic_rendezvous.get_method_name
+    original = getattr(original, "__wrapped__", original)  # torch's own (an earlier handler replaced it)
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", original)
+
+    def caller(name_of: Any) -> str:
+        def recorder() -> str:
+            return name_of()  # like torch's _record: the name is that of recorder's caller
+
+        return recorder()
+
+    expected = caller(original)
+    handler = rendezvous_handler(RendezvousParameters("c10d", "127.0.0.1:0", "names", 1, 1, is_host="1"))
+    try:
+        replaced = dynamic_rendezvous.get_method_name
+        assert replaced is not original, "torch's stack-inspecting version is still in place"
+        assert expected == caller(replaced) == "caller"
+        assert replaced(10_000) == original(10_000) == "no_method_name"
+        handler.next_rendezvous()  # and a rendezvous still completes with it
+    finally:
+        handler.shutdown()

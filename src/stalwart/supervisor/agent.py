@@ -33,6 +33,7 @@ from stalwart.errors import EXIT_EVICTED, EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.runtime.process import process_state, stopped
 from stalwart.supervisor import exclusion, peer_check
 from stalwart.supervisor.exclusion import Exclusion
+from stalwart.supervisor.exit_watch import ExitWatch
 from stalwart.supervisor.gpu_watch import GpuWatch, is_restart
 from stalwart.supervisor.host_pool import Host, HostContext, SparePool, running_in
 from stalwart.supervisor.peer_check import PeerCheck
@@ -78,9 +79,12 @@ class StalwartAgent(LocalElasticAgent):
         reform: bool = False,
         gpu: GpuWatch | None = None,
         peer_check: PeerCheck | None = None,
+        monitor_s: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self._monitor_s = monitor_s  # None: torch elastic's own sleep alone paces the looks at the workers
+        self._exits = ExitWatch()  # wakes the look as soon as a worker ends (supervisor/exit_watch.py)
         self._gpu = gpu
         self._peer_check = peer_check  # the first start's bandwidth check between nodes (supervisor/peer_check.py)
         self.excluded: Exclusion | None = None
@@ -205,6 +209,7 @@ class StalwartAgent(LocalElasticAgent):
     def _shutdown(self, *args: Any, **kwargs: Any) -> None:
         if not self._reforming:  # torch elastic's _stop_workers shuts down too, right after survivors were kept
             self._release_kept()
+            self._exits.close()
         super()._shutdown(*args, **kwargs)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
@@ -222,6 +227,8 @@ class StalwartAgent(LocalElasticAgent):
         super()._stop_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self._monitor_s is not None:
+            self._exits.wait(self._pids.values(), self._monitor_s, self._zygote)
         if self._gpu is not None and self.excluded is None:
             for index, action, reason in self._gpu.due_actions():
                 self._act_on_gpu(worker_group, index, action, reason)

@@ -73,6 +73,9 @@ DEFAULT_EVENT_LOG = "stalwart-logs/events.jsonl"
 SNAPSHOTS_PREFIX = "stalwart-snapshots-"
 """The memory tier's directory in /dev/shm; its suffix is its launcher's heartbeat board's."""
 LOOPBACK = "127.0.0.1"
+MONITOR_TICK_S = 1e-6
+"""torch elastic's sleep between two looks at the workers (it must be positive); the agent's own wait, woken by a
+worker's end, takes torchrun's --monitor-interval as its timeout (supervisor/exit_watch.py)."""
 DEFAULT_MAX_RESTARTS = 3
 """torchrun's default is 0, which turns any failure into a failed job; a resilience launcher should restart."""
 
@@ -542,7 +545,7 @@ def _run_agent(
             args=tuple(cmd_args),
             rdzv_handler=rdzv_handler,
             max_restarts=config.max_restarts,
-            monitor_interval=config.monitor_interval,
+            monitor_interval=MONITOR_TICK_S,  # the agent waits config.monitor_interval itself (exit_watch.py)
             master_addr=master_addr,
             master_port=master_port,
             local_addr=config.local_addr,
@@ -563,6 +566,7 @@ def _run_agent(
         zygote=pool.zygote,
         reform=reforms(args),
         peer_check=preflight.peer_check(args, config.max_nodes > 1, *_host_port(config.rdzv_endpoint)),
+        monitor_s=float(config.monitor_interval),
         **_supported(
             StalwartAgent.__mro__[1],
             spec=spec,
