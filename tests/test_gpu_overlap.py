@@ -49,20 +49,28 @@ def _train(model: torch.nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor
     optim.step()
 
 
-@pytest.mark.parametrize("with_batchnorm", [False, True])
-def test_checkpoint_holds_the_saved_step_while_the_next_steps_run(tmp_path: Path, with_batchnorm: bool) -> None:
-    from stalwart.checkpoint.save.overlap import UpdateFence
-
+def _trained_mlp(depth: int, with_batchnorm: bool) -> tuple[torch.nn.Sequential, torch.optim.Optimizer, torch.Tensor]:
+    """`depth` layers of 4096x4096 (with BatchNorm buffers, which the forward pass changes, or ReLU) on the GPU,
+    AdamW, one step taken so that the optimizer's state exists; and the batch."""
     torch.manual_seed(0)
-    width = 4096  # 16 layers of 4096x4096: 1.07 GB of parameters, 3.2 GB with AdamW: a copy of ~60 ms
+    width = 4096
     layers: list[torch.nn.Module] = []
-    for _ in range(16):
+    for _ in range(depth):
         layers += [torch.nn.Linear(width, width)]
         layers += [torch.nn.BatchNorm1d(width)] if with_batchnorm else [torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers).cuda()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(64, width, device="cuda")
     _train(model, optim, x)
+    return model, optim, x
+
+
+@pytest.mark.parametrize("with_batchnorm", [False, True])
+def test_checkpoint_holds_the_saved_step_while_the_next_steps_run(tmp_path: Path, with_batchnorm: bool) -> None:
+    from stalwart.checkpoint.save.overlap import UpdateFence
+
+    # 16 layers of 4096x4096: 1.07 GB of parameters, 3.2 GB with AdamW: a copy of ~60 ms
+    model, optim, x = _trained_mlp(16, with_batchnorm)
     ck = open_checkpointer(tmp_path / "ck")
     fence = UpdateFence([optim])
     ck.overlap = fence
@@ -110,16 +118,7 @@ def test_a_memory_snapshot_holds_its_step_while_the_next_steps_run(tmp_path: Pat
     from stalwart.checkpoint.save.overlap import UpdateFence
     from stalwart.checkpoint.tiers.memory import MemoryTier
 
-    torch.manual_seed(0)
-    width = 4096  # 8 layers: 0.54 GB of parameters, 1.6 GB with AdamW
-    layers: list[torch.nn.Module] = []
-    for _ in range(8):
-        layers += [torch.nn.Linear(width, width)]
-        layers += [torch.nn.BatchNorm1d(width)] if with_batchnorm else [torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers).cuda()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(64, width, device="cuda")
-    _train(model, optim, x)
+    model, optim, x = _trained_mlp(8, with_batchnorm)  # 0.54 GB of parameters, 1.6 GB with AdamW
     tier = MemoryTier(tmp_path, rank=0, world_size=1)
     fence = UpdateFence([optim])
     tier.overlap = fence

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import Launch, child_env, tiny_args
+from conftest import child_env, fault_free_results, tiny_args
 from stalwart.checkpoint.save.overlap import UpdateFence
 from stalwart.checkpoint.save.side_copy import FAKE_ENV, ThreadDone, ThreadedSideCopy
 from stalwart.checkpoint.tiers.memory import _ABANDONED, MemoryTier
@@ -174,12 +174,7 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    job = Launch(tmp_path_factory.mktemp("reference"), tiny_args("--steps", str(STEPS)), child_env())
-    try:
-        assert job.wait(120) == 0, job.output()
-        return job.results()
-    finally:
-        job.reap()
+    return fault_free_results(tmp_path_factory.mktemp("reference"), STEPS)
 
 
 @pytest.mark.parametrize("faults", ["kill@rank=1,step=13", "kill@rank=0,step=9;kill@rank=1,step=9"])

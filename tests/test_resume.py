@@ -8,19 +8,14 @@ from typing import Any
 
 import pytest
 
-from conftest import Launch, child_env, tiny_args
+from conftest import Launch, child_env, fault_free_results, tiny_args
 
 STEPS = 30
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    job = Launch(tmp_path_factory.mktemp("reference"), tiny_args("--steps", str(STEPS)), child_env())
-    try:
-        assert job.wait(120) == 0, job.output()
-        return job.results()
-    finally:
-        job.reap()
+    return fault_free_results(tmp_path_factory.mktemp("reference"), STEPS)
 
 
 def _assert_same_as_reference(job: Launch, reference: dict[int, dict[str, Any]]) -> None:
