@@ -84,7 +84,16 @@ def test_memory_tier_resumes_from_the_last_completed_step(launch: Any, reference
     if "kill_in_save" in faults:  # the persister kills the rank while it trains on: at step 12 or later
         assert len(steps) == 1 and min(steps) >= 12, steps
     else:
-        assert steps == {13}, "no step lost: the kill came between steps"
+        # No step every rank completed is lost. A killed rank completed the steps before its kill (between
+        # steps 13 and 14); a survivor those before the step it was in when the failure reached it (`reforming`):
+        # 13, or 12 when the agent's request to re-form came before the survivor's optimizer step of step 13.
+        for restart in sorted({e["restart"] for e in resumed}):
+            completed = {e["rank"]: e["step"] for e in job.events("fault_injected") if e["restart"] == restart - 1}
+            for e in job.events("reforming"):
+                if e["restart"] == restart - 1:
+                    completed.setdefault(e["rank"], e["step"])
+            got = {e["step"] for e in resumed if e["restart"] == restart}
+            assert got == {min(completed.values())} and got <= {12, 13}, (restart, got, completed)
     _assert_same_as_reference(job, reference)
 
 

@@ -315,6 +315,10 @@ class JobConfig:
             raise ConfigError("checkpoint_dir must not be empty")
 
 
+def _defer_reform(optimizer: Any, args: Any, kwargs: Any) -> None:
+    reform.defer_requests()
+
+
 class Job:
     """A training job that checkpoints, resumes and reports; see the module docstring for the loop."""
 
@@ -367,6 +371,7 @@ class Job:
         self._live = LiveState(self.placement.rank)  # what a survivor keeps: live tensors' versions, skeleton
         self._commit: StepCommit | None = None  # light snapshots' commit point at the optimizer step
         self._guard: NumericGuard | None = None  # the numeric guard's pre-hooks on the tracked optimizers
+        self._deferral_hooks: list[Any] = []  # pre-hooks that defer re-forming requests to the step's end
         self._fence: UpdateFence | None = None  # on a GPU: optimizer steps wait for a checkpoint's overlapped copy
         self._stragglers: StragglerDetector | None = None  # per-rank compute times, compared every window
         self._divergence: DivergenceCheck | None = None  # the replicas' fingerprints, compared now and then
@@ -562,6 +567,7 @@ class Job:
         self.resume()
         self._start_guard()  # before the commit point: its pre-hook decides first whether the update happens
         self._start_overlap()
+        self._start_reform_deferral()
         self._start_straggler_detector()
         self._start_divergence_check()
         if self._risk is None and self._heartbeat.active:  # under stalwart run: its agent may warn
@@ -618,6 +624,10 @@ class Job:
                         self._commit.disarm()
                     if self._guard is not None:
                         self._guard.disarm()
+            # The loop body is done: the agent's request to re-form (a peer failed) waits for this step's snapshot,
+            # so the step is kept wherever the peers hold it too (reform.defer_requests). A collective of the step's
+            # end still fails at once if a peer is gone.
+            reform.defer_requests()
             if self._fence is not None:
                 self._fence.fence()  # a step without an optimizer step must not outrun the checkpoint's copy
             self.step += 1
@@ -631,6 +641,7 @@ class Job:
             if rollback is not None and self._roll_back(rollback, loader):
                 iterator = iter(loader) if loader is not None else None  # from the restored data position
                 self._busy_step = False
+                reform.allow_requests()
                 continue
             if rollback is not None and self._light_wanted():
                 self._read_live()  # nothing to roll back to (a loss spike only reported): this step's state stands
@@ -1314,7 +1325,21 @@ class Job:
         )
         return self._local_barrier.wait
 
+    def _start_reform_deferral(self) -> None:
+        """Under in-place re-forming: from a tracked optimizer's step on, the agent's request to re-form (a peer
+        died) waits for the step's snapshot (reform.defer_requests; allowed again at the step's end). A survivor
+        that got that far has passed the step's all-reduce, so its peers computed the step too; interrupted, it
+        would redo a step that every rank may hold. The agent sees a death within milliseconds
+        (supervisor/exit_watch.py), often while a survivor is still in that step's optimizer step."""
+        if not self._reform or self._deferral_hooks:
+            return
+        optimizers = [o for o in self._objects.values() if isinstance(o, torch.optim.Optimizer)]
+        self._deferral_hooks = [o.register_step_pre_hook(_defer_reform) for o in optimizers]
+
     def _close_guard(self) -> None:
+        for handle in self._deferral_hooks:
+            handle.remove()
+        self._deferral_hooks = []
         if self._guard is not None:
             self._guard.close()
         if self._stragglers is not None:

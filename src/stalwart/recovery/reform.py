@@ -121,7 +121,10 @@ def _raise_reform(signum: int, frame: FrameType | None) -> None:
 def defer_requests() -> None:
     """From a step's commit point to its end (job/commit.py): every rank holds its snapshot of the step, so a
     survivor finishes the step (optimizer, scheduler, bookkeeping; no collective) and re-forms after it, with
-    state that a replacement can match, instead of being interrupted half-way through its optimizer step."""
+    state that a replacement can match, instead of being interrupted half-way through its optimizer step.
+    Also from the end of every step's loop body to its snapshot (job.py): a survivor that has computed the step
+    keeps it. Without that, once the agent learned of a death within milliseconds (supervisor/exit_watch.py), a
+    survivor still finishing the step its dead peer had completed was interrupted and the step redone."""
     global _deferring
     _deferring = True
 
