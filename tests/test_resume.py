@@ -127,6 +127,20 @@ def test_kill_inside_save_keeps_previous_checkpoint(launch: Any, reference: Any,
     _assert_same_as_reference(job, reference)
 
 
+def test_a_failure_in_the_final_save_still_leaves_the_last_step_durable(launch: Any, reference: Any) -> None:
+    """A rank killed inside the run's final save: the job resumes at the last step from node memory, where no
+    step is left to run, and makes that save then (found by `stalwart chaos`: a run ended with exit code 0 and
+    its newest durable checkpoint ten steps short)."""
+    fault = f"kill_in_save@rank=1,step={STEPS},phase=shard_half_written"
+    job = launch(tiny_args("--steps", str(STEPS)), env=child_env(STALWART_FAULTS=fault))
+    assert job.wait(120) == 0, job.output()
+    resumed = job.events("resumed")
+    assert {(e["step"], e["tier"]) for e in resumed} == {(STEPS, "memory")}, resumed
+    committed = [e["step"] for e in job.events("checkpoint_committed") if e["restart"] == 1]
+    assert committed == [STEPS], "the last step's checkpoint was not made after the resume"
+    _assert_same_as_reference(job, reference)
+
+
 def test_corrupt_newest_shard_falls_back_on_every_rank(launch: Any, tmp_path: Path) -> None:
     first = launch(tiny_args("--steps", "12"), name="job")
     assert first.wait(120) == 0, first.output()

@@ -583,6 +583,10 @@ class Job:
         if self._interval is not None:
             self._interval.start(self.step)
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
+        if 0 < self.step == max_steps and self._last_saved != self.step:
+            # Resumed at the last step from node memory or a survivor (a failure during the run's final save):
+            # that save is made now, so the run's last checkpoint is durable before steps() returns all the same.
+            self.save(wait=True)
         first = True
         while self.step < max_steps:
             # The heartbeat promises the next one within the step timeout; the agent kills a worker that breaks it.
