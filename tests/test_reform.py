@@ -63,13 +63,17 @@ def test_survivors_keep_their_process_and_the_run_ends_bitwise_identical(
     assert [e["kept"] for e in job.events("worker_spawned") if e["restart"] == 1] == [r in kept for r in (0, 1)]
     rearmed = job.events("survivors_rearmed")
     assert rearmed[0]["local_ranks"] == sorted(kept)
-    assert {e["step"] for e in job.events("reforming")} == {13}, "the survivor left its group at the failed step"
+    first_failure = [e for e in job.events("reforming") if e["restart"] == 0]
+    assert {e["step"] for e in first_failure} == {13}, "the survivor left its group at the failed step"
+    # (A survivor of the second failure, right after the first recovery, may be asked to leave while still
+    # restoring, before its step is set: that failure is checked by where the job resumed, below.)
     resumed = [e for e in job.events("resumed") if e["restart"] == 1]
     assert {(e["step"], e["tier"]) for e in resumed} == {(13, "memory")}, "no step lost, restored from memory"
     assert "re-forming the group (1/3)" in job.output() and "re-forming in place" in job.output()
     if "restart=1" in fault:  # the second failure killed the kept rank 0: rank 1 (a replacement) stays
         third = job.worker_pids(restart=2)
         assert third[1] == second[1] and third[0] != second[0]
+        assert {e["step"] for e in job.events("resumed") if e["restart"] == 2} == {13}, "a step lost"
     _assert_identical(job, reference)
     _no_orphans(job)
 
