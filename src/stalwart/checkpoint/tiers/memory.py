@@ -323,12 +323,7 @@ class MemoryTier:
         that step's optimizer step waited for it on the GPU), for at most `wait_s` seconds if given: a copy
         still queued then (behind a hung compute stream) is given up, and its slot with it."""
         pending = self._pending
-        if pending is None:
-            return None
-        self._pending = None
-        if not _ended(pending.done, wait_s):
-            pending.slot.give_up()
-            self._next.clear()  # the next snapshot goes to the slot given up (a new file), not over the older one
+        if pending is None or not self._settle(wait_s):
             return None
         m = pending.slot._map
         if m is None:
@@ -338,10 +333,20 @@ class MemoryTier:
 
     def _drop_pending(self, wait_s: float | None = None) -> None:
         """Let the running copy end and leave its snapshot invalid (a rollback abandoned its step)."""
+        self._settle(wait_s)
+
+    def _settle(self, wait_s: float | None) -> bool:
+        """Take the pending snapshot off once its copy has ended (True), or give its slot up if the copy is still
+        running after `wait_s` (False): the next snapshot then goes to the slot given up (a new file), not over
+        the older one."""
         pending, self._pending = self._pending, None
-        if pending is not None and not _ended(pending.done, wait_s):
-            pending.slot.give_up()
-            self._next.clear()
+        if pending is None:
+            return False
+        if _ended(pending.done, wait_s):
+            return True
+        pending.slot.give_up()
+        self._next.clear()
+        return False
 
     def snapshot_light(
         self, step: int, state: dict[str, Any], replicated: Callable[[], dict[str, Any]], live: AbstractSet[int]
