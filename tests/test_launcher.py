@@ -86,6 +86,31 @@ def test_foreign_checkpoint_directory_is_refused_without_restarts(launch: Any, t
     assert sorted(p.name for p in foreign.iterdir()) == ["model.bin"], "nothing was deleted or added"
 
 
+_QUIET_FIRST = """
+import os, time
+from stalwart.errors import NumericError
+from stalwart.job.lifecycle import install_worker_safety_nets
+install_worker_safety_nets()
+rank = int(os.environ["RANK"])
+if rank == 0:
+    time.sleep(1.0)  # the rank that prints is the slower one
+raise NumericError("training diverged: said once, by rank 0", quiet=rank != 0)
+"""
+
+
+def test_an_error_every_rank_met_is_printed_though_a_quiet_rank_exited_first(launch: Any, tmp_path: Path) -> None:
+    """Rank 1 exits for the error at once and without a line, as every rank but 0 does; the group is not stopped
+    before rank 0 has said why (host_pool.USER_ERROR_GRACE_S)."""
+    script = tmp_path / "quiet_first.py"
+    script.write_text(_QUIET_FIRST)
+    job = launch(["--nproc-per-node", "2", str(script)])
+    assert job.wait(120) == EXIT_USER_ERROR, job.output()
+    assert _worker_error_lines(job.output()) == ["stalwart: error: training diverged: said once, by rank 0"], (
+        job.output()
+    )
+    assert {e["exitcode"] for e in job.events("worker_failed")} == {EXIT_USER_ERROR}, "a rank was stopped"
+
+
 def test_checkpoint_directory_not_shared_by_all_ranks_is_refused(launch: Any) -> None:
     job = launch(tiny_args("--ckpt-per-rank"))
     assert job.wait(120) == EXIT_USER_ERROR, job.output()

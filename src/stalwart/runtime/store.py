@@ -4,11 +4,17 @@ torch's TCPStore server binds the wildcard address whatever host name it is give
 key-value store (the rendezvous state, the process group's bootstrap) was reachable from any network the
 machine is on. A store created here listens on a socket bound to the address it was given: loopback for a
 one-node run, the rendezvous endpoint's or MASTER_ADDR's address on several nodes (docs/architecture.md).
+
+A client created here also waits for its server's port to accept before torch's client connects. torch's client
+retries a refused connection after a randomized, growing back-off (0.25-0.73 s on the 2-core VM when the server
+came up 20-200 ms after the client, docs/benchmarks.md), and a re-formed group meets exactly that: a survivor
+reaches the new round's store while the rank that hosts it is still being started.
 """
 
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -42,6 +48,7 @@ def tcp_store(
     Raises OSError when `is_server` and the address cannot be bound (taken, or not this host's).
     """
     if not is_server:
+        wait_listening(host, port, timeout.total_seconds())
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, multi_tenant=True)
     sock = bound_listener(host, port)
     try:
@@ -60,3 +67,28 @@ def tcp_store(
         raise
     sock.detach()  # the store's server owns the descriptor now
     return store
+
+
+PROBE_INTERVAL_S = 0.001
+"""Between two probes of a port that refused: a refused connect is one cheap system call, so poll often."""
+
+
+def wait_listening(host: str, port: int, timeout_s: float) -> bool:
+    """Wait until something accepts TCP connections at `host`:`port`; whether it did within `timeout_s`.
+
+    Only a refused or reset connection is retried; any other error (a name that does not resolve, no route)
+    returns False at once, as does the deadline, and the caller's own connect then reports it in its words.
+    The probe's connection is closed without a byte sent, which a TCPStore server takes as a client leaving.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            with socket.create_connection((host, port), timeout=left):
+                return True
+        except (ConnectionRefusedError, ConnectionResetError):
+            time.sleep(PROBE_INTERVAL_S)
+        except OSError:
+            return False

@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from stalwart.errors import EXIT_PEER_LOST
+from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.recovery.reform import REFORM_SIGNAL
 from stalwart.runtime.env import HOST_STATUS_FD_ENV, HOST_WARM_ENV
 from stalwart.runtime.process import stopped
@@ -41,6 +41,9 @@ from stalwart.telemetry.events import EventLog
 
 REFILL_DELAY_S = 5.0
 REARM_TIMEOUT_S = 10.0
+USER_ERROR_GRACE_S = 5.0
+"""How long the other workers may go on after one exited for bad input (EXIT_USER_ERROR) before they are
+stopped: they usually met the same input and are ending too, and one of them may be the rank that says why."""
 """How long survivors get to leave their failed group before they are killed and replaced. A survivor blocked
 in a collective leaves when it fails, at once once the peer's sockets are closed; this bounds a stuck one."""
 
@@ -194,6 +197,7 @@ class HostContext:
         self._workers = workers
         self.entrypoint = entrypoint
         self._reform = reform
+        self._bad_input_since: float | None = None
 
     def pids(self) -> dict[int, int]:
         return {rank: host.pid for rank, host in self._workers.items()}
@@ -220,6 +224,8 @@ class HostContext:
             # while a survivor that re-armed because of it is reported alone: wait for the zygote's report.
             return None
         rearmed = {rank for rank, host in self._workers.items() if self._reform and host.poll_rearmed()}
+        if EXIT_USER_ERROR in codes.values() and self._peers_still_ending(codes, rearmed):
+            return None
         failed = {rank for rank, code in codes.items() if code not in (None, 0)} | rearmed
         if not failed and any(code is None for code in codes.values()):
             return None
@@ -236,6 +242,22 @@ class HostContext:
             }
             return RunProcsResult(failures=failures)
         return RunProcsResult(return_values=dict.fromkeys(self._workers))
+
+    def _peers_still_ending(self, codes: dict[int, int | None], rearmed: set[int]) -> bool:
+        """Whether to leave the others running a while after a worker exited for bad input.
+
+        A user error met by every rank (training diverged on replicated gradients, a checkpoint no rank can
+        read) is printed by one rank only and the others exit quietly; stopping the group at the first quiet
+        exit would kill the rank about to print, and the job would end with EXIT_USER_ERROR and no reason. So
+        the group ends when every other worker has ended or re-armed, or after USER_ERROR_GRACE_S (a peer
+        blocked in a collective with the one that left)."""
+        running = [r for r, c in codes.items() if c is None and r not in rearmed and not self._workers[r].stopped()]
+        if not running:
+            return False
+        now = time.monotonic()
+        if self._bad_input_since is None:
+            self._bad_input_since = now
+        return now - self._bad_input_since < USER_ERROR_GRACE_S
 
     def keep_rearmed(self, timeout: float = REARM_TIMEOUT_S) -> dict[int, Host]:
         """Ask every live worker to leave its group, wait up to `timeout` for each to re-arm, and take the

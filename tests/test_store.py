@@ -1,0 +1,74 @@
+"""TCPStores bound to one address (runtime/store.py): a client that comes before its server waits for the port
+to listen instead of sleeping out torch's connect back-off; the probe leaves the server working."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from stalwart.runtime.store import bound_listener, tcp_store, wait_listening
+
+LOOPBACK = "127.0.0.1"
+
+
+def _reserved_port() -> socket.socket:
+    """A socket bound to a free loopback port and not listening: connections to it are refused."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, 0))
+    return sock
+
+
+def test_the_wait_ends_when_the_port_listens_and_gives_up_at_its_deadline() -> None:
+    closed = _reserved_port()
+    listener = bound_listener(LOOPBACK, 0)
+    try:
+        assert wait_listening(LOOPBACK, closed.getsockname()[1], 0.05) is False
+        assert wait_listening(LOOPBACK, listener.getsockname()[1], 5.0) is True
+        # Not refused but unreachable: no retries until the deadline, the caller's connect reports it.
+        assert wait_listening("name.invalid", 1, 30.0) is False
+    finally:
+        closed.close()
+        listener.close()
+
+
+def test_a_client_made_before_its_server_connects_once_the_server_listens() -> None:
+    reserved = _reserved_port()
+    port = reserved.getsockname()[1]
+    got: dict[str, object] = {}
+    probing = threading.Event()
+
+    def client() -> None:
+        probing.set()
+        try:
+            store = tcp_store(LOOPBACK, port, is_server=False, timeout=timedelta(seconds=60), world_size=2)
+            store.set("from-client", "1")
+            got["value"] = store.get("from-server")
+        except Exception as exc:  # reported by the assertion below
+            got["error"] = exc
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    probing.wait(10)
+    assert wait_listening(LOOPBACK, port, 0.05) is False, "the port accepted before the server existed"
+    reserved.listen(socket.SOMAXCONN)
+    server = dist.TCPStore(
+        LOOPBACK,
+        port,
+        2,
+        is_master=True,
+        wait_for_workers=False,
+        multi_tenant=True,
+        master_listen_fd=reserved.fileno(),
+        timeout=timedelta(seconds=60),
+    )
+    reserved.detach()
+    server.set("from-server", "2")
+    thread.join(60)
+    assert not thread.is_alive(), "the client never connected"
+    assert "error" not in got, got.get("error")
+    assert got["value"] == b"2"
+    assert server.get("from-client") == b"1"
