@@ -11,6 +11,8 @@ is given up without its pages being reused; a rollback drops it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -44,109 +46,119 @@ def _weights(step: int, tier: MemoryTier) -> torch.Tensor:
     return tier.load(step).state["objects"]["model"]["weight"]
 
 
-def _overlapped(tmp_path: Path, optim: torch.optim.Optimizer) -> tuple[MemoryTier, ThreadedSideCopy, UpdateFence]:
+@dataclass
+class Overlapped:
+    """A one-rank job whose memory tier copies through a ThreadedSideCopy, with step 1's snapshot published."""
+
+    model: torch.nn.Module
+    optim: torch.optim.Optimizer
+    tier: MemoryTier
+    side: ThreadedSideCopy
+    fence: UpdateFence
+
+    def train(self) -> None:
+        _train(self.model, self.optim)
+
+    def snapshot(self, step: int) -> None:
+        self.tier.snapshot(step, _state(step, self.model, self.optim))
+
+    def weights(self) -> torch.Tensor:
+        return self.model.weight.detach().clone()
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[Overlapped]:
+    model, optim = _job()
     side = ThreadedSideCopy(release=threading.Event())
+    side.release.set()
     tier = MemoryTier(tmp_path, rank=0, world_size=1, side_copy=side)
     fence = UpdateFence([optim], host=True)
     tier.overlap = fence
-    return tier, side, fence
-
-
-def test_a_snapshot_is_listed_only_once_published_and_holds_its_step_though_the_next_step_ran(tmp_path: Path) -> None:
-    model, optim = _job()
-    tier, side, fence = _overlapped(tmp_path, optim)
-    side.release.set()
-    tier.snapshot(1, _state(1, model, optim))
+    job = Overlapped(model, optim, tier, side, fence)
+    job.snapshot(1)
     assert tier.publish() == 1
-    side.release.clear()
-    at_2 = model.weight.detach().clone()
-    tier.snapshot(2, _state(2, model, optim))
+    yield job
+    job.side.release.set()  # a copy a failed test still held ends, and its thread with it
+    tier.close(wait_s=0.0)
+    fence.close()
+
+
+def test_a_snapshot_is_listed_only_once_published_and_holds_its_step_though_the_next_step_ran(job: Overlapped) -> None:
+    tier, fence = job.tier, job.fence
+    job.side.release.clear()
+    at_2 = job.weights()
+    job.snapshot(2)
     assert tier.running == 2 and fence.pending
     assert tier.steps() == [1], "listed before its copy ended"
     assert tier.image(2, light=False) == b"", "sent to a peer before its copy ended"
 
-    stepping = threading.Thread(target=_train, args=(model, optim))  # the next step's optimizer step
+    stepping = threading.Thread(target=job.train)  # the next step's optimizer step
     stepping.start()
     stepping.join(0.3)
     assert stepping.is_alive(), "the optimizer updated the parameters while their copy was still running"
-    side.release.set()
+    job.side.release.set()
     stepping.join(10)
     assert not stepping.is_alive()
-    assert not torch.equal(model.weight.detach(), at_2), "the step did update them once the copy had ended"
+    assert not torch.equal(job.weights(), at_2), "the step did update them once the copy had ended"
 
     assert tier.publish() == 2
     assert tier.running is None and tier.steps() == [2, 1]
     assert torch.equal(_weights(2, tier), at_2), "the snapshot does not hold its step"
-    tier.close()
-    fence.close()
 
 
-def test_a_rank_that_dies_before_publishing_leaves_the_snapshot_before_it_whole(tmp_path: Path) -> None:
-    model, optim = _job()
-    tier, side, fence = _overlapped(tmp_path, optim)
-    side.release.set()
-    tier.snapshot(1, _state(1, model, optim))
+def test_a_rank_that_dies_before_publishing_leaves_the_snapshot_before_it_whole(
+    job: Overlapped, tmp_path: Path
+) -> None:
+    tier = job.tier
+    at_1 = job.weights()
+    job.train()
+    job.snapshot(2)
     tier.publish()
-    at_1 = model.weight.detach().clone()
-    _train(model, optim)
-    tier.snapshot(2, _state(2, model, optim))
-    tier.publish()
-    _train(model, optim)
-    side.release.clear()
-    tier.snapshot(3, _state(3, model, optim))  # into step 1's slot, its copy not yet ended
+    job.train()
+    job.side.release.clear()
+    job.snapshot(3)  # into step 1's slot, its copy not yet ended
     restarted = MemoryTier(tmp_path, rank=0, world_size=1)  # what a replacement process finds
-    assert restarted.steps() == [2], "step 3 is listed before it was published, or step 2 is gone"
-    side.release.set()
-    side.threads[-1].join(10)
-    assert restarted.steps() == [2], "a copy that ended is not a published snapshot"
-    assert not torch.equal(_weights(2, restarted), at_1)
-    tier.close(wait_s=0.0)  # closing publishes one whose copy has ended
-    assert restarted.steps() == [3, 2]
-    restarted.close()
-    fence.close()
+    try:
+        assert restarted.steps() == [2], "step 3 is listed before it was published, or step 2 is gone"
+        job.side.release.set()
+        job.side.threads[-1].join(10)
+        assert restarted.steps() == [2], "a copy that ended is not a published snapshot"
+        assert not torch.equal(_weights(2, restarted), at_1)
+        tier.close(wait_s=0.0)  # closing publishes one whose copy has ended
+        assert restarted.steps() == [3, 2]
+    finally:
+        restarted.close()
 
 
-def test_a_copy_that_never_ends_is_given_up_and_its_pages_are_never_reused(tmp_path: Path) -> None:
-    model, optim = _job()
-    tier, side, fence = _overlapped(tmp_path, optim)
-    side.release.set()
-    tier.snapshot(1, _state(1, model, optim))
-    tier.publish()
+def test_a_copy_that_never_ends_is_given_up_and_its_pages_are_never_reused(job: Overlapped) -> None:
+    tier, side = job.tier, job.side
     side.release.clear()
-    tier.snapshot(2, _state(2, model, optim))  # a copy queued behind a hung compute stream, say
-    fence._pending.clear()  # (the hung step never reaches its optimizer step)
+    job.snapshot(2)  # a copy queued behind a hung compute stream, say
+    job.fence._pending.clear()  # (the hung step never reaches its optimizer step)
     held = len(_ABANDONED)
     assert tier.publish(wait_s=0.05) is None
     assert len(_ABANDONED) == held + 1, "the mapping the copy still writes was not kept"
     assert tier.steps() == [1]
     for _ in range(3):
-        _train(model, optim)
+        job.train()
     stale, side.release = side.release, threading.Event()
     side.release.set()
-    tier.snapshot(5, _state(5, model, optim))
+    job.snapshot(5)
     assert tier.publish() == 5
-    want = model.weight.detach().clone()
-    _train(model, optim)  # the stale copy reads its sources when it runs at last: they differ from step 5's now
+    want = job.weights()
+    job.train()  # the stale copy reads its sources when it runs at last: they differ from step 5's now
     stale.set()
     side.threads[1].join(10)  # the copy of step 2 lands at last, after step 5 was published
     assert tier.steps() == [5, 1], "the slot given up was not the one written next"
     assert torch.equal(_weights(5, tier), want), "the given-up copy landed in a newer snapshot"
-    tier.close()
-    fence.close()
 
 
-def test_a_rollback_drops_a_snapshot_not_yet_published(tmp_path: Path) -> None:
-    model, optim = _job()
-    tier, side, fence = _overlapped(tmp_path, optim)
-    side.release.set()
-    tier.snapshot(1, _state(1, model, optim))
-    tier.publish()
-    tier.snapshot(2, _state(2, model, optim))
+def test_a_rollback_drops_a_snapshot_not_yet_published(job: Overlapped) -> None:
+    tier = job.tier
+    job.snapshot(2)
     assert tier.forget_after(1) == [2]
     assert tier.running is None and tier.publish() is None
     assert tier.steps() == [1]
-    tier.close()
-    fence.close()
 
 
 def test_the_fence_waits_for_every_copy_deferred_to_it() -> None:
