@@ -64,6 +64,8 @@ print(json.dumps({k: r[k] for k in ('state_bytes', 'floor', 'ratios', 'machine')
 for n, s in r['systems'].items(): print(n, {k: v for k, v in s.items() if k != 'samples'}, s.get('samples'))" ;;
 overlap)
     step "overlapped copies: GPU tests"
-    timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_overlap.py 2>&1 | tail -20 ;;
+    $PY -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA device'" || continue
+    # -rs names any skip: on a GPU none of these may be skipped
+    timeout 300 $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu_overlap.py 2>&1 | tail -25 ;;
 esac
 done

@@ -7,12 +7,14 @@ of the logic (which tensors are deferred, the fence's hooks, the option) is in t
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from tests.conftest import open_checkpointer
+
+from conftest import open_checkpointer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -119,7 +121,8 @@ def test_a_memory_snapshot_holds_its_step_while_the_next_steps_run(tmp_path: Pat
     from stalwart.checkpoint.tiers.memory import MemoryTier
 
     model, optim, x = _trained_mlp(8, with_batchnorm)  # 0.54 GB of parameters, 1.6 GB with AdamW
-    tier = MemoryTier(tmp_path, rank=0, world_size=1)
+    shm = Path(tempfile.mkdtemp(prefix="stalwart-test-", dir="/dev/shm"))  # where a job's slots live: tmpfs
+    tier = MemoryTier(shm, rank=0, world_size=1)
     fence = UpdateFence([optim])
     tier.overlap = fence
     try:
@@ -147,3 +150,32 @@ def test_a_memory_snapshot_holds_its_step_while_the_next_steps_run(tmp_path: Pat
     finally:
         tier.close()
         fence.close()
+        for f in shm.iterdir():
+            f.unlink()
+        shm.rmdir()
+
+
+def test_registering_host_memory_leaves_the_callers_cuda_state_alone() -> None:
+    """save/host_pin.py: the registration runs on its own thread with the caller's device current, and a
+    failed call (the same range registered twice) does not surface as the next kernel's error on this thread."""
+    from stalwart.checkpoint.save import host_pin
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    torch.cuda.set_device(device)
+    buf = torch.zeros(64 << 20, dtype=torch.uint8)  # pageable, 64 MB
+    assert host_pin.register(buf.data_ptr(), buf.numel(), device)
+    try:
+        assert not host_pin.register(buf.data_ptr(), buf.numel(), device), "registered twice"
+        x = torch.ones(1024, device=device)
+        assert float((x * 2).sum()) == 2048.0  # a kernel on this thread: no stale error from the failed call
+        assert torch.cuda.current_device() == device.index
+        src = torch.randn(16 << 20, device=device)
+        dst = buf[: src.numel() * 4].view(torch.float32)
+        stream = torch.cuda.Stream(device=device)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        stream.synchronize()
+        assert torch.equal(dst, src.cpu())
+    finally:
+        assert host_pin.unregister(buf.data_ptr(), device)
+    assert not host_pin.unregister(buf.data_ptr(), device), "unregistered twice"

@@ -82,3 +82,31 @@ def test_prepare_allocates_staging_off_the_training_thread_and_the_save_uses_it(
     assert torch.equal(restored.state["objects"]["m"]["w"], state["objects"]["m"]["w"])
     ck.prepare(state)  # once staging exists: nothing to do
     assert ck._preparing is None
+
+
+SHARDED_STABLE = """
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from stalwart.checkpoint.save.overlap import UpdateFence, storage_key
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(sys.argv[1], "s"), 1), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+w = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]))
+optim = torch.optim.AdamW([w])
+w.grad = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+optim.step()
+fence = UpdateFence([optim], host=True)
+locals_ = [w.to_local(), *(v.to_local() for v in optim.state[w].values() if v.dim() > 0)]
+print("stable", {storage_key(t) for t in locals_} <= fence.stable())
+fence.close()
+dist.destroy_process_group()
+"""
+
+
+def test_sharded_parameters_and_state_are_stable_by_their_local_shard(tmp_path: Path) -> None:
+    """A checkpoint copies a DTensor's local shard (format/sharded.py), so the fence names the shards' storages."""
+    done = subprocess.run(
+        [sys.executable, "-c", SHARDED_STABLE, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "stable True" in done.stdout, done.stdout

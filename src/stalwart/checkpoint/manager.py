@@ -250,7 +250,7 @@ class Checkpointer:
         offsets, total = _layout(mine)
         cuda = next((i.tensor.device for i in mine if i.tensor.is_cuda), None)
         self._settle_prepare()
-        self._staging.ensure(total, pin=cuda is not None)
+        self._staging.ensure(total, pin=cuda is not None, device=cuda)
         fence = self.overlap if cuda is not None else None
         running = self._staging.copy_in([i.tensor for i in mine], offsets, fence.stable() if fence else None)
         if running is not None and fence is not None and cuda is not None:
@@ -312,11 +312,11 @@ class Checkpointer:
             return
         mine = self._owned(items)
         _, total = _layout(mine)
-        pin = any(i.tensor.is_cuda for i in mine)
+        device = next((i.tensor.device for i in mine if i.tensor.is_cuda), None)
 
         def allocate() -> None:
             try:
-                self._staging.ensure(total, pin=pin)
+                self._staging.ensure(total, pin=device is not None, device=device)
             except Exception:  # the save allocates again and reports what fails on the training thread
                 with contextlib.suppress(Exception):
                     self._staging.close()

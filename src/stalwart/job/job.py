@@ -596,7 +596,7 @@ class Job:
             if self._stragglers is not None:
                 self._stragglers.step_started(started)
             self._faults.slow(self.step)
-            self._faults.flip(self.step, self._replicated_tensors)
+            self._faults.flip(self.step, self._tensors_to_flip)
             batch = next(iterator, None) if iterator is not None else None
             if iterator is not None and batch is None:
                 self.events.emit("data_exhausted", step=self.step)
@@ -1058,23 +1058,26 @@ class Job:
             self._fence = None
 
     def _publish_snapshot(self) -> None:
-        """At the step's end after an overlapped full snapshot (on a GPU), on every rank alike: the snapshot is
-        valid from now on (its copy ran under this step, whose optimizer step waited for it), and only now does
-        it go to the peer replicas. What this costs counts towards the snapshot's cost at the next plan: the
-        wait here, the push, and how long this step's optimizer step waited for the copy on the GPU (timed by
-        the fence; a checkpoint's copy running at the same time is counted in with it)."""
+        """At the step's end after a full snapshot under overlap (on a GPU), on every rank alike: the snapshot is
+        valid from now on if its copy was left running (it ran under this step, whose optimizer step waited for
+        it), and only now does it go to the peer replicas, whether or not this rank's copy was left running (the
+        push is a collective; a rank's slots start overlapping once its own thread has registered them). What
+        this costs counts towards the snapshot's cost at the next plan: the wait here, the push, and how long
+        this step's optimizer step waited for the copy on the GPU (timed by the fence; a checkpoint's copy
+        running at the same time is counted in with it)."""
         memory = self._memory
-        if memory is None or memory.running is None:
-            self._push_at_publish = False  # (dropped by a rollback)
+        push, self._push_at_publish = self._push_at_publish, False
+        if memory is None or (memory.running is None and not push):
             return
         started = time.perf_counter()
-        published = memory.publish()
-        if published is not None:
-            self._full_copy_step = published
-        if self._push_at_publish:
-            self._push_at_publish = False
-            self._replicas.push(published if published is not None else -1, light=False)
-            # (an empty image if it was given up: the push is a collective every rank takes part in)
+        step = self._full_copy_step if self._full_copy_step is not None else -1  # its copy ended in snapshot()
+        if memory.running is not None:
+            published = memory.publish()
+            if published is not None:
+                self._full_copy_step = published
+            step = published if published is not None else -1  # given up: an empty image
+        if push:
+            self._replicas.push(step, light=False)
         stalled = self._fence.take_stall_s() if self._fence is not None else 0.0  # the optimizer step's wait
         self._snapshot_late_s += time.perf_counter() - started + stalled
 
@@ -1102,6 +1105,13 @@ class Job:
             self.rank, self.world_size, self.events, self._replicated_tensors, self.comm.all_gather_ints,
             broadcast_on_default_group, every,
         )  # fmt: skip
+
+    def _tensors_to_flip(self) -> list[torch.Tensor]:
+        """A chaos bit flip's targets (chaos/faults.py), once the copies still reading them have ended: the last
+        snapshot or checkpoint must hold the state before the flip, as it would without overlap."""
+        if self._fence is not None:
+            self._fence.fence()
+        return self._replicated_tensors()
 
     def _replicated_tensors(self) -> list[torch.Tensor]:
         """The replicated objects' tensors in a fixed order (the same on every rank): a module's parameters (not
@@ -1220,8 +1230,10 @@ class Job:
             seconds += self._memory.snapshot(self.step, state, replicated)[0]
             if self._memory.running is None:
                 self._full_copy_step = self.step
-            elif push == "full":
-                push, self._push_at_publish = "", True  # its copy still runs: sent once it is published
+            if push == "full" and self._fence is not None:
+                # Sent at the step's end once published, on every rank: whether its copy still runs differs
+                # between ranks (each registers its slots with CUDA on its own thread), the push is a collective.
+                push, self._push_at_publish = "", True
         if push:
             self._replicas.push(self.step, light=push == "light")
             seconds += self._replicas.seconds

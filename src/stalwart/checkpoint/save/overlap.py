@@ -25,10 +25,17 @@ from typing import Any
 
 import torch
 
+from stalwart.checkpoint.format.sharded import is_dtensor
+
 
 def storage_key(t: torch.Tensor) -> int:
     """The address of a tensor's storage: views of one parameter (a state_dict's, FSDP's) share it."""
     return int(t.untyped_storage().data_ptr())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its wrapper has no storage of its own); any other tensor itself."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 class UpdateFence:
@@ -48,17 +55,18 @@ class UpdateFence:
         self._handles = [opt.register_step_pre_hook(self._before_update) for opt in self._optimizers]
 
     def stable(self) -> set[int]:
-        """Storage addresses that only an optimizer's step() writes: its parameters and its state tensors."""
+        """Storage addresses that only an optimizer's step() writes: its parameters and its state tensors (a
+        sharded one's local shard, which is what a checkpoint copies)."""
         keys: set[int] = set()
         for opt in self._optimizers:
             for group in opt.param_groups:
                 for p in group["params"]:
                     if p.is_cuda or self._host:
-                        keys.add(storage_key(p))
+                        keys.add(storage_key(_local(p)))
             for state in opt.state.values():
                 for value in state.values():
                     if isinstance(value, torch.Tensor) and (value.is_cuda or self._host):
-                        keys.add(storage_key(value))
+                        keys.add(storage_key(_local(value)))
         return keys
 
     def defer(self, done: Any, device: torch.device | None) -> None:

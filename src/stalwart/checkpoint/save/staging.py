@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from stalwart.checkpoint.save import host_pin
 from stalwart.checkpoint.save.side_copy import CopyDone, SideCopy
 
 ALIGN = 64
@@ -64,6 +65,7 @@ class Staging:
         self._map: mmap.mmap | None = None
         self._buf: torch.Tensor | None = None
         self._pinned = False
+        self._pin_device: torch.device | None = None
         self._side = SideCopy()
         self._views: ViewCache = {}
         self._running: CopyDone | None = None  # the newest copy left running on the side stream
@@ -71,7 +73,9 @@ class Staging:
     def spec(self) -> dict[str, int]:
         return {"pid": os.getpid(), "fd": self.fd, "size": self.size}
 
-    def ensure(self, nbytes: int, *, pin: bool) -> None:
+    def ensure(self, nbytes: int, *, pin: bool, device: torch.device | None = None) -> None:
+        """At least `nbytes` of staging, registered with CUDA if `pin` (for copies from `device`; None: the
+        caller's current one; save/host_pin.py). Callable from another thread than the training one."""
         if nbytes > self.size or self.fd < 0:
             self.close()
             size = max(aligned(int(nbytes * GROW_SLACK), PAGE), PAGE)  # whole pages: O_DIRECT writes it as is
@@ -91,8 +95,8 @@ class Staging:
             self._pinned = False
         if pin and not self._pinned and torch.cuda.is_available():
             assert self._buf is not None
-            err = torch.cuda.cudart().cudaHostRegister(self._buf.data_ptr(), self.size, 0)
-            self._pinned = int(err) == 0
+            self._pin_device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+            self._pinned = host_pin.register(self._buf.data_ptr(), self.size, self._pin_device)
 
     def copy_in(
         self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], stable: set[int] | None = None
@@ -137,9 +141,12 @@ class Staging:
             self._views.clear()
             return
         self._running = None
-        if self._pinned and self._buf is not None:
-            with contextlib.suppress(Exception):
-                torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
+        if self._pinned and self._buf is not None and not host_pin.unregister(self._buf.data_ptr(), self._pin_device):
+            # Still registered: unmapping it would leave CUDA a stale pinned range. Kept for the process's life.
+            _ABANDONED.append((self._map, self._buf, self.fd))
+            self._map, self._buf, self._pinned, self.fd, self.size = None, None, False, -1, 0
+            self._views.clear()
+            return
         self._pinned = False
         self._views.clear()
         self._buf = None

@@ -41,6 +41,7 @@ from stalwart.checkpoint.format.serialize import (
     is_frozen,
     unflatten,
 )
+from stalwart.checkpoint.save import host_pin
 from stalwart.checkpoint.save.overlap import UpdateFence
 from stalwart.checkpoint.save.side_copy import CopyDone, SideCopy, ThreadedSideCopy
 from stalwart.checkpoint.save.staging import ViewCache, aligned, typed_view
@@ -84,6 +85,7 @@ class _Slot:
         self.pinned = False  # registered with CUDA (cudaHostRegister): a GPU copy into it can run asynchronously
         self._pinning: threading.Thread | None = None
         self._pin_failed = False
+        self._pin_device: torch.device | None = None
 
     def header(self) -> tuple[int, ...] | None:
         if self._map is not None:  # this process's own mapping of the file: no open() per snapshot
@@ -120,21 +122,18 @@ class _Slot:
         assert self._buf is not None
         return typed_view(self._buf, self._views, offset, dtype, shape)
 
-    def pin_later(self) -> None:
+    def pin_later(self, device: torch.device) -> None:
         """Register the mapping with CUDA on a background thread, once (after a first snapshot has faulted its
         pages in: registering untouched pages was measured slower, see save/staging.py). Until it is done,
         copies into this slot are the synchronous pageable ones; afterwards they run at PCIe bandwidth and can
-        be left running under the next step."""
+        be left running under the next step. `device`: the GPU the copies come from (save/host_pin.py)."""
         if self.pinned or self._pinning is not None or self._pin_failed or self._buf is None:
             return
         buf = self._buf
+        self._pin_device = device
 
         def register() -> None:
-            try:
-                err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
-            except Exception:
-                err = -1
-            if int(err) == 0:
+            if host_pin.register(buf.data_ptr(), buf.numel(), device):
                 self.pinned = True
             else:
                 self._pin_failed = True
@@ -142,14 +141,16 @@ class _Slot:
         self._pinning = threading.Thread(target=register, daemon=True, name="memory-slot-pin")
         self._pinning.start()
 
-    def _unpin(self) -> None:
+    def _unpin(self) -> bool:
+        """Unregister the mapping; True if it may be unmapped (CUDA no longer counts it as pinned)."""
         if self._pinning is not None:
             self._pinning.join()
             self._pinning = None
+        released = True
         if self.pinned and self._buf is not None:
-            with contextlib.suppress(Exception):
-                torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
+            released = host_pin.unregister(self._buf.data_ptr(), self._pin_device)
         self.pinned = False
+        return released
 
     def give_up(self) -> None:
         """A copy into this slot is still queued on a GPU that may never run it: keep the mapping alive for the
@@ -167,7 +168,9 @@ class _Slot:
         self._views.clear()
 
     def close(self) -> None:
-        self._unpin()
+        if not self._unpin():  # still registered: unmapping it would leave CUDA a stale pinned range
+            _ABANDONED.append((self._map, self._buf))
+            self._map = self._buf = None
         self.toc = self.layout = None
         self.written.clear()
         self._views.clear()
@@ -450,7 +453,7 @@ class MemoryTier:
             done = self._side.copy(pairs, pinned=target.pinned, stable=fence.stable() if fence else None)
         device = next((t.device for t, _ in pairs if t.is_cuda), None)
         if device is not None:
-            target.pin_later()  # the next snapshots into this slot copy at PCIe speed, and can overlap
+            target.pin_later(device)  # the next snapshots into this slot copy at PCIe speed, and can overlap
         header = (MAGIC, 1, step, self.rank, self.world_size, len(contents), data_offset, total)
         if done is not None and fence is not None:
             fence.defer(done, device)  # the next optimizer step waits for the copy (on the GPU)
