@@ -66,8 +66,18 @@ class Overlapped:
         return self.model.weight.detach().clone()
 
 
+def _pinned(tier: MemoryTier) -> bool:
+    """Whether both full-snapshot slots are registered, once their registering threads have ended."""
+    for slot in tier._slots:
+        if slot._pinning is not None:
+            slot._pinning.join(10)
+    return all(slot.pinned for slot in tier._slots)
+
+
 @pytest.fixture
 def job(tmp_path: Path) -> Iterator[Overlapped]:
+    """Steps 1 and 2 snapshotted, one into each slot: each first copy into a slot is synchronous, as into pageable
+    memory on a GPU, and registers the slot on a thread; from step 3 on, copies are left running."""
     model, optim = _job()
     side = ThreadedSideCopy(release=threading.Event())
     side.release.set()
@@ -75,22 +85,33 @@ def job(tmp_path: Path) -> Iterator[Overlapped]:
     fence = UpdateFence([optim], host=True)
     tier.overlap = fence
     job = Overlapped(model, optim, tier, side, fence)
-    job.snapshot(1)
-    assert tier.publish() == 1
+    for step in (1, 2):
+        job.snapshot(step)
+        assert tier.running is None and tier.steps()[0] == step, "a copy into a slot not yet registered ran on"
+        job.train()
+    assert _pinned(tier) and side.registered == 2
     yield job
     job.side.release.set()  # a copy a failed test still held ends, and its thread with it
     tier.close(wait_s=0.0)
     fence.close()
 
 
+def test_slots_are_registered_after_their_first_copy_and_unregistered_at_close(job: Overlapped) -> None:
+    job.snapshot(3)
+    assert job.tier.running == 3, "a copy into a registered slot was not left running"
+    assert job.tier.publish() == 3
+    job.tier.close()
+    assert job.side.registered == 0, "a slot was unmapped while still registered"
+
+
 def test_a_snapshot_is_listed_only_once_published_and_holds_its_step_though_the_next_step_ran(job: Overlapped) -> None:
     tier, fence = job.tier, job.fence
     job.side.release.clear()
-    at_2 = job.weights()
-    job.snapshot(2)
-    assert tier.running == 2 and fence.pending
-    assert tier.steps() == [1], "listed before its copy ended"
-    assert tier.image(2, light=False) == b"", "sent to a peer before its copy ended"
+    at_3 = job.weights()
+    job.snapshot(3)
+    assert tier.running == 3 and fence.pending
+    assert tier.steps() == [2], "listed before its copy ended"
+    assert tier.image(3, light=False) == b"", "sent to a peer before its copy ended"
 
     stepping = threading.Thread(target=job.train)  # the next step's optimizer step
     stepping.start()
@@ -99,33 +120,32 @@ def test_a_snapshot_is_listed_only_once_published_and_holds_its_step_though_the_
     job.side.release.set()
     stepping.join(10)
     assert not stepping.is_alive()
-    assert not torch.equal(job.weights(), at_2), "the step did update them once the copy had ended"
+    assert not torch.equal(job.weights(), at_3), "the step did update them once the copy had ended"
 
-    assert tier.publish() == 2
-    assert tier.running is None and tier.steps() == [2, 1]
-    assert torch.equal(_weights(2, tier), at_2), "the snapshot does not hold its step"
+    assert tier.publish() == 3
+    assert tier.running is None and tier.steps() == [3, 2]
+    assert torch.equal(_weights(3, tier), at_3), "the snapshot does not hold its step"
 
 
 def test_a_rank_that_dies_before_publishing_leaves_the_snapshot_before_it_whole(
     job: Overlapped, tmp_path: Path
 ) -> None:
     tier = job.tier
-    at_1 = job.weights()
-    job.train()
-    job.snapshot(2)
+    at_3 = job.weights()
+    job.snapshot(3)
     tier.publish()
     job.train()
     job.side.release.clear()
-    job.snapshot(3)  # into step 1's slot, its copy not yet ended
+    job.snapshot(4)  # into step 2's slot, its copy not yet ended
     restarted = MemoryTier(tmp_path, rank=0, world_size=1)  # what a replacement process finds
     try:
-        assert restarted.steps() == [2], "step 3 is listed before it was published, or step 2 is gone"
+        assert restarted.steps() == [3], "step 4 is listed before it was published, or step 3 is gone"
         job.side.release.set()
         job.side.threads[-1].join(10)
-        assert restarted.steps() == [2], "a copy that ended is not a published snapshot"
-        assert not torch.equal(_weights(2, restarted), at_1)
+        assert restarted.steps() == [3], "a copy that ended is not a published snapshot"
+        assert torch.equal(_weights(3, restarted), at_3), "the snapshot before it is not whole"
         tier.close(wait_s=0.0)  # closing publishes one whose copy has ended
-        assert restarted.steps() == [3, 2]
+        assert restarted.steps() == [4, 3]
     finally:
         restarted.close()
 
@@ -133,32 +153,35 @@ def test_a_rank_that_dies_before_publishing_leaves_the_snapshot_before_it_whole(
 def test_a_copy_that_never_ends_is_given_up_and_its_pages_are_never_reused(job: Overlapped) -> None:
     tier, side = job.tier, job.side
     side.release.clear()
-    job.snapshot(2)  # a copy queued behind a hung compute stream, say
+    job.snapshot(3)  # a copy queued behind a hung compute stream, say
     job.fence._pending.clear()  # (the hung step never reaches its optimizer step)
     held = len(_ABANDONED)
     assert tier.publish(wait_s=0.05) is None
     assert len(_ABANDONED) == held + 1, "the mapping the copy still writes was not kept"
-    assert tier.steps() == [1]
+    assert tier.steps() == [2]
     for _ in range(3):
         job.train()
-    stale, side.release = side.release, threading.Event()
+    stale = side.release
+    side.release = threading.Event()
     side.release.set()
-    job.snapshot(5)
-    assert tier.publish() == 5
+    job.snapshot(6)  # into new pages: not registered yet, so copied at once
+    assert tier.running is None and tier.steps() == [6, 2]
     want = job.weights()
-    job.train()  # the stale copy reads its sources when it runs at last: they differ from step 5's now
+    job.train()  # the stale copy reads its sources when it runs at last: they differ from step 6's now
     stale.set()
-    side.threads[1].join(10)  # the copy of step 2 lands at last, after step 5 was published
-    assert tier.steps() == [5, 1], "the slot given up was not the one written next"
-    assert torch.equal(_weights(5, tier), want), "the given-up copy landed in a newer snapshot"
+    side.threads[0].join(10)  # the copy of step 3 lands at last, after step 6 was taken
+    assert tier.steps() == [6, 2], "the slot given up was not the one written next"
+    assert torch.equal(_weights(6, tier), want), "the given-up copy landed in a newer snapshot"
+    assert side.registered == 3, "the given-up mapping was unregistered, or the new one not registered"
 
 
 def test_a_rollback_drops_a_snapshot_not_yet_published(job: Overlapped) -> None:
     tier = job.tier
-    job.snapshot(2)
-    assert tier.forget_after(1) == [2]
+    job.snapshot(3)
+    assert tier.running == 3
+    assert tier.forget_after(2) == [3]
     assert tier.running is None and tier.publish() is None
-    assert tier.steps() == [1]
+    assert tier.steps() == [2]
 
 
 def test_the_fence_waits_for_every_copy_deferred_to_it() -> None:

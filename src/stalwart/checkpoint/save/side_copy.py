@@ -6,9 +6,12 @@ that only an optimizer's step writes, save/overlap.py) running on the side strea
 caller then holds the returned event: nothing may read the destination, nor the compute stream write those
 tensors, before it (UpdateFence.defer orders the next optimizer step after it on the GPU).
 
+The destination memory is registered with CUDA through the same object (`register`, `unregister`: save/host_pin.py),
+and only a registered ("pinned") destination gets copies left running.
+
 `ThreadedSideCopy` is the same contract on a CPU: the stable tensors' copies run on a thread and the event is a
-threading one. It exists for the tests (CI has no GPU) and is never chosen by the Job on its own; see
-`side_copy_for_tests`.
+threading one; registering always succeeds. It exists for the tests (CI has no GPU) and is never chosen by the Job
+on its own; see `side_copy_for_tests`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from stalwart.checkpoint.save import host_pin
 from stalwart.checkpoint.save.overlap import storage_key
 
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -43,6 +47,14 @@ class SideCopy:
 
     def __init__(self) -> None:
         self._stream: torch.cuda.Stream | None = None
+
+    def register(self, buf: torch.Tensor, device: torch.device | None) -> bool:
+        """Register the host buffer `buf` for copies from `device` (None: the current one); whether it is."""
+        return host_pin.register(buf.data_ptr(), buf.numel(), device)
+
+    def unregister(self, buf: torch.Tensor, device: torch.device | None) -> bool:
+        """Undo `register`; False if CUDA still counts `buf` as registered (it must then stay mapped)."""
+        return host_pin.unregister(buf.data_ptr(), device)
 
     def copy(self, pairs: Sequence[Pair], *, pinned: bool, stable: set[int] | None) -> CopyDone | None:
         """Copy every source into its destination. Returns None once all bytes are there, or, when `stable`
@@ -118,8 +130,19 @@ class ThreadedSideCopy(SideCopy):
         if release is None:
             self.release.set()
         self.threads: list[threading.Thread] = []
+        self.registered = 0  # buffers registered and not unregistered
+
+    def register(self, buf: torch.Tensor, device: torch.device | None) -> bool:
+        self.registered += 1
+        return True
+
+    def unregister(self, buf: torch.Tensor, device: torch.device | None) -> bool:
+        self.registered -= 1
+        return True
 
     def copy(self, pairs: Sequence[Pair], *, pinned: bool, stable: set[int] | None) -> CopyDone | None:
+        if not pinned:
+            stable = None  # as on a GPU: a copy into memory not yet registered is never left running
         later = [p for p in pairs if stable is not None and storage_key(p[0]) in stable]
         chosen = {id(p) for p in later}
         for pair in pairs:

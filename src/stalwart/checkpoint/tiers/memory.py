@@ -41,7 +41,6 @@ from stalwart.checkpoint.format.serialize import (
     is_frozen,
     unflatten,
 )
-from stalwart.checkpoint.save import host_pin
 from stalwart.checkpoint.save.overlap import UpdateFence
 from stalwart.checkpoint.save.side_copy import CopyDone, SideCopy, ThreadedSideCopy
 from stalwart.checkpoint.save.staging import ViewCache, aligned, typed_view
@@ -85,6 +84,7 @@ class _Slot:
         self.pinned = False  # registered with CUDA (cudaHostRegister): a GPU copy into it can run asynchronously
         self._pinning: threading.Thread | None = None
         self._pin_failed = False
+        self._pin_side: SideCopy | None = None
         self._pin_device: torch.device | None = None
 
     def header(self) -> tuple[int, ...] | None:
@@ -122,18 +122,18 @@ class _Slot:
         assert self._buf is not None
         return typed_view(self._buf, self._views, offset, dtype, shape)
 
-    def pin_later(self, device: torch.device) -> None:
-        """Register the mapping with CUDA on a background thread, once (after a first snapshot has faulted its
-        pages in: registering untouched pages was measured slower, see save/staging.py). Until it is done,
-        copies into this slot are the synchronous pageable ones; afterwards they run at PCIe bandwidth and can
-        be left running under the next step. `device`: the GPU the copies come from (save/host_pin.py)."""
+    def pin_later(self, side: SideCopy, device: torch.device | None) -> None:
+        """Register the mapping for copies from `device` through `side` on a background thread, once (after a
+        first snapshot has faulted its pages in: registering untouched pages was measured slower, see
+        save/staging.py). Until it is done, copies into this slot are the synchronous pageable ones; afterwards
+        they run at PCIe bandwidth and can be left running under the next step."""
         if self.pinned or self._pinning is not None or self._pin_failed or self._buf is None:
             return
         buf = self._buf
-        self._pin_device = device
+        self._pin_side, self._pin_device = side, device
 
         def register() -> None:
-            if host_pin.register(buf.data_ptr(), buf.numel(), device):
+            if side.register(buf, device):
                 self.pinned = True
             else:
                 self._pin_failed = True
@@ -147,8 +147,8 @@ class _Slot:
             self._pinning.join()
             self._pinning = None
         released = True
-        if self.pinned and self._buf is not None:
-            released = host_pin.unregister(self._buf.data_ptr(), self._pin_device)
+        if self.pinned and self._buf is not None and self._pin_side is not None:
+            released = self._pin_side.unregister(self._buf, self._pin_device)
         self.pinned = False
         return released
 
@@ -452,8 +452,8 @@ class MemoryTier:
         with torch.no_grad():
             done = self._side.copy(pairs, pinned=target.pinned, stable=fence.stable() if fence else None)
         device = next((t.device for t, _ in pairs if t.is_cuda), None)
-        if device is not None:
-            target.pin_later(device)  # the next snapshots into this slot copy at PCIe speed, and can overlap
+        if kind == "full" and (device is not None or self.copies_on_host):
+            target.pin_later(self._side, device)  # the next snapshots into this slot copy at PCIe speed, and overlap
         header = (MAGIC, 1, step, self.rank, self.world_size, len(contents), data_offset, total)
         if done is not None and fence is not None:
             fence.defer(done, device)  # the next optimizer step waits for the copy (on the GPU)
