@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, run on a lent device machine (docs/benchmarks.md records what they printed).
 # Usage, from the repository root there: bash scripts/gpu_checks.sh [what...]; results go to $OUT (default ./gpu-out).
-# what: info nvml preflight run overhead checkpoint overlap (default: all). Wheels missing there travel in .whl/.
+# what: info nvml preflight run overhead checkpoint overlap first_save (default: all). Wheels missing there travel in .whl/.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -10,7 +10,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1
 PY=python3
-what=${*:-info nvml preflight run overhead checkpoint overlap}
+what=${*:-info nvml preflight run overhead checkpoint overlap first_save}
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
 for w in $what; do
 case $w in
@@ -67,5 +67,9 @@ overlap)
     $PY -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA device'" || continue
     # -rs names any skip: on a GPU none of these may be skipped
     timeout 300 $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu_overlap.py 2>&1 | tail -25 ;;
+first_save)
+    step "the first save after a start, with staging prepared in the background (4 GB)"
+    timeout 300 $PY -m stalwart.bench.first_save --device cuda --size 4GB > "$OUT/first_save.json"; echo "exit $?"
+    cat "$OUT/first_save.json" ;;
 esac
 done

@@ -96,3 +96,20 @@ def test_a_failed_measurement_exits_1_and_cleans_up(
     err = capsys.readouterr().err
     assert "measuring floor failed: boom" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # the directories the bench created are gone, parents included
+
+
+def test_first_save_reports_both_variants_and_the_training_threads_longest_wait(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from stalwart.bench import first_save
+
+    assert first_save.main(["--size", "16MB"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert set(report["with_prepare"]) == {
+        "prepare_call_s", "main_thread_max_gap_s", "prepare_background_s", "first_stall_s", "second_stall_s"
+    }  # fmt: skip
+    assert set(report["without_prepare"]) == {"first_stall_s", "second_stall_s"}
+    for where, value in _numbers(report):
+        assert math.isfinite(value) and value >= 0, where
+    assert "longest wait to run" in err
