@@ -7,9 +7,10 @@ import socket
 import threading
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
-from stalwart.runtime.store import bound_listener, tcp_store, wait_listening
+from stalwart.runtime.store import _probe, bound_listener, tcp_store, wait_listening
 
 LOOPBACK = "127.0.0.1"
 
@@ -29,7 +30,8 @@ def test_the_wait_ends_when_the_port_listens_and_gives_up_at_its_deadline() -> N
         assert wait_listening(LOOPBACK, closed.getsockname()[1], 0.05) is False
         assert wait_listening(LOOPBACK, listener.getsockname()[1], 5.0) is True
         # Not refused but unreachable: no retries until the deadline, the caller's connect reports it.
-        assert wait_listening("name.invalid", 1, 30.0) is False
+        assert _probe("name.invalid", 1, 30.0) == "unreachable"
+        assert _probe(LOOPBACK, closed.getsockname()[1], 0.05) == "timeout"
     finally:
         closed.close()
         listener.close()
@@ -72,3 +74,12 @@ def test_a_client_made_before_its_server_connects_once_the_server_listens() -> N
     assert "error" not in got, got.get("error")
     assert got["value"] == b"2"
     assert server.get("from-client") == b"1"
+
+
+def test_a_client_whose_server_never_listens_fails_at_its_timeout_with_torchs_store_error() -> None:
+    closed = _reserved_port()
+    try:
+        with pytest.raises(dist.DistStoreError, match="no store server listening"):
+            tcp_store(LOOPBACK, closed.getsockname()[1], is_server=False, timeout=timedelta(seconds=0.2))
+    finally:
+        closed.close()

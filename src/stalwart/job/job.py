@@ -365,7 +365,7 @@ class Job:
         )
         self._snapshot_s = 0.0
         self._snapshot_late_s = 0.0  # what publishing an overlapped snapshot cost at the next step's end
-        self._push_at_publish = False  # the peer replicas get an overlapped snapshot once it is published
+        self._push_at_publish: int | None = None  # the full snapshot the peers get at the next step's end
         self._full_copy_step: int | None = None  # the newest full copy in node memory (step_done reports it)
         self._reform = self._memory is not None and reform.enabled()
         self._live = LiveState(self.placement.rank)  # what a survivor keeps: live tensors' versions, skeleton
@@ -1066,17 +1066,17 @@ class Job:
         this step's optimizer step waited for the copy on the GPU (timed by the fence; a checkpoint's copy
         running at the same time is counted in with it)."""
         memory = self._memory
-        push, self._push_at_publish = self._push_at_publish, False
-        if memory is None or (memory.running is None and not push):
+        push, self._push_at_publish = self._push_at_publish, None
+        if memory is None or (memory.running is None and push is None):
             return
         started = time.perf_counter()
-        step = self._full_copy_step if self._full_copy_step is not None else -1  # its copy ended in snapshot()
+        step = push if push is not None else -1  # a snapshot whose copy ended inside snapshot()
         if memory.running is not None:
             published = memory.publish()
             if published is not None:
                 self._full_copy_step = published
             step = published if published is not None else -1  # given up: an empty image
-        if push:
+        if push is not None:
             self._replicas.push(step, light=False)
         stalled = self._fence.take_stall_s() if self._fence is not None else 0.0  # the optimizer step's wait
         self._snapshot_late_s += time.perf_counter() - started + stalled
@@ -1233,7 +1233,7 @@ class Job:
             if push == "full" and self._fence is not None:
                 # Sent at the step's end once published, on every rank: whether its copy still runs differs
                 # between ranks (each registers its slots with CUDA on its own thread), the push is a collective.
-                push, self._push_at_publish = "", True
+                push, self._push_at_publish = "", self.step
         if push:
             self._replicas.push(self.step, light=push == "light")
             seconds += self._replicas.seconds

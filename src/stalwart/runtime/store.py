@@ -45,11 +45,23 @@ def tcp_store(
 ) -> dist.TCPStore:
     """torch's multi-tenant TCPStore; as the server, listening on `host`'s address only.
 
-    Raises OSError when `is_server` and the address cannot be bound (taken, or not this host's).
+    Raises OSError when `is_server` and the address cannot be bound (taken, or not this host's); as a client,
+    torch.distributed.DistStoreError when no server listened there within `timeout`.
     """
     if not is_server:
-        wait_listening(host, port, timeout.total_seconds())
-        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, multi_tenant=True)
+        started = time.monotonic()
+        found = _probe(host, port, timeout.total_seconds())
+        if found == "timeout":  # torch's own error for a store it cannot reach: callers treat it as theirs
+            raise dist.DistStoreError(
+                f"no store server listening at {host}:{port} within {timeout.total_seconds():g} s"
+            )
+        left = timeout.total_seconds() - (time.monotonic() - started) if found == "unreachable" else None
+        # torch's own connect gets what is left of the wait (all of it once the port listens); the store keeps the
+        # whole timeout for what follows.
+        wait = timeout if left is None else timedelta(seconds=max(left, PROBE_CONNECT_S))
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=wait, multi_tenant=True)
+        store.set_timeout(timeout)
+        return store
     sock = bound_listener(host, port)
     try:
         store = dist.TCPStore(
@@ -69,26 +81,58 @@ def tcp_store(
     return store
 
 
-PROBE_INTERVAL_S = 0.001
-"""Between two probes of a port that refused: a refused connect is one cheap system call, so poll often."""
+PROBE_FIRST_S = 0.001
+"""The first pause after a refused probe; it doubles up to PROBE_MAX_S for the first PROBE_FAST_S, then up to
+PROBE_SLOW_MAX_S. A refused connect is one cheap system call, and a re-forming group's store usually comes up
+within tens of milliseconds: poll often at first, then less, so that a server that takes minutes (a rank 0
+still starting on another node) is not flooded by every other rank."""
+PROBE_MAX_S = 0.02
+PROBE_FAST_S = 1.0
+PROBE_SLOW_MAX_S = 0.25
+PROBE_CONNECT_S = 1.0
+"""A probe's own connect timeout, per address: an address that drops packets must not hold up the others."""
 
 
 def wait_listening(host: str, port: int, timeout_s: float) -> bool:
     """Wait until something accepts TCP connections at `host`:`port`; whether it did within `timeout_s`.
 
-    Only a refused or reset connection is retried; any other error (a name that does not resolve, no route)
-    returns False at once, as does the deadline, and the caller's own connect then reports it in its words.
-    The probe's connection is closed without a byte sent, which a TCPStore server takes as a client leaving.
+    The name is resolved once; every address it has is tried in turn. While one of them refuses (or resets) the
+    connection, the probes go on; when every address fails otherwise (no route, a name that does not resolve),
+    or at the deadline, the answer is False and the caller's own connect reports it in its words. The probe's
+    connection is closed without a byte sent, which a TCPStore server takes as a client leaving.
     """
-    deadline = time.monotonic() + timeout_s
+    return _probe(host, port, timeout_s) == "listening"
+
+
+def _probe(host: str, port: int, timeout_s: float) -> str:
+    """ "listening", "unreachable" (no address refused: no route, no such name) or "timeout" (still refused)."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return "unreachable"
+    pause = PROBE_FIRST_S
     while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        try:
-            with socket.create_connection((host, port), timeout=left):
-                return True
-        except (ConnectionRefusedError, ConnectionResetError):
-            time.sleep(PROBE_INTERVAL_S)
-        except OSError:
-            return False
+        refused = False
+        for family, kind, proto, _, address in addresses:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout"
+            with socket.socket(family, kind, proto) as sock:
+                sock.settimeout(min(left, PROBE_CONNECT_S))
+                try:
+                    sock.connect(address)
+                    return "listening"
+                except (ConnectionRefusedError, ConnectionResetError):
+                    refused = True
+                except OSError:
+                    pass
+        if not refused:
+            return "unreachable"
+        now = time.monotonic()
+        if now >= deadline:
+            return "timeout"
+        time.sleep(min(pause, deadline - now))
+        cap = PROBE_MAX_S if now - started < PROBE_FAST_S else PROBE_SLOW_MAX_S
+        pause = min(pause * 2, cap)

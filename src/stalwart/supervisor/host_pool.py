@@ -41,11 +41,11 @@ from stalwart.telemetry.events import EventLog
 
 REFILL_DELAY_S = 5.0
 REARM_TIMEOUT_S = 10.0
+"""How long survivors get to leave their failed group before they are killed and replaced. A survivor blocked
+in a collective leaves when it fails, at once once the peer's sockets are closed; this bounds a stuck one."""
 USER_ERROR_GRACE_S = 5.0
 """How long the other workers may go on after one exited for bad input (EXIT_USER_ERROR) before they are
 stopped: they usually met the same input and are ending too, and one of them may be the rank that says why."""
-"""How long survivors get to leave their failed group before they are killed and replaced. A survivor blocked
-in a collective leaves when it fails, at once once the peer's sockets are closed; this bounds a stuck one."""
 
 
 class Host:

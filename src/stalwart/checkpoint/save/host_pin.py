@@ -45,8 +45,15 @@ def _on_own_thread(device: torch.device | int | None, call: Callable[[Any], obje
             ok.append(False)
 
     thread = threading.Thread(target=run, daemon=True, name="cuda-host-register")
-    thread.start()
-    thread.join()
+    try:
+        thread.start()
+        thread.join()
+    except RuntimeError:  # no new threads at interpreter shutdown (Python >= 3.12: a Job closed by atexit)
+        try:
+            with torch.cuda.device(index):
+                ok.append(int(call(torch.cuda.cudart())) == 0)  # type: ignore[call-overload]
+        except Exception:
+            ok.append(False)
     return bool(ok and ok[0])
 
 

@@ -131,13 +131,16 @@ class ThreadedSideCopy(SideCopy):
             self.release.set()
         self.threads: list[threading.Thread] = []
         self.registered = 0  # buffers registered and not unregistered
+        self._count_lock = threading.Lock()
 
     def register(self, buf: torch.Tensor, device: torch.device | None) -> bool:
-        self.registered += 1
+        with self._count_lock:  # (slots register on threads of their own)
+            self.registered += 1
         return True
 
     def unregister(self, buf: torch.Tensor, device: torch.device | None) -> bool:
-        self.registered -= 1
+        with self._count_lock:
+            self.registered -= 1
         return True
 
     def copy(self, pairs: Sequence[Pair], *, pinned: bool, stable: set[int] | None) -> CopyDone | None:
