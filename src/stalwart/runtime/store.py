@@ -105,7 +105,7 @@ def wait_listening(host: str, port: int, timeout_s: float) -> bool:
 
 
 def _probe(host: str, port: int, timeout_s: float) -> str:
-    """ "listening", "unreachable" (no address refused: no route, no such name) or "timeout" (still refused)."""
+    """The verdict: "listening", "unreachable" (no address refused: no route, no such name) or "timeout"."""
     started = time.monotonic()
     deadline = started + timeout_s
     try:
