@@ -130,12 +130,12 @@ def tiny_args(*extra: str, nproc: int = 2, max_restarts: int = 3) -> list[str]:
     ]  # fmt: skip
 
 
-def fault_free_results(directory: Path, steps: int) -> dict[int, dict[str, Any]]:
-    """The tiny job's results (rank -> step, parameters' sha256, samples seen) from a fault-free run of `steps`
-    steps under `stalwart run`: what a run with failures must end identical to."""
-    job = Launch(directory, tiny_args("--steps", str(steps)), child_env())
+def fault_free_results(directory: Path, *job_args: str, timeout: float = 120) -> dict[int, dict[str, Any]]:
+    """The tiny job's results (rank -> step, parameters' sha256, samples seen) from a fault-free run under
+    `stalwart run` with `job_args` (tiny_args' extras): what a run with failures must end identical to."""
+    job = Launch(directory, tiny_args(*job_args), child_env())
     try:
-        assert job.wait(120) == 0, job.output()
+        assert job.wait(timeout) == 0, job.output()
         return job.results()
     finally:
         job.reap()

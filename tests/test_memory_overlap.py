@@ -209,7 +209,7 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return fault_free_results(tmp_path_factory.mktemp("reference"), STEPS)
+    return fault_free_results(tmp_path_factory.mktemp("reference"), "--steps", str(STEPS))
 
 
 @pytest.mark.parametrize("faults", ["kill@rank=1,step=13", "kill@rank=0,step=9;kill@rank=1,step=9"])

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import alive, child_env, tiny_args
+from conftest import alive, child_env, fault_free_results, tiny_args
 
 STEPS = 24
 ARGS = ("--steps", str(STEPS), "--step-sleep", "0.03")
@@ -19,14 +19,7 @@ ARGS = ("--steps", str(STEPS), "--step-sleep", "0.03")
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    from conftest import Launch
-
-    job = Launch(tmp_path_factory.mktemp("reform-reference"), tiny_args(*ARGS), child_env())
-    try:
-        assert job.wait(120) == 0, job.output()
-        return job.results()
-    finally:
-        job.reap()
+    return fault_free_results(tmp_path_factory.mktemp("reform-reference"), *ARGS)
 
 
 def _assert_identical(job: Any, reference: dict[int, dict[str, Any]]) -> None:

@@ -15,7 +15,7 @@ STEPS = 30
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    return fault_free_results(tmp_path_factory.mktemp("reference"), STEPS)
+    return fault_free_results(tmp_path_factory.mktemp("reference"), "--steps", str(STEPS))
 
 
 def _assert_same_as_reference(job: Launch, reference: dict[int, dict[str, Any]]) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from conftest import alive, child_env, tiny_args
+from conftest import alive, child_env, fault_free_results, tiny_args
 
 # Long enough for the pool to fill (5 s after the first start, then the spares import torch) before the fault.
 ARGS = ("--steps", "240", "--every", "50", "--num-samples", "3000", "--step-sleep", "0.06")
@@ -15,14 +15,7 @@ FAULT_STEP = 200
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    from conftest import Launch
-
-    job = Launch(tmp_path_factory.mktemp("spares-reference"), tiny_args(*ARGS[:6]), child_env())
-    try:
-        assert job.wait(180) == 0, job.output()
-        return job.results()
-    finally:
-        job.reap()
+    return fault_free_results(tmp_path_factory.mktemp("spares-reference"), *ARGS[:6], timeout=180)
 
 
 @pytest.mark.parametrize("fault", [f"kill@rank=1,step={FAULT_STEP}", f"hang@rank=0,step={FAULT_STEP}"])

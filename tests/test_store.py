@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from stalwart.runtime.store import _probe, bound_listener, tcp_store, wait_listening
+from stalwart.runtime.store import bound_listener, probe, tcp_store
 
 LOOPBACK = "127.0.0.1"
 
@@ -27,11 +27,11 @@ def test_the_wait_ends_when_the_port_listens_and_gives_up_at_its_deadline() -> N
     closed = _reserved_port()
     listener = bound_listener(LOOPBACK, 0)
     try:
-        assert wait_listening(LOOPBACK, closed.getsockname()[1], 0.05) is False
-        assert wait_listening(LOOPBACK, listener.getsockname()[1], 5.0) is True
+        assert probe(LOOPBACK, closed.getsockname()[1], 0.05) == "timeout"
+        assert probe(LOOPBACK, listener.getsockname()[1], 5.0) == "listening"
         # Not refused but unreachable: no retries until the deadline, the caller's connect reports it.
-        assert _probe("name.invalid", 1, 30.0) == "unreachable"
-        assert _probe(LOOPBACK, closed.getsockname()[1], 0.05) == "timeout"
+        assert probe("name.invalid", 1, 30.0) == "unreachable"
+        assert probe(LOOPBACK, closed.getsockname()[1], 0.05) == "timeout"
     finally:
         closed.close()
         listener.close()
@@ -55,7 +55,7 @@ def test_a_client_made_before_its_server_connects_once_the_server_listens() -> N
     thread = threading.Thread(target=client, daemon=True)
     thread.start()
     probing.wait(10)
-    assert wait_listening(LOOPBACK, port, 0.05) is False, "the port accepted before the server existed"
+    assert probe(LOOPBACK, port, 0.05) == "timeout", "the port accepted before the server existed"
     reserved.listen(socket.SOMAXCONN)
     server = dist.TCPStore(
         LOOPBACK,

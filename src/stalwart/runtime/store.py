@@ -50,7 +50,7 @@ def tcp_store(
     """
     if not is_server:
         started = time.monotonic()
-        found = _probe(host, port, timeout.total_seconds())
+        found = probe(host, port, timeout.total_seconds())
         if found == "timeout":  # torch's own error for a store it cannot reach: callers treat it as theirs
             raise dist.DistStoreError(
                 f"no store server listening at {host}:{port} within {timeout.total_seconds():g} s"
@@ -93,19 +93,15 @@ PROBE_CONNECT_S = 1.0
 """A probe's own connect timeout, per address: an address that drops packets must not hold up the others."""
 
 
-def wait_listening(host: str, port: int, timeout_s: float) -> bool:
-    """Wait until something accepts TCP connections at `host`:`port`; whether it did within `timeout_s`.
+def probe(host: str, port: int, timeout_s: float) -> str:
+    """Wait until something accepts TCP connections at `host`:`port`, for at most `timeout_s`. The verdict:
+    "listening"; "unreachable" (no address refused: no route, a name that does not resolve), at once, so that
+    the caller's own connect reports it in its words; or "timeout" (still refused at the deadline).
 
-    The name is resolved once; every address it has is tried in turn. While one of them refuses (or resets) the
-    connection, the probes go on; when every address fails otherwise (no route, a name that does not resolve),
-    or at the deadline, the answer is False and the caller's own connect reports it in its words. The probe's
-    connection is closed without a byte sent, which a TCPStore server takes as a client leaving.
+    The name is resolved once; every address it has is tried in turn, and the probes go on while one of them
+    refuses (or resets) the connection. The probe's connection is closed without a byte sent, which a TCPStore
+    server takes as a client leaving.
     """
-    return _probe(host, port, timeout_s) == "listening"
-
-
-def _probe(host: str, port: int, timeout_s: float) -> str:
-    """The verdict: "listening", "unreachable" (no address refused: no route, no such name) or "timeout"."""
     started = time.monotonic()
     deadline = started + timeout_s
     try:

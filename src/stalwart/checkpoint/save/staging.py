@@ -21,7 +21,6 @@ from collections.abc import Sequence
 
 import torch
 
-from stalwart.checkpoint.save import host_pin
 from stalwart.checkpoint.save.side_copy import CopyDone, SideCopy
 
 ALIGN = 64
@@ -75,7 +74,7 @@ class Staging:
 
     def ensure(self, nbytes: int, *, pin: bool, device: torch.device | None = None) -> None:
         """At least `nbytes` of staging, registered with CUDA if `pin` (for copies from `device`; None: the
-        caller's current one; save/host_pin.py). Callable from another thread than the training one."""
+        caller's current one; SideCopy.register). Callable from another thread than the training one."""
         if nbytes > self.size or self.fd < 0:
             self.close()
             size = max(aligned(int(nbytes * GROW_SLACK), PAGE), PAGE)  # whole pages: O_DIRECT writes it as is
@@ -96,7 +95,7 @@ class Staging:
         if pin and not self._pinned and torch.cuda.is_available():
             assert self._buf is not None
             self._pin_device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
-            self._pinned = host_pin.register(self._buf.data_ptr(), self.size, self._pin_device)
+            self._pinned = self._side.register(self._buf, self._pin_device)
 
     def copy_in(
         self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], stable: set[int] | None = None
@@ -141,7 +140,7 @@ class Staging:
             self._views.clear()
             return
         self._running = None
-        if self._pinned and self._buf is not None and not host_pin.unregister(self._buf.data_ptr(), self._pin_device):
+        if self._pinned and self._buf is not None and not self._side.unregister(self._buf, self._pin_device):
             # Still registered: unmapping it would leave CUDA a stale pinned range. Kept for the process's life.
             _ABANDONED.append((self._map, self._buf, self.fd))
             self._map, self._buf, self._pinned, self.fd, self.size = None, None, False, -1, 0
