@@ -87,7 +87,10 @@ def test_prepare_allocates_staging_off_the_training_thread_and_the_save_uses_it(
 SHARDED_STABLE = """
 import os, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+try:
+    from torch.distributed.tensor import Shard, distribute_tensor
+except ImportError:  # torch 2.4
+    from torch.distributed._tensor import Shard, distribute_tensor
 from stalwart.checkpoint.save.overlap import UpdateFence, storage_key
 dist.init_process_group("gloo", store=dist.FileStore(os.path.join(sys.argv[1], "s"), 1), rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))

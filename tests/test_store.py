@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from stalwart.runtime.store import bound_listener, probe, tcp_store
+from stalwart.runtime.store import bound_listener, probe, serve_on, tcp_store
 
 LOOPBACK = "127.0.0.1"
 
@@ -57,17 +57,7 @@ def test_a_client_made_before_its_server_connects_once_the_server_listens() -> N
     probing.wait(10)
     assert probe(LOOPBACK, port, 0.05) == "timeout", "the port accepted before the server existed"
     reserved.listen(socket.SOMAXCONN)
-    server = dist.TCPStore(
-        LOOPBACK,
-        port,
-        2,
-        is_master=True,
-        wait_for_workers=False,
-        multi_tenant=True,
-        master_listen_fd=reserved.fileno(),
-        timeout=timedelta(seconds=60),
-    )
-    reserved.detach()
+    server = serve_on(reserved, LOOPBACK, 2, timeout=timedelta(seconds=60), wait_for_workers=False)
     server.set("from-server", "2")
     thread.join(60)
     assert not thread.is_alive(), "the client never connected"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stalwart.checkpoint.format.serialize import load_skeleton
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.tiers.memory import MemoryTier
@@ -218,8 +219,7 @@ class Restorer:
         try:
             replicated = None
             if skeleton_len:
-                raw = io.BytesIO(buf[total:].numpy().tobytes())
-                replicated = torch.load(raw, map_location="cpu", weights_only=True)
+                replicated = load_skeleton(buf[total:].numpy().tobytes())
             snapshot = self._memory.load_light(step, content, live, replicated)
         except Exception as exc:  # a skeleton naming tensors nobody holds, an unreadable one: agreed below
             problem = first_line(exc)

@@ -64,21 +64,41 @@ def tcp_store(
         return store
     sock = bound_listener(host, port)
     try:
-        store = dist.TCPStore(
-            host,
-            sock.getsockname()[1],
-            world_size,
-            is_master=True,
-            timeout=timeout,
-            wait_for_workers=wait_for_workers,
-            multi_tenant=True,
-            master_listen_fd=sock.fileno(),
-        )
+        return serve_on(sock, host, world_size, timeout=timeout, wait_for_workers=wait_for_workers)
     except BaseException:
         sock.close()
         raise
+
+
+def serve_on(
+    sock: socket.socket, host: str, world_size: int | None, *, timeout: timedelta, wait_for_workers: bool = True
+) -> dist.TCPStore:
+    """torch's multi-tenant TCPStore server on `sock`, a socket already listening; the store owns it after."""
+    global _libuv_takes_fd
+    serve: dict[str, object] = dict(
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=wait_for_workers,
+        multi_tenant=True,
+        master_listen_fd=sock.fileno(),
+    )
+    if not _libuv_takes_fd:
+        serve["use_libuv"] = False
+    try:
+        store = dist.TCPStore(host, sock.getsockname()[1], world_size, **serve)  # type: ignore[arg-type]
+    except NotImplementedError:
+        if not _libuv_takes_fd:
+            raise
+        _libuv_takes_fd = False  # torch 2.4's default (libuv) server cannot take a listening socket
+        serve["use_libuv"] = False
+        store = dist.TCPStore(host, sock.getsockname()[1], world_size, **serve)  # type: ignore[arg-type]
     sock.detach()  # the store's server owns the descriptor now
     return store
+
+
+_libuv_takes_fd = True
+"""Whether torch's default store server (libuv since torch 2.4) accepts a listening socket: not in torch 2.4,
+which says so with NotImplementedError (and one log line, once per process); the legacy server does."""
 
 
 PROBE_FIRST_S = 0.001

@@ -212,7 +212,8 @@ class StalwartAgent(LocalElasticAgent):
             self._exits.close()
         super()._shutdown(*args, **kwargs)
 
-    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+    def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
+        # torch 2.4 passes is_restart=; later versions pass nothing more: whatever comes goes on to torch's own.
         self._kill_stopped(worker_group)  # it would neither re-arm nor act on SIGTERM: never wait for it
         ctx = self._pcontext
         if self._reforming and isinstance(ctx, HostContext):
@@ -224,7 +225,7 @@ class StalwartAgent(LocalElasticAgent):
                 seconds=round(time.monotonic() - started, 4),
                 restart=self.restart_count,
             )
-        super()._stop_workers(worker_group)
+        super()._stop_workers(worker_group, *args, **kwargs)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._monitor_s is not None:

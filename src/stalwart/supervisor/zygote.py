@@ -238,7 +238,6 @@ class _Serve:
 
     def run(self) -> None:
         die_with_parent(signal.SIGKILL, parent=self._launcher)
-        _name_process(b"stalwart-zygote")  # its command line is the launcher's; top and ps -o comm tell them apart
         for sig in STOP_SIGNALS:  # a terminal's Ctrl-C reaches the launcher's group: the launcher handles it
             signal.signal(sig, signal.SIG_IGN)
         from stalwart.recovery import reform
@@ -250,6 +249,9 @@ class _Serve:
         from stalwart.supervisor.worker_host import import_training_side
 
         import_training_side()
+        # Named after the imports: torch 2.4 names the thread that imports it "pt_main_thread". The command line
+        # is the launcher's; top and ps -o comm tell them apart.
+        _name_process(b"stalwart-zygote")
         # What is imported stays for the process's life: out of the collector's sight, a full collection in a
         # host (a re-forming survivor runs one to free its failed run) no longer walks torch's million objects
         # (230 ms), and the collector does not write to pages the hosts share with the zygote.

@@ -14,7 +14,9 @@ written once by the rank that owns it), `r<rank>/<object>/<key path>` for per-ra
 
 from __future__ import annotations
 
+import _codecs
 import hashlib
+import io
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -54,6 +56,27 @@ def check_loadable(value: Any, path: str = "state") -> None:
         f"{path} is a {kind.__module__}.{kind.__qualname__}, which a checkpoint cannot hold safely; return "
         "tensors, python numbers, strings, lists or plain dicts from state_dict()"
     )
+
+
+def load_skeleton(data: bytes) -> Any:
+    """A skeleton saved with `torch.save`, loaded with `weights_only=True`: no code from a checkpoint runs.
+
+    torch.save (pickle protocol 2) stores a `bytes` value as a call of `_codecs.encode`, which torch >= 2.5
+    allows in weights_only loading and torch 2.4 refuses: there it is allowed once, here, so a state holding
+    bytes (which check_loadable accepts) loads back on every torch the package accepts."""
+    _allow_bytes()
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _allow_bytes() -> None:
+    add = getattr(torch.serialization, "add_safe_globals", None)  # torch >= 2.4
+    if add is not None and _codecs.encode not in _safe_globals():
+        add([_codecs.encode])
+
+
+def _safe_globals() -> list[Any]:
+    get = getattr(torch.serialization, "get_safe_globals", None)
+    return list(get()) if get is not None else []
 
 
 REF_KEY = "__stalwart_tensor__"

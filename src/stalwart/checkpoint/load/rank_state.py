@@ -9,14 +9,13 @@ quarantined) and from a valid checkpoint that does not fit this job (MISMATCH: o
 from __future__ import annotations
 
 import base64
-import io
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from stalwart.checkpoint.format import layout
-from stalwart.checkpoint.format.serialize import dtype_from_name, unflatten
+from stalwart.checkpoint.format.serialize import dtype_from_name, load_skeleton, unflatten
 from stalwart.checkpoint.load.verify import read_tensor, read_verified_meta, retrying
 from stalwart.checkpoint.storage import Storage, describe_error
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError
@@ -87,7 +86,7 @@ def load_rank_state(
     meta = read_verified_meta(storage, f"{step_dir}/{manifest.ranks[rank].meta}", manifest.ranks[rank])
     try:
         skeleton_bytes = base64.b64decode(str(meta["skeleton"]).encode("ascii"), validate=True)
-        skeleton = torch.load(io.BytesIO(skeleton_bytes), map_location="cpu", weights_only=True)
+        skeleton = load_skeleton(skeleton_bytes)
     except Exception as exc:  # pickle and zip errors come in many types
         raise CheckpointCorruptError(f"the skeleton of rank {rank} in {step_dir} cannot be read safely: {exc}") from exc
     files: dict[str, bytes] = {}

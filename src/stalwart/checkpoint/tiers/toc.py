@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.format import sharded
-from stalwart.checkpoint.format.serialize import PLAIN_VALUES, REF_KEY, TensorItem, dtype_name
+from stalwart.checkpoint.format.serialize import PLAIN_VALUES, REF_KEY, TensorItem, dtype_name, load_skeleton
 
 STEP_IN_HEADER = "in the header"
 """The skeleton's step as written: the header holds it."""
@@ -148,7 +148,7 @@ def parse_toc(raw: bytes, step: int) -> tuple[Any, dict[str, list[Any]], dict[st
     step from the header. Raises on anything malformed (the caller says which snapshot)."""
     toc = json.loads(raw)
     table: dict[str, list[Any]] = toc["tensors"]
-    skeleton = torch.load(io.BytesIO(base64.b64decode(toc["skeleton"])), map_location="cpu", weights_only=True)
+    skeleton = load_skeleton(base64.b64decode(toc["skeleton"]))
     if "values" in toc:
         skeleton = fill_values(skeleton, toc["values"])
     if isinstance(skeleton, dict) and skeleton.get("step") == STEP_IN_HEADER:
