@@ -13,8 +13,13 @@ from pathlib import Path
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # torch 2.4
+    from torch.distributed._tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
 
 import stalwart
 from stalwart.checkpoint.format.sharded import shard_extent

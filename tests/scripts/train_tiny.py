@@ -120,11 +120,7 @@ def main() -> None:
     )
     if args.fsdp:
         from torch.distributed.device_mesh import init_device_mesh
-
-        try:
-            from torch.distributed.fsdp import fully_shard
-        except ImportError:  # torch < 2.6
-            from torch.distributed._composable.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (job.world_size,))
         for layer in model:

@@ -17,6 +17,7 @@ import socket
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 
@@ -96,9 +97,10 @@ def serve_on(
     return store
 
 
-_libuv_takes_fd = True
-"""Whether torch's default store server (libuv since torch 2.4) accepts a listening socket: not in torch 2.4,
-which says so with NotImplementedError (and one log line, once per process); the legacy server does."""
+_libuv_takes_fd = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
+"""Whether torch's default store server (libuv since torch 2.4) accepts a listening socket. torch 2.4's does not:
+it logs an error and raises NotImplementedError, so there the legacy server is used from the start; any other
+torch that refused would be found out the same way, once per process."""
 
 
 PROBE_FIRST_S = 0.001

@@ -50,7 +50,37 @@ def rendezvous_handler(params: Any) -> Any:
     handler = create_handler(store, backend, params)
     if params.max_nodes == 1:
         handler.next_rendezvous = functools.partial(_without_start_skew, handler.next_rendezvous)  # type: ignore[method-assign]
+    if not _builds_master_at_local_addr():
+        handler.next_rendezvous = functools.partial(  # type: ignore[method-assign]
+            _master_at_local_addr, handler.next_rendezvous, params.local_addr
+        )
     return handler
+
+
+MASTER_ADDR_KEY = "stalwart/master_addr"
+"""Where rank 0's agent publishes the workers' MASTER_ADDR in a round's store (torch 2.4 only)."""
+
+
+def _builds_master_at_local_addr() -> bool:
+    """Whether torch's rendezvous gives the workers rank 0's `--local-addr` as MASTER_ADDR (torch 2.4's names its
+    host by `socket.getfqdn()` whatever --local-addr says)."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    return "local_addr" in inspect.signature(RendezvousStoreInfo.build).parameters
+
+
+def _master_at_local_addr(next_rendezvous: Callable[[], Any], local_addr: str | None) -> Any:
+    """`next_rendezvous()` whose MASTER_ADDR is rank 0's --local-addr, as later torch gives it. On torch 2.4 two
+    hosts that share a host name (network namespaces on one machine) or whose name resolves to loopback had
+    their workers connect to the wrong host. Rank 0 publishes the address in the round's own store; the port
+    stays torch's (a free one on rank 0's host)."""
+    info = next_rendezvous()
+    if info.rank == 0:
+        info.store.set(MASTER_ADDR_KEY, local_addr or info.bootstrap_store_info.master_addr)
+    info.bootstrap_store_info.master_addr = info.store.get(MASTER_ADDR_KEY).decode()
+    return info
 
 
 def _cheap_event_names() -> None:
