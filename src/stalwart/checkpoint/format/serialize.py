@@ -69,14 +69,12 @@ def load_skeleton(data: bytes) -> Any:
 
 
 def _allow_bytes() -> None:
-    add = getattr(torch.serialization, "add_safe_globals", None)  # torch >= 2.4
-    if add is not None and _codecs.encode not in _safe_globals():
-        add([_codecs.encode])
+    """On torch 2.4 only: later releases allow it themselves, and the list of safe globals is the user's too."""
+    if _BYTES_REFUSED and _codecs.encode not in torch.serialization.get_safe_globals():
+        torch.serialization.add_safe_globals([_codecs.encode])
 
 
-def _safe_globals() -> list[Any]:
-    get = getattr(torch.serialization, "get_safe_globals", None)
-    return list(get()) if get is not None else []
+_BYTES_REFUSED = torch.torch_version.TorchVersion(torch.__version__) < "2.5"
 
 
 REF_KEY = "__stalwart_tensor__"
