@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +359,30 @@ def test_a_one_node_rendezvous_skips_the_random_start_delay(monkeypatch: pytest.
         handler.shutdown()
     assert not [d for d in delays if isinstance(d, tuple)], delays
     assert dynamic_rendezvous._delay is record, "torch's own delay function is back in place"
+
+
+def test_where_torch_names_rank_0_by_host_name_every_agent_gets_its_local_addr_as_master() -> None:
+    """torch 2.4's rendezvous gives the workers rank 0's socket.getfqdn() as MASTER_ADDR whatever --local-addr
+    says; there rank 0's agent publishes its address in the round's store (later torch does it itself)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from stalwart.supervisor.rendezvous import _master_at_local_addr
+
+    def round_of(store: Any, rank: int) -> Any:
+        store.set_timeout(timedelta(seconds=5))  # a key never published fails the test instead of hanging it
+        info = SimpleNamespace(rank=rank, store=store, bootstrap_store_info=SimpleNamespace(master_addr="vm.fqdn"))
+        return lambda: info
+
+    store = dist.HashStore()
+    head = _master_at_local_addr(round_of(store, 0), "10.231.79.1")
+    other = _master_at_local_addr(round_of(store, 1), "10.231.79.2")
+    assert head.bootstrap_store_info.master_addr == other.bootstrap_store_info.master_addr == "10.231.79.1"
+    unnamed = dist.HashStore()  # rank 0 without --local-addr: torch's choice stands, for every agent
+    head = _master_at_local_addr(round_of(unnamed, 0), None)
+    other = _master_at_local_addr(round_of(unnamed, 1), "10.231.79.2")
+    assert head.bootstrap_store_info.master_addr == other.bootstrap_store_info.master_addr == "vm.fqdn"
 
 
 def test_the_rendezvous_names_its_events_without_inspecting_the_whole_stack(monkeypatch: pytest.MonkeyPatch) -> None:
