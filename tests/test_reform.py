@@ -381,3 +381,19 @@ def test_a_collective_after_the_optimizer_step_is_a_documented_limit(launch: Any
     assert resumed and all(e["step"] <= 13 and e["tier"] in ("memory", "durable") for e in resumed), resumed
     _assert_identical(job, reference)
     _no_orphans(job)
+
+
+def test_a_survivors_next_run_starts_with_grad_mode_on() -> None:
+    """A re-form request raised inside `torch.no_grad().__enter__` skips its `__exit__`: grad mode stays off. The
+    worker host puts back what a run may change before the next one, grad mode among it."""
+    import torch
+
+    from stalwart.supervisor.worker_host import _Baseline
+
+    baseline = _Baseline()
+    torch.set_grad_enabled(False)  # what an interrupted no_grad leaves behind
+    try:
+        baseline.restore()
+        assert torch.is_grad_enabled(), "the next run would compute losses without a graph"
+    finally:
+        torch.set_grad_enabled(True)

@@ -114,8 +114,14 @@ def _run_script(argv: list[str]) -> None:
 
 class _Baseline:
     """What a run of the script may change in the process and the next run must not inherit: the working
-    directory, sys.excepthook (torch and stalwart wrap it), the standard streams, sys.path and the signal
-    handlers. Module globals of imported modules are not reset (nothing is imported again, by design)."""
+    directory, sys.excepthook (torch and stalwart wrap it), the standard streams, sys.path, the signal
+    handlers and torch's grad mode. Module globals of imported modules are not reset (nothing is imported again,
+    by design).
+
+    Grad mode: the request to re-form arrives as an exception raised between any two bytecodes, and one raised
+    inside `torch.no_grad().__enter__` after it turned grad mode off skips the `__exit__` that would turn it back
+    on. The next run then computed a loss without a graph ("element 0 of tensors does not require grad", an FSDP2
+    survivor in the suite at 23b36fe, once in a full run). A fresh interpreter starts with it on."""
 
     def __init__(self) -> None:
         self.cwd = os.getcwd()
@@ -138,6 +144,9 @@ class _Baseline:
                 continue
             with contextlib.suppress(OSError, ValueError, TypeError):
                 signal.signal(signum, handler)
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_grad_enabled(True)
 
 
 def _serve(control: IO[str], status: int) -> None:
