@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import struct
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from conftest import Launch, alive, child_env, tiny_args
 from stalwart.detect import hang
 from stalwart.detect.hang import HangTimer, parse_timeout
 from stalwart.detect.heartbeat import PHASE_STEP, SLOT_BYTES, Board, Heartbeat
+from stalwart.runtime.process import process_state
 
 HANG_ARGS = tiny_args("--steps", "24", "--step-sleep", "0.05")
 
@@ -127,15 +130,25 @@ def test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical(launch:
 @pytest.mark.parametrize(
     "faults",
     [
-        "hang@rank=1,step=12;kill@rank=0,step=12",  # a stop and a kill at once
+        "hang@rank=1,step=12",  # a stop and a kill at once
         # right after a restart, in the start's grace period: the stop is not waited for until a deadline
-        "kill@rank=0,step=8;hang@rank=1,step=10,restart=1;kill@rank=0,step=10,restart=1",
+        "kill@rank=0,step=8;hang@rank=1,step=10,restart=1",
     ],
 )
 def test_a_stopped_survivor_is_killed_at_once_in_any_phase(launch: Any, reference: Any, faults: str) -> None:
+    """Rank 0 is SIGKILLed from outside as soon as rank 1 is seen stopped, within the agent's STOP_CONFIRM_S.
+    Not by a `kill` fault at the same step: rank 0 then often died before rank 1 reached its stop, and the
+    survivor, asked to re-form, never stopped (seen once in a loaded suite; the scenario did not happen)."""
     from stalwart.supervisor.host_pool import REARM_TIMEOUT_S
 
     job = launch(HANG_ARGS, name="compound", env=child_env(STALWART_FAULTS=faults))
+
+    def stopped_rank_1() -> bool:
+        return any(process_state(e["pid"]) == "T" for e in job.events("worker_started") if e.get("rank") == 1)
+
+    job.wait_for(stopped_rank_1, 120, "rank 1 to stop itself")
+    rank_0 = [e["pid"] for e in job.events("worker_started") if e.get("rank") == 0][-1]
+    os.kill(rank_0, signal.SIGKILL)
     assert job.wait(180) == 0, job.output()
     stops = [e for e in job.events("hang_detected") if e["cause"] == "stopped by a signal"]
     assert [e["rank"] for e in stops] == [1], job.events("hang_detected")
