@@ -1,10 +1,24 @@
-"""`stalwart bench recovery`'s accounting of a goodput run (the runs themselves: test_leftovers, docs)."""
+"""`stalwart bench recovery`: its accounting of a goodput run, and a kill of rank 0 measured under `stalwart run`
+(the whole bench: test_leftovers, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from stalwart.bench.recovery import SETTLE_S, fault_only, goodput_badput, steady_pace
+from stalwart.bench.recovery import (
+    SETTLE_S,
+    _reference_run,
+    _results,
+    fault_only,
+    goodput_badput,
+    measure_kills,
+    steady_pace,
+    survivor_of,
+)
 
 STEP = 0.1
 
@@ -89,3 +103,34 @@ def test_the_report_gives_both_goodputs_and_the_two_paces() -> None:
     assert "88.1% (93.4%)" in text
     assert "stalwart, at its own pace (53.2 ms a step" in text and "reference 51.4 ms): " in text
     assert "slower steps 10.0 s" in text and "slower steps 20.0 s" in text
+
+
+def test_a_killed_rank_0_is_measured_from_its_survivor_rank_1(tmp_path: Path) -> None:
+    # Rank 0 hosts the job's process-group store: its replacement serves the store the survivor waits for.
+    lines: list[str] = []
+    assert survivor_of(0) == 1 and survivor_of(1) == 0
+    expected = _reference_run("stalwart", tmp_path / "reference", 30 + 60, lines.append)  # measure_kills: +60
+    kills = measure_kills("stalwart", tmp_path / "kills", [30], lines.append, spares=1, rank=0)
+    assert "stalwart: killed rank 0 after step 30 (1/1)" in lines[-1]
+    assert _results(tmp_path / "kills") == expected, "bitwise identical to the fault-free run"
+    assert len(kills["kill_to_step_s"]) == len(kills["survivor_stall_s"]) == 1
+    assert 0 < kills["survivor_stall_s"][0] < 60 and 0 < kills["kill_to_step_s"][0] < 60
+    assert kills["steps_lost"] in ([0], [1])
+    killed = [e for e in _events(tmp_path / "kills") if e["event"] == "fault_injected"]
+    assert [(e["rank"], e["fault"]) for e in killed] == [(0, "SIGKILL from outside")]
+    pids = {(e["rank"], e["pid"]) for e in _events(tmp_path / "kills") if e["event"] == "worker_started"}
+    assert sorted(rank for rank, _ in pids) == [0, 0, 1], "rank 0 was replaced; rank 1 survived, re-formed in place"
+
+
+def test_a_bad_kill_rank_is_one_line() -> None:
+    out = subprocess.run([sys.executable, "-m", "stalwart", "bench", "recovery", "--kill-rank", "2"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--kill-rank" in lines[0], out.stderr
+
+
+def _events(workdir: Path) -> list[dict[str, object]]:
+    from stalwart.telemetry.events import read_events
+
+    return read_events(workdir / "events.jsonl")

@@ -1,13 +1,15 @@
 """`stalwart bench recovery`: the same 2-worker gloo job under torchrun, torchft and stalwart, failed the same way.
 
 For each system, in one invocation:
-- kills: the job (recovery_job.py) runs a fixed number of steps while rank 1 is SIGKILLed from outside at random
-  steps, one failure at a time; for each kill: seconds from the kill to the next completed step, steps lost
-  (the last step completed before the kill minus the step the job resumed from), and the survivor's stall
-  (rank 0's first completed step after the kill). The final parameters are compared with a fault-free run.
-- hang: rank 1 is SIGSTOPped; the seconds until the system reports it (a `hang_detected` event), or null if it
-  does not within `--hang-wait` seconds.
-- goodput: the job runs `--goodput-seconds` with rank 1 killed every `--kill-every` seconds; goodput is the step
+- kills: the job (recovery_job.py) runs a fixed number of steps while one rank (`--kill-rank`, default 1) is
+  SIGKILLed from outside at random steps, one failure at a time; for each kill: seconds from the kill to the next
+  completed step, steps lost (the last step completed before the kill minus the step the job resumed from), and
+  the survivor's stall (the other rank's first completed step after the kill). The final parameters are compared
+  with a fault-free run. Killing rank 0 also kills the process that hosts the job's process-group store, so its
+  replacement must serve a store the survivor is already trying to reach.
+- hang: the same rank is SIGSTOPped; the seconds until the system reports it (a `hang_detected` event), or null if
+  it does not within `--hang-wait` seconds.
+- goodput: the job runs `--goodput-seconds` with that rank killed every `--kill-every` seconds; goodput is the step
   time of the steps in the final history (a redone step counts once) over the wall time, each step counted at
   the fault-free reference run's median step and again at the run's own steady pace (steady_pace: its steps
   away from start and kills, which leaves out the VM's drift between the two runs).
@@ -182,7 +184,7 @@ def _wait(run: Run, until: Callable[[], bool], timeout: float, what: str) -> Non
 
 
 def kill_schedule(kills: int, gap: int, rng: random.Random) -> list[int]:
-    """The steps after which rank 1 is killed: random, between gap/2 and gap steps apart."""
+    """The steps after which a rank is killed: random, between gap/2 and gap steps apart."""
     schedule, step = [], 40
     for _ in range(kills):
         step += rng.randint(gap // 2, gap)
@@ -190,10 +192,15 @@ def kill_schedule(kills: int, gap: int, rng: random.Random) -> list[int]:
     return schedule
 
 
+def survivor_of(rank: int) -> int:
+    """The rank that is not killed (the job has NPROC == 2 ranks)."""
+    return NPROC - 1 - rank
+
+
 def measure_kills(
-    system: str, workdir: Path, schedule: list[int], progress: Progress, spares: int = 2
+    system: str, workdir: Path, schedule: list[int], progress: Progress, spares: int = 2, rank: int = 1
 ) -> dict[str, Any]:
-    """SIGKILLs of rank 1 once it has completed each step of `schedule`, one recovery at a time."""
+    """SIGKILLs of `rank` once the job has completed each step of `schedule`, one recovery at a time."""
     kills = len(schedule)
     run = Run(system, workdir, steps=schedule[-1] + 60, spares=spares)
     run.start()
@@ -201,14 +208,14 @@ def measure_kills(
     try:
         for target in schedule:
             _wait(run, lambda t=target: run.last_step() >= t, 300, f"step {target}")  # type: ignore[misc]
-            pid = run.worker_pid(1)
+            pid = run.worker_pid(rank)
             if pid is None:
-                raise BenchError(f"{system}: no pid for rank 1")
+                raise BenchError(f"{system}: no pid for rank {rank}")
             done = run.last_step()
-            mono = _note_kill(run, "SIGKILL from outside", 1, done)
+            mono = _note_kill(run, "SIGKILL from outside", rank, done)
             os.kill(pid, signal.SIGKILL)
             marks.append((mono, done))
-            progress(f"{system}: killed rank 1 after step {done} ({len(marks)}/{kills})")
+            progress(f"{system}: killed rank {rank} after step {done} ({len(marks)}/{kills})")
             _wait(run, _stepped_in_round(run, len(marks)), 300, "recovery")
         _wait(run, lambda: not run.running(), 300, "the end of the run")
     finally:
@@ -225,7 +232,7 @@ def measure_kills(
             raise BenchError(f"{system}: no step completed after the kill at step {done}")
         to_step.append(first - mono)
         # torchft's survivor is not restarted: its first step after the kill, whatever its round, is its stall.
-        survivor = _first_step_after(run.events if system == "torchft" else after, mono, rank=0)
+        survivor = _first_step_after(run.events if system == "torchft" else after, mono, rank=survivor_of(rank))
         stall.append((survivor if survivor is not None else first) - mono)
         resumed = [e for e in run.events if e["event"] in ("resumed", "fresh_start") and e["mono"] > mono]
         lost.append(done - (resumed[0].get("step", 0) if resumed else done))
@@ -263,18 +270,20 @@ def _results(workdir: Path) -> dict[int, str]:
     return out
 
 
-def measure_hang(system: str, workdir: Path, wait_s: float, progress: Progress, spares: int = 2) -> float | None:
-    """Seconds from SIGSTOPping rank 1 to the system's hang report; None if none came within `wait_s`."""
+def measure_hang(
+    system: str, workdir: Path, wait_s: float, progress: Progress, spares: int = 2, rank: int = 1
+) -> float | None:
+    """Seconds from SIGSTOPping `rank` to the system's hang report; None if none came within `wait_s`."""
     run = Run(system, workdir, steps=100_000, spares=spares, seconds=300 + wait_s + 120)
     run.start()
     try:
         _wait(run, lambda: run.last_step() >= 60, 300, "step 60")
-        pid = run.worker_pid(1)
+        pid = run.worker_pid(rank)
         if pid is None:
-            raise BenchError(f"{system}: no pid for rank 1")
-        mono = _note_kill(run, "SIGSTOP from outside", 1, run.last_step())
+            raise BenchError(f"{system}: no pid for rank {rank}")
+        mono = _note_kill(run, "SIGSTOP from outside", rank, run.last_step())
         os.kill(pid, signal.SIGSTOP)
-        progress(f"{system}: SIGSTOPped rank 1; waiting up to {wait_s:.0f} s for a hang report")
+        progress(f"{system}: SIGSTOPped rank {rank}; waiting up to {wait_s:.0f} s for a hang report")
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and run.running():
             run.poll_events()
@@ -303,9 +312,16 @@ class Goodput:
 
 
 def measure_goodput(
-    system: str, workdir: Path, seconds: float, kill_every: float, step_s: float, progress: Progress, spares: int = 2
+    system: str,
+    workdir: Path,
+    seconds: float,
+    kill_every: float,
+    step_s: float,
+    progress: Progress,
+    spares: int = 2,
+    rank: int = 1,
 ) -> Goodput:
-    """Productive time kept over wall time, with rank 1 killed every `kill_every` seconds: the steps in the final
+    """Productive time kept over wall time, with `rank` killed every `kill_every` seconds: the steps in the final
     history (a redone step counts once) times `step_s`, the median step of the fault-free run. Counting a fixed
     step time, not each step's own, charges a system for everything that slows its steps or runs between them
     (snapshots, spares starting up), not only for the time it is down. Returns the goodput and where the rest of
@@ -321,12 +337,12 @@ def measure_goodput(
             if not run.running():
                 raise BenchError(f"{system}: the job exited during the goodput run; see {workdir / 'output.log'}")
             if time.monotonic() >= next_kill:
-                pid = run.worker_pid(1)
+                pid = run.worker_pid(rank)
                 if pid is not None:
-                    _note_kill(run, "SIGKILL from outside", 1, run.last_step())
+                    _note_kill(run, "SIGKILL from outside", rank, run.last_step())
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                    progress(f"{system}: goodput run, killed rank 1 at {time.monotonic() - started:.0f} s")
+                    progress(f"{system}: goodput run, killed rank {rank} at {time.monotonic() - started:.0f} s")
                 next_kill += kill_every
         end = time.monotonic()
     finally:
@@ -472,7 +488,10 @@ def run_bench(
     progress: Progress,
     spares: int = 2,
     full: bool = True,
+    kill_rank: int = 1,
 ) -> dict[str, Any]:
+    if not 0 <= kill_rank < NPROC:
+        raise BenchError(f"--kill-rank must be 0 or 1 (the job has {NPROC} ranks), not {kill_rank}")
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="stalwart-bench-recovery-", dir=parent) as tmp:
         root = Path(tmp)
@@ -495,14 +514,23 @@ def run_bench(
             expected = reference
             if name == "torchft":  # its allreduce differs from DDP's: compare with its own fault-free run
                 expected = _reference_run(name, root / "torchft-reference", schedule[-1] + 60, progress)
-            k = measure_kills(name, root / f"{name}-kills", schedule, progress, spares)
+            k = measure_kills(name, root / f"{name}-kills", schedule, progress, spares, kill_rank)
             k["bitwise_identical"] = _results(root / f"{name}-kills") == expected
-            hang = measure_hang(name, root / f"{name}-hang", hang_wait, progress, spares)
+            hang = measure_hang(name, root / f"{name}-hang", hang_wait, progress, spares, kill_rank)
             good = None
             if goodput_seconds > 0:
-                progress(f"{name}: goodput run of {goodput_seconds:.0f} s, rank 1 killed every {kill_every:.0f} s")
+                progress(
+                    f"{name}: goodput run of {goodput_seconds:.0f} s, rank {kill_rank} killed every {kill_every:.0f} s"
+                )
                 good = measure_goodput(
-                    name, root / f"{name}-goodput", goodput_seconds, kill_every, reference_step_s, progress, spares
+                    name,
+                    root / f"{name}-goodput",
+                    goodput_seconds,
+                    kill_every,
+                    reference_step_s,
+                    progress,
+                    spares,
+                    kill_rank,
                 )
             systems[name] = summarize(k, hang, good, reference_step_s)
             if name == "torchrun" and hang is None:
@@ -540,6 +568,7 @@ def run_bench(
             "model": "3-layer MLP, 4.0M parameters, DDP, AdamW",
             "checkpoint_every": 20,
             "stalwart_spares": spares,
+            "killed_rank": kill_rank,
         },
         "kills": kills,
         "systems": systems,

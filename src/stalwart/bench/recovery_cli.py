@@ -37,6 +37,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--goodput-seconds", type=float, default=300.0, help="goodput run length, 0 to skip (default 300)")
     p.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills in the goodput run")
     p.add_argument("--stock-trials", type=int, default=3, help="single-kill runs of stock torchrun (default 3)")
+    p.add_argument(
+        "--kill-rank",
+        type=int,
+        default=1,
+        choices=(0, 1),
+        help="the rank killed and stopped (default 1); rank 0 also hosts the job's process-group store",
+    )
     p.add_argument("--spares", type=int, default=2, help="stalwart run --spares for stalwart's runs (default 2)")
     p.add_argument("--no-full", action="store_true", help="skip the stalwart_full runs (a full snapshot every step)")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill steps (default 0)")
@@ -61,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             spares=max(0, args.spares),
             full=not args.no_full,
+            kill_rank=args.kill_rank,
             parent=args.dir,
             progress=lambda line: err.print(f"bench: {line}"),
         )
@@ -79,7 +87,8 @@ def _s(value: float | None) -> str:
 
 
 def print_report(console: Console, report: dict[str, Any]) -> None:
-    table = Table(title=f"recovery, {report['kills']} kills per system ({report['job']['model']})")
+    killed = report["job"].get("killed_rank", 1)
+    table = Table(title=f"recovery, {report['kills']} kills of rank {killed} per system ({report['job']['model']})")
     for column in ("system", "kill→step median", "max", "steps lost max", "survivor stall", "hang detect",
                    "goodput (own pace)", "bitwise identical", "median step"):  # fmt: skip
         table.add_column(column, justify="left" if column == "system" else "right")
