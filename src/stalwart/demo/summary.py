@@ -9,6 +9,14 @@ import torch
 
 from stalwart.demo.runner import JobRun
 
+TIER_NAMES = {
+    "memory": "node memory",
+    "peer": "a survivor's live state",
+    "replica": "a peer node's copy",
+    "durable": "durable checkpoint",
+}
+"""What the `resumed` events' tiers say, for people (recovery/restore.py)."""
+
 
 @dataclass(slots=True)
 class Summary:
@@ -43,12 +51,12 @@ def summarize(faulty: JobRun, reference: JobRun) -> Summary:
             kill_to_step = min(e["mono"] for e in after) - kill["mono"]
         resumes = [e["step"] for e in ev if e["event"] == "resumed" and e["restart"] > 0]
         tiers = {str(e.get("tier")) for e in ev if e["event"] == "resumed" and e["restart"] > 0}
-        tier = "node memory" if tiers == {"memory"} else "durable checkpoint" if tiers == {"durable"} else None
+        tier = TIER_NAMES.get(tiers.pop()) if len(tiers) == 1 else None
         spares = any(e["event"] == "worker_spawned" and e["restart"] > 0 and e.get("spare") for e in ev)
         fresh = any(e["event"] == "fresh_start" and e["restart"] > 0 for e in ev)
         resumed = min(resumes) if resumes else (0 if fresh else None)
-        if resumed is not None:
-            steps_lost = kill_step - resumed
+        if resumed is not None:  # a survivor may hold a step finished after the last one logged before the kill
+            steps_lost = max(0, kill_step - resumed)
     a = json.loads((faulty.out / "result.json").read_text())
     b = json.loads((reference.out / "result.json").read_text())
     pa = torch.load(faulty.out / "final_params.pt", weights_only=True)

@@ -30,7 +30,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.chaos.faults import Fault, FaultInjector
 from stalwart.checkpoint.format import sharded
@@ -66,6 +65,7 @@ from stalwart.errors import (
 from stalwart.job import lifecycle
 from stalwart.job.commit import StepCommit
 from stalwart.job.live import LiveState
+from stalwart.job.replicated import replicated_names
 from stalwart.job.rng import capture_rng, restore_rng
 from stalwart.policy.checkpoint import DEFAULT_PRIOR_MTBF_S, CheckpointInterval
 from stalwart.policy.snapshot import LightCost, SnapshotSchedule, full_copy_budget
@@ -112,8 +112,8 @@ class JobConfig:
     replicated: tuple[str, ...] | None = None
     """Tracked objects that are identical on every rank (a DDP model, its optimizer): each of their tensors is
     written once, by one rank, instead of once per rank. None (the default) picks tracked DistributedDataParallel
-    modules, the optimizers over their parameters and those optimizers' LR schedulers. Per-rank objects are
-    written by every rank."""
+    modules and tracked modules a live DistributedDataParallel wraps (job/replicated.py), the optimizers over their
+    parameters and those optimizers' LR schedulers. Per-rank objects are written by every rank."""
     full_every: int = 1
     """1: every checkpoint is full. N > 1: after a full checkpoint, the next N - 1 are deltas that store only the
     tensors that changed since it, zstd-compressed (worth it when most tensors do not change, e.g. fine-tuning)."""
@@ -540,20 +540,7 @@ class Job:
                     f"replicated= names {unknown}, which are not tracked (tracked: {sorted(self._objects)})"
                 )
             return frozenset(self.config.replicated)
-        ddp = {n: o for n, o in self._objects.items() if isinstance(o, DistributedDataParallel)}
-        params = {id(p) for m in ddp.values() for p in m.parameters()}
-        names = set(ddp)
-        for name, obj in self._objects.items():
-            if isinstance(obj, torch.optim.Optimizer):
-                owned = [id(p) for group in obj.param_groups for p in group["params"]]
-                if owned and all(p in params for p in owned):
-                    names.add(name)
-        for name, obj in self._objects.items():  # a scheduler steps a replicated optimizer the same everywhere
-            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and any(
-                getattr(obj, "optimizer", None) is self._objects[n] for n in names
-            ):
-                names.add(name)
-        return frozenset(names)
+        return replicated_names(self._objects, self.world_size)
 
     def steps(self, loader: Iterable[Any] | None = None, *, max_steps: int) -> Iterator[tuple[int, Any]]:
         """Yield (step, batch) from the resumed step up to `max_steps`, checkpointing as configured.
