@@ -7,8 +7,9 @@ demo did). Only a tracked wrapper used to count, so such a script silently lost 
 written once instead of once per rank, taken from a live survivor after a failure instead of the last full memory
 copy (the demo lost 4 steps to a kill at its step 17), compared by the divergence check. A wrapper holds its
 module as `.module` but the module has no link back, so the wrappers are looked for among the objects the garbage
-collector tracks: once per start, only when several ranks track a module and no wrapper. The zygote froze what
-the imports made (supervisor/zygote.py), so under `stalwart run` the walk sees only what the script built since.
+collector tracks: once per start, only with several ranks and a tracked module that no tracked wrapper holds.
+The zygote froze what the imports made (supervisor/zygote.py), so under `stalwart run` the walk sees only what the
+script built since.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ import socket
 import time
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
+
+from stalwart.runtime.versions import torch_older_than
 
 
 def bound_listener(host: str, port: int) -> socket.socket:
@@ -97,7 +98,7 @@ def serve_on(
     return store
 
 
-_libuv_takes_fd = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
+_libuv_takes_fd = not torch_older_than("2.5")
 """Whether torch's default store server (libuv since torch 2.4) accepts a listening socket. torch 2.4's does not:
 it logs an error and raises NotImplementedError, so there the legacy server is used from the start; any other
 torch that refused would be found out the same way, once per process."""

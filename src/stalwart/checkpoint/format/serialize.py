@@ -26,6 +26,7 @@ import torch
 
 from stalwart.checkpoint.format import sharded
 from stalwart.errors import CheckpointCorruptError, UnsavableStateError
+from stalwart.runtime.versions import torch_older_than
 
 # Exact types: weights_only loading rebuilds these and nothing else. isinstance would let subclasses through
 # (numpy.float64 is a float, defaultdict is a dict) that save fine and then can never be loaded.
@@ -74,7 +75,7 @@ def _allow_bytes() -> None:
         torch.serialization.add_safe_globals([_codecs.encode])
 
 
-_BYTES_REFUSED = torch.torch_version.TorchVersion(torch.__version__) < "2.5"
+_BYTES_REFUSED = torch_older_than("2.5")
 
 
 REF_KEY = "__stalwart_tensor__"
