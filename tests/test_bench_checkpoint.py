@@ -16,6 +16,7 @@ import pytest
 
 from stalwart.bench import checkpoint
 from stalwart.cli import main
+from stalwart.errors import BenchError
 
 SYSTEM_KEYS = {"stall_s", "durable_s", "write_gbps", "peak_rss_mb"}
 
@@ -89,7 +90,7 @@ def test_a_failed_measurement_exits_1_and_cleans_up(
     ) -> dict[str, Any]:
         directory.mkdir()
         (directory / "partial").write_bytes(b"x")
-        raise checkpoint.BenchError(f"measuring {name} failed: boom")
+        raise BenchError(f"measuring {name} failed: boom")
 
     monkeypatch.setattr(checkpoint, "run_child", failing_child)
     assert main(["bench", "checkpoint", "--size", "8MB", "--dir", str(tmp_path / "new" / "dir")]) == 1

@@ -245,7 +245,7 @@ def test_unwritable_directory_is_a_config_error(tmp_path: Path) -> None:
 def test_failing_store_is_retried_with_backoff_and_training_goes_on(tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
     faults = {2: {"errno": "ENOSPC", "times": 2}}
-    ck = _checkpointer(tmp_path / "ck", log=log, chaos=lambda step: _storage_error(faults.pop(step, None)))
+    ck = _checkpointer(tmp_path / "ck", log=log, save_faults=lambda step: _storage_error(faults.pop(step, None)))
     ck.save(1, _state(1), wait=True)
     assert ck.save(2, _state(2)) is True, "the snapshot is taken; the failing writes happen in the background"
     assert ck.save(3, _state(3)) is False, "one save in flight: the next request is skipped, not queued"
@@ -264,7 +264,7 @@ def test_store_failing_past_the_deadline_gives_up_and_keeps_the_previous(tmp_pat
     log = tmp_path / "events.jsonl"
     faults = {2: {"errno": "EIO", "times": 100}}
     ck = _checkpointer(
-        tmp_path / "ck", log=log, persist_timeout_s=1.0, chaos=lambda step: _storage_error(faults.pop(step, None))
+        tmp_path / "ck", log=log, persist_timeout_s=1.0, save_faults=lambda step: _storage_error(faults.pop(step, None))
     )
     ck.save(1, _state(1), wait=True)
     assert ck.save(2, _state(2), wait=True) is False
@@ -357,7 +357,7 @@ def test_a_dead_persister_fails_that_save_and_the_next_one_works(tmp_path: Path)
 
     log = tmp_path / "events.jsonl"
     faults = {2: {"errno": "EIO", "times": 100}}
-    ck = _checkpointer(tmp_path / "ck", log=log, chaos=lambda step: _storage_error(faults.pop(step, None)))
+    ck = _checkpointer(tmp_path / "ck", log=log, save_faults=lambda step: _storage_error(faults.pop(step, None)))
     ck.save(1, _state(1), wait=True)
     ck.save(2, _state(2))
     proc = ck._bg._proc

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -144,3 +148,65 @@ def test_lazy_modules_resume(tmp_path: Path) -> None:
             pass
         job.close()
     assert job.resumed_from == 2
+
+
+_FAILING_JOB = """
+import sys
+import torch.distributed as dist
+import stalwart
+from stalwart.errors import StalwartError
+try:
+    stalwart.Job(sys.argv[1])
+except StalwartError as exc:
+    print("caught:", type(exc).__name__)
+print("group left:", not dist.is_initialized())
+"""
+
+
+@pytest.mark.parametrize("why", ["hang_timeout", "foreign_dir"])
+def test_a_job_that_fails_to_start_leaves_nothing_for_the_exit_and_leaves_its_group(tmp_path: Path, why: str) -> None:
+    """A caller that catches Job()'s error must not meet a traceback at interpreter exit (an exit handler of a
+    half-made Job), and the process group that Job() joined must be left again."""
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
+    if why == "hang_timeout":
+        env["STALWART_HANG_TIMEOUT"] = "soon"
+    else:
+        (ckpt / "notes.txt").write_text("not stalwart's")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FAILING_JOB, str(ckpt)],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"rank {rank}: {err}"
+        assert "caught:" in out and "group left: True" in out, f"rank {rank}: {out}\n{err}"
+        assert "Exception ignored" not in err and "Traceback" not in err, f"rank {rank}: {err}"
+    assert (ckpt / "notes.txt").exists() == (why == "foreign_dir"), "nothing of the user's is deleted"
+
+
+def test_a_loader_may_yield_none_as_a_batch(tmp_path: Path) -> None:
+    """Only an exhausted loader ends the steps; a None batch (a loader of side-effect steps) is a batch."""
+    job = stalwart.Job(tmp_path / "ck", checkpoint_every=2)
+    job.track(model=torch.nn.Linear(2, 2))
+    seen = [(step, batch) for step, batch in job.steps([None, None, None], max_steps=3)]
+    job.close()
+    assert seen == [(0, None), (1, None), (2, None)]
+    assert job.step == 3

@@ -5,12 +5,13 @@ from __future__ import annotations
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from stalwart.checkpoint.tiers.memory import HEADER_BYTES, MemoryTier
+from stalwart.checkpoint.tiers.memory import HEADER, HEADER_BYTES, MemoryTier, _Pending
 from stalwart.errors import CheckpointCorruptError
 
 
@@ -54,7 +55,7 @@ def test_a_snapshot_torn_by_a_dying_writer_is_never_listed(tmp_path: Path) -> No
     tier = MemoryTier(tmp_path, rank=0, world_size=1)
     tier.snapshot(7, _state(7))
     tier.snapshot(8, _state(8))
-    path = tmp_path / f"local00000.slot{tier.load(8).slot}"
+    path = next(p for p in tmp_path.glob("local00000.slot*") if HEADER.unpack_from(p.read_bytes())[2] == 8)
     with open(path, "r+b") as f:  # what a writer killed mid-copy leaves: the valid word cleared
         f.seek(8)
         f.write(struct.pack("<q", 0))
@@ -209,3 +210,47 @@ def test_a_snapshot_image_kept_on_another_node_comes_back_whole_and_only_to_its_
     assert fresh.steps() == [] and fresh.install(back, light=False) and fresh.steps() == [5]
     got = fresh.load(5).state["objects"]["m"]
     assert torch.equal(got["w"], _state(5)["objects"]["m"]["w"])
+
+
+def test_a_snapshot_of_another_world_size_is_never_loaded_whole_or_light(tmp_path: Path) -> None:
+    """A run of 2 ranks leaves slot files that a run of 3 ranks finds under the same names: rank 0 of the new
+    world must load neither its full nor its light snapshots, as `steps()` already lists none of them."""
+    old = MemoryTier(tmp_path, rank=0, world_size=2)
+    old.snapshot(5, _state(5))
+    replicated = {"m": {"w": torch.full((8, 16), 4.0)}}
+    per_rank = {"step": 5, "objects": {"mine": {"r": torch.zeros(4)}}, "rng": {"n": 1}}
+    assert old.snapshot_light(5, per_rank, lambda: replicated, {replicated["m"]["w"].data_ptr()}) is not None
+    old.close()
+    new = MemoryTier(tmp_path, rank=0, world_size=3)
+    assert new.steps() == [] and new.steps(light=True) == []
+    with pytest.raises(CheckpointCorruptError):
+        new.load(5)
+    with pytest.raises(CheckpointCorruptError):
+        new.light(5)
+    assert new.image(5, light=False) == b"" and new.image(5, light=True) == b""
+
+
+class _NeverDone:
+    """A snapshot's copy queued behind a hung GPU stream: it never ends, and waiting for it never returns."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        threading.Event().wait()
+
+
+@pytest.mark.parametrize("drop", ["forget_after", "install"])
+def test_a_hung_copy_is_given_up_by_a_rollback_and_an_install_not_waited_for(tmp_path: Path, drop: str) -> None:
+    tier = MemoryTier(tmp_path, rank=0, world_size=1, copy_wait_s=0.05)
+    tier.snapshot(3, _state(3))
+    image = tier.image(3, light=False)
+    tier.snapshot(4, _state(4))
+    slot = next(s for s in tier._slots if s.header() is not None and s.header()[2] == 4)  # type: ignore[index]
+    tier._pending = _Pending(4, _NeverDone(), slot, (0,))  # type: ignore[arg-type]
+    call = (lambda: tier.forget_after(3)) if drop == "forget_after" else (lambda: tier.install(image, light=False))
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), f"{drop} waited without limit for a copy that never ends"
+    assert tier.running is None

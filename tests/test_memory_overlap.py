@@ -20,8 +20,9 @@ import torch
 
 from conftest import child_env, fault_free_results, tiny_args
 from stalwart.checkpoint.save.overlap import UpdateFence
-from stalwart.checkpoint.save.side_copy import FAKE_ENV, ThreadDone, ThreadedSideCopy
+from stalwart.checkpoint.save.side_copy import ThreadDone, ThreadedSideCopy
 from stalwart.checkpoint.tiers.memory import _ABANDONED, MemoryTier
+from stalwart.runtime.env import THREADED_SIDE_COPY_ENV as FAKE_ENV
 
 
 def _job() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -17,8 +17,8 @@ import pytest
 
 from conftest import TINY, alive, child_env
 from stalwart.chaos import netns
-from stalwart.checkpoint.save.side_copy import FAKE_ENV
 from stalwart.errors import ConfigError
+from stalwart.runtime.env import THREADED_SIDE_COPY_ENV as FAKE_ENV
 
 
 def _free_port() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -288,3 +289,50 @@ def test_the_loss_spike_window_travels_with_the_checkpoint(tmp_path: Path) -> No
     assert resumed._loss_watch is not None
     assert list(resumed._loss_watch._losses) == list(first._loss_watch._losses)
     resumed.close()
+
+
+@pytest.mark.parametrize("checks", ["defaults", "all_off"])
+def test_the_job_reads_a_value_to_the_host_at_most_once_a_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checks: str
+) -> None:
+    """On a GPU each read of a tensor's value (`.item()`, `.tolist()`, `float()`) waits for the device. With the
+    defaults the job makes one a step, the guard's gradient norm, and the reported loss rides along with it;
+    with the guard's and the loss-spike checks off, it makes none. Counted at torch's own methods, so a read
+    made anywhere (not only through detect/host_reads.py) counts."""
+    import stalwart
+
+    options: dict[str, Any] = {} if checks == "defaults" else {
+        "nonfinite_grads": "off", "grad_spike": "off", "loss_spike": "off",
+    }  # fmt: skip
+    job = stalwart.Job(tmp_path / "ck", checkpoint_every=10_000, log_every=10_000, **options)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)  # SGD: torch's own step reads nothing
+    job.track(model=model, optim=optim)
+    reads = [0]
+
+    def counted(name: str) -> Any:
+        real = getattr(torch.Tensor, name)
+
+        def call(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            reads[0] += 1
+            return real(self, *args, **kwargs)
+
+        return call
+
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    at_start = []
+    for _, _ in job.steps(max_steps=30):
+        at_start.append(reads[0])
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        job.report(loss=loss)
+    monkeypatch.undo()
+    job.close()
+    per_step = {b - a for a, b in itertools.pairwise(at_start[2:])}  # after the first, logged, step
+    assert per_step == ({1} if checks == "defaults" else {0}), per_step
+    if checks == "defaults":
+        assert len(job._loss_watch._losses) == 30, "every reported loss was judged"  # type: ignore[union-attr]

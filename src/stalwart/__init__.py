@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from stalwart.chaos import seams as _chaos
 from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
     from stalwart.job import Job, JobConfig
 
 __version__ = "0.1.0"
+
+# The composition root: fault injection plugs into the product's seams here, so that no product module imports
+# chaos/ and every process that imports stalwart (a worker, its persister, the pre-flight check) has it.
+_chaos.install()
 
 _LAZY = {
     "Job": "stalwart.job",

@@ -5,6 +5,8 @@
      │    └── PeerError              another rank found the problem and reported it (printed there, once)
      ├── NumericError           training diverged: update after update skipped for non-finite gradients
      ├── ReplicaDivergenceError  data-parallel replicas differ and no majority says which is right
+ ├── BenchError             a benchmark's measurement could not be taken (a run failed or timed out)
+ ├── PeerGone               a peer of a barrier outside the process groups ended or never came (re-formed)
      └── CheckpointError        a checkpoint cannot be written or used
           ├── CheckpointCorruptError   a shard is missing, truncated or fails its checksum
           │    └── NoValidCheckpointError  checkpoints exist but none verifies (never a silent fresh start)
@@ -68,6 +70,11 @@ class ReplicaDivergenceError(StalwartError, RuntimeError):
 class PeerGone(StalwartError, RuntimeError):
     """A peer of a barrier outside the process groups (runtime/local_barrier.py) ended or never came: the
     counterpart of a collective's connection error, and handled the same way (re-forming)."""
+
+
+class BenchError(StalwartError, RuntimeError):
+    """A measurement of `stalwart bench` could not be taken: a system's run crashed, timed out, or did not commit
+    a checkpoint; the message is the one line the command prints."""
 
 
 class CheckpointError(StalwartError):

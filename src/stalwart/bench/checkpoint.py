@@ -18,15 +18,11 @@ import argparse
 import json
 import math
 import os
-import platform
-import re
-import resource
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -36,13 +32,19 @@ from typing import Any
 
 import torch
 
-from stalwart.errors import ConfigError, StalwartError
+from stalwart.bench.common import (
+    GB,
+    MB,
+    machine_info,
+    make_run_dir,
+    peak_rss_mb,
+    seconds_text,
+)
+from stalwart.errors import BenchError, ConfigError
 from stalwart.runtime.process import spawn
 
 FLOOR = "floor"
 SYSTEMS = ("torch_save", "dcp_save", "dcp_async_save", "stalwart")
-MB, GB = 10**6, 10**9  # decimal units, as disk throughput is quoted
-MIN_SIZE = 1 * MB
 DEPTH = 24  # Linear layers: 48 parameter tensors, ~200 tensors with AdamW state, about a small GPT's count
 BATCH = 8
 BASELINE_STEPS = 10
@@ -50,21 +52,6 @@ WRITE_CHUNK = 16 * 2**20
 CHILD_TIMEOUT_S = 1800
 
 Progress = Callable[[str], None]
-
-
-class BenchError(StalwartError):
-    """A measurement failed: a system's process crashed, timed out, or a checkpoint was not committed."""
-
-
-def parse_size(text: str) -> int:
-    """Bytes of state from '100MB', '1GB', '250MB' or '1.5GB' (decimal units, like the GB/s figures)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([MG])B?\s*", text, re.IGNORECASE)
-    if match is None:
-        raise ConfigError(f"{text!r} is not a size; give it like 100MB, 1GB or 250MB")
-    size = int(float(match[1]) * (GB if match[2].upper() == "G" else MB))
-    if size < MIN_SIZE:
-        raise ConfigError(f"{text!r} is too small; give at least 1MB")
-    return size
 
 
 # ---------------------------------------------------------------------------------------------- the workload
@@ -396,16 +383,6 @@ def measure_system(saver: Saver, workload: Workload, saves: int) -> dict[str, An
     return result
 
 
-def peak_rss_mb() -> float:
-    """Peak RSS of this process or of its largest reaped child (stalwart may persist in a child process).
-
-    Not reported apart: Linux starts a child's ru_maxrss at its parent's RSS when it was forked, so the
-    children's figure alone would be the parent's size at spawn time, not the child's own use.
-    """
-    own, children = (resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return max(own, children) * 1024 / MB  # ru_maxrss is in KiB on Linux
-
-
 def measure(system: str, size_bytes: int, saves: int, directory: Path, device: str = "cpu") -> dict[str, Any]:
     """Everything about one system (or the floor), measured in this process."""
     directory.mkdir()
@@ -447,35 +424,6 @@ def run_bench(
     return build_report(results, saves, machine, time.perf_counter() - started)
 
 
-def make_run_dir(parent: Path | None) -> tuple[Path, Path]:
-    """A new directory for this run, and the top-most directory this call created (the only one removed later)."""
-    if parent is None:
-        run_dir = Path(tempfile.mkdtemp(prefix="stalwart-bench-"))
-        return run_dir, run_dir
-    parent = parent.absolute()
-    if parent.exists() and not parent.is_dir():
-        raise ConfigError(f"--dir {parent} is a file, not a directory")
-    missing = first_missing(parent)
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        run_dir = Path(tempfile.mkdtemp(prefix="stalwart-bench-", dir=parent))
-    except OSError as exc:
-        if missing is not None:
-            shutil.rmtree(missing, ignore_errors=True)
-        raise ConfigError(f"--dir {parent} is not writable: {exc.strerror or exc}") from exc
-    return run_dir, missing or run_dir
-
-
-def first_missing(path: Path) -> Path | None:
-    """The top-most ancestor of `path` (or `path` itself) that does not exist yet; None if it exists."""
-    missing = None
-    for p in (path, *path.parents):
-        if p.exists():
-            break
-        missing = p
-    return missing
-
-
 def run_child(
     name: str, size_bytes: int, saves: int, directory: Path, progress: Progress, device: str = "cpu"
 ) -> dict[str, Any]:
@@ -511,11 +459,6 @@ def summary_of(result: dict[str, Any]) -> str:
     return f"stall {seconds_text(result['stall_s'])}, durable {seconds_text(result['durable_s'])}"
 
 
-def seconds_text(s: float) -> str:
-    """Milliseconds below a second, seconds above: '14.3 ms', '1.88 s'."""
-    return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
-
-
 def build_report(
     results: dict[str, dict[str, Any]], saves: int, machine: dict[str, Any], elapsed_s: float
 ) -> dict[str, Any]:
@@ -548,36 +491,6 @@ def ratios(floor: dict[str, float], systems: dict[str, dict[str, Any]]) -> dict[
         "stalwart_stall_over_dcp_async_stall": stall["stalwart"] / stall["dcp_async_save"],
         "stalwart_background_slowdown": systems["stalwart"]["background_slowdown"],
     }
-
-
-def machine_info(run_dir: Path) -> dict[str, Any]:
-    """What the figures depend on: cores, torch, and the disk (a tmpfs measures memory, not a disk)."""
-    return {
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "dir": str(run_dir),
-        "filesystem": filesystem_of(run_dir.resolve()),
-    }
-
-
-def filesystem_of(path: Path) -> str:
-    """The type of the filesystem holding `path`, from /proc/mounts ('unknown' where there is none)."""
-    best, kind = "", "unknown"
-    try:
-        with open("/proc/mounts", encoding="utf-8") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mount = fields[1].replace("\\040", " ")
-                inside = str(path) == mount or str(path).startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) >= len(best):
-                    best, kind = mount, fields[2]
-    except OSError:
-        pass
-    return kind
 
 
 def child_main(argv: list[str]) -> int:

@@ -16,8 +16,9 @@ from typing import Any, NoReturn
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.bench.checkpoint import GB, MB, SYSTEMS, BenchError, parse_size, run_bench, seconds_text
-from stalwart.errors import ConfigError
+from stalwart.bench.checkpoint import SYSTEMS, run_bench
+from stalwart.bench.common import GB, MB, parse_size, positive_int, seconds_text
+from stalwart.errors import BenchError, ConfigError
 from stalwart.telemetry.console import console as make_console
 
 EXIT_FAILED = 1
@@ -79,13 +80,6 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def positive_int(text: str) -> int:
-    """argparse type of the bench sub-commands' counts (recovery and overhead use it too)."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
-    return int(text)
 
 
 def main(argv: list[str]) -> int:

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from stalwart.bench.checkpoint import MB, parse_size
+from stalwart.bench.common import MB, parse_size
 from stalwart.checkpoint import Checkpointer
 
 TENSORS = 10

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stalwart.bench.checkpoint import machine_info, make_run_dir
-from stalwart.errors import StalwartError
+from stalwart.bench.common import machine_info, make_run_dir
+from stalwart.errors import BenchError
 from stalwart.runtime.process import spawn
 from stalwart.telemetry.events import read_events
 
@@ -53,10 +53,6 @@ LAUNCHER: dict[str, list[str]] = {"default_spares": ["--spares", "2"]}
 RUN_TIMEOUT_S = 900
 
 Progress = Callable[[str], None]
-
-
-class BenchError(StalwartError):
-    """A measurement could not be made; one line says why."""
 
 
 def run_bench(

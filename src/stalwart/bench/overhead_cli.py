@@ -22,8 +22,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.bench.cli import positive_int
-from stalwart.bench.overhead import CONFIGS, BenchError, run_bench
+from stalwart.bench.common import positive_int
+from stalwart.bench.overhead import CONFIGS, run_bench
+from stalwart.errors import BenchError
 from stalwart.telemetry.console import console as make_console
 
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}

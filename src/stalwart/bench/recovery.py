@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.errors import BenchError
 from stalwart.runtime.process import spawn
 from stalwart.telemetry.events import EventLog
 
@@ -45,10 +46,6 @@ Progress = Callable[[str], None]
 FULL_EVERY_STEP = ["--snapshot-every", "1", "--replicated-snapshot-every", "1"]
 """The stalwart_full runs' job options: a full memory snapshot every step (the defaults before the budget)."""
 NPROC = 2
-
-
-class BenchError(Exception):
-    """A measurement could not be taken (a job failed or timed out); one line for the user."""
 
 
 @dataclass

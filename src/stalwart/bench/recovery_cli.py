@@ -19,8 +19,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.bench.cli import positive_int
-from stalwart.bench.recovery import SETTLE_S, BenchError, run_bench
+from stalwart.bench.common import positive_int
+from stalwart.bench.recovery import SETTLE_S, run_bench
+from stalwart.errors import BenchError
 from stalwart.telemetry.console import console as make_console
 
 

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from stalwart.runtime.env import EVENT_LOG_ENV
 from stalwart.runtime.process import spawn
 from stalwart.telemetry.events import read_events
 
@@ -34,7 +35,7 @@ LAUNCHERS = {
 
 def trial(launcher: str, workdir: Path, kill_after: int, timeout_s: float) -> dict[str, object]:
     events = workdir / "events.jsonl"
-    env = {**os.environ, "STALWART_EVENT_LOG": str(events), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, EVENT_LOG_ENV: str(events), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [*LAUNCHERS[launcher], "--nproc-per-node", "2", "--max-restarts", "3"]
     if launcher == "stalwart":
         cmd += ["--event-log", str(events)]

@@ -106,14 +106,17 @@ def parse_faults(spec: str) -> list[Fault]:
     return faults
 
 
-class FaultInjector:
-    """Fires this rank's faults at the matching step/phase; before dying it calls `announce`."""
+Announce = Callable[[str, dict[str, Any]], None]
+"""(fault kind, details): job/hooks.Announce, called just before a fault fires."""
 
-    def __init__(
-        self, faults: list[Fault], rank: int, restart: int, announce: Callable[[Fault], None] | None = None
-    ) -> None:
+
+class FaultInjector:
+    """Fires this rank's faults at the matching step/phase; before dying it calls `announce`. The job's StepHooks
+    (job/hooks.py), installed through runtime/seams.py by chaos/seams.py."""
+
+    def __init__(self, faults: list[Fault], rank: int, restart: int, announce: Announce | None = None) -> None:
         self._faults = [f for f in faults if f.rank == rank and f.restart == restart]
-        self._announce = announce or (lambda fault: None)
+        self._tell = announce or (lambda kind, details: None)
         self._fired: set[int] = set()  # indices into _faults: a step replayed after a rollback meets no fault again
 
     def _first_time(self, fault: Fault) -> bool:
@@ -124,15 +127,34 @@ class FaultInjector:
         return True
 
     @classmethod
-    def from_env(cls, rank: int, restart: int, announce: Callable[[Fault], None] | None = None) -> FaultInjector:
+    def from_env(cls, rank: int, restart: int, announce: Announce | None = None) -> FaultInjector:
         return cls(parse_faults(os.environ.get(FAULTS_ENV, "")), rank, restart, announce)
 
-    def at_step(self, step: int) -> None:
+    @property
+    def armed(self) -> bool:
+        """Whether any fault waits for this rank and restart."""
+        return bool(self._faults)
+
+    def _announce(self, fault: Fault) -> None:
+        details: dict[str, Any] = {}
+        if fault.kind == "hang":
+            details["how"] = fault.how
+        elif fault.kind in ("kill_in_save", "kill_in_optimizer"):
+            details["phase"] = fault.phase
+        self._tell(fault.kind, details)
+
+    def before_step(self, step: int) -> None:
+        """Before the step after `step` completed steps: a `kill` or a `hang` that says so."""
         for f in self._faults:
             if f.kind == "kill" and f.step == step:
                 self._fire(f)
             elif f.kind == "hang" and f.step == step:
                 self._hang(f)
+
+    def step_started(self, step: int, tensors: Callable[[], list[Any]]) -> None:
+        """Inside the measured time of the step after `step` completed steps: `slow`, then `flip`."""
+        self.slow(step)
+        self.flip(step, tensors)
 
     def slow(self, step: int) -> None:
         """At the start of the step after `step` completed steps: sleep if a `slow` fault covers it."""
@@ -166,7 +188,7 @@ class FaultInjector:
             if f.kind == "kill_in_optimizer" and f.step == step and f.phase == phase:
                 self._fire(f)
 
-    def save_chaos(self, step: int) -> dict[str, object] | None:
+    def save_faults(self, step: int) -> dict[str, object] | None:
         """The faults the persist of `step` is to meet, as its request carries them to the persister
         (chaos/save_faults.py): `kill_phase` (kill_in_save) and `storage_error` ({errno, times})."""
         chaos: dict[str, object] = {}

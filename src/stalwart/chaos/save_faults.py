@@ -1,9 +1,10 @@
-"""Faults inside a checkpoint's persist, entering at the persister's seams: its storage and two instants.
+"""Faults inside a checkpoint's persist, entering at the persister's seams (checkpoint/save/hooks.py): its
+storage and two instants.
 
-The persister runs in its own process and receives the faults a save should meet in its request (`chaos`:
-from STALWART_FAULTS through FaultInjector). It asks this module for a `SaveFaults` and calls it at its two
-instants, and writes through the storage `flaky()` returns; with no faults, the hooks do nothing and the
-storage is the real one, so the product path has no fault branches.
+The persister runs in its own process and receives the faults a save should meet in its request (`faults`:
+from STALWART_FAULTS through FaultInjector.save_faults). chaos/seams.py installs `SaveFaults.of` as the factory
+of its SaveHooks: it kills the training process at an instant (kill_in_save) and writes through the storage
+`flaky()` returns (storage_error).
 """
 
 from __future__ import annotations
@@ -30,11 +31,16 @@ class SaveFaults:
     step: int
     trainer_pid: int
     events: EventLog
+    faults: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, chaos: dict[str, Any] | None, step: int, trainer_pid: int, events: EventLog) -> SaveFaults:
-        """From a persist request's `chaos` field (FaultInjector.save_chaos)."""
-        return cls((chaos or {}).get("kill_phase"), step, trainer_pid, events)
+    def of(cls, faults: dict[str, Any] | None, step: int, trainer_pid: int, events: EventLog) -> SaveFaults:
+        """From a persist request's `faults` field (FaultInjector.save_faults)."""
+        return cls((faults or {}).get("kill_phase"), step, trainer_pid, events, faults)
+
+    def storage(self, storage: Any) -> Any:
+        """The storage this save writes through: failing as the request's storage_error says, if it does."""
+        return flaky(storage, self.faults)
 
     @property
     def on_half_written(self) -> Callable[[], None] | None:

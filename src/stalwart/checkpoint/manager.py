@@ -111,7 +111,7 @@ class Checkpointer:
         when_busy: str = "skip",
         persist_timeout_s: float = DEFAULT_PERSIST_TIMEOUT_S,
         storage_options: dict[str, Any] | None = None,
-        chaos: Callable[[int], dict[str, Any] | None] | None = None,
+        save_faults: Callable[[int], dict[str, Any] | None] | None = None,
     ) -> None:
         self.url = os.fspath(root)
         self.storage: Storage = open_storage(self.url, storage_options)
@@ -125,8 +125,9 @@ class Checkpointer:
         self._full_every = full_every
         self._when_busy = when_busy
         self._persist_timeout_s = persist_timeout_s
-        self._chaos = chaos or (lambda step: None)
-        """The faults a save of a step is to meet (FaultInjector.save_chaos), carried to the persister."""
+        self._save_faults = save_faults or (lambda step: None)
+        """The faults a save of a step is to meet (job/hooks.StepHooks.save_faults), carried to the persister,
+        where checkpoint/save/hooks.py turns them into its hooks."""
         self._attempt = 0
         self.overlap: UpdateFence | None = None
         """Set (by the Job) to copy the tensors only an optimizer step writes while the next step runs: the GPU
@@ -275,7 +276,7 @@ class Checkpointer:
             base=chosen_base,
             snapshot_mono=started,
             deadline_s=self._persist_timeout_s,
-            chaos=self._chaos(step),
+            faults=self._save_faults(step),
             wait=wait,
         )
         placed = [(i.id, o, i.nbytes, i.tensor.dtype, i.tensor.shape) for i, o in zip(mine, offsets, strict=True)]

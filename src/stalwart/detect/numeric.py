@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from stalwart.checkpoint.format import sharded
 from stalwart.checkpoint.format.serialize import frozen
+from stalwart.detect.host_reads import HostReads
 from stalwart.errors import NumericError
 from stalwart.telemetry.events import EventLog
 
@@ -83,9 +84,12 @@ class NumericGuard:
         config: GuardConfig,
         *,
         quiet: bool = False,
+        reads: HostReads | None = None,
     ) -> None:
-        """`quiet`: another rank (rank 0) sees the same gradients and reports a divergence for both."""
+        """`quiet`: another rank (rank 0) sees the same gradients and reports a divergence for both. `reads`: the
+        job's reads to the host; what waits there (a reported loss) rides along with the guard's read."""
         self._optimizers = optimizers
+        self._reads = reads or HostReads()
         self._quiet = quiet
         self._events = events
         self.config = config
@@ -177,14 +181,23 @@ class NumericGuard:
         by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in plain:
             by_kind.setdefault((g.device, g.dtype), []).append(g)
-        squares = [_sum_of_squares(group, self.config.sample) for group in by_kind.values()]
+        groups = [_norms(group, self.config.sample) for group in by_kind.values()]
+        tensors = [norms for norms, _ in groups]
         if shards:
             local = [g.to_local() for g in shards]  # type: ignore[attr-defined]  # DTensor
             mine = torch.stack([t.float().square().sum() for t in local]).sum()
             # Every rank's shards: one all-reduce on the gradients' own group (a shard replicated over some
             # mesh dimension is counted once per replica: a scaled norm, equally finite, and spikes are relative).
             dist.all_reduce(mine)
-            squares.append(float(mine))
+            tensors.append(mine.reshape(1))
+        values = self._reads.read(tensors)  # the step's one read to the host (a device sync on a GPU)
+        squares, at = [], 0
+        for _, scales in groups:
+            group = values[at : at + len(scales)]
+            squares.append(sum(v * v * scale for v, scale in zip(group, scales, strict=True)))
+            at += len(scales)
+        if shards:
+            squares.append(values[at])  # already a sum of squares
         return math.sqrt(sum(squares))
 
     def close(self) -> None:
@@ -214,9 +227,10 @@ def _sampled(grads: list[torch.Tensor], sample: int | None) -> tuple[list[torch.
     return views, scales
 
 
-def _sum_of_squares(grads: list[torch.Tensor], sample: int | None = None) -> float:
-    """Of a sample of each gradient (see GuardConfig.sample): one fused norm per tensor, one host read of them
-    all. Half-precision norms are taken in float32: a float16 norm overflows past 65504. Few tensor operations on
+def _norms(grads: list[torch.Tensor], sample: int | None = None) -> tuple[torch.Tensor, list[float]]:
+    """The norm of a sample of each gradient (see GuardConfig.sample), one fused norm per tensor, stacked (not
+    read: the caller reads every group's at once), with the factors that scale each square to the whole's.
+    Half-precision norms are taken in float32: a float16 norm overflows past 65504. Few tensor operations on
     purpose: each costs tens of microseconds of dispatch on a slow CPU, whatever the tensor's size."""
     grads, scales = _sampled(grads, sample)
     wide = None if grads[0].dtype in (torch.float32, torch.float64) else torch.float32
@@ -228,8 +242,7 @@ def _sum_of_squares(grads: list[torch.Tensor], sample: int | None = None) -> flo
             norms = torch._foreach_norm(grads, 2, dtype=wide)
         except (TypeError, RuntimeError):  # an older torch without the dtype argument
             norms = [torch.linalg.vector_norm(g, dtype=wide) for g in grads]
-    values = torch.stack(norms).tolist()
-    return sum(float(v) * float(v) * scale for v, scale in zip(values, scales, strict=True))
+    return torch.stack(norms), scales
 
 
 def _gradients(optimizers: Iterable[torch.optim.Optimizer]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -266,19 +279,42 @@ class LossWatch:
     warns, or rolls back to a state from before it and skips the batch (recovery/rollback.py). A non-finite loss
     is the numeric guard's. A spike does not join the window, so it does not raise the bar for the next one.
 
-    The loss comes from `job.report(loss=...)`. Reading it costs no extra wait on a GPU: by the end of the step
-    the numeric guard has already synchronised with the device at the optimizer step."""
+    The loss comes from `job.report(loss=...)`. With the job's `reads` (detect/host_reads.py), a loss tensor is
+    not read at the step's end (a device sync on a GPU) but with the next step's read of the gradients' norm,
+    and judged then: a warning one step late costs nothing. A rollback must be decided at the step's end, so
+    the job asks for that read `now` under the rollback policy."""
 
-    def __init__(self, events: EventLog, factor: float) -> None:
+    def __init__(self, events: EventLog, factor: float, reads: HostReads | None = None) -> None:
         self._events = events
         self.factor = factor
+        self._reads = reads
         self._losses: deque[float] = deque(maxlen=LOSS_WINDOW)
         self.spikes: list[int] = []
         self._window: torch.Tensor | None = None  # state() until the window changes
+        self._waiting: list[tuple[int, torch.Tensor, str]] = []  # (step, loss, action) read with the next read
 
-    def observe(self, step: int, loss: Any, *, action: str = "warned") -> bool:
-        """Whether `loss` (after `step` completed steps) is a spike; if so, an event with `action`."""
-        value = float(loss.detach().float().item() if isinstance(loss, torch.Tensor) else loss)
+    def observe(self, step: int, loss: Any, *, action: str = "warned", now: bool = False) -> bool:
+        """Whether `loss` (after `step` completed steps) is a spike; if so, an event with `action`. A tensor waits
+        for the job's next read (False now, judged then) unless `now` or there are no job reads."""
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach().float()
+            if self._reads is None:
+                return self._judge(step, float(value.item()), action)
+            if not now:
+                entry = (step, value.reshape(1), action)
+                self._waiting.append(entry)
+                self._reads.later([entry[1]], lambda got: self._settle(entry, got[0]))
+                return False
+            return self._judge(step, self._reads.read([value.reshape(1)])[0], action)
+        return self._judge(step, float(loss), action)
+
+    def _settle(self, entry: tuple[int, torch.Tensor, str], value: float) -> None:
+        """A waiting loss, read: judged now, unless a load replaced the history it belonged to."""
+        if any(e is entry for e in self._waiting):
+            self._waiting = [e for e in self._waiting if e is not entry]
+            self._judge(entry[0], value, entry[2])
+
+    def _judge(self, step: int, value: float, action: str) -> bool:
         if not math.isfinite(value):
             return False
         if len(self._losses) >= LOSS_WARMUP:
@@ -294,19 +330,32 @@ class LossWatch:
         self._window = None
         return False
 
-    def state(self) -> torch.Tensor:
+    def state(self) -> dict[str, Any]:
         """The window, for checkpoints and snapshots: a restarted rank must judge the next losses against the same
         history as a run without the failure, or it decides differently and the runs part. A fixed shape (NaN
         past the losses seen), so the state's layout stays the same from step to step. The same tensor until a
-        loss joins the window (light snapshots read it twice a step); never written in place once returned."""
-        if self._window is not None:
-            return self._window
-        window = np.full(LOSS_WINDOW, math.nan)  # numpy: a few us where torch's full and tensor took tens
-        window[: len(self._losses)] = self._losses
-        self._window = frozen(torch.from_numpy(window))
-        return self._window
+        loss joins the window (light snapshots read it twice a step); never written in place once returned.
+        With it, the newest loss still waiting to be read (as a tensor: taking the state reads nothing), which
+        a restored rank judges with its first read."""
+        if self._window is None:
+            window = np.full(LOSS_WINDOW, math.nan)  # numpy: a few us where torch's full and tensor took tens
+            window[: len(self._losses)] = self._losses
+            self._window = frozen(torch.from_numpy(window))
+        state: dict[str, Any] = {"loss_window": self._window}
+        if self._waiting:
+            step, loss, action = self._waiting[-1]
+            state["loss_waiting"] = {"step": step, "loss": loss, "action": action}
+        return state
 
-    def load(self, window: torch.Tensor) -> None:
+    def load(self, state: dict[str, Any]) -> None:
+        """The state of `state()` (a checkpoint of an older stalwart holds the window alone)."""
+        window = state.get("loss_window")
+        if not isinstance(window, torch.Tensor):
+            return
         self._losses.clear()
         self._losses.extend(float(v) for v in window.tolist() if math.isfinite(v))
         self._window = None
+        self._waiting = []
+        waiting = state.get("loss_waiting")
+        if isinstance(waiting, dict) and isinstance(waiting.get("loss"), torch.Tensor):
+            self.observe(int(waiting["step"]), waiting["loss"], action=str(waiting["action"]))

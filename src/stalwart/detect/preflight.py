@@ -15,8 +15,9 @@ What it measures, on every device of the node (every visible GPU, else the CPU o
   on the CPU, over loopback), as bus bandwidth (2(n-1)/n x bytes per second, NCCL-tests' convention), against
   `min_busbw_gbps` when given. Between nodes it is not measured yet.
 It runs in its own process (`python -m stalwart.detect.preflight`, or `stalwart preflight`), so the agent never
-holds a CUDA context. A fault for tests enters at one seam: STALWART_NODE_FAULTS=bad_memory flips one bit of the
-pattern buffer after each write, as a bad memory cell would (chaos/node_faults.py).
+holds a CUDA context. A fault for tests enters at one seam, `after_write` (runtime/seams.MEMORY_WRITE): with
+STALWART_NODE_FAULTS=bad_memory, chaos/node_faults.py flips one bit of the pattern buffer after each write, as a
+bad memory cell would.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from stalwart.chaos import node_faults
+from stalwart.runtime import seams
 
 PATTERNS: tuple[int | str, ...] = (0x00000000, 0xFFFFFFFF, 0x55555555, 0xAAAAAAAA, "index")
 LOOPBACK = "127.0.0.1"
@@ -109,8 +111,14 @@ def matmul_tflops(device: torch.device, seconds: float) -> float:
             return 2 * size**3 * n / elapsed / 1e12
 
 
-def memory_test(device: torch.device, nbytes: int) -> tuple[int, float]:
-    """(words that read back wrong, GB/s written and read) over `nbytes` of `device`'s memory."""
+AfterWrite = Callable[[torch.Tensor], None]
+"""Called with the pattern buffer after each pattern is written (the memory test's seam)."""
+
+
+def memory_test(device: torch.device, nbytes: int, after_write: AfterWrite | None = None) -> tuple[int, float]:
+    """(words that read back wrong, GB/s written and read) over `nbytes` of `device`'s memory; `after_write`
+    by default what is installed at runtime/seams.MEMORY_WRITE, in production nothing."""
+    after_write = after_write or seams.installed(seams.MEMORY_WRITE) or (lambda buf: None)
     words = max(1, nbytes // 4)
     buf = torch.empty(words, dtype=torch.int32, device=device)
     errors = 0
@@ -125,7 +133,7 @@ def memory_test(device: torch.device, nbytes: int) -> tuple[int, float]:
             assert isinstance(pattern, int)
             expected = pattern - (1 << 32) if pattern >= 1 << 31 else pattern  # as a signed 32-bit word
             buf.fill_(expected)
-        node_faults.after_memory_write(buf)
+        after_write(buf)
         errors += int((buf != expected).sum())
     _sync(device)
     seconds = time.perf_counter() - started
@@ -175,15 +183,16 @@ def collective_busbw(world: int, nbytes: int, rounds: int = 5) -> float:
                 p.wait()
 
 
-def check(limits: Limits, ranks: int) -> Report:
-    """Run every measurement on this node and judge it; `ranks`: processes for the collective test."""
+def check(limits: Limits, ranks: int, *, after_write: AfterWrite | None = None) -> Report:
+    """Run every measurement on this node and judge it; `ranks`: processes for the collective test;
+    `after_write`: the memory test's seam (see memory_test)."""
     started = time.monotonic()
     report = Report()
     for device in devices():
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         tflops = matmul_tflops(device, limits.seconds)
         mb = limits.memory_mb if limits.memory_mb is not None else 1024 if device.type == "cuda" else 64
-        errors, speed = memory_test(device, mb << 20)
+        errors, speed = memory_test(device, mb << 20, after_write)
         report.devices.append(DeviceResult(str(device), name, round(tflops, 4), mb << 20, errors, round(speed, 2)))
     if ranks > 1:
         report.collective_ranks = ranks

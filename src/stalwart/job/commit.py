@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from stalwart.chaos.faults import FaultInjector
 from stalwart.checkpoint.tiers.memory import MemoryTier
+from stalwart.job.hooks import StepHooks
 from stalwart.recovery import reform
 from stalwart.telemetry.events import EventLog
 
@@ -53,7 +53,7 @@ class StepCommit:
         memory: MemoryTier,
         barrier: Callable[[int], tuple[float | None, int]],
         events: EventLog,
-        faults: FaultInjector,
+        hooks: StepHooks,
         state_of: StateOf,
         per_rank_of: StateOf,
         replicated_of: Callable[[], dict[str, Any]],
@@ -64,7 +64,7 @@ class StepCommit:
         self._memory = memory
         self._barrier = barrier
         self._events = events
-        self._faults = faults
+        self._hooks = hooks
         self._state_of = state_of
         self._per_rank_of = per_rank_of
         self._replicated_of = replicated_of
@@ -101,14 +101,14 @@ class StepCommit:
         if self._step < 0 or self._committed == self._step + 1:
             return  # not inside an armed step, or a second optimizer of the same step
         step = self._step + 1
-        self._faults.in_optimizer(self._step, "before_snapshot")
+        self._hooks.in_optimizer(self._step, "before_snapshot")
         if self.off is not None:
             if not self._told:  # the other ranks are still committing: meet them once, saying so
                 self._told = True
                 self._barrier(1)
                 self.agreed_off = True
             self._committed = step
-            self._faults.in_optimizer(self._step, "after_barrier")
+            self._hooks.in_optimizer(self._step, "after_barrier")
             return
         started = time.perf_counter()
         state = self._per_rank_of(step)
@@ -131,7 +131,7 @@ class StepCommit:
             self.agreed_off = True
         # A barrier that knows its own cost (the ranks' skew is not: the next collective would wait for it too)
         self.seconds += work + (time.perf_counter() - started - work if cost is None else cost)
-        self._faults.in_optimizer(self._step, "after_barrier")
+        self._hooks.in_optimizer(self._step, "after_barrier")
 
     def check(self, state: dict[str, Any]) -> bool:
         """After the end-of-step snapshot of a committed step: whether the per-rank state it took at the

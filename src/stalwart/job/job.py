@@ -31,18 +31,17 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from stalwart.chaos.faults import Fault, FaultInjector
 from stalwart.checkpoint.format import sharded
 from stalwart.checkpoint.format.serialize import check_loadable, flatten
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.save.overlap import UpdateFence
-from stalwart.checkpoint.save.side_copy import side_copy_for_tests
 from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import MAX_REPLICAS, PeerReplicas
 from stalwart.detect.divergence import DivergenceCheck, broadcast_on_default_group
 from stalwart.detect.hang import HANG_TIMEOUT_ENV, HangTimer, parse_timeout
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
+from stalwart.detect.host_reads import HostReads
 from stalwart.detect.numeric import (
     LOSS_SPIKE_POLICIES,
     NONFINITE_POLICIES,
@@ -64,6 +63,7 @@ from stalwart.errors import (
 )
 from stalwart.job import lifecycle
 from stalwart.job.commit import StepCommit
+from stalwart.job.hooks import StepHooks, step_hooks
 from stalwart.job.live import LiveState
 from stalwart.job.replicated import replicated_names
 from stalwart.job.rng import capture_rng, restore_rng
@@ -315,6 +315,10 @@ class JobConfig:
             raise ConfigError("checkpoint_dir must not be empty")
 
 
+_END = object()
+"""What `steps()` draws from an exhausted loader."""
+
+
 def _defer_reform(optimizer: Any, args: Any, kwargs: Any) -> None:
     reform.defer_requests()
 
@@ -322,7 +326,11 @@ def _defer_reform(optimizer: Any, args: Any, kwargs: Any) -> None:
 class Job:
     """A training job that checkpoints, resumes and reports; see the module docstring for the loop."""
 
-    def __init__(self, checkpoint_dir: str | os.PathLike[str], **options: Any) -> None:
+    def __init__(
+        self, checkpoint_dir: str | os.PathLike[str], *, hooks: StepHooks | None = None, **options: Any
+    ) -> None:
+        """`options` are JobConfig's fields. `hooks`: what runs at fixed instants of each step (job/hooks.py;
+        fault injection's seam), by default what is installed for this process, in production nothing."""
         lifecycle.install_worker_safety_nets()
         try:
             self.config = JobConfig(checkpoint_dir=checkpoint_dir, **options)
@@ -331,8 +339,20 @@ class Job:
         self.placement = Placement.from_env()
         timeout = timedelta(seconds=self.config.collective_timeout_s)
         self._owns_process_group = init_process_group(self.placement, timeout)
-        self.comm = Comm(self.placement, timeout)
+        try:
+            self._set_up(hooks)
+        except BaseException:
+            self._close_partial()
+            raise
+        # Only now: an exit handler of a half-made Job met missing attributes, and its group was never destroyed.
         atexit.register(self.close)
+        reform.register(self)
+        self.events.emit("worker_started", world_size=self.world_size, local_rank=self.placement.local_rank)
+
+    def _set_up(self, hooks: StepHooks | None) -> None:
+        """Everything after joining the process group; `__init__` undoes what it made if any of it fails."""
+        timeout = timedelta(seconds=self.config.collective_timeout_s)
+        self.comm = Comm(self.placement, timeout)
         self.events = EventLog.from_env(rank=self.placement.rank, restart=self.placement.restart_count)
         # Rank 0's restart count and random bits name this run's files. Agreed, not local: a node that replaced a
         # lost one has a fresh agent whose restart count differs from the survivors'.
@@ -340,7 +360,7 @@ class Job:
             [self.placement.restart_count, secrets.randbits(48)] if self.rank == 0 else [0, 0]
         )
         self._token = f"{restart}x{token:012x}"
-        self._faults = FaultInjector.from_env(self.rank, self.placement.restart_count, self._announce)
+        self._hooks = hooks or step_hooks(self.rank, self.placement.restart_count, self._announce)
         self._heartbeat = Heartbeat.from_env(self.placement.local_rank)
         fixed = self.config.hang_timeout_s
         if fixed is None:
@@ -355,7 +375,6 @@ class Job:
                 self.placement.world_size,
                 self.placement.local_rank,
                 _local_world_size(),
-                side_copy=side_copy_for_tests(),
             )
             if self.config.snapshot_every != 0
             else None
@@ -381,7 +400,8 @@ class Job:
         self._detect_s = {"divergence": 0.0, "loss": 0.0, "nonfinite_params": 0.0, "straggler": 0.0, "risk": 0.0}
         factor = self.config.loss_spike_factor
         watch = factor is not None and self.config.loss_spike != "off"
-        self._loss_watch = LossWatch(self.events, float(factor)) if watch and factor is not None else None
+        self._reads = HostReads()  # every value read to the host on the training thread, at most one read a step
+        self._loss_watch = LossWatch(self.events, float(factor), self._reads) if watch and factor is not None else None
         self._guard_agreed = False  # whether every rank's guard decides alike (replicated or sharded optimizers)
         self._diverged: ReplicaDivergenceError | None = None  # what a divergence without majority raises
         self._skips: set[int] = set()  # batches skipped after rollbacks (recovery/rollback.py), read at the start
@@ -406,7 +426,7 @@ class Job:
             when_busy=self.config.when_busy,
             persist_timeout_s=self.config.persist_timeout_s,
             storage_options=self.config.storage_options,
-            chaos=self._faults.save_chaos,
+            save_faults=self._hooks.save_faults,
         )
         self._restorer = Restorer(self.comm, self.events, self.checkpointer, self._memory, self._replicas)
         self.state = JobState.CREATED
@@ -416,8 +436,18 @@ class Job:
         self._metrics: dict[str, Any] = {}
         self._fresh_loss: Any = None  # the loss given to report() in this step, for the loss-spike check
         self._last_saved: int | None = None
-        reform.register(self)
-        self.events.emit("worker_started", world_size=self.world_size, local_rank=self.placement.local_rank)
+
+    def _close_partial(self) -> None:
+        """After a failed `_set_up`: close what it made (a Job the caller never got), then leave the group."""
+        for name in ("checkpointer", "_heartbeat", "comm", "events"):
+            part = self.__dict__.get(name)
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    part.close()
+        if self._owns_process_group and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            self._owns_process_group = False
 
     @property
     def rank(self) -> int:
@@ -501,9 +531,9 @@ class Job:
                 ) from exc
         if restored.world_size == self.world_size:
             restore_rng(restored.state["rng"])
-            window = restored.state.get("detectors", {}).get("loss_window")
-            if self._loss_watch is not None and isinstance(window, torch.Tensor):
-                self._loss_watch.load(window)
+            detectors = restored.state.get("detectors")
+            if self._loss_watch is not None and isinstance(detectors, dict):
+                self._loss_watch.load(detectors)
         else:
             self.events.emit("world_size_changed", old=restored.world_size, new=self.world_size, step=restored.step)
             if self.is_main:
@@ -578,14 +608,13 @@ class Job:
         while self.step < max_steps:
             # The heartbeat promises the next one within the step timeout; the agent kills a worker that breaks it.
             self._heartbeat.beat(self.step, PHASE_STEP, self._hang.step_timeout())
-            self._faults.at_step(self.step)
+            self._hooks.before_step(self.step)
             started = time.monotonic()
             if self._stragglers is not None:
                 self._stragglers.step_started(started)
-            self._faults.slow(self.step)
-            self._faults.flip(self.step, self._tensors_to_flip)
-            batch = next(iterator, None) if iterator is not None else None
-            if iterator is not None and batch is None:
+            self._hooks.step_started(self.step, self._tensors_to_flip)
+            batch = next(iterator, _END) if iterator is not None else None
+            if batch is _END:  # not None: a loader may yield None as a batch
                 self.events.emit("data_exhausted", step=self.step)
                 if self.step != self._last_saved:
                     self.save(wait=True)
@@ -595,7 +624,7 @@ class Job:
                 self.events.emit("batch_skipped", step=self.step)
                 self._busy_step = True  # no work: keep it out of the step-time calibrations
             else:
-                batch = self._faults.batch(self.step, batch)
+                batch = self._hooks.batch(self.step, batch)
                 if self._guard is not None:
                     self._guard.arm(self.step)
                 if (
@@ -629,6 +658,7 @@ class Job:
             live_s = self._live_at_step_end()  # before any collective of this step's end
             self._publish_snapshot()
             rollback = self._rollback_wanted()
+            self._reads.step_ended()  # a loss the guard's read of this step did not take is read now
             if rollback is not None and self._roll_back(rollback, loader):
                 iterator = iter(loader) if loader is not None else None  # from the restored data position
                 self._busy_step = False
@@ -685,6 +715,7 @@ class Job:
                 self._evict(evict)
             if self._risk is not None and self._risk.preempt and self.step < max_steps:
                 self._preempted()
+        self._reads.flush()  # the last step's loss is judged before steps() returns
         self._heartbeat.beat(self.step, PHASE_DONE, None)  # after the loop the worker is not watched
         if self.state is not JobState.FINISHED:
             self.state = JobState.FINISHED
@@ -876,7 +907,9 @@ class Job:
         if self._loss_watch is not None:
             rolls = rollbacks and self.config.loss_spike in ("rollback", "skip")
             action = "rollback" if rolls else "warned"
-            spiked = loss is not None and self._loss_watch.observe(self.step, loss, action=action)
+            # Without a rollback to decide now, a loss tensor waits for the guard's read in the next step.
+            now = rolls or self._guard is None
+            spiked = loss is not None and self._loss_watch.observe(self.step, loss, action=action, now=now)
             if rolls and spiked:
                 self._live.forbid(f"a loss spike at step {self.step} calls for a rollback")
             # The ranks' losses differ: they agree, at one all-gather per step, only when a spike rolls back.
@@ -1018,7 +1051,9 @@ class Job:
                 sample=self.config.grad_check_sample,
             )
             replicated = all(n in self.checkpointer.replicated for n, o in self._objects.items() if o in optimizers)
-            self._guard = NumericGuard(optimizers, self.events, config, quiet=replicated and not self.is_main)
+            self._guard = NumericGuard(
+                optimizers, self.events, config, quiet=replicated and not self.is_main, reads=self._reads
+            )
             shards = any(sharded.is_dtensor(p) for o in optimizers for g in o.param_groups for p in g["params"])
             self._guard_agreed = replicated or shards or self.world_size == 1
 
@@ -1026,7 +1061,7 @@ class Job:
         """On a GPU, checkpoints and full memory snapshots copy the tracked optimizers' tensors under the next
         step (save/overlap.py). Under the tests' threaded stand-in for a side stream (save/side_copy.py), memory
         snapshots do so on a CPU too."""
-        host = self._memory is not None and self._memory.copies_on_host
+        host = self._memory is not None and self._memory.side.on_host
         if self._fence is not None or not self.config.checkpoint_overlap or not (torch.cuda.is_available() or host):
             return
         optimizers = [o for o in self._objects.values() if isinstance(o, torch.optim.Optimizer)]
@@ -1094,7 +1129,7 @@ class Job:
         )  # fmt: skip
 
     def _tensors_to_flip(self) -> list[torch.Tensor]:
-        """A chaos bit flip's targets (chaos/faults.py), once the copies still reading them have ended: the last
+        """A bit flip's targets (the step hooks' `tensors`), once the copies still reading them have ended: the last
         snapshot or checkpoint must hold the state before the flip, as it would without overlap."""
         if self._fence is not None:
             self._fence.fence()
@@ -1156,7 +1191,7 @@ class Job:
             self._memory,
             self._commit_barrier(),
             self.events,
-            self._faults,
+            self._hooks,
             self._state,
             self._per_rank_state,
             self._replicated_states,
@@ -1263,7 +1298,7 @@ class Job:
             "world_size": self.world_size,
         }
         if self._loss_watch is not None:  # per rank; not compared by the commit point's check (it moves at report)
-            state["detectors"] = {"loss_window": self._loss_watch.state()}
+            state["detectors"] = self._loss_watch.state()
         return state
 
     def _per_rank_state(self, step: int) -> dict[str, Any]:
@@ -1386,20 +1421,20 @@ class Job:
         return f"the live tensors were written after the end of step {self.step}"
 
     def _log_step(self, step_s: float) -> None:
-        metrics = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in self._metrics.items()}
+        """A `step_done` event; the reported tensors are read in one read, with whatever waits for one."""
+        tensors = {k: v.detach() for k, v in self._metrics.items() if isinstance(v, torch.Tensor)}
+        values = self._reads.read([v.reshape(1) for v in tensors.values()]) if tensors else []
+        read = {k: _as_item(tensors[k], v) for k, v in zip(tensors, values, strict=True)}
+        metrics = {k: read.get(k, v) for k, v in self._metrics.items()}
         if self._memory is not None:
             metrics["snapshot_s"] = self._snapshot_s
             metrics["snapshot_every"] = self._schedule.interval
             metrics["full_copy_step"] = self._full_copy_step
         self.events.emit("step_done", step=self.step, step_s=step_s, **metrics)
 
-    def _announce(self, fault: Fault) -> None:
-        extra: dict[str, str] = {}
-        if fault.kind == "hang":
-            extra["how"] = fault.how
-        elif fault.kind in ("kill_in_save", "kill_in_optimizer"):
-            extra["phase"] = fault.phase
-        self.events.emit("fault_injected", fault=fault.kind, step=self.step, **extra)
+    def _announce(self, kind: str, details: dict[str, Any]) -> None:
+        """A fault of the step hooks is about to fire: the event log says which, at which step."""
+        self.events.emit("fault_injected", fault=kind, step=self.step, **details)
 
 
 def _check_shapes(name: str, obj: Stateful, saved: Any, source: str) -> None:
@@ -1413,6 +1448,13 @@ def _check_shapes(name: str, obj: Stateful, saved: Any, source: str) -> None:
                 f"checkpoint {source} does not fit tracked object {name!r}: {key} has shape "
                 f"{tuple(old.shape)} in the checkpoint and {tuple(current.shape)} in the model"
             )
+
+
+def _as_item(tensor: torch.Tensor, value: float) -> Any:
+    """`value` read from `tensor` as its `.item()` would give it (an int or bool stays one)."""
+    if tensor.dtype == torch.bool:
+        return bool(value)
+    return value if tensor.is_floating_point() else int(value)
 
 
 def _local_world_size() -> int:

@@ -40,6 +40,9 @@ ZYGOTE_ENV = "STALWART_ZYGOTE"
 # -- set by a user or a test ---------------------------------------------------------------------------------------
 FAULTS_ENV = "STALWART_FAULTS"
 """Fault injection by (rank, step): chaos/faults.py."""
+THREADED_SIDE_COPY_ENV = "STALWART_TEST_THREADED_SIDE_COPY"
+"""Set to 1 (tests only): CPU memory-tier snapshots copy the tracked optimizers' tensors on a thread, as a GPU
+copies them on a side stream, so the overlapped path's protocol runs where no GPU exists (save/side_copy.py)."""
 
 # -- torch's -------------------------------------------------------------------------------------------------------
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
@@ -64,3 +67,5 @@ METRICS_PORT_ENV = "STALWART_METRICS_PORT"
 """`stalwart run --metrics-port`'s default: serve the run's Prometheus metrics on this port (0: any free one)."""
 PREEMPT_NOTICE_ENV = "STALWART_PREEMPT_NOTICE"
 """The default of `stalwart run --preempt-notice` (a metadata URL or file:PATH)."""
+PREEMPT_POLL_ENV = "STALWART_PREEMPT_POLL_S"
+"""Seconds between two polls of the preemption notice (supervisor/preempt_notice.py)."""

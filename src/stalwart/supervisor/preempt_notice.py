@@ -23,10 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stalwart.errors import ConfigError
+from stalwart.runtime.env import PREEMPT_POLL_ENV as POLL_ENV
 
 POLL_S = 5.0
-POLL_ENV = "STALWART_PREEMPT_POLL_S"
-"""Seconds between two polls (tests make it short)."""
+"""Seconds between two polls, unless STALWART_PREEMPT_POLL_S says otherwise (tests make it short)."""
 
 
 def check_source(source: str) -> str:

@@ -16,8 +16,8 @@ import queue
 import threading
 import time
 
-from stalwart.chaos.save_faults import SaveFaults
 from stalwart.checkpoint.format import layout
+from stalwart.checkpoint.save.hooks import SaveHooks
 from stalwart.checkpoint.save.request import PersistRequest
 from stalwart.checkpoint.save.retry import GaveUp, Quit, Retrier
 from stalwart.checkpoint.storage import Storage, describe_error
@@ -39,7 +39,7 @@ class Committer:
         self._retainer: threading.Thread | None = None
         self._prune_lock = threading.Lock()
 
-    def commit(self, storage: Storage, req: PersistRequest, own_meta: bytes, faults: SaveFaults) -> layout.Manifest:
+    def commit(self, storage: Storage, req: PersistRequest, own_meta: bytes, hooks: SaveHooks) -> layout.Manifest:
         """Write the manifest of `req.step` once every rank's meta file is there; raises GaveUp otherwise."""
         step, token, world = req.step, req.token, req.world_size
         step_dir = layout.step_dir_name(step)
@@ -62,7 +62,7 @@ class Committer:
             base=req.base,
             written_bytes=written,
         )
-        faults.before_commit()
+        hooks.before_commit()
         text = manifest.to_json().encode()
         self._retrier.run(req, "manifest", lambda: storage.write_bytes(f"{step_dir}/{layout.MANIFEST}", text))
         self._events.emit(

@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from stalwart.chaos.save_faults import SaveFaults, flaky
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.save.commit import Committer
+from stalwart.checkpoint.save.hooks import NoSaveHooks, SaveHooks, save_hooks
 from stalwart.checkpoint.save.request import PersistReply, PersistRequest
 from stalwart.checkpoint.save.retry import GaveUp, Quit, Retrier
 from stalwart.checkpoint.storage import LocalStorage, Storage, describe_error, open_storage
@@ -55,7 +55,7 @@ class Persister:
         self.quitting = threading.Event()
         self._retrier = Retrier(events, self.quitting, lambda req: self._storage(req.url, req.options))
         self._committer = Committer(events, self._retrier, self.quitting)
-        self._faults = SaveFaults(None, 0, 0, events)  # the current save's (chaos/save_faults.py)
+        self._hooks: SaveHooks = NoSaveHooks()  # the current save's (checkpoint/save/hooks.py)
 
     def handle(self, req: PersistRequest) -> None:
         started = time.monotonic()
@@ -64,13 +64,13 @@ class Persister:
         written = 0
         storage: Storage | None = None
         try:
-            storage = flaky(self._storage(req.url, req.options), req.chaos)
-            self._faults = SaveFaults.of(req.chaos, req.step, int(req.staging["pid"]), self._events)
+            self._hooks = save_hooks(req.faults, req.step, int(req.staging["pid"]), self._events)
+            storage = self._hooks.storage(self._storage(req.url, req.options))
             view = self._staging(req.staging)
             written = self._write_shard(storage, view, req)
             ok = True
             if req.coordinator:
-                manifest = self._committer.commit(storage, req, self._own_meta, self._faults)
+                manifest = self._committer.commit(storage, req, self._own_meta, self._hooks)
                 committed = True
         except Quit:
             self._events.emit("checkpoint_abandoned", step=step, reason="the job is closing")
@@ -142,7 +142,7 @@ class Persister:
         O_DIRECT while this thread hashes the tensors (the write releases the GIL)."""
         tensors: list[dict[str, Any]] = req.tensors
         length = max((int(t["offset"]) + int(t["nbytes"]) for t in tensors), default=0)
-        on_half = self._faults.on_half_written
+        on_half = self._hooks.on_half_written
         failure: list[BaseException] = []
 
         def write() -> None:
@@ -193,7 +193,7 @@ class Persister:
         skips tensors whose hash matches its base and compresses the others."""
         tensors: list[dict[str, Any]] = req.tensors
         half = sum(int(t["nbytes"]) for t in tensors) // 2
-        on_half = self._faults.on_half_written
+        on_half = self._hooks.on_half_written
         entries: dict[str, layout.TensorEntry] = {}
 
         def body(f: BinaryIO) -> None:

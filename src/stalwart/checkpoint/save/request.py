@@ -32,8 +32,8 @@ class PersistRequest:
     snapshot_mono: float
     """CLOCK_MONOTONIC when the snapshot started: the persist deadline counts from here."""
     deadline_s: float
-    chaos: dict[str, Any] | None = None
-    """Faults for this save (chaos/save_faults.py); None in production."""
+    faults: dict[str, Any] | None = None
+    """Faults for this save (checkpoint/save/hooks.py); None in production."""
     wait: bool = False
     """The trainer waits for this save (a run's last): retention runs before the reply."""
     skeleton: str = ""

@@ -11,12 +11,12 @@ and only a registered ("pinned") destination gets copies left running.
 
 `ThreadedSideCopy` is the same contract on a CPU: the stable tensors' copies run on a thread and the event is a
 threading one; registering always succeeds. It exists for the tests (CI has no GPU) and is never chosen by the Job
-on its own; see `side_copy_for_tests`.
+on its own: a test passes it to a MemoryTier, or sets STALWART_TEST_THREADED_SIDE_COPY=1 for a job's workers,
+which plugs it into the memory tier's seam (runtime/seams.SIDE_COPY, chaos/seams.py).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from typing import Protocol
@@ -29,10 +29,6 @@ from stalwart.checkpoint.save.overlap import storage_key
 Pair = tuple[torch.Tensor, torch.Tensor]
 """(source tensor, destination view in host memory of the same dtype and shape)."""
 
-FAKE_ENV = "STALWART_TEST_THREADED_SIDE_COPY"
-"""Set to 1 (tests only): CPU memory-tier snapshots copy the tracked optimizers' tensors on a thread, as a GPU
-copies them on a side stream, so the overlapped path's protocol runs where no GPU exists."""
-
 
 class CopyDone(Protocol):
     """The end of copies left running: a torch.cuda.Event, or a ThreadDone."""
@@ -44,6 +40,9 @@ class CopyDone(Protocol):
 
 class SideCopy:
     """One side stream (created on first use, on the sources' device) and the copies queued on it."""
+
+    on_host = False
+    """Whether copies left running run on the host (a thread): then CPU sources can be left copying too."""
 
     def __init__(self) -> None:
         self._stream: torch.cuda.Stream | None = None
@@ -124,6 +123,8 @@ class ThreadedSideCopy(SideCopy):
     not change before the event: the fence (UpdateFence with host=True) waits for it before an optimizer step,
     as the GPU's compute stream waits for a side stream."""
 
+    on_host = True
+
     def __init__(self, release: threading.Event | None = None) -> None:
         super().__init__()
         self.release = release if release is not None else threading.Event()
@@ -166,8 +167,3 @@ class ThreadedSideCopy(SideCopy):
         thread.start()
         self.threads.append(thread)
         return done
-
-
-def side_copy_for_tests() -> SideCopy | None:
-    """The threaded stand-in when the tests ask for it (FAKE_ENV), else None (the real SideCopy)."""
-    return ThreadedSideCopy() if os.environ.get(FAKE_ENV) == "1" else None

@@ -9,8 +9,9 @@ always contain a common step. If that step is at least as new as the newest dura
 from memory: no storage read, and at most the step that was interrupted is redone. Ward slots keep other
 nodes' ranks' snapshot images (peer replicas, L3, see checkpoint/tiers/replicas.py).
 
-A slot file is a 64-byte header, the request-like table of contents (skeleton and tensor table, JSON) and the
-tensor bytes. The header's `valid` word is cleared before anything else is written and set last, together with
+A slot file is a 64-byte header (magic, valid, step, rank, world size, and where the rest lies), the table of
+contents (checkpoint/tiers/toc.py: JSON holding the pickled skeleton, its plain values and the tensor table) and
+the tensor bytes. The header's `valid` word is cleared before anything else is written and set last, together with
 the step; a torn snapshot is therefore never loaded. There is no checksum: the bytes never leave this node's
 memory, and hashing every step would cost more than the copy (durable checkpoints carry xxh3).
 """
@@ -42,18 +43,20 @@ from stalwart.checkpoint.format.serialize import (
     unflatten,
 )
 from stalwart.checkpoint.save.overlap import UpdateFence
-from stalwart.checkpoint.save.side_copy import CopyDone, SideCopy, ThreadedSideCopy
+from stalwart.checkpoint.save.side_copy import CopyDone, SideCopy
 from stalwart.checkpoint.save.staging import ViewCache, aligned, typed_view
 from stalwart.checkpoint.tiers.toc import STEP_IN_HEADER, TocCache, parse_toc, split_values
 from stalwart.errors import CheckpointCorruptError
+from stalwart.runtime import seams
 from stalwart.runtime.env import SNAPSHOT_DIR_ENV as SNAPSHOT_DIR_ENV
 
 MAGIC = 0x5354_414C_5741_5254  # "STALWART"
 HEADER = struct.Struct("<QqqqqqQQ")  # magic, valid, step, rank, world_size, toc_len, data_offset, data_len
 HEADER_BYTES = 64
 PAGE = 4096
-CLOSE_WAIT_S = 5.0
-"""How long closing waits for a snapshot's copy still running on the GPU before giving it up (a hung stream)."""
+COPY_WAIT_S = 5.0
+"""How long the tier waits for a snapshot's copy still running on the GPU before giving it up (a hung stream):
+when it closes, and when a rollback or an installed image drops a snapshot not yet published."""
 _ABANDONED: list[object] = []
 """Slot mappings given up while a copy into them was still queued on the GPU: kept mapped for the rest of the
 process (a DMA into freed memory would corrupt whatever reuses it); their files are unlinked, so no later
@@ -65,7 +68,6 @@ class MemorySnapshot:
     step: int
     state: dict[str, Any]
     bytes: int
-    slot: int
 
 
 class _Slot:
@@ -204,8 +206,11 @@ class MemoryTier:
         local_rank: int = 0,
         local_world_size: int = 1,
         side_copy: SideCopy | None = None,
+        *,
+        copy_wait_s: float = COPY_WAIT_S,
     ) -> None:
         self.directory = Path(directory)
+        self.copy_wait_s = copy_wait_s
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
@@ -217,7 +222,9 @@ class MemoryTier:
         self._light_reuse: tuple[frozenset[int], dict[str, Any] | None, dict[str, Any]] | None = None
         self._per_rank = FlattenCache(rank, frozenset())  # snapshot_light's per-rank state, same shape each step
         self._next: dict[str, int] = {}  # kind -> the slot this process writes next (the older one)
-        self._side = side_copy or SideCopy()
+        self.side = side_copy or _installed_side_copy() or SideCopy()
+        """What copies snapshots into the slots (save/side_copy.py); its `on_host`: CPU tensors' copies can be
+        left running too, and the fence waits for them on the host."""
         self.overlap: UpdateFence | None = None
         """On a GPU (set by the Job, as Checkpointer.overlap): a full snapshot's copies of the tensors only an
         optimizer step writes are left running under the next step, and the fence orders that step's optimizer
@@ -236,6 +243,11 @@ class MemoryTier:
         if not directory or not os.path.isdir(directory):
             return None
         return cls(directory, rank, world_size, local_rank, local_world_size, side_copy)
+
+    def _own(self, header: tuple[int, ...] | None, step: int) -> bool:
+        """Whether a slot's header is a whole snapshot of `step` by this rank at this world size: a rank of
+        another world size's run may have left the same file name behind."""
+        return header is not None and (header[2], header[3], header[4]) == (step, self.rank, self.world_size)
 
     def steps(self, *, light: bool = False) -> list[int]:
         """The steps this rank holds whole (or, with `light`, light snapshots of), newest first, for this rank
@@ -310,12 +322,6 @@ class MemoryTier:
         return time.perf_counter() - started, total
 
     @property
-    def copies_on_host(self) -> bool:
-        """Whether this tier's overlapped copies are the tests' threaded stand-in (save/side_copy.py): then CPU
-        tensors can be left copying too, and the fence waits for them on the host."""
-        return isinstance(self._side, ThreadedSideCopy)
-
-    @property
     def running(self) -> int | None:
         """The step of the full snapshot whose copy is still to be published, if any."""
         return self._pending.step if self._pending is not None else None
@@ -334,9 +340,10 @@ class MemoryTier:
         HEADER.pack_into(m, 0, *pending.header)
         return pending.step
 
-    def _drop_pending(self, wait_s: float | None = None) -> None:
-        """Let the running copy end and leave its snapshot invalid (a rollback abandoned its step)."""
-        self._settle(wait_s)
+    def _drop_pending(self) -> None:
+        """Let the running copy end (for at most `copy_wait_s`) and leave its snapshot invalid (a rollback
+        abandoned its step): a copy queued behind a hung stream must not hang the rollback with it."""
+        self._settle(self.copy_wait_s)
 
     def _settle(self, wait_s: float | None) -> bool:
         """Take the pending snapshot off once its copy has ended (True), or give its slot up if the copy is still
@@ -450,10 +457,10 @@ class MemoryTier:
                 written.pop(at, None)
         fence = self.overlap if kind == "full" else None
         with torch.no_grad():
-            done = self._side.copy(pairs, pinned=target.pinned, stable=fence.stable() if fence else None)
+            done = self.side.copy(pairs, pinned=target.pinned, stable=fence.stable() if fence else None)
         device = next((t.device for t, _ in pairs if t.is_cuda), None)
-        if kind == "full" and (device is not None or self.copies_on_host):
-            target.pin_later(self._side, device)  # the next snapshots into this slot copy at PCIe speed, and overlap
+        if kind == "full" and (device is not None or self.side.on_host):
+            target.pin_later(self.side, device)  # the next snapshots into this slot copy at PCIe speed, and overlap
         header = (MAGIC, 1, step, self.rank, self.world_size, len(contents), data_offset, total)
         if done is not None and fence is not None:
             fence.defer(done, device)  # the next optimizer step waits for the copy (on the GPU)
@@ -471,10 +478,11 @@ class MemoryTier:
     def load(self, step: int) -> MemorySnapshot:
         """The state of `step` from whichever slot holds it, replicated tensors it did not copy from its local
         peers' slots of the same step; CheckpointCorruptError if any part is missing or not whole."""
-        for index, slot in enumerate(self._slots):
+        for slot in self._slots:
             h = slot.header()
-            if h is not None and h[2] == step and h[3] == self.rank:
-                return self._assemble(_read_slot(slot.path, h, step), step, index)
+            if self._own(h, step):
+                assert h is not None
+                return self._assemble(_read_slot(slot.path, h, step), step)
         raise CheckpointCorruptError(f"no memory slot holds step {step}")
 
     # ---- peer replicas (L3, see checkpoint/tiers/replicas.py): images of whole slots, sent to and kept by other nodes
@@ -484,7 +492,8 @@ class MemoryTier:
         to keep on another node; empty if no slot holds it whole."""
         for slot in self._light if light else self._slots:
             h = slot.header()
-            if h is not None and h[2] == step and h[3] == self.rank:
+            if self._own(h, step):
+                assert h is not None
                 return _read_image(slot.path, h)
         return b""
 
@@ -542,7 +551,8 @@ class MemoryTier:
         `load_light`; CheckpointCorruptError if this rank holds no light snapshot of `step`."""
         for slot in self._light:
             h = slot.header()
-            if h is not None and h[2] == step and h[3] == self.rank:
+            if self._own(h, step):
+                assert h is not None
                 content = _read_slot(slot.path, h, step)
                 return {k: (dtype_from_name(v[0]), list(v[1])) for k, v in content.live.items()}, content
         raise CheckpointCorruptError(f"no light memory slot holds step {step}")
@@ -580,9 +590,9 @@ class MemoryTier:
         state = unflatten(skeleton, fetch)
         if not isinstance(state, dict) or "objects" not in state:
             raise CheckpointCorruptError(f"the memory snapshot of step {step} is not a stalwart state")
-        return MemorySnapshot(step, state, len(content.data), -1)
+        return MemorySnapshot(step, state, len(content.data))
 
-    def _assemble(self, own: _SlotContent, step: int, index: int) -> MemorySnapshot:
+    def _assemble(self, own: _SlotContent, step: int) -> MemorySnapshot:
         peers: dict[int, tuple[dict[str, list[Any]], bytearray]] = {}
 
         def fetch(tid: str) -> torch.Tensor:
@@ -603,7 +613,7 @@ class MemoryTier:
         state = unflatten(own.skeleton, fetch)
         if not isinstance(state, dict) or "objects" not in state:
             raise CheckpointCorruptError(f"the memory snapshot of step {step} is not a stalwart state")
-        return MemorySnapshot(step, state, len(own.data), index)
+        return MemorySnapshot(step, state, len(own.data))
 
     def _peer(self, local_rank: int, step: int) -> tuple[dict[str, list[Any]], bytearray]:
         for index in (0, 1):
@@ -614,10 +624,10 @@ class MemoryTier:
                 return got.table, got.data
         return {}, bytearray()
 
-    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
-        """Publish a snapshot whose copy is still running if it ends within `wait_s` (0 after a failure: only
-        one already done), then unmap the slots."""
-        self.publish(wait_s)
+    def close(self, wait_s: float | None = None) -> None:
+        """Publish a snapshot whose copy is still running if it ends within `wait_s` (default `copy_wait_s`; 0
+        after a failure: only one already done), then unmap the slots."""
+        self.publish(self.copy_wait_s if wait_s is None else wait_s)
         self._next.clear()
         for slot in [*self._slots, *self._light]:
             slot.close()
@@ -631,6 +641,13 @@ class _Pending:
     done: CopyDone
     slot: _Slot
     header: tuple[int, ...]
+
+
+def _installed_side_copy() -> SideCopy | None:
+    """The copier plugged into runtime/seams.SIDE_COPY (the tests' threaded stand-in), if any."""
+    factory = seams.installed(seams.SIDE_COPY)
+    side: SideCopy | None = factory() if factory is not None else None
+    return side
 
 
 def _ended(done: CopyDone, wait_s: float | None) -> bool:

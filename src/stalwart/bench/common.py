@@ -1,0 +1,113 @@
+"""What the bench commands share: sizes and their units, the run directory, the machine's description, the
+arguments' types. One home, so that no bench command imports another's module for a helper."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import resource
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stalwart.errors import ConfigError
+
+MB, GB = 10**6, 10**9  # decimal units, as disk throughput is quoted
+MIN_SIZE = 1 * MB
+
+
+def positive_int(text: str) -> int:
+    """argparse type of the bench sub-commands' counts."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
+
+
+def parse_size(text: str) -> int:
+    """Bytes of state from '100MB', '1GB', '250MB' or '1.5GB' (decimal units, like the GB/s figures)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([MG])B?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise ConfigError(f"{text!r} is not a size; give it like 100MB, 1GB or 250MB")
+    size = int(float(match[1]) * (GB if match[2].upper() == "G" else MB))
+    if size < MIN_SIZE:
+        raise ConfigError(f"{text!r} is too small; give at least 1MB")
+    return size
+
+
+def peak_rss_mb() -> float:
+    """Peak RSS of this process or of its largest reaped child (stalwart may persist in a child process).
+
+    Not reported apart: Linux starts a child's ru_maxrss at its parent's RSS when it was forked, so the
+    children's figure alone would be the parent's size at spawn time, not the child's own use.
+    """
+    own, children = (resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return max(own, children) * 1024 / MB  # ru_maxrss is in KiB on Linux
+
+
+def make_run_dir(parent: Path | None) -> tuple[Path, Path]:
+    """A new directory for this run, and the top-most directory this call created (the only one removed later)."""
+    if parent is None:
+        run_dir = Path(tempfile.mkdtemp(prefix="stalwart-bench-"))
+        return run_dir, run_dir
+    parent = parent.absolute()
+    if parent.exists() and not parent.is_dir():
+        raise ConfigError(f"--dir {parent} is a file, not a directory")
+    missing = first_missing(parent)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        run_dir = Path(tempfile.mkdtemp(prefix="stalwart-bench-", dir=parent))
+    except OSError as exc:
+        if missing is not None:
+            shutil.rmtree(missing, ignore_errors=True)
+        raise ConfigError(f"--dir {parent} is not writable: {exc.strerror or exc}") from exc
+    return run_dir, missing or run_dir
+
+
+def first_missing(path: Path) -> Path | None:
+    """The top-most ancestor of `path` (or `path` itself) that does not exist yet; None if it exists."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def seconds_text(s: float) -> str:
+    """Milliseconds below a second, seconds above: '14.3 ms', '1.88 s'."""
+    return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
+
+
+def machine_info(run_dir: Path) -> dict[str, Any]:
+    """What the figures depend on: cores, torch, and the disk (a tmpfs measures memory, not a disk)."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "dir": str(run_dir),
+        "filesystem": filesystem_of(run_dir.resolve()),
+    }
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem holding `path`, from /proc/mounts ('unknown' where there is none)."""
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts", encoding="utf-8") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = str(path) == mount or str(path).startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, fields[2]
+    except OSError:
+        pass
+    return kind

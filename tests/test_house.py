@@ -1,0 +1,131 @@
+"""The house's rules, held by walking the source: layers only import downwards, no import cycle, the exception
+tree drawn whole, every environment variable named in runtime/env.py."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import stalwart
+from stalwart import errors
+from stalwart.layers import LAYERS, rank_of
+
+SRC = Path(stalwart.__file__).parent
+DOCS = SRC.parent.parent / "docs"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the stalwart modules it imports, at the top or inside a function (a lazy import still ties them)."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for target in targets:
+                if target.startswith("stalwart") and target in modules and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_every_package_has_a_layer() -> None:
+    tops = {_layer(m) for m in _modules() if _layer(m)}
+    placed = {name for layer in LAYERS for name in layer}
+    assert tops <= placed, f"not in stalwart/layers.py: {sorted(tops - placed)}"
+
+
+def test_no_import_runs_from_a_lower_layer_to_a_higher_one() -> None:
+    upward = []
+    for module, targets in _imports(_modules()).items():
+        if module == "stalwart":
+            continue  # the root puts the parts together
+        for target in targets:
+            if target == "stalwart":
+                continue  # the public API, as a user's script imports it
+            if rank_of(_layer(target)) > rank_of(_layer(module)):
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycle() -> None:
+    graph = _imports(_modules())
+    graph = {m: {t for t in ts if t != "stalwart"} for m, ts in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_layers_in_the_docs_are_the_code_s() -> None:
+    text = (DOCS / "architecture.md").read_text()
+    drawn = re.search(r"<!-- layers -->\n(.*?)<!-- /layers -->", text, re.S)
+    assert drawn, "docs/architecture.md lacks its layers list"
+    rows = [line for line in drawn.group(1).splitlines() if line.startswith("| ") and "---" not in line][1:]
+    listed = [tuple(n.strip(" `") for n in row.split("|")[2].split(",")) for row in rows]
+    assert listed == list(LAYERS)
+
+
+def test_the_exception_tree_is_drawn_whole() -> None:
+    drawn = set(re.findall(r"[├└]── (\w+)", errors.__doc__ or ""))
+    defined = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.StalwartError)}
+    assert defined - {"StalwartError"} == drawn
+
+
+def test_product_layers_name_no_environment_variable_of_their_own() -> None:
+    """Every STALWART_* variable's name is a constant of runtime/env.py; other modules import it from there."""
+    strays = []
+    for name, path in _modules().items():
+        if name == "stalwart.runtime.env":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            text = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(text, str) and re.fullmatch(r"STALWART_[A-Z_]+", text):
+                strays.append(f"{name}: {text}")
+    assert not strays, "environment variables named outside runtime/env.py:\n" + "\n".join(sorted(strays))
