@@ -129,3 +129,41 @@ def test_product_layers_name_no_environment_variable_of_their_own() -> None:
             if isinstance(text, str) and re.fullmatch(r"STALWART_[A-Z_]+", text):
                 strays.append(f"{name}: {text}")
     assert not strays, "environment variables named outside runtime/env.py:\n" + "\n".join(sorted(strays))
+
+
+def test_the_job_s_step_changes_in_one_place() -> None:
+    """Completed steps move forward, back (a rollback) and to a resumed step only through Job._move_to."""
+    tree = ast.parse((SRC / "job" / "job.py").read_text())
+    setters = []
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef):
+            continue
+        for node in ast.walk(func):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AugAssign | ast.AnnAssign) else []  # fmt: skip
+            for target in targets:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Attribute) and t.attr == "step" and getattr(t.value, "id", "") == "self":
+                        setters.append(func.name)
+    assert sorted(setters) == ["_move_to", "_set_up"], setters  # _set_up: its first value, 0
+
+
+def test_every_option_has_one_home() -> None:
+    """Each documented flat option of stalwart.Job names one field of one section, and every field has one."""
+    from dataclasses import fields
+
+    from stalwart.job import config
+
+    sections = {
+        "checkpoint": config.CheckpointOptions,
+        "snapshot": config.SnapshotOptions,
+        "guard": config.GuardOptions,
+        "detect": config.DetectOptions,
+        "recovery": config.RecoveryOptions,
+    }
+    wanted = {(s, f.name) for s, kind in sections.items() for f in fields(kind)}
+    wanted |= {("", "log_every"), ("", "collective_timeout_s")}
+    assert sorted(config.FLAT.values()) == sorted(wanted)
+    made = config.JobConfig.of("x", keep_last=7, snapshot_budget=0.05, loss_spike="rollback", max_rollbacks=1)
+    assert (made.checkpoint.keep_last, made.snapshot.budget, made.detect.loss_spike) == (7, 0.05, "rollback")
+    assert made.option("max_rollbacks") == 1 and made.option("checkpoint_dir") == "x"

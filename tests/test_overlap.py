@@ -51,9 +51,9 @@ def test_cpu_tensors_are_copied_before_copy_in_returns_whatever_stable_says() ->
 
 
 def test_checkpoint_overlap_must_be_a_bool(tmp_path: object) -> None:
-    assert JobConfig(checkpoint_dir="x").checkpoint_overlap is True
+    assert JobConfig.of("x").checkpoint.overlap is True
     with pytest.raises(ConfigError, match="checkpoint_overlap must be True or False"):
-        JobConfig(checkpoint_dir="x", checkpoint_overlap="yes")  # type: ignore[arg-type]
+        JobConfig.of("x", checkpoint_overlap="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where there is no GPU")

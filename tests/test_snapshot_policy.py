@@ -134,29 +134,29 @@ def test_full_copies_get_what_light_snapshots_leave_of_the_budget_and_at_least_a
 @pytest.mark.parametrize("bad", [-1, "often", 1.5, True])
 def test_a_bad_snapshot_every_is_one_clear_error(bad: object) -> None:
     with pytest.raises(ConfigError, match="snapshot_every"):
-        JobConfig(checkpoint_dir="x", snapshot_every=bad)  # type: ignore[arg-type]
+        JobConfig.of("x", snapshot_every=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", [0, 1, -0.1, "3%"])
 def test_a_bad_snapshot_budget_is_one_clear_error(bad: object) -> None:
     with pytest.raises(ConfigError, match="snapshot_budget"):
-        JobConfig(checkpoint_dir="x", snapshot_budget=bad)  # type: ignore[arg-type]
+        JobConfig.of("x", snapshot_budget=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", [0, 1, -0.1, "2%", None])
 def test_a_bad_light_snapshot_budget_is_one_clear_error(bad: object) -> None:
     with pytest.raises(ConfigError, match="light_snapshot_budget"):
-        JobConfig(checkpoint_dir="x", light_snapshot_budget=bad)  # type: ignore[arg-type]
+        JobConfig.of("x", light_snapshot_budget=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", [0, -3, "sometimes", 2.0, False])
 def test_a_bad_replicated_snapshot_every_is_one_clear_error(bad: object) -> None:
     with pytest.raises(ConfigError, match="replicated_snapshot_every"):
-        JobConfig(checkpoint_dir="x", replicated_snapshot_every=bad)  # type: ignore[arg-type]
+        JobConfig.of("x", replicated_snapshot_every=bad)  # type: ignore[arg-type]
 
 
 def test_the_defaults_are_budgeted_full_copies_and_light_snapshots() -> None:
-    config = JobConfig(checkpoint_dir="x")
-    assert (config.snapshot_every, config.snapshot_budget) == ("auto", 0.01)
-    assert config.light_snapshot_budget == 0.02, "their own budget, apart from the full copies' 1%"
-    assert config.replicated_snapshot_every == "auto"
+    config = JobConfig.of("x")
+    assert (config.snapshot.every, config.snapshot.budget) == ("auto", 0.01)
+    assert config.snapshot.light_budget == 0.02, "their own budget, apart from the full copies' 1%"
+    assert config.snapshot.replicated_every == "auto"

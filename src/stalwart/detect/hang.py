@@ -14,8 +14,10 @@ For long steps, 3x the 99th percentile plus at most one step stays inside 5x the
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 
+from stalwart.errors import ConfigError
 from stalwart.runtime.env import HANG_TIMEOUT_ENV as HANG_TIMEOUT_ENV
 
 FLOOR_S = 2.0
@@ -56,6 +58,17 @@ class HangTimer:
 
     def grace(self) -> float:
         return max(GRACE_S, self.fixed_s or 0.0)
+
+
+def hang_timer(fixed_s: float | None) -> HangTimer:
+    """The job's timer: `fixed_s` (the hang_timeout_s option), else STALWART_HANG_TIMEOUT (`stalwart run
+    --hang-timeout`); ConfigError naming the variable if it is malformed."""
+    if fixed_s is None:
+        try:
+            fixed_s = parse_timeout(os.environ.get(HANG_TIMEOUT_ENV))
+        except ValueError as exc:
+            raise ConfigError(f"{HANG_TIMEOUT_ENV}: {exc}") from exc
+    return HangTimer(fixed_s)
 
 
 def parse_timeout(text: str | None) -> float | None:

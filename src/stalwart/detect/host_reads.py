@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,6 +52,14 @@ class HostReads:
             taken, rest = rest[: len(w.values)], rest[len(w.values) :]
             w.then(taken)
         return out
+
+    def read_items(self, values: dict[str, Any]) -> dict[str, Any]:
+        """`values` with each tensor in it read as its `.item()` would give it (an int or bool stays one), all in
+        one read with whatever waits."""
+        tensors = {k: v.detach() for k, v in values.items() if isinstance(v, torch.Tensor)}
+        floats = self.read([v.reshape(1) for v in tensors.values()]) if tensors else []
+        read = {k: _as_item(tensors[k], f) for k, f in zip(tensors, floats, strict=True)}
+        return {k: read.get(k, v) for k, v in values.items()}
 
     def flush(self) -> None:
         """Read what waits now (the end of the steps, before a rollback or a load replaces what it belongs to)."""
@@ -88,3 +97,10 @@ class HostReads:
                 floats[starts[i] : starts[i] + n] = values[at : at + n]
                 at += n
         return floats
+
+
+def _as_item(tensor: torch.Tensor, value: float) -> Any:
+    """`value` read from `tensor` as its `.item()` would give it (an int or bool stays one)."""
+    if tensor.dtype == torch.bool:
+        return bool(value)
+    return value if tensor.is_floating_point() else int(value)

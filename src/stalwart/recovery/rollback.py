@@ -22,7 +22,7 @@ What happens, on every rank at the same step (the triggers are agreed, see `Job.
 Every start reads the record, so a run resumed from any earlier state skips the same batches: the outcome does
 not depend on when failures happened.
 
-What triggers it (JobConfig):
+What triggers it (the job's options; the checks are job/step_end.py's, carrying it out is `Rollback`'s):
 - `loss_spike="rollback"`: a reported loss over `loss_spike_factor` times the recent median on any rank; the
   batch of that step is skipped. The ranks' losses differ, so they agree through one small all-gather per step
   (on only when this policy is chosen);
@@ -41,14 +41,22 @@ right after a rollback, before the replay has passed the abandoned steps, could 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from stalwart.checkpoint.format import layout, sharded
+from stalwart.checkpoint.load.rank_state import Restored
+from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.storage import Storage
-from stalwart.errors import CheckpointCorruptError, NumericError
+from stalwart.checkpoint.tiers.memory import MemoryTier
+from stalwart.errors import CheckpointCorruptError, NumericError, ReplicaDivergenceError
+from stalwart.recovery.restore import Restorer
+from stalwart.runtime.dist import Comm
+from stalwart.runtime.process import first_line
+from stalwart.telemetry.events import EventLog
 
 SKIP_FILE = "skipped_batches.json"
 FORMAT = "stalwart-skipped-batches"
@@ -135,3 +143,96 @@ def all_finite(optimizers: Iterable[torch.optim.Optimizer]) -> bool:
                 if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                     return False
     return True
+
+
+class Rollback:
+    """Carries out the rollbacks the ranks agreed on (the steps in the module docstring); collective."""
+
+    def __init__(
+        self,
+        restorer: Restorer,
+        checkpointer: Checkpointer,
+        memory: MemoryTier | None,
+        comm: Comm,
+        events: EventLog,
+        *,
+        max_rollbacks: int,
+    ) -> None:
+        self._restorer = restorer
+        self._checkpointer = checkpointer
+        self._memory = memory
+        self._comm = comm
+        self._events = events
+        self._cap = RollbackCap(max_rollbacks, quiet=comm.rank != 0)
+        self.skips: set[int] = set()
+        """Batches skipped after rollbacks: read from the record at the start, added to by each rollback."""
+
+    def restore(
+        self,
+        request: RollbackRequest,
+        step: int,
+        *,
+        loader_tracked: bool,
+        diverged: ReplicaDivergenceError | None,
+        on_start: Callable[[], None],
+    ) -> Restored | None:
+        """The state to go back to, with the newer snapshots and checkpoints abandoned and the batch recorded as
+        skipped; None when there is none: a loss spike is then only reported, while non-finite parameters and
+        diverged replicas (`diverged`) stop the job. `on_start`: called once a rollback is possible."""
+        why = None
+        if not loader_tracked:
+            why = "the loader given to steps() is not tracked, so its position cannot go back"
+        elif request.at_most < 0:
+            why = "no state from before it exists"
+        restored = None
+        if why is None:
+            on_start()
+            self._cap.count(request)
+            self._checkpointer.wait_durable()  # nothing is set aside while a save of it may still commit
+            restored = self._restorer.rollback(request.at_most, lambda: self._abandon_after(request))
+            if restored is None:
+                why = f"no snapshot or checkpoint from step {request.at_most} or before"
+        if restored is None:
+            self._events.emit("rollback_impossible", step=step, reason=request.reason, why=why)
+            if request.reason == "replica_divergence" and diverged is not None:
+                raise diverged
+            if request.reason == "nonfinite_parameters":
+                raise NumericError(
+                    f"parameters became non-finite by step {step} and the job cannot roll back: {why}",
+                    quiet=self._comm.rank != 0,
+                )
+            if self._comm.rank == 0:
+                print(f"stalwart: cannot roll back for the loss spike at step {step}: {why}", file=sys.stderr)
+            return None
+        if request.skip is not None:
+            self.skips.add(request.skip)
+            if self._comm.rank == 0:
+                try:
+                    write_skips(self._checkpointer.storage, self.skips, request, restored.step)
+                except Exception as exc:  # this process still skips it; a restart from before it would not
+                    self._events.emit("skip_record_failed", step=request.skip, error=first_line(exc))
+        return restored
+
+    def done(self, request: RollbackRequest, from_step: int, restored: Restored, seconds: float) -> None:
+        """The state of `restored` is loaded: the event, and one line from rank 0."""
+        self._events.emit(
+            "rolled_back", step=restored.step, reason=request.reason, trigger=request.trigger, from_step=from_step,
+            skip=request.skip, tier=restored.tier, source=restored.source, seconds=seconds,
+        )  # fmt: skip
+        if self._comm.rank == 0:
+            skipping = f"; batch {request.skip} will be skipped" if request.skip is not None else ""
+            print(
+                f"stalwart: {request.reason.replace('_', ' ')} at step {request.trigger}: rolled back to step "
+                f"{restored.step} from {restored.source}{skipping}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _abandon_after(self, request: RollbackRequest) -> None:
+        """Invalidate the snapshots and set aside the checkpoints after `request.at_most` (every rank its own
+        memory; rank 0 the durable ones), before the rollback loads anything."""
+        if self._memory is not None:
+            self._memory.forget_after(request.at_most)
+        if self._comm.rank == 0:
+            self._checkpointer.set_aside_after(request.at_most, f"rolled back for {request.reason}")
+        self._comm.barrier()

@@ -31,6 +31,8 @@ class Placement:
     world_size: int
     local_rank: int
     restart_count: int
+    local_world_size: int = 1
+    """LOCAL_WORLD_SIZE as torchrun and `stalwart run` set it; 1 when launched otherwise (or malformed)."""
 
     @classmethod
     def from_env(cls) -> Placement:
@@ -43,7 +45,9 @@ class Placement:
             raise ConfigError(f"malformed launcher environment variable: {exc}") from exc
         if not 0 <= rank < world_size:
             raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
-        return cls(rank=rank, world_size=world_size, local_rank=local_rank, restart_count=restart_count)
+        text = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        local_world_size = int(text) if text.isdigit() and int(text) > 0 else 1
+        return cls(rank, world_size, local_rank, restart_count, local_world_size)
 
 
 class IntMessage:
@@ -94,6 +98,10 @@ class Comm:
     def gather(self, message: M) -> list[M]:
         """Every rank's `message` (a dataclass of int fields, see IntMessage), indexed by rank."""
         return [type(message).from_ints(v) for v in self.all_gather_ints(message.to_ints())]
+
+    def broadcast(self, message: M) -> M:
+        """Rank 0's `message` on every rank (the others' is ignored; see IntMessage)."""
+        return type(message).from_ints(self.broadcast_ints(message.to_ints()))
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's list of int64 values, indexed by rank (lists must have equal length)."""
