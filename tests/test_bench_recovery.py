@@ -9,16 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.bench.recovery import (
-    SETTLE_S,
-    _reference_run,
-    _results,
-    fault_only,
-    goodput_badput,
-    measure_kills,
-    steady_pace,
-    survivor_of,
-)
+from stalwart.bench.recovery import _reference_run, measure_kills, survivor_of
+from stalwart.bench.recovery_goodput import SETTLE_S, fault_only, goodput_badput, steady_pace
+from stalwart.bench.recovery_run import _results
 
 STEP = 0.1
 

@@ -1,4 +1,4 @@
-"""checkpoint_every="auto" (policy/checkpoint.py): the durable checkpoint interval from Daly's optimum, with the
+"""checkpoint_every="auto" (policy/auto_checkpoint.py): the durable checkpoint interval from Daly's optimum, with the
 measured stall and the failure rate this launch has seen."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 import stalwart
 from stalwart.errors import ConfigError
-from stalwart.policy.checkpoint import FIRST_EVERY, MAX_INTERVAL_S, CheckpointInterval
+from stalwart.policy.auto_checkpoint import FIRST_EVERY, MAX_INTERVAL_S, CheckpointInterval
 from stalwart.policy.interval import daly
 from stalwart.runtime.env import EVENT_LOG_ENV
 

@@ -167,3 +167,22 @@ def test_every_option_has_one_home() -> None:
     made = config.JobConfig.of("x", keep_last=7, snapshot_budget=0.05, loss_spike="rollback", max_rollbacks=1)
     assert (made.checkpoint.keep_last, made.snapshot.budget, made.detect.loss_spike) == (7, 0.05, "rollback")
     assert made.option("max_rollbacks") == 1 and made.option("checkpoint_dir") == "x"
+
+
+def test_module_and_class_names_are_unique() -> None:
+    """A name says which one: no two modules share a file name (but `__init__` and each command's `cli`), no two
+    classes share a name."""
+    modules = _modules()
+    names = [path.name for path in modules.values() if path.name not in ("__init__.py", "cli.py")]
+    assert not {n for n in names if names.count(n) > 1}
+    classes: dict[str, list[str]] = defaultdict(list)
+    for name, path in modules.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                classes[node.name].append(name)
+    assert not {k: v for k, v in classes.items() if len(v) > 1}
+
+
+def test_no_module_is_over_450_lines() -> None:
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > 450}
+    assert not long, f"split these: {long}"

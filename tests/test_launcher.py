@@ -249,7 +249,7 @@ def test_ten_kills_in_a_row_recover_every_time(launch: Any, tmp_path: Path) -> N
 
 
 def test_torchrun_static_flags_keep_their_meaning(monkeypatch: pytest.MonkeyPatch) -> None:
-    from stalwart.supervisor.launcher import parse
+    from stalwart.supervisor.run_args import parse
 
     script = str(TINY)
     assert parse([script]).rdzv_backend == "c10d"

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from stalwart.checkpoint.tiers.memory import HEADER, HEADER_BYTES, MemoryTier, _Pending
+from stalwart.checkpoint.tiers.slot import SlotHeader
 from stalwart.errors import CheckpointCorruptError
 
 
@@ -246,8 +247,8 @@ def test_a_hung_copy_is_given_up_by_a_rollback_and_an_install_not_waited_for(tmp
     tier.snapshot(3, _state(3))
     image = tier.image(3, light=False)
     tier.snapshot(4, _state(4))
-    slot = next(s for s in tier._slots if s.header() is not None and s.header()[2] == 4)  # type: ignore[index]
-    tier._pending = _Pending(4, _NeverDone(), slot, (0,))  # type: ignore[arg-type]
+    slot = next(s for s in tier._slots if (h := s.header()) is not None and h.step == 4)
+    tier._pending = _Pending(4, _NeverDone(), slot, SlotHeader.writing(0, 1))  # type: ignore[arg-type]
     call = (lambda: tier.forget_after(3)) if drop == "forget_after" else (lambda: tier.install(image, light=False))
     worker = threading.Thread(target=call, daemon=True)
     worker.start()

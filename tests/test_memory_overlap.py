@@ -21,7 +21,8 @@ import torch
 from conftest import child_env, fault_free_results, tiny_args
 from stalwart.checkpoint.save.overlap import UpdateFence
 from stalwart.checkpoint.save.side_copy import ThreadDone, ThreadedSideCopy
-from stalwart.checkpoint.tiers.memory import _ABANDONED, MemoryTier
+from stalwart.checkpoint.tiers.memory import MemoryTier
+from stalwart.checkpoint.tiers.slot import _ABANDONED
 from stalwart.runtime.env import THREADED_SIDE_COPY_ENV as FAKE_ENV
 
 

@@ -1,4 +1,4 @@
-"""The pre-flight node check (detect/preflight.py, supervisor/preflight.py): measured before a node joins; a node
+"""The pre-flight node check (detect/preflight.py, supervisor/preflight_gate.py): measured before a node joins; a node
 that fails is excluded and `stalwart run` stops with one line."""
 
 from __future__ import annotations

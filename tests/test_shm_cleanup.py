@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.detect.heartbeat import Board
-from stalwart.supervisor.launcher import _remove_stale_shared_memory
+from stalwart.supervisor.leftovers import _remove_stale_shared_memory
 
 
 def _snapshots_of(board: Path) -> Path:
@@ -48,7 +48,7 @@ def test_log_directories_of_sigkilled_launchers_go_and_live_ones_stay(tmp_path: 
     # file (not one of ours to judge, or from before the lock).
     import contextlib
 
-    from stalwart.supervisor.launcher import LOG_DIR_LOCK, LOG_DIR_PREFIX, _log_dir, _remove_stale_log_dirs
+    from stalwart.supervisor.leftovers import LOG_DIR_LOCK, LOG_DIR_PREFIX, _log_dir, _remove_stale_log_dirs
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = tmp_path / f"{LOG_DIR_PREFIX}dead"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.policy import interval
-from stalwart.sim.engine import BADPUT, POLICIES, Job, Policy, simulate
+from stalwart.sim.engine import BADPUT, POLICIES, Policy, SimJob, simulate
 from stalwart.sim.failures import LLAMA3_CAUSES, FailureModel
 from stalwart.sim.profiles import PROFILES, STALWART
 
@@ -39,7 +39,7 @@ def test_the_formulas_match_their_papers() -> None:
 
 
 def test_the_llama3_setup_has_its_interruptions_and_their_causes() -> None:
-    r = simulate(Job(16384, 54), FailureModel.named("llama3"), PROFILES["torchrun"], Policy("daly"), runs=32)
+    r = simulate(SimJob(16384, 54), FailureModel.named("llama3"), PROFILES["torchrun"], Policy("daly"), runs=32)
     assert r.interruptions == pytest.approx(419, rel=0.05) and r.job_mtbf_h == pytest.approx(3.09, abs=0.01)
     for cause in LLAMA3_CAUSES[:3]:
         assert r.by_cause[cause.name] == pytest.approx(cause.count, rel=0.15), cause.name
@@ -49,7 +49,7 @@ def test_the_llama3_setup_has_its_interruptions_and_their_causes() -> None:
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_second_of_the_wall_clock_is_accounted_for(profile: str, policy: str) -> None:
     for spares in (0, 16):
-        r = simulate(Job(16384, 20, spares=spares), FailureModel.named("llama3"), PROFILES[profile], Policy(policy),
+        r = simulate(SimJob(16384, 20, spares=spares), FailureModel.named("llama3"), PROFILES[profile], Policy(policy),
                      runs=8)  # fmt: skip
         assert r.ettr + sum(r.badput.values()) == pytest.approx(1.0, abs=1e-9)
         assert set(r.badput) == set(BADPUT) and all(v >= -1e-12 for v in r.badput.values())
@@ -68,24 +68,24 @@ def test_the_simulator_converges_to_dalys_complete_model() -> None:
 
 def test_spares_remove_the_wait_for_a_node_and_the_adaptive_policy_learns_the_rate() -> None:
     model = FailureModel.named("llama3")
-    none = simulate(Job(16384, 54, spares=0), model, STALWART, Policy("adaptive"), runs=16)
-    many = simulate(Job(16384, 54, spares=64), model, STALWART, Policy("adaptive"), runs=16)
+    none = simulate(SimJob(16384, 54, spares=0), model, STALWART, Policy("adaptive"), runs=16)
+    many = simulate(SimJob(16384, 54, spares=64), model, STALWART, Policy("adaptive"), runs=16)
     assert none.badput["waiting_for_node"] > 0.02 and many.badput["waiting_for_node"] == 0.0
     assert many.ettr > none.ettr and many.gpu_hours > none.gpu_hours
-    known = simulate(Job(16384, 54), model, STALWART, Policy("daly"), runs=16)
+    known = simulate(SimJob(16384, 54), model, STALWART, Policy("daly"), runs=16)
     assert many.snapshot_interval_s == pytest.approx(known.snapshot_interval_s, rel=0.1), "from a 24 h prior"
     slower = replace(STALWART, process_restart_s=60.0, node_swap_s=120.0)
-    assert simulate(Job(16384, 54, spares=64), model, slower, Policy("adaptive"), runs=16).ettr < many.ettr
+    assert simulate(SimJob(16384, 54, spares=64), model, slower, Policy("adaptive"), runs=16).ettr < many.ettr
 
 
 def test_weibull_failures_keep_the_mean_rate() -> None:
     exp = FailureModel.named("llama3")
     wei = FailureModel.named("llama3", weibull_shape=1.0)
-    a = simulate(Job(16384, 54), exp, STALWART, Policy("daly"), runs=16).interruptions
-    b = simulate(Job(16384, 54), wei, STALWART, Policy("daly"), runs=16).interruptions
+    a = simulate(SimJob(16384, 54), exp, STALWART, Policy("daly"), runs=16).interruptions
+    b = simulate(SimJob(16384, 54), wei, STALWART, Policy("daly"), runs=16).interruptions
     assert b == pytest.approx(a, rel=0.1), "shape 1 is exponential"
     early = FailureModel.named("llama3", weibull_shape=0.7)
-    assert simulate(Job(16384, 54), early, STALWART, Policy("daly"), runs=16).interruptions > a, "infant mortality"
+    assert simulate(SimJob(16384, 54), early, STALWART, Policy("daly"), runs=16).interruptions > a, "infant mortality"
 
 
 def test_stalwart_sim_alone_runs_the_llama3_setup(tmp_path: Path) -> None:

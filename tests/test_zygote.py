@@ -131,7 +131,7 @@ def test_the_zygote_waits_for_no_one_when_the_launcher_is_killed(launch: Any) ->
     assert not any(alive(p) for p in [zygote, *workers]), "the zygote and its hosts die with the launcher"
     # What the next launcher does at its start: the killed one's heartbeat board and memory tier go from /dev/shm
     # (the test leaves nothing behind either).
-    from stalwart.supervisor.launcher import _remove_stale_log_dirs, _remove_stale_shared_memory
+    from stalwart.supervisor.leftovers import _remove_stale_log_dirs, _remove_stale_shared_memory
 
     _remove_stale_log_dirs()
     ours = [p.name for p in _remove_stale_shared_memory() if f"-{job.proc.pid}-" in p.name]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from stalwart.chaos import seams as _chaos
+from stalwart.chaos import install as _chaos
 from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointError,

@@ -57,7 +57,7 @@ def _nodes(argv: list[str]) -> int:
 
 
 def _preflight(argv: list[str]) -> int:
-    from stalwart.supervisor.preflight import main
+    from stalwart.supervisor.preflight_gate import main
 
     return main(argv)
 

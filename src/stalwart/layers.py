@@ -5,7 +5,7 @@ A module may import from its own layer and the layers below it, never from one a
 know what is built on it (the checkpoint path knows nothing of fault injection, the job nothing of the
 launcher). Every module may import the package root `stalwart`, the public API a user's script imports (the
 scripts that stand in for user code, e.g. demo/train.py, do), and the root may import anything: it is where
-the parts are put together (chaos/seams.py plugs the fault injectors into the product's seams there).
+the parts are put together (chaos/install.py plugs the fault injectors into the product's seams there).
 """
 
 from __future__ import annotations

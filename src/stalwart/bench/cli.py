@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -19,6 +19,7 @@ from rich.table import Table
 from stalwart.bench.checkpoint import SYSTEMS, run_bench
 from stalwart.bench.common import GB, MB, parse_size, positive_int, seconds_text
 from stalwart.errors import BenchError, ConfigError
+from stalwart.runtime.args import pointing_to
 from stalwart.telemetry.console import console as make_console
 
 EXIT_FAILED = 1
@@ -30,9 +31,7 @@ LABELS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{message} (see 'stalwart bench --help')")
+_Parser = pointing_to("stalwart bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,161 +21,34 @@ ended by it, by pid.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import itertools
-import json
 import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.bench.recovery_goodput import (
+    PacedGoodput,
+    fault_only,
+    measure_goodput,
+)
+from stalwart.bench.recovery_run import (
+    NPROC,
+    Progress,
+    Run,
+    _first_step_after,
+    _median_step,
+    _note_kill,
+    _results,
+    _stepped_in_round,
+    _wait,
+)
 from stalwart.errors import BenchError
-from stalwart.runtime.process import spawn
-from stalwart.telemetry.events import EventLog
-
-Progress = Callable[[str], None]
-FULL_EVERY_STEP = ["--snapshot-every", "1", "--replicated-snapshot-every", "1"]
-"""The stalwart_full runs' job options: a full memory snapshot every step (the defaults before the budget)."""
-NPROC = 2
-
-
-@dataclass
-class Run:
-    """One launch of the bench job under one system, watched through its event log."""
-
-    system: str
-    workdir: Path
-    steps: int
-    spares: int = 2
-    seconds: float | None = None
-    """A bound on the job's wall time (the hang and goodput runs stop it themselves long before)."""
-    stock: bool = False
-    proc: subprocess.Popen[bytes] | None = None
-    started: float = 0.0
-    offset: int = 0
-    events: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def log(self) -> Path:
-        return self.workdir / "events.jsonl"
-
-    def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
-        env.update(STALWART_EVENT_LOG=str(self.log), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        until = [] if self.seconds is None else ["--until", f"{time.time() + self.seconds:.0f}"]
-        job = ["-m", "stalwart.bench.recovery_job", "--out", str(self.workdir), "--steps", str(self.steps), *until]
-        if self.system == "stalwart_full":
-            job += FULL_EVERY_STEP
-        if self.system == "torchft":
-            cmd = [sys.executable, "-m", "stalwart.bench.torchft_driver", "--out", str(self.workdir), "--steps",
-                   str(self.steps), *until]  # fmt: skip
-        elif self.system == "torchrun":
-            if not self.stock:
-                env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-            # Its log directory in the run's (torch elastic's default, a new one in /tmp, outlives a SIGKILL).
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
-                   "--max-restarts=100", "--log-dir", str(self.workdir / "torchrun-logs"), *job]  # fmt: skip
-        else:
-            cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", str(NPROC), "--max-restarts", "100",
-                   "--spares", str(self.spares), "--event-log", str(self.log), *job]  # fmt: skip
-        out = open(self.workdir / "output.log", "wb")  # noqa: SIM115 - closed with the process in stop()
-        self.started = time.monotonic()
-        # Its own session (the bench signals the whole group), and SIGTERM to the launcher if the bench dies.
-        self.proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        out.close()
-
-    def poll_events(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.log, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
-        end = chunk.rfind(b"\n") + 1
-        new = []
-        for line in chunk[:end].splitlines():
-            with contextlib.suppress(ValueError):
-                new.append(json.loads(line))
-        self.offset += end
-        self.events.extend(new)
-        return new
-
-    def worker_pid(self, rank: int) -> int | None:
-        """The newest pid of `rank` (from the workers' own `worker_started` events)."""
-        pids = [e["pid"] for e in self.events if e["event"] == "worker_started" and e.get("rank") == rank]
-        return pids[-1] if pids else None
-
-    def last_step(self) -> int:
-        return max((e["step"] for e in self.events if e["event"] == "step_done"), default=0)
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> None:
-        """End the launcher and every worker this run started (pids from its own events and /proc)."""
-        if self.proc is None:
-            return
-        workers = _descendants(self.proc.pid)
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.poll_events()
-        known = {e["pid"] for e in self.events if e["event"] == "worker_started"}
-        for pid in set(workers) | known:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def _descendants(root: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [root]
-    while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, pp in parents.items() if pp == parent]
-        found += children
-        frontier += children
-    return found
-
-
-def _note_kill(run: Run, what: str, rank: int, step: int) -> float:
-    """Record the fault in the run's event log (so every time is on one CLOCK_MONOTONIC) and return its time."""
-    record = EventLog(run.log, role="bench").emit("fault_injected", fault=what, rank=rank, step=step)
-    return float(record["mono"])
-
-
-def _wait(run: Run, until: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not until():
-        if not run.running():
-            run.poll_events()
-            if until():
-                return
-            raise BenchError(f"{run.system}: the job exited ({run.proc.returncode if run.proc else '?'}) while "
-                             f"waiting for {what}; see {run.workdir / 'output.log'}")  # fmt: skip
-        if time.monotonic() > deadline:
-            raise BenchError(f"{run.system}: timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.02)
-        run.poll_events()
-
 
 # ------------------------------------------------------------------------------------------------- the phases
 
@@ -242,31 +115,6 @@ def measure_kills(
     }
 
 
-def _stepped_in_round(run: Run, restart: int) -> Callable[[], bool]:
-    """Whether a worker of restart round `restart` (or later) has completed a step."""
-    return lambda: any(e["event"] == "step_done" and e.get("restart", 0) >= restart for e in run.events)
-
-
-def _first_step_after(events: list[dict[str, Any]], mono: float, rank: int | None = None) -> float | None:
-    times = [e["mono"] for e in events if e["event"] == "step_done" and e["mono"] > mono
-             and (rank is None or e.get("rank") == rank)]  # fmt: skip
-    return min(times) if times else None
-
-
-def _median_step(events: list[dict[str, Any]]) -> float | None:
-    steps = [e["step_s"] for e in events if e["event"] == "step_done" and e.get("rank") == 0 and e["step"] > 5]
-    return statistics.median(steps) if steps else None
-
-
-def _results(workdir: Path) -> dict[int, str]:
-    out = {}
-    for rank in range(NPROC):
-        path = workdir / f"result-rank{rank}.json"
-        if path.exists():
-            out[rank] = json.loads(path.read_text())["sha256"]
-    return out
-
-
 def measure_hang(
     system: str, workdir: Path, wait_s: float, progress: Progress, spares: int = 2, rank: int = 1
 ) -> float | None:
@@ -296,120 +144,6 @@ def measure_hang(
         run.stop()
 
 
-@dataclass(frozen=True)
-class Goodput:
-    """A goodput run's result, counted twice: each kept step at the fault-free reference run's median step
-    (`goodput`, `badput_s`), and at the same run's own steady pace (`own_pace`, `own_pace_badput_s`)."""
-
-    goodput: float
-    badput_s: dict[str, float]
-    steady_step_s: float | None
-    own_pace: float | None
-    own_pace_badput_s: dict[str, float] | None
-
-
-def measure_goodput(
-    system: str,
-    workdir: Path,
-    seconds: float,
-    kill_every: float,
-    step_s: float,
-    progress: Progress,
-    spares: int = 2,
-    rank: int = 1,
-) -> Goodput:
-    """Productive time kept over wall time, with `rank` killed every `kill_every` seconds: the steps in the final
-    history (a redone step counts once) times `step_s`, the median step of the fault-free run. Counting a fixed
-    step time, not each step's own, charges a system for everything that slows its steps or runs between them
-    (snapshots, spares starting up), not only for the time it is down. Returns the goodput and where the rest of
-    the wall time went (`badput`); the same again at the run's own steady pace (steady_pace)."""
-    run = Run(system, workdir, steps=1_000_000, spares=spares, seconds=seconds + 120)
-    run.start()
-    started = run.started
-    try:
-        next_kill = started + kill_every
-        while time.monotonic() < started + seconds:
-            time.sleep(0.05)
-            run.poll_events()
-            if not run.running():
-                raise BenchError(f"{system}: the job exited during the goodput run; see {workdir / 'output.log'}")
-            if time.monotonic() >= next_kill:
-                pid = run.worker_pid(rank)
-                if pid is not None:
-                    _note_kill(run, "SIGKILL from outside", rank, run.last_step())
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                    progress(f"{system}: goodput run, killed rank {rank} at {time.monotonic() - started:.0f} s")
-                next_kill += kill_every
-        end = time.monotonic()
-    finally:
-        run.stop()
-    done = sorted((e["mono"], e["step"]) for e in run.events
-                  if e["event"] == "step_done" and e.get("rank") == 0 and e["mono"] <= end)  # fmt: skip
-    if not done:
-        return Goodput(0.0, {}, None, None, None)
-    first = min(step for _, step in done)
-    final = max(step for _, step in done)  # steps first..final are the history; a redone step counts once
-    kills = [e["mono"] for e in run.events if e["event"] == "fault_injected" and e["mono"] <= end]
-    badput = goodput_badput(done, kills, started, end, step_s)
-    steady = steady_pace(done, kills, started)
-    own = None if steady is None else goodput_badput(done, kills, started, end, steady)
-    kept, wall = final - first + 1, end - started
-    return Goodput(kept * step_s / wall, badput, steady, None if steady is None else kept * steady / wall, own)
-
-
-SETTLE_S = 10.0
-"""Steps this long after a start or a kill count toward a run's steady pace."""
-
-
-def steady_pace(done: list[tuple[float, int]], kills: list[float], started: float) -> float | None:
-    """The median time of a step in the stretches of a goodput run that are more than SETTLE_S seconds from its
-    start and from the latest kill, from rank 0's completed steps (time, step), sorted: the pace the same run
-    had at the same time, away from failures. Why: the reference run's median step is taken minutes earlier,
-    and this VM's speed drifts between runs by more than the goodput target leaves (two fault-free 2-minute
-    runs 4 minutes apart: medians 51.4 and 52.8 ms; the first 30 s of two goodput runs, before any kill: 53.9
-    and 57.7 ms, 2026-11-25). Counting each kept step at this pace leaves the drift out but keeps everything a
-    kill costs within SETTLE_S of it (the replacement's first steps, spares starting) and every periodic cost
-    (checkpoint stalls, full copies). What it cannot see is a slowdown that lasts through the whole run; the
-    report gives this pace beside the reference's so that one would show. None: too few steady steps (< 20)."""
-    marks = [started, *kills]
-    steps = [
-        after - before
-        for (before, s0), (after, s1) in itertools.pairwise(done)
-        if s1 == s0 + 1 and before - max(m for m in marks if m <= before) > SETTLE_S
-        and not any(before < k <= after for k in kills)
-    ]  # fmt: skip
-    return statistics.median(steps) if len(steps) >= 20 else None
-
-
-def goodput_badput(
-    done: list[tuple[float, int]], kills: list[float], started: float, end: float, step_s: float
-) -> dict[str, float]:
-    """Where the wall time not spent on kept steps went, in seconds, from rank 0's completed steps (time, step),
-    sorted, and the kills' times; each step is counted at `step_s`:
-    - `startup`: from the launch to the start of the first step;
-    - `recovery`: from each kill (the first, if several came before the next step) to the start of the next
-      completed step (the system's down time; the part of a step that ran before its kill is in `slower_steps`);
-    - `redone`: steps done a second time after a restart;
-    - `tail`: the unfinished step at the end of the run;
-    - `slower_steps`: the rest, training time above `step_s` per step (snapshots, checkpoint stalls, spares
-      starting, contention, noise; negative when the steps ran faster than `step_s`).
-    With the kept steps' time they add up to `wall`, the wall time, which is reported too."""
-    badput = {"startup": done[0][0] - step_s - started, "recovery": 0.0, "redone": 0.0, "tail": end - done[-1][0]}
-    best = done[0][1]
-    for (before, _), (after, step) in itertools.pairwise(done):
-        killed = [k for k in kills if before < k <= after]
-        if killed:
-            badput["recovery"] += max(0.0, after - step_s - killed[0])  # a second kill meanwhile: still down
-        if step <= best:
-            badput["redone"] += step_s
-        best = max(best, step)
-    kept = (best - done[0][1] + 1) * step_s
-    badput["slower_steps"] = (end - started) - kept - sum(badput.values())
-    badput["wall"] = end - started
-    return badput
-
-
 def stock_torchrun(workdir: Path, trials: int, timeout: float, progress: Progress) -> dict[str, Any]:
     """How often stock torchrun (sharing the agent's store with restarted workers) recovers from one kill."""
     recovered = 0
@@ -435,20 +169,8 @@ def stock_torchrun(workdir: Path, trials: int, timeout: float, progress: Progres
 # ---------------------------------------------------------------------------------------------- the report
 
 
-def fault_only(badput: dict[str, float] | None) -> float | None:
-    """The goodput with the steps' own speed left out: the share of the wall time not lost to start-up,
-    recovery, redone steps or the unfinished last step. The goodput proper compares every step with the
-    fault-free run's median step, taken minutes earlier; on a shared VM whose speed drifts by 10-30% over a
-    bench run that part can swamp the rest (goodputs above 100% were seen), while these parts do not depend on it."""
-    if not badput:
-        return None
-    lost = badput["startup"] + badput["recovery"] + badput["redone"] + badput["tail"]
-    wall = badput.get("wall", 0.0)
-    return 1.0 - lost / wall if wall > 0 else None
-
-
 def summarize(
-    kills: dict[str, Any], hang_s: float | None, good: Goodput | None, reference_step_s: float
+    kills: dict[str, Any], hang_s: float | None, good: PacedGoodput | None, reference_step_s: float
 ) -> dict[str, Any]:
     badput = good.badput_s if good is not None else None
     return {

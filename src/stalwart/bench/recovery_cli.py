@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from stalwart.bench.common import positive_int
-from stalwart.bench.recovery import SETTLE_S, run_bench
+from stalwart.bench.recovery import run_bench
+from stalwart.bench.recovery_goodput import SETTLE_S
 from stalwart.errors import BenchError
 from stalwart.telemetry.console import console as make_console
 

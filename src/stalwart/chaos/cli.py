@@ -12,18 +12,18 @@ then each failure's detection, time to the next step, steps lost and tier (telem
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from rich.table import Table
 
 from stalwart.chaos import harness, netns
 from stalwart.chaos.scenario import FaultSpec, Scenario, load
 from stalwart.errors import ConfigError
+from stalwart.runtime.args import Parser
 from stalwart.telemetry.console import console
 from stalwart.telemetry.events import read_events
 from stalwart.telemetry.goodput import account
@@ -99,9 +99,7 @@ class Outcome:
     sent: list[str] = field(default_factory=list)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(message)
+_Parser = Parser
 
 
 def main(argv: list[str]) -> int:

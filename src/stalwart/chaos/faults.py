@@ -7,7 +7,7 @@ Kinds:
   kill_in_optimizer  the rank is killed in the optimizer step of the step after `step` completed steps (after
                 the step's collectives), at `phase`: 'before_snapshot' (default: before its light memory
                 snapshot and the commit barrier) or 'after_barrier' (every rank has committed the step, this
-                one's parameters are unchanged); fires only under light snapshots (job/commit.py)
+                one's parameters are unchanged); fires only under light snapshots (job/step_commit.py)
   kill_in_save  the rank is killed while saving the checkpoint of `step`, at `phase`:
                 'shard_half_written' (default: half its shard is on disk) or 'before_commit'
                 (every shard is durable, the manifest is not yet written; fires on rank 0, the committer)
@@ -112,7 +112,7 @@ Announce = Callable[[str, dict[str, Any]], None]
 
 class FaultInjector:
     """Fires this rank's faults at the matching step/phase; before dying it calls `announce`. The job's StepHooks
-    (job/hooks.py), installed through runtime/seams.py by chaos/seams.py."""
+    (job/step_hooks.py), installed through runtime/seams.py by chaos/install.py."""
 
     def __init__(self, faults: list[Fault], rank: int, restart: int, announce: Announce | None = None) -> None:
         self._faults = [f for f in faults if f.rank == rank and f.restart == restart]
@@ -183,7 +183,7 @@ class FaultInjector:
         return batch
 
     def in_optimizer(self, step: int, phase: str) -> None:
-        """Called at the commit point of the step after `step` completed steps (job/commit.py)."""
+        """Called at the commit point of the step after `step` completed steps (job/step_commit.py)."""
         for f in self._faults:
             if f.kind == "kill_in_optimizer" and f.step == step and f.phase == phase:
                 self._fire(f)

@@ -28,7 +28,7 @@ _LOCK = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
-class Host:
+class NetHost:
     namespace: str
     device: str
     address: str
@@ -63,7 +63,7 @@ class Hosts:
             raise ValueError(f"from 2 to 200 hosts, got {count}")
         with _LOCK:
             tag = f"stw{os.getpid() % 100000}c{next(_COUNTER)}"
-        self._hosts = [Host(f"{tag}h{i}", f"{tag}v{i}", f"{SUBNET}.{i + 1}") for i in range(count)]
+        self._hosts = [NetHost(f"{tag}h{i}", f"{tag}v{i}", f"{SUBNET}.{i + 1}") for i in range(count)]
         self._switch = f"{tag}sw" if count > 2 else None
         self._ports = [f"{tag}s{i}" for i in range(count)]  # the switch's end of each host's cable
         self._made: list[str] = []
@@ -99,13 +99,13 @@ class Hosts:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
-    def __getitem__(self, index: int) -> Host:
+    def __getitem__(self, index: int) -> NetHost:
         return self._hosts[index]
 
     def __len__(self) -> int:
         return len(self._hosts)
 
-    def __iter__(self) -> Iterator[Host]:
+    def __iter__(self) -> Iterator[NetHost]:
         return iter(self._hosts)
 
     def cut(self, index: int) -> None:

@@ -1,8 +1,8 @@
-"""Faults inside a checkpoint's persist, entering at the persister's seams (checkpoint/save/hooks.py): its
+"""Faults inside a checkpoint's persist, entering at the persister's seams (checkpoint/save/save_hooks.py): its
 storage and two instants.
 
 The persister runs in its own process and receives the faults a save should meet in its request (`faults`:
-from STALWART_FAULTS through FaultInjector.save_faults). chaos/seams.py installs `SaveFaults.of` as the factory
+from STALWART_FAULTS through FaultInjector.save_faults). chaos/install.py installs `SaveFaults.of` as the factory
 of its SaveHooks: it kills the training process at an instant (kill_in_save) and writes through the storage
 `flaky()` returns (storage_error).
 """

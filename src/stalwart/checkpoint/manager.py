@@ -49,21 +49,19 @@ from stalwart.checkpoint.format.serialize import (
     fingerprint,
     flatten,
 )
-from stalwart.checkpoint.load.rank_state import CORRUPT, MISMATCH, VALID, Restored, try_load
+from stalwart.checkpoint.load.newest import load_newest
+from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.save.background import Background
 from stalwart.checkpoint.save.overlap import UpdateFence
 from stalwart.checkpoint.save.request import PersistReply, PersistRequest
 from stalwart.checkpoint.save.staging import Staging, aligned
 from stalwart.checkpoint.storage import Storage, describe_error, open_storage
 from stalwart.errors import (
-    CheckpointError,
-    CheckpointMismatchError,
     ConfigError,
-    NoValidCheckpointError,
     PeerError,
     UnsavableStateError,
 )
-from stalwart.runtime.dist import Comm, IntMessage, Placement
+from stalwart.runtime.dist import Comm, Flag, IntMessage, Placement
 from stalwart.telemetry.events import EventLog
 
 _OK, _UNSAVABLE = 1, -1  # a rank's vote on a save
@@ -127,7 +125,7 @@ class Checkpointer:
         self._persist_timeout_s = persist_timeout_s
         self._save_faults = save_faults or (lambda step: None)
         """The faults a save of a step is to meet (job/hooks.StepHooks.save_faults), carried to the persister,
-        where checkpoint/save/hooks.py turns them into its hooks."""
+        where checkpoint/save/save_hooks.py turns them into its hooks."""
         self._attempt = 0
         self.overlap: UpdateFence | None = None
         """Set (by the Job) to copy the tensors only an optimizer step writes while the next step runs: the GPU
@@ -177,14 +175,14 @@ class Checkpointer:
                 problem = exc
             except Exception as exc:  # OSError locally; botocore/aiohttp errors from an object store
                 problem = ConfigError(f"checkpoint directory {self.root} is not writable: {describe_error(exc)}")
-        if not self._comm.broadcast_int(0 if problem else 1):
+        if not self._comm.broadcast(Flag(0 if problem else 1)).value:
             raise problem or PeerError("rank 0 rejected the checkpoint directory; see its error")
         sees = 1 if self._comm.rank == 0 else int(self._wait_for_probe(probe))
-        votes = self._comm.all_gather_ints([sees])
+        votes = [v.value for v in self._comm.gather(Flag(sees))]
         if self._comm.rank == 0:
             with contextlib.suppress(Exception):
                 self.storage.remove(probe)
-        if all(v[0] for v in votes):
+        if all(votes):
             return
         if not sees:
             raise ConfigError(
@@ -361,7 +359,7 @@ class Checkpointer:
         reply = self._bg.wait()
         self._note(reply)
         committed = bool(reply is not None and reply.ok and reply.committed)  # rank 0's reply says
-        return self._comm.broadcast_int(int(committed)) == 1
+        return self._comm.broadcast(Flag(int(committed))).value == 1
 
     def poll(self) -> None:
         """Note a finished persist (rank 0 learns which full checkpoint a delta may refer to)."""
@@ -418,66 +416,12 @@ class Checkpointer:
 
     def load_latest(self, *, allow_world_size_change: bool = False, at_most: int | None = None) -> Restored | None:
         """Load the newest checkpoint (not after step `at_most`) that verifies on every rank; None when there is no
-        such checkpoint at all."""
-        listing: list[int] = []
-        if self._comm.rank == 0:
-            try:
-                listing = [1, *(s for s in layout.committed_steps(self.storage) if at_most is None or s <= at_most)]
-            except Exception as exc:
-                self._events.emit("checkpoint_list_failed", error=describe_error(exc))
-                listing = [0]
-        listed, *steps = self._comm.broadcast_ints(listing)
-        if not listed:  # maybe passing: not a user error, so the launcher restarts and tries again
-            raise CheckpointError(f"rank 0 cannot list the checkpoint directory {self.root}")
-        corrupt: list[int] = []
-        first_problem: str | None = None
-        unreadable_only = True
-        for step in steps:
-            restored, verdict, problem = try_load(
-                self.storage, step, self._comm.rank, self._comm.world_size, allow_resize=allow_world_size_change
-            )
-            votes = [v[0] for v in self._comm.all_gather_ints([verdict])]
-            if MISMATCH in votes:
-                if verdict == MISMATCH:
-                    raise CheckpointMismatchError(problem)
-                raise PeerError("the checkpoint does not fit this job; see another rank's error")
-            if all(v == VALID for v in votes):
-                assert restored is not None
-                self._quarantine(corrupt)
-                if self._comm.rank == 0:
-                    self._last_full = None  # the persister starts afresh: the next save is a full one
-                return restored
-            if problem:
-                first_problem = first_problem or problem
-                self._events.emit("checkpoint_invalid", step=step, error=problem)
-            if CORRUPT in votes:
-                corrupt.append(step)
-                unreadable_only = False
-        if not steps:
-            return None
-        if unreadable_only:
-            raise CheckpointError(
-                f"no checkpoint in {self.root} can be read now ({first_problem or 'see other ranks'})"
-            )
-        if first_problem is None:
-            raise PeerError("no checkpoint verifies on another rank; see its error")
-        raise NoValidCheckpointError(
-            f"none of the {len(steps)} checkpoints in {self.root} verifies (step {steps[0]}: {first_problem}); "
-            "nothing was loaded or changed. Move them aside or use another checkpoint_dir to start from step 0"
-        )
-
-    def _quarantine(self, steps: list[int]) -> None:
-        """Move checkpoints that failed an integrity check aside (rank 0; every rank has finished reading them)."""
-        if not steps:
-            return
-        if self._comm.rank == 0:
-            for step in steps:
-                try:
-                    moved = layout.quarantine(self.storage, step)
-                    self._events.emit("checkpoint_quarantined", step=step, path=self.storage.display(moved))
-                except Exception as exc:
-                    self._events.emit("checkpoint_quarantine_failed", step=step, error=describe_error(exc))
-        self._comm.barrier()  # no rank writes a new save of that step until it has been moved aside
+        such checkpoint at all (checkpoint/load/newest.py)."""
+        restored = load_newest(self.storage, self._comm, self._events, allow_world_size_change=allow_world_size_change,
+                               at_most=at_most)  # fmt: skip
+        if restored is not None and self._comm.rank == 0:
+            self._last_full = None  # the persister starts afresh: the next save is a full one
+        return restored
 
 
 def _shared(item: TensorItem) -> bool:

@@ -13,7 +13,6 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import NoReturn
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -23,12 +22,10 @@ from rich.text import Text
 from stalwart.demo.runner import JobRun, run_job
 from stalwart.demo.summary import Summary, summarize
 from stalwart.errors import ConfigError
+from stalwart.runtime.args import pointing_to
 from stalwart.telemetry.console import console as make_console
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{message} (see 'stalwart demo --help')")
+_Parser = pointing_to("stalwart demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

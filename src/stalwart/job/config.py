@@ -17,7 +17,7 @@ from stalwart.checkpoint.tiers.replicas import MAX_REPLICAS
 from stalwart.detect.numeric import LOSS_SPIKE_POLICIES, NONFINITE_POLICIES, SPIKE_POLICIES
 from stalwart.detect.straggler import STRAGGLER_POLICIES
 from stalwart.errors import ConfigError
-from stalwart.policy.checkpoint import DEFAULT_PRIOR_MTBF_S
+from stalwart.policy.auto_checkpoint import DEFAULT_PRIOR_MTBF_S
 
 # -- shared validators: each raises ConfigError naming the option as the user wrote it -----------------------------
 
@@ -78,7 +78,7 @@ class CheckpointOptions:
     """`checkpoint_every`: a checkpoint after every this many steps (and after the last step). "auto": as often as
     Daly's optimum for the measured stall of a checkpoint and the failure rate this launch has seen (from
     `expected_mtbf_s` before any), re-decided after every checkpoint, at most an hour of training apart
-    (policy/checkpoint.py); a `checkpoint_interval` event records each change and its inputs."""
+    (policy/auto_checkpoint.py); a `checkpoint_interval` event records each change and its inputs."""
     expected_mtbf_s: float = DEFAULT_PRIOR_MTBF_S
     """With checkpoint_every="auto": the job's mean time between interruptions assumed before any is seen (weight:
     one failure). The default, 24 h, suits a few nodes; docs/checkpoints.md cites what large jobs see."""
@@ -143,7 +143,7 @@ class SnapshotOptions:
     """`replicated_snapshot_every`, light snapshots: under re-forming (`stalwart run`'s default), the survivors of
     a failure keep the replicated parameters and optimizer state in their own memory, so a snapshot need copy
     only the small per-rank rest (a light snapshot, taken at the optimizer step behind a barrier, see
-    job/commit.py) and a restart takes the replicated state from a survivor: at most the interrupted step is
+    job/step_commit.py) and a restart takes the replicated state from a survivor: at most the interrupted step is
     redone. The whole state is still copied now and then, for a failure that leaves no survivor. "auto" (the
     default, with snapshot_every="auto" and more than one rank): a light snapshot every step while it costs at
     most `light_snapshot_budget`, and full copies within what it leaves of the budget, at least a quarter of it

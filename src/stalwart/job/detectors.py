@@ -66,7 +66,7 @@ class Detectors:
     def start_guard(self, state: TrackedState) -> None:
         """The numeric guard on every tracked optimizer, unless both its checks are off. Started before any other
         optimizer hook: its pre-hook must decide whether the update happens before the commit point's
-        (job/commit.py) and the fence's."""
+        (job/step_commit.py) and the fence's."""
         guard = self._config.guard
         if self.guard is not None or not guard.on:
             return

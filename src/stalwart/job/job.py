@@ -31,12 +31,12 @@ from stalwart.errors import ConfigError
 from stalwart.job import leaving, lifecycle
 from stalwart.job.config import JobConfig
 from stalwart.job.detectors import Detectors
-from stalwart.job.hooks import StepHooks, step_hooks
 from stalwart.job.messages import RunName
 from stalwart.job.optimizer_hooks import OptimizerHooks
 from stalwart.job.snapshots import Snapshots
 from stalwart.job.state import Stateful, TrackedState, read_skip_record
 from stalwart.job.step_end import StepEnd
+from stalwart.job.step_hooks import StepHooks, step_hooks
 from stalwart.recovery import reform
 from stalwart.recovery.restore import Restorer
 from stalwart.recovery.rollback import Rollback, RollbackRequest
@@ -63,7 +63,7 @@ class Job:
         self, checkpoint_dir: str | os.PathLike[str], *, hooks: StepHooks | None = None, **options: Any
     ) -> None:
         """`options`: the documented options (job/config.py). `hooks`: what runs at fixed instants of each step
-        (job/hooks.py, fault injection's seam); by default what is installed, in production nothing."""
+        (job/step_hooks.py, fault injection's seam); by default what is installed, in production nothing."""
         lifecycle.install_worker_safety_nets()
         self.config = JobConfig.of(checkpoint_dir, **options)
         self.placement = Placement.from_env()

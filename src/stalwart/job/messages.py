@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stalwart.runtime.dist import Flag as Flag
 from stalwart.runtime.dist import IntMessage
 
 
@@ -26,13 +27,6 @@ class RunName(IntMessage):
 
 
 @dataclass(frozen=True, slots=True)
-class Flag(IntMessage):
-    """One yes/no (or small count) per rank: a loss spike seen, finite parameters, a light snapshot turned off."""
-
-    value: int
-
-
-@dataclass(frozen=True, slots=True)
 class Durations(IntMessage):
     """Two durations of this rank (a light snapshot's cost and the step time, say), in microseconds."""
 
@@ -42,7 +36,7 @@ class Durations(IntMessage):
 
 @dataclass(frozen=True, slots=True)
 class CheckpointInputs(IntMessage):
-    """What checkpoint_every="auto" plans the next checkpoint from (policy/checkpoint.py)."""
+    """What checkpoint_every="auto" plans the next checkpoint from (policy/auto_checkpoint.py)."""
 
     stall_us: int
     """The newest checkpoint's stall of training."""

@@ -3,7 +3,7 @@ a copy left running, the peer replicas, and what a survivor keeps of its live st
 
 Full copies go into node memory (checkpoint/tiers/memory.py) on the schedule of policy/snapshot.py, within a cost
 budget. Under re-forming with more than one rank, light snapshots copy only the per-rank state every step, taken
-at the optimizer step behind a barrier (job/commit.py), while the replicated state stays live with the
+at the optimizer step behind a barrier (job/step_commit.py), while the replicated state stays live with the
 survivors (job/live.py); their own cost is judged against `light_snapshot_budget` and they are turned off, on
 every rank at the same step, if it is exceeded. Decisions that must be alike on every rank are taken from costs
 agreed at their largest (job/messages.py).
@@ -21,12 +21,12 @@ from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.save.overlap import UpdateFence
 from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import PeerReplicas
-from stalwart.job.commit import StepCommit
 from stalwart.job.config import SnapshotOptions
-from stalwart.job.hooks import StepHooks
 from stalwart.job.live import LiveState
 from stalwart.job.messages import Durations, Flag, to_us
 from stalwart.job.state import TrackedState
+from stalwart.job.step_commit import StepCommit
+from stalwart.job.step_hooks import StepHooks
 from stalwart.policy.snapshot import LightCost, SnapshotSchedule, full_copy_budget
 from stalwart.recovery import reform
 from stalwart.runtime.dist import Comm
@@ -94,7 +94,7 @@ class Snapshots:
 
     def _light_agreed(self) -> bool:
         """light_always() as every rank knows it, for decisions taken in a collective: a rank whose own check
-        turned light snapshots off tells the others only at the next commit point (job/commit.py)."""
+        turned light snapshots off tells the others only at the next commit point (job/step_commit.py)."""
         return self._options.replicated_every == "auto" and self.commit is not None and self.light_wanted(agreed=True)
 
     def _fixed_every(self) -> int | None:
@@ -124,7 +124,7 @@ class Snapshots:
         self._light_cost = LightCost(self._options.light_budget)
 
     def _start_commit(self) -> None:
-        """The commit point at the replicated optimizers' step (job/commit.py); without live tensors (CUDA
+        """The commit point at the replicated optimizers' step (job/step_commit.py); without live tensors (CUDA
         parameters, which are not version-checked) there is nothing for a survivor to keep and no light mode."""
         optimizers = self._state.optimizers(replicated_only=True)
         if self.memory is None or not self.live.held or not optimizers:
@@ -187,7 +187,7 @@ class Snapshots:
     def read_live(self, step: int, *, fresh: bool = False) -> None:
         """The live tensors' versions and the replicated objects' skeleton (their non-tensor state: a
         scheduler's epoch, the optimizer's hyperparameters) at the completed step: a survivor hands both over
-        with its live tensors (see job/commit.py)."""
+        with its live tensors (see job/step_commit.py)."""
         self.live.read(self._state.objects, self._state.replicated, fresh=fresh)
         self.live.remember(step, self._state.objects, self._state.replicated)
 

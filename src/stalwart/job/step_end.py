@@ -20,7 +20,7 @@ from stalwart.job.detectors import Detectors
 from stalwart.job.messages import CheckpointInputs, Flag, to_us
 from stalwart.job.snapshots import Snapshots
 from stalwart.job.state import TrackedState
-from stalwart.policy.checkpoint import CheckpointInterval
+from stalwart.policy.auto_checkpoint import CheckpointInterval
 from stalwart.recovery.rollback import RollbackRequest, all_finite
 from stalwart.runtime.dist import Comm
 from stalwart.runtime.env import LAUNCH_TIME_ENV
@@ -173,7 +173,7 @@ class StepEnd:
 
     def plan_checkpoints(self, step: int) -> None:
         """After a regular save under checkpoint_every="auto": the next one's step, from inputs every rank agrees on
-        (the largest of each over the ranks: one collective per checkpoint; policy/checkpoint.py)."""
+        (the largest of each over the ranks: one collective per checkpoint; policy/auto_checkpoint.py)."""
         assert self.interval is not None
         launched = float(os.environ.get(LAUNCH_TIME_ENV, self._created_wall))
         mine = CheckpointInputs(

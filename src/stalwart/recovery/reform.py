@@ -119,7 +119,7 @@ def _raise_reform(signum: int, frame: FrameType | None) -> None:
 
 
 def defer_requests() -> None:
-    """From a step's commit point to its end (job/commit.py): every rank holds its snapshot of the step, so a
+    """From a step's commit point to its end (job/step_commit.py): every rank holds its snapshot of the step, so a
     survivor finishes the step (optimizer, scheduler, bookkeeping; no collective) and re-forms after it, with
     state that a replacement can match, instead of being interrupted half-way through its optimizer step.
     Also from the end of every step's loop body to its snapshot (job.py): a survivor that has computed the step

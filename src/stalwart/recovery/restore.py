@@ -26,7 +26,7 @@ from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import PeerReplicas
 from stalwart.errors import CheckpointCorruptError
 from stalwart.recovery import reform
-from stalwart.runtime.dist import Comm, IntMessage
+from stalwart.runtime.dist import Comm, Flag, IntMessage
 from stalwart.runtime.process import first_line
 from stalwart.telemetry.events import EventLog
 
@@ -34,7 +34,7 @@ _SLOTS = 2  # a rank keeps two snapshots of each kind (double buffering), so it 
 
 
 @dataclass(frozen=True, slots=True)
-class Holdings:
+class Holdings(IntMessage):
     """What one rank can restore from without storage, as all ranks gather it."""
 
     full: tuple[int, ...]
@@ -108,7 +108,7 @@ class Restorer:
             live=-1,
             newest_durable=self._checkpointer.newest_committed(at_most) if comm.rank == 0 else -1,
         )
-        every = [Holdings.from_ints(v) for v in comm.all_gather_ints(mine.to_ints())]
+        every = comm.gather(mine)
         step = max(set.intersection(*[set(h.full) for h in every]), default=-1)
         if step < 0 and every[0].newest_durable < 0:
             return None
@@ -138,7 +138,7 @@ class Restorer:
             live=stash.step if stash is not None and stash.world_size == comm.world_size else -1,
             newest_durable=self._checkpointer.newest_committed() if comm.rank == 0 else -1,
         )
-        every = [Holdings.from_ints(v) for v in comm.all_gather_ints(mine.to_ints())]
+        every = comm.gather(mine)
         newest_durable = every[0].newest_durable
         common_full = set.intersection(*[set(h.full) for h in every])
         common_light = set.intersection(*[set(h.light) for h in every])
@@ -191,7 +191,7 @@ class Restorer:
             nbytes = math.prod(shape) * dtype.itemsize
             layout[tid] = (total, nbytes, dtype, shape)
             total += -(-nbytes // 64) * 64  # 64-byte aligned, so each view can take its dtype
-        skeleton = b""  # the survivor's replicated objects' non-tensor state (see job/commit.py)
+        skeleton = b""  # the survivor's replicated objects' non-tensor state (see job/step_commit.py)
         if comm.rank == source and stash is not None and stash.skeleton is not None:
             out = io.BytesIO()
             torch.save(stash.skeleton, out)
@@ -231,7 +231,7 @@ class Restorer:
 
     def _all_agree(self, usable: bool, step: int, problem: str) -> bool:
         """Whether every rank can use its snapshot of `step`; if not, an event names the first problem."""
-        if all(v[0] for v in self._comm.all_gather_ints([int(usable)])):
+        if all(v.value for v in self._comm.gather(Flag(int(usable)))):
             return True
         self._events.emit("memory_snapshot_unusable", step=step, error=problem or "another rank's is not whole")
         return False

@@ -70,6 +70,13 @@ class IntMessage:
 M = TypeVar("M", bound=IntMessage)
 
 
+@dataclass(frozen=True, slots=True)
+class Flag(IntMessage):
+    """One yes/no (or small count) per rank: a vote, a verdict, whether a rank sees something."""
+
+    value: int
+
+
 class Comm:
     """Barrier, gather and broadcast of small integers over stalwart's own gloo group."""
 

@@ -1,7 +1,7 @@
 """Seams: where fault injection (chaos/) plugs into the product without the product importing it.
 
 A product module that can be disturbed from outside names its seam here and asks `installed(name)` for what is
-plugged in: nothing in production, so the product path calls its own no-op. `chaos/seams.py` installs its
+plugged in: nothing in production, so the product path calls its own no-op. `chaos/install.py` installs its
 injectors at `import stalwart` when a fault variable is set (STALWART_FAULTS, STALWART_NODE_FAULTS), so they
 reach every process that imports stalwart (the workers, their persisters, the pre-flight check) through the
 environment alone; a test can pass its own through the same protocol objects (`Job(hooks=...)`,
@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 STEP_HOOKS = "step_hooks"
-"""job/hooks.py: (rank, restart, announce) -> StepHooks, the faults fired at a job's steps."""
+"""job/step_hooks.py: (rank, restart, announce) -> StepHooks, the faults fired at a job's steps."""
 SAVE_HOOKS = "save_hooks"
-"""checkpoint/save/hooks.py: (faults of the request, step, trainer pid, events) -> SaveHooks, in the persister."""
+"""checkpoint/save/save_hooks.py: (faults of the request, step, trainer pid, events) -> SaveHooks, in the persister."""
 SIDE_COPY = "side_copy"
 """checkpoint/tiers/memory.py: () -> SideCopy | None, the copier of a job's memory tier (None: the real one)."""
 MEMORY_WRITE = "memory_write"

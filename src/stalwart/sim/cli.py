@@ -16,12 +16,13 @@ import json
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from rich.table import Table
 
 from stalwart.errors import ConfigError
-from stalwart.sim.engine import BADPUT, POLICIES, Job, Policy, Result, simulate
+from stalwart.runtime.args import Parser
+from stalwart.sim.engine import BADPUT, POLICIES, Policy, Result, SimJob, simulate
 from stalwart.sim.failures import MODELS, FailureModel
 from stalwart.sim.profiles import PROFILES, load_costs
 from stalwart.telemetry.console import console
@@ -29,9 +30,7 @@ from stalwart.telemetry.console import console
 SPARE_CHOICES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(message)
+_Parser = Parser
 
 
 def _positive(kind: type, name: str) -> Any:
@@ -81,7 +80,7 @@ def main(argv: list[str]) -> int:
         profiles["stalwart"] = load_costs(profiles["stalwart"], args.costs)
     chosen = list(profiles) if args.profile == "all" else [args.profile]
     policies = list(POLICIES) if args.policy == "all" else [args.policy]
-    base = Job(args.gpus, args.days, gpus_per_node=args.gpus_per_node, price_per_gpu_hour=args.price)
+    base = SimJob(args.gpus, args.days, gpus_per_node=args.gpus_per_node, price_per_gpu_hour=args.price)
     fixed = Policy("fixed", checkpoint_interval_s=args.checkpoint_interval_s)
 
     def run(profile: str, policy: str, spares: int) -> Result:

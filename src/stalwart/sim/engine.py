@@ -31,7 +31,7 @@ copies make storage almost never needed: a whole-job loss (power, a bad release)
 
 
 @dataclass(frozen=True, slots=True)
-class Job:
+class SimJob:
     gpus: int
     days: float
     gpus_per_node: int = 8
@@ -85,7 +85,7 @@ class Result:
 
 
 def simulate(
-    job: Job, model: FailureModel, profile: Profile, policy: Policy, *, runs: int = 64, seed: int = 0
+    job: SimJob, model: FailureModel, profile: Profile, policy: Policy, *, runs: int = 64, seed: int = 0
 ) -> Result:
     """Simulate `runs` independent runs of `job` (the same draws for the same seed: policies and profiles can
     be compared on identical failures)."""

@@ -13,7 +13,7 @@ import numpy as np
 from rich.table import Table
 
 from stalwart.policy import interval
-from stalwart.sim.engine import Job, Policy, simulate
+from stalwart.sim.engine import Policy, SimJob, simulate
 from stalwart.sim.failures import CRASH, HOUR, LLAMA3_CAUSES, LLAMA3_INTERRUPTIONS, PROCESS, Cause, FailureModel
 from stalwart.sim.profiles import TORCHRUN, Profile
 from stalwart.telemetry.console import console
@@ -63,7 +63,7 @@ def checks() -> list[Check]:
     mtbf, ckpt, restart = 3600.0, 60.0, 300.0
     model = _one_cause(1.0 / (mtbf / HOUR))
     profile = _plain(restart, ckpt)
-    job = Job(1, 120.0, gpus_per_node=1)  # 2,880 MTBFs a run
+    job = SimJob(1, 120.0, gpus_per_node=1)  # 2,880 MTBFs a run
 
     def ettr(tau: float) -> float:
         return simulate(job, model, profile, Policy("fixed", checkpoint_interval_s=tau), runs=64, seed=1).ettr
@@ -90,26 +90,26 @@ def checks() -> list[Check]:
                      f"T_c = {avail:.0f} s (save included); ETTR within 0.2% of the best"))  # fmt: skip
     # Llama 3: 419 unexpected interruptions in 54 days on 16,384 GPUs, by cause.
     llama = FailureModel.named("llama3")
-    r = simulate(Job(16384, 54), llama, TORCHRUN, Policy("daly"), runs=64, seed=2)
+    r = simulate(SimJob(16384, 54), llama, TORCHRUN, Policy("daly"), runs=64, seed=2)
     out.append(Check("Llama 3: unexpected interruptions in 54 days, 16,384 GPUs", LLAMA3, LLAMA3_INTERRUPTIONS,
                      r.interruptions, 0.10))  # fmt: skip
     for cause in LLAMA3_CAUSES[:4]:
         out.append(Check(f"Llama 3: {cause.name}", LLAMA3, cause.count, r.by_cause[cause.name], 0.10))
-    with_spares = simulate(Job(16384, 54, spares=32), llama, TORCHRUN, Policy("daly"), runs=64, seed=2)
+    with_spares = simulate(SimJob(16384, 54, spares=32), llama, TORCHRUN, Policy("daly"), runs=64, seed=2)
     out.append(Check("Llama 3: effective training time (> 90% reported)", LLAMA3, 0.90, with_spares.ettr, 0.05,
                      "torchrun profile, Daly interval, 32 spares; Meta's own stack is not torchrun's"))  # fmt: skip
     # Kokolis et al.: MTTF = 1 / (N_nodes r_f), r_f = 6.5 per 1,000 node-days (RSC-1).
     rsc1 = FailureModel.named("rsc1")
     for gpus, hours in ((16384, 1.8), (131072, 0.23)):
-        sim = simulate(Job(gpus, 30), rsc1, TORCHRUN, Policy("daly"), runs=16, seed=3)
+        sim = simulate(SimJob(gpus, 30), rsc1, TORCHRUN, Policy("daly"), runs=16, seed=3)
         out.append(Check(f"Kokolis: MTTF at {gpus:,} GPUs, RSC-1 rate (h)", KOKOLIS, hours,
                          30 * 24 / sim.interruptions, 0.05, "projected in the paper; simulated failures"))  # fmt: skip
     out.append(Check("Kokolis: MTTF at 1,024 GPUs (h)", KOKOLIS, 7.9, rsc1.job_mtbf_s(1024) / HOUR, 0.05,
                      "measured on jobs in the paper; the fitted RSC-1 rate gives 28.8 h: not one rate"))  # fmt: skip
     # Kokolis et al.'s E[ETTR] examples: a 16,000-GPU job on RSC-1, non-blocking checkpoints, u0 = 5 minutes.
     for minutes, published in ((60, 0.70), (5, 0.93)):
-        sim = simulate(Job(16000, 30), rsc1, _plain(300.0, 1e-9), Policy("fixed", checkpoint_interval_s=minutes * 60),
-                       runs=32, seed=4)  # fmt: skip
+        fixed = Policy("fixed", checkpoint_interval_s=minutes * 60)
+        sim = simulate(SimJob(16000, 30), rsc1, _plain(300.0, 1e-9), fixed, runs=32, seed=4)
         out.append(Check(f"Kokolis: ETTR, 16,000 GPUs, checkpoint every {minutes} min, u0 5 min", KOKOLIS,
                          published, sim.ettr, 0.05))  # fmt: skip
     return out

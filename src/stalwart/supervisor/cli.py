@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from stalwart.supervisor import launcher
+from stalwart.supervisor import launcher, run_args
 
 
 def say(message: str) -> None:
@@ -14,5 +14,5 @@ def say(message: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    args = launcher.parse(argv)
+    args = run_args.parse(argv)
     return launcher.launch(args, say)

@@ -26,22 +26,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
-import importlib.util
 import logging
 import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from stalwart.detect.hang import parse_timeout
 from stalwart.detect.heartbeat import BOARD_PREFIX, Board
 from stalwart.errors import EXIT_USER_ERROR, ConfigError
 from stalwart.runtime.env import (
@@ -52,202 +48,31 @@ from stalwart.runtime.env import (
     HANG_TIMEOUT_ENV,
     HEARTBEAT_ENV,
     LAUNCH_TIME_ENV,
-    METRICS_PORT_ENV,
-    PREEMPT_NOTICE_ENV,
     REFORM_ENV,
     SHARE_STORE_ENV,
     SNAPSHOT_DIR_ENV,
-    SPARES_ENV,
 )
 from stalwart.runtime.process import first_line
-from stalwart.supervisor import exclusion, preflight
+from stalwart.supervisor import exclusion, preflight_gate
 from stalwart.supervisor.gpu_watch import GpuWatch
 from stalwart.supervisor.host_pool import SparePool
-from stalwart.supervisor.preempt_notice import NoticeWatch, check_source
+from stalwart.supervisor.leftovers import (
+    SNAPSHOTS_PREFIX,
+    _log_dir,
+    _remove_stale_log_dirs,
+    _remove_stale_shared_memory,
+)
+from stalwart.supervisor.preempt_notice import NoticeWatch
 from stalwart.supervisor.rendezvous import rendezvous_handler
+from stalwart.supervisor.run_args import parse_nnodes, reforms
 from stalwart.supervisor.zygote import Zygote
 from stalwart.telemetry.events import EventLog
 from stalwart.telemetry.metrics import MetricsServer
 
-DEFAULT_EVENT_LOG = "stalwart-logs/events.jsonl"
-SNAPSHOTS_PREFIX = "stalwart-snapshots-"
-"""The memory tier's directory in /dev/shm; its suffix is its launcher's heartbeat board's."""
 LOOPBACK = "127.0.0.1"
 MONITOR_TICK_S = 1e-6
 """torch elastic's sleep between two looks at the workers (it must be positive); the agent's own wait, woken by a
 worker's end, takes torchrun's --monitor-interval as its timeout (supervisor/exit_watch.py)."""
-DEFAULT_MAX_RESTARTS = 3
-"""torchrun's default is 0, which turns any failure into a failed job; a resilience launcher should restart."""
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{message} (see 'stalwart run --help')")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """torchrun's own parser (so every flag and PET_* variable behaves the same) with stalwart's additions."""
-    from torch.distributed.run import get_args_parser
-
-    torch_parser = get_args_parser()
-    parser = _OneLineParser(
-        prog="stalwart run",
-        description="Launch a training script on this node with torchrun's flags; restart workers on failure.",
-        parents=[torch_parser],
-        add_help=False,
-        formatter_class=torch_parser.formatter_class,
-    )
-    parser.add_argument(
-        "--event-log",
-        default=os.environ.get(EVENT_LOG_ENV, DEFAULT_EVENT_LOG),
-        help=f"JSONL event log shared with the workers (default: ${EVENT_LOG_ENV} or {DEFAULT_EVENT_LOG})",
-    )
-    parser.add_argument(
-        "--hang-timeout",
-        default=os.environ.get(HANG_TIMEOUT_ENV, "auto"),
-        help="seconds a worker may go without a heartbeat inside the training loop before it is killed as hung "
-        "and the group restarted; 'auto' (default) calibrates it from the step times (3x their 99th percentile, "
-        "at least 2 s, with grace for the first steps and waited saves)",
-    )
-    parser.add_argument(
-        "--spares",
-        type=int,
-        default=int(os.environ.get(SPARES_ENV, "0")),
-        help="hot spare processes this agent keeps ready (torch imported, started at the lowest CPU priority); a "
-        "worker that dies is replaced by a ready spare instead of a new interpreter (default 0)",
-    )
-    parser.add_argument(
-        "--no-reform",
-        action="store_true",
-        default=os.environ.get(REFORM_ENV) == "0",
-        help="when a worker fails, end and restart every worker of the node (torchrun's way) instead of keeping "
-        "the survivors' processes and re-forming the group with them (default: re-form; ${REFORM_ENV}=0 also "
-        "turns it off)".replace("${REFORM_ENV}", REFORM_ENV),
-    )
-    preflight.add_arguments(parser)
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(os.environ[METRICS_PORT_ENV]) if os.environ.get(METRICS_PORT_ENV, "").isdigit() else None,
-        help="serve the run's Prometheus metrics on this port (0: any free one; default: off)",
-    )
-    parser.add_argument(
-        "--preempt-grace-s",
-        type=float,
-        default=30.0,
-        help="on SIGTERM (a preemption), seconds the workers get to take a last durable checkpoint at an agreed "
-        "step and exit, before they are stopped (default 30; 0: stop at once); the launcher then exits 143",
-    )
-    parser.add_argument(
-        "--preempt-notice",
-        default=os.environ.get(PREEMPT_NOTICE_ENV) or None,
-        metavar="SOURCE",
-        help="a preemption notice to watch: an http(s) URL of the cloud's metadata service (GCE's "
-        ".../instance/preempted, AWS's .../spot/instance-action) or file:PATH; at the notice, the same as SIGTERM",
-    )
-    parser.add_argument("--metrics-addr", default="127.0.0.1",
-                        help="the address the metrics listen on (default 127.0.0.1: this host only)")  # fmt: skip
-    if "PET_MAX_RESTARTS" not in os.environ:
-        parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
-    return parser
-
-
-_STATIC_FLAGS = ("--rdzv-backend", "--rdzv_backend", "--master-addr", "--master_addr", "--master-port",
-                 "--master_port", "--node-rank", "--node_rank")  # fmt: skip
-_STATIC_ENV = ("PET_RDZV_BACKEND", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_NODE_RANK")
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    # torchrun defaults to the static backend on a fixed port (29500). stalwart uses c10d unless the user chose
-    # a backend or gave torchrun's static flags (--master-addr/--master-port/--node-rank), which keep working.
-    script_at = argv.index(args.training_script) if args.training_script in argv else len(argv)
-    chose = any(a.split("=")[0] in _STATIC_FLAGS for a in argv[:script_at]) or any(e in os.environ for e in _STATIC_ENV)
-    if not chose:
-        args.rdzv_backend = "c10d"
-    elif args.rdzv_backend == "static" and str(args.nnodes) in ("1", "1:1"):
-        # The static backend makes restarted workers share the agent's store, which keeps the dead round's
-        # addresses (the torchrun hang this launcher exists to fix). On one node, rendezvous with c10d on the
-        # address and port the user asked for instead; several static nodes keep torchrun's behaviour.
-        args.rdzv_backend = "c10d"
-        args.rdzv_endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port or 0}"
-    _validate(args)
-    return args
-
-
-def _validate(args: argparse.Namespace) -> None:
-    nproc = str(args.nproc_per_node)
-    if nproc.lstrip("-").isdigit() and int(nproc) < 1:
-        raise ConfigError(f"--nproc-per-node must be at least 1, got {nproc}")
-    if not 0 <= args.preempt_grace_s < float("inf"):
-        raise ConfigError(f"--preempt-grace-s must be a number of seconds >= 0, got {args.preempt_grace_s}")
-    if args.preempt_notice is not None:
-        check_source(args.preempt_notice)
-        if args.preempt_grace_s <= 0:
-            raise ConfigError("--preempt-notice needs a grace period (--preempt-grace-s > 0) for the last checkpoint")
-    try:
-        parse_timeout(args.hang_timeout)
-    except ValueError as exc:
-        raise ConfigError(f"--hang-timeout: {exc}") from exc
-    if args.spares < 0:
-        raise ConfigError(f"--spares must be >= 0, got {args.spares}")
-    if args.spares and args.no_python:
-        raise ConfigError(
-            "--spares runs Python scripts in pre-started interpreters; it cannot be used with --no-python"
-        )
-    if args.spares and _spawned_only(args):
-        raise ConfigError(f"--spares cannot be combined with {_spawned_only(args)} (workers in pre-started spares "
-                          "write to the launcher's own stdout and stderr and are not re-bound)")  # fmt: skip
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    min_nodes, max_nodes = _parse_nnodes(args.nnodes)
-    if not 0 < min_nodes <= max_nodes:
-        raise ConfigError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {args.nnodes}")
-    if max_nodes > 1 and args.rdzv_backend != "static" and not args.rdzv_endpoint and not args.standalone:
-        raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
-    script = args.training_script
-    if args.module:
-        try:
-            found = importlib.util.find_spec(script) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            raise ConfigError(f"module {script!r} cannot be found by this Python ({sys.executable})")
-    elif args.no_python:
-        if not (shutil.which(script) or os.access(script, os.X_OK)):
-            raise ConfigError(f"program {script!r} does not exist or is not executable")
-    elif not Path(script).is_file():
-        raise ConfigError(f"training script {script!r} does not exist")
-
-
-def _spawned_only(args: argparse.Namespace) -> str:
-    """The torchrun options that only processes spawned for the worker can honour (empty if none is set):
-    output redirection and filters, NUMA binding. Workers in hosts (spares, re-formed survivors) cannot."""
-    used = [
-        flag for flag, name in (("--redirects", "redirects"), ("--tee", "tee")) if str(getattr(args, name, "0")) != "0"
-    ]
-    used += [flag for flag, name in (("--duplicate-stdout-filters", "duplicate_stdout_filters"),
-                                     ("--duplicate-stderr-filters", "duplicate_stderr_filters"),
-                                     ("--numa-binding", "numa_binding")) if getattr(args, name, None)]  # fmt: skip
-    return ", ".join(used)
-
-
-def reforms(args: argparse.Namespace) -> bool:
-    """Whether survivors re-form in place: needs Python workers in hosts, which cannot redirect their output or
-    be NUMA-bound; with those options, or --no-python, a failure restarts every worker as torchrun does."""
-    return not (args.no_reform or args.no_python or _spawned_only(args))
-
-
-def _parse_nnodes(text: str) -> tuple[int, int]:
-    try:
-        parts = [int(p) for p in str(text).split(":")]
-    except ValueError as exc:
-        raise ConfigError(f"--nnodes must be N or MIN:MAX, got {text}") from exc
-    if len(parts) == 1:
-        return parts[0], parts[0]
-    if len(parts) == 2:
-        return parts[0], parts[1]
-    raise ConfigError(f"--nnodes must be N or MIN:MAX, got {text}")
 
 
 def _supported(target: Any, **kwargs: Any) -> dict[str, Any]:
@@ -393,7 +218,7 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
     os.environ[EVENT_LOG_ENV] = str(event_log)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1
-    preflight.gate(args, events, nproc, say)  # before this node joins any rendezvous
+    preflight_gate.gate(args, events, nproc, say)  # before this node joins any rendezvous
     if args.metrics_port is not None:
         try:
             metrics = MetricsServer(event_log, args.metrics_port, args.metrics_addr)
@@ -404,7 +229,7 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
         cleanup.callback(metrics.close)
         events.emit("metrics_listening", addr=metrics.addr, port=metrics.port)
         say(f"Prometheus metrics at http://{metrics.addr}:{metrics.port}/metrics")
-    min_nodes, max_nodes = _parse_nnodes(args.nnodes)
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
     if min_nodes < max_nodes:
         os.environ[ELASTIC_ENV] = "1"  # the world size may change between restarts; the Job allows it
     else:
@@ -438,56 +263,6 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
         pool.close()
         board.close()
         shutil.rmtree(snapshots, ignore_errors=True)  # the memory tier lives exactly as long as the agent
-
-
-LOG_DIR_PREFIX = "stalwart-logs-"
-LOG_DIR_LOCK = ".launcher.lock"
-
-
-def _log_dir(cleanup: contextlib.ExitStack) -> Path:
-    """torch elastic's log directory for this launcher, removed when it ends. A SIGKILLed launcher cannot remove
-    it (a test suite left about six a run), so it holds a lock file that the launcher keeps locked for its
-    life, and the next launcher removes directories whose lock is free (_remove_stale_log_dirs). The lock is
-    taken under another name and renamed into place, so no directory is ever seen with its lock file free."""
-    path = Path(tempfile.mkdtemp(prefix=LOG_DIR_PREFIX))
-    cleanup.callback(shutil.rmtree, path, ignore_errors=True)
-    claim = path / f"{LOG_DIR_LOCK}.new"
-    fd = os.open(claim, os.O_CREAT | os.O_RDWR, 0o600)  # not inherited by what this process execs
-    cleanup.callback(os.close, fd)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.rename(claim, path / LOG_DIR_LOCK)
-    return path
-
-
-def _remove_stale_log_dirs(tmp: Path | None = None) -> list[Path]:
-    """Log directories left in the temporary directory by launchers that were SIGKILLed: their lock is free
-    (Board.abandoned, which holds for a reused pid and another pid namespace). Returns what went."""
-    removed = []
-    for path in Path(tmp or tempfile.gettempdir()).glob(f"{LOG_DIR_PREFIX}*"):
-        lock = path / LOG_DIR_LOCK
-        if lock.exists() and Board.abandoned(lock):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
-def _remove_stale_shared_memory(shm: Path = Path("/dev/shm")) -> list[Path]:
-    """Heartbeat boards and memory-tier directories left in /dev/shm by launchers that were SIGKILLed.
-
-    A launcher holds a lock on its board for its whole life; a board whose lock is free has no launcher, and
-    neither has the memory-tier directory next to it (`stalwart-snapshots-<same suffix>`). Returns what went.
-    """
-    removed = []
-    for board in shm.glob(f"{BOARD_PREFIX}*"):
-        if Board.abandoned(board):
-            board.unlink(missing_ok=True)
-            removed.append(board)
-    for snapshots in shm.glob(f"{SNAPSHOTS_PREFIX}*"):
-        board = shm / (BOARD_PREFIX + snapshots.name.removeprefix(SNAPSHOTS_PREFIX))
-        if not board.exists():  # its launcher's board is gone: the launcher is gone or removing it right now
-            shutil.rmtree(snapshots, ignore_errors=True)
-            removed.append(snapshots)
-    return removed
 
 
 def _run_agent(
@@ -565,7 +340,7 @@ def _run_agent(
         spares=pool if pool.target else None,
         zygote=pool.zygote,
         reform=reforms(args),
-        peer_check=preflight.peer_check(args, config.max_nodes > 1, *_host_port(config.rdzv_endpoint)),
+        peer_check=preflight_gate.peer_check(args, config.max_nodes > 1, *_host_port(config.rdzv_endpoint)),
         monitor_s=float(config.monitor_interval),
         **_supported(
             StalwartAgent.__mro__[1],

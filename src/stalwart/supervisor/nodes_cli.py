@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-from typing import NoReturn
 
-from stalwart.errors import ConfigError
+from stalwart.runtime.args import Parser
 from stalwart.supervisor import exclusion
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(message)
+_Parser = Parser
 
 
 def main(argv: list[str]) -> int:

@@ -2,7 +2,7 @@
 
 Why: a node with a degraded NIC, a flapping cable or a misconfigured port slows every collective of the whole job
 (each all-reduce waits for its slowest link), and nothing fails: the job just runs slower. The node-local
-pre-flight (supervisor/preflight.py) cannot see it, since it needs a peer.
+pre-flight (supervisor/preflight_gate.py) cannot see it, since it needs a peer.
 
 How: when the nodes first form a job (every agent at its first start, before any worker runs), each agent opens a
 TCP listener on its own address, publishes it in the rendezvous store, and sends PAYLOAD_MB to the next node in a

@@ -9,15 +9,15 @@ failure or rollback (detection, recovery, steps lost, tier), and writes a self-c
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from rich.table import Table
 
 from stalwart.errors import ConfigError
+from stalwart.runtime.args import Parser
 from stalwart.telemetry.console import console
 from stalwart.telemetry.events import read_events
 from stalwart.telemetry.goodput import Goodput, account, breakdown_rows
@@ -25,9 +25,7 @@ from stalwart.telemetry.goodput import Goodput, account, breakdown_rows
 CANDIDATES = ("events.jsonl", "stalwart-logs/events.jsonl")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(message)
+_Parser = Parser
 
 
 def find_log(path: Path) -> Path:

@@ -28,10 +28,10 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from stalwart.checkpoint.format import layout
-from stalwart.checkpoint.save.commit import Committer
-from stalwart.checkpoint.save.hooks import NoSaveHooks, SaveHooks, save_hooks
+from stalwart.checkpoint.save.committer import Committer
 from stalwart.checkpoint.save.request import PersistReply, PersistRequest
 from stalwart.checkpoint.save.retry import GaveUp, Quit, Retrier
+from stalwart.checkpoint.save.save_hooks import NoSaveHooks, SaveHooks, save_hooks
 from stalwart.checkpoint.storage import LocalStorage, Storage, describe_error, open_storage
 from stalwart.runtime.process import die_with_parent
 from stalwart.telemetry.events import EventLog
@@ -55,7 +55,7 @@ class Persister:
         self.quitting = threading.Event()
         self._retrier = Retrier(events, self.quitting, lambda req: self._storage(req.url, req.options))
         self._committer = Committer(events, self._retrier, self.quitting)
-        self._hooks: SaveHooks = NoSaveHooks()  # the current save's (checkpoint/save/hooks.py)
+        self._hooks: SaveHooks = NoSaveHooks()  # the current save's (checkpoint/save/save_hooks.py)
 
     def handle(self, req: PersistRequest) -> None:
         started = time.monotonic()

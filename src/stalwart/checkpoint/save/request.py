@@ -33,7 +33,7 @@ class PersistRequest:
     """CLOCK_MONOTONIC when the snapshot started: the persist deadline counts from here."""
     deadline_s: float
     faults: dict[str, Any] | None = None
-    """Faults for this save (checkpoint/save/hooks.py); None in production."""
+    """Faults for this save (checkpoint/save/save_hooks.py); None in production."""
     wait: bool = False
     """The trainer waits for this save (a run's last): retention runs before the reply."""
     skeleton: str = ""

@@ -12,12 +12,13 @@ and only a registered ("pinned") destination gets copies left running.
 `ThreadedSideCopy` is the same contract on a CPU: the stable tensors' copies run on a thread and the event is a
 threading one; registering always succeeds. It exists for the tests (CI has no GPU) and is never chosen by the Job
 on its own: a test passes it to a MemoryTier, or sets STALWART_TEST_THREADED_SIDE_COPY=1 for a job's workers,
-which plugs it into the memory tier's seam (runtime/seams.SIDE_COPY, chaos/seams.py).
+which plugs it into the memory tier's seam (runtime/seams.SIDE_COPY, chaos/install.py).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -25,6 +26,7 @@ import torch
 
 from stalwart.checkpoint.save import host_pin
 from stalwart.checkpoint.save.overlap import storage_key
+from stalwart.runtime import seams
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 """(source tensor, destination view in host memory of the same dtype and shape)."""
@@ -167,3 +169,23 @@ class ThreadedSideCopy(SideCopy):
         thread.start()
         self.threads.append(thread)
         return done
+
+
+def installed_side_copy() -> SideCopy | None:
+    """The copier plugged into runtime/seams.SIDE_COPY (the tests' threaded stand-in), if any."""
+    factory = seams.installed(seams.SIDE_COPY)
+    side: SideCopy | None = factory() if factory is not None else None
+    return side
+
+
+def ended(done: CopyDone, wait_s: float | None) -> bool:
+    """Whether the copies have ended, waiting for them for at most `wait_s` seconds (None: as long as it takes)."""
+    if wait_s is None:
+        done.synchronize()
+        return True
+    deadline = time.monotonic() + wait_s
+    while not done.query():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True

@@ -9,20 +9,14 @@ always contain a common step. If that step is at least as new as the newest dura
 from memory: no storage read, and at most the step that was interrupted is redone. Ward slots keep other
 nodes' ranks' snapshot images (peer replicas, L3, see checkpoint/tiers/replicas.py).
 
-A slot file is a 64-byte header (magic, valid, step, rank, world size, and where the rest lies), the table of
-contents (checkpoint/tiers/toc.py: JSON holding the pickled skeleton, its plain values and the tensor table) and
-the tensor bytes. The header's `valid` word is cleared before anything else is written and set last, together with
-the step; a torn snapshot is therefore never loaded. There is no checksum: the bytes never leave this node's
+A slot file (checkpoint/tiers/slot.py) is a header, a table of contents and the tensor bytes; its header is
+written valid last, so a torn snapshot is never loaded. There is no checksum: the bytes never leave this node's
 memory, and hashing every step would cost more than the copy (durable checkpoints carry xxh3).
 """
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
-import struct
-import threading
 import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
@@ -43,24 +37,30 @@ from stalwart.checkpoint.format.serialize import (
     unflatten,
 )
 from stalwart.checkpoint.save.overlap import UpdateFence
-from stalwart.checkpoint.save.side_copy import CopyDone, SideCopy
-from stalwart.checkpoint.save.staging import ViewCache, aligned, typed_view
-from stalwart.checkpoint.tiers.toc import STEP_IN_HEADER, TocCache, parse_toc, split_values
+from stalwart.checkpoint.save.side_copy import CopyDone, SideCopy, ended, installed_side_copy
+from stalwart.checkpoint.save.staging import aligned
+from stalwart.checkpoint.tiers.slot import (
+    HEADER as HEADER,
+)
+from stalwart.checkpoint.tiers.slot import (
+    HEADER_BYTES,
+    PAGE,
+    Slot,
+    SlotContent,
+    SlotHeader,
+    read_slot,
+    tensor_at,
+    whole_image,
+    write_image,
+)
+from stalwart.checkpoint.tiers.slot_files import SlotFiles
+from stalwart.checkpoint.tiers.toc import STEP_IN_HEADER, TocCache, split_values
 from stalwart.errors import CheckpointCorruptError
-from stalwart.runtime import seams
 from stalwart.runtime.env import SNAPSHOT_DIR_ENV as SNAPSHOT_DIR_ENV
 
-MAGIC = 0x5354_414C_5741_5254  # "STALWART"
-HEADER = struct.Struct("<QqqqqqQQ")  # magic, valid, step, rank, world_size, toc_len, data_offset, data_len
-HEADER_BYTES = 64
-PAGE = 4096
 COPY_WAIT_S = 5.0
 """How long the tier waits for a snapshot's copy still running on the GPU before giving it up (a hung stream):
 when it closes, and when a rollback or an installed image drops a snapshot not yet published."""
-_ABANDONED: list[object] = []
-"""Slot mappings given up while a copy into them was still queued on the GPU: kept mapped for the rest of the
-process (a DMA into freed memory would corrupt whatever reuses it); their files are unlinked, so no later
-snapshot shares their pages."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,126 +70,12 @@ class MemorySnapshot:
     bytes: int
 
 
-class _Slot:
-    """One slot file, mapped while this process lives; grows when the state does."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._map: mmap.mmap | None = None
-        self._views: ViewCache = {}
-        self._buf: torch.Tensor | None = None
-        self.toc: bytes | None = None  # the table of contents this process last wrote here (TocCache's bytes)
-        self.layout: bytes | None = None  # and its layout token, with the data offset it put the tensors at
-        self.data_offset = -1
-        self.written: dict[int, torch.Tensor] = {}
-        """Offset -> the frozen tensor (serialize.frozen) this process last copied there: not copied again."""
-        self.pinned = False  # registered with CUDA (cudaHostRegister): a GPU copy into it can run asynchronously
-        self._pinning: threading.Thread | None = None
-        self._pin_failed = False
-        self._pin_side: SideCopy | None = None
-        self._pin_device: torch.device | None = None
-
-    def header(self) -> tuple[int, ...] | None:
-        if self._map is not None:  # this process's own mapping of the file: no open() per snapshot
-            raw = self._map[:HEADER_BYTES]
-        else:
-            try:
-                with open(self.path, "rb") as f:
-                    raw = f.read(HEADER_BYTES)
-            except OSError:
-                return None
-        if len(raw) < HEADER.size:
-            return None
-        fields = HEADER.unpack_from(raw)
-        return fields if fields[0] == MAGIC and fields[1] == 1 else None
-
-    def ensure(self, size: int) -> mmap.mmap:
-        if self._map is not None and len(self._map) >= size:
-            return self._map
-        self.close()
-        size = aligned(int(size * 1.1) + PAGE, PAGE)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)
-            else:
-                size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self._buf = torch.frombuffer(self._map, dtype=torch.uint8)
-        return self._map
-
-    def view(self, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        assert self._buf is not None
-        return typed_view(self._buf, self._views, offset, dtype, shape)
-
-    def pin_later(self, side: SideCopy, device: torch.device | None) -> None:
-        """Register the mapping for copies from `device` through `side` on a background thread, once (after a
-        first snapshot has faulted its pages in: registering untouched pages was measured slower, see
-        save/staging.py). Until it is done, copies into this slot are the synchronous pageable ones; afterwards
-        they run at PCIe bandwidth and can be left running under the next step."""
-        if self.pinned or self._pinning is not None or self._pin_failed or self._buf is None:
-            return
-        buf = self._buf
-        self._pin_side, self._pin_device = side, device
-
-        def register() -> None:
-            if side.register(buf, device):
-                self.pinned = True
-            else:
-                self._pin_failed = True
-
-        self._pinning = threading.Thread(target=register, daemon=True, name="memory-slot-pin")
-        self._pinning.start()
-
-    def _unpin(self) -> bool:
-        """Unregister the mapping; True if it may be unmapped (CUDA no longer counts it as pinned)."""
-        if self._pinning is not None:
-            self._pinning.join()
-            self._pinning = None
-        released = True
-        if self.pinned and self._buf is not None and self._pin_side is not None:
-            released = self._pin_side.unregister(self._buf, self._pin_device)
-        self.pinned = False
-        return released
-
-    def give_up(self) -> None:
-        """A copy into this slot is still queued on a GPU that may never run it: keep the mapping alive for the
-        rest of the process and unlink the file, so that whatever writes this slot next gets new pages."""
-        if self._pinning is not None:
-            self._pinning.join()
-            self._pinning = None
-        _ABANDONED.append((self._map, self._buf))
-        with contextlib.suppress(OSError):
-            self.path.unlink()
-        self._map = self._buf = None
-        self.pinned = False
-        self.toc = self.layout = None
-        self.written.clear()
-        self._views.clear()
-
-    def close(self) -> None:
-        if not self._unpin():  # still registered: unmapping it would leave CUDA a stale pinned range
-            _ABANDONED.append((self._map, self._buf))
-            self._map = self._buf = None
-        self.toc = self.layout = None
-        self.written.clear()
-        self._views.clear()
-        self._buf = None
-        if self._map is not None:
-            with contextlib.suppress(BufferError):
-                self._map.close()
-            self._map = None
-
-
-class MemoryTier:
+class MemoryTier(SlotFiles):
     """This rank's two snapshot slots in the node's shared-memory directory.
 
     Replicated objects (a DDP model and its optimizer, see `replicated` of `snapshot`) are identical on every
     rank, so the ranks of one node split them: each tensor is copied by one local rank (the same pure assignment
-    as the durable checkpoint's owners, over the local ranks), and a rank restoring reads the tensors it did not
-    copy from its local peers' slots of the same step. With 2 ranks per node each copies half.
+    as the durable checkpoint's owners, over the local ranks); a rank restoring reads the rest from its peers'.
 
     On a GPU a full snapshot is copied like a durable checkpoint's (save/side_copy.py): into slots registered
     with CUDA, on a side stream, the copies of the tensors only an optimizer step writes left running under the
@@ -209,20 +95,15 @@ class MemoryTier:
         *,
         copy_wait_s: float = COPY_WAIT_S,
     ) -> None:
-        self.directory = Path(directory)
+        super().__init__(Path(directory), rank, world_size, local_rank)
         self.copy_wait_s = copy_wait_s
-        self.rank = rank
-        self.world_size = world_size
-        self.local_rank = local_rank
         self.local_world_size = max(1, local_world_size)
-        self._slots = [_Slot(self._slot_path(local_rank, i)) for i in (0, 1)]
-        self._light = [_Slot(self._slot_path(local_rank, i, "light")) for i in (0, 1)]
         self._tocs = TocCache()
         # snapshot_light's reused part: (live data pointers, replicated skeleton or None, live id -> dtype, shape)
         self._light_reuse: tuple[frozenset[int], dict[str, Any] | None, dict[str, Any]] | None = None
         self._per_rank = FlattenCache(rank, frozenset())  # snapshot_light's per-rank state, same shape each step
         self._next: dict[str, int] = {}  # kind -> the slot this process writes next (the older one)
-        self.side = side_copy or _installed_side_copy() or SideCopy()
+        self.side = side_copy or installed_side_copy() or SideCopy()
         """What copies snapshots into the slots (save/side_copy.py); its `on_host`: CPU tensors' copies can be
         left running too, and the fence waits for them on the host."""
         self.overlap: UpdateFence | None = None
@@ -230,10 +111,6 @@ class MemoryTier:
         optimizer step writes are left running under the next step, and the fence orders that step's optimizer
         after them. None: every copy ends before snapshot() returns."""
         self._pending: _Pending | None = None  # the full snapshot whose copy was left running, not yet valid
-
-    def _slot_path(self, local_rank: int, index: int, kind: str = "slot") -> Path:
-        # kind: slot, light, and ward<k>.slot, ward<k>.light for the images kept for another node's rank (L3)
-        return self.directory / f"local{local_rank:05d}.{kind}{index}"
 
     @classmethod
     def from_env(
@@ -244,19 +121,14 @@ class MemoryTier:
             return None
         return cls(directory, rank, world_size, local_rank, local_world_size, side_copy)
 
-    def _own(self, header: tuple[int, ...] | None, step: int) -> bool:
-        """Whether a slot's header is a whole snapshot of `step` by this rank at this world size: a rank of
-        another world size's run may have left the same file name behind."""
-        return header is not None and (header[2], header[3], header[4]) == (step, self.rank, self.world_size)
-
     def steps(self, *, light: bool = False) -> list[int]:
         """The steps this rank holds whole (or, with `light`, light snapshots of), newest first, for this rank
         and world size only."""
         found = []
         for slot in self._light if light else self._slots:
             h = slot.header()
-            if h is not None and h[3] == self.rank and h[4] == self.world_size:
-                found.append(int(h[2]))
+            if h is not None and h.rank == self.rank and h.world_size == self.world_size:
+                found.append(h.step)
         return sorted(found, reverse=True)
 
     def forget_after(self, step: int) -> list[int]:
@@ -270,15 +142,10 @@ class MemoryTier:
             self._drop_pending()
         for slot in (*self._slots, *self._light):
             h = slot.header()
-            if h is None or h[2] <= step or h[3] != self.rank:
+            if h is None or h.step <= step or h.rank != self.rank:
                 continue
-            forgotten.append(int(h[2]))
-            if slot._map is not None:
-                struct.pack_into("<q", slot._map, 8, 0)
-            else:
-                with contextlib.suppress(OSError), open(slot.path, "r+b") as f:
-                    f.seek(8)
-                    f.write(struct.pack("<q", 0))
+            forgotten.append(h.step)
+            slot.invalidate()
         return sorted(forgotten)
 
     def snapshot(
@@ -296,10 +163,9 @@ class MemoryTier:
         id, dtype and shape, and everything else (per-rank objects, RNG, buffers) is copied into the light
         slots. A restore then takes the live tensors from a survivor (see `load_light`).
 
-        On a CPU the copy is synchronous on purpose: copying parameters on a background thread while the next
-        step runs was measured here (2 cores, 2 workers) to save no wall time. On a GPU with `overlap` set, a full
-        snapshot's copies of stable tensors run on a side stream and the snapshot is valid from `publish()` on
-        (the class docstring); `running` says whether one is pending."""
+        On a CPU the copy is synchronous on purpose: a background thread saved no wall time when measured. On a
+        GPU with `overlap` set, a full snapshot's copies of stable tensors run on a side stream and the snapshot
+        is valid from `publish()` on (the class docstring); `running` says whether one is pending."""
         started = time.perf_counter()
         skeleton, items = flatten(state, self.rank, replicated)
         table, total, absent = [], 0, {}
@@ -332,12 +198,9 @@ class MemoryTier:
         that step's optimizer step waited for it on the GPU), for at most `wait_s` seconds if given: a copy
         still queued then (behind a hung compute stream) is given up, and its slot with it."""
         pending = self._pending
-        if pending is None or not self._settle(wait_s):
+        if pending is None or not self._settle(wait_s) or not pending.slot.mapped:
             return None
-        m = pending.slot._map
-        if m is None:
-            return None
-        HEADER.pack_into(m, 0, *pending.header)
+        pending.slot.write_header(pending.header)
         return pending.step
 
     def _drop_pending(self) -> None:
@@ -352,7 +215,7 @@ class MemoryTier:
         pending, self._pending = self._pending, None
         if pending is None:
             return False
-        if _ended(pending.done, wait_s):
+        if ended(pending.done, wait_s):
             return True
         pending.slot.give_up()
         self._next.clear()
@@ -364,8 +227,8 @@ class MemoryTier:
         """A light snapshot from this rank's own part of the state alone: `state` holds only the per-rank
         objects (with the step, RNG and world size), and the replicated objects' part (their skeleton and the ids,
         dtypes and shapes of their live tensors) is computed from `replicated()` (name -> state_dict) once per
-        set of `live` tensors and reused. Walking the replicated objects every step was about half of a light
-        snapshot's cost (flattening 95-146 us of 270-310 us, warm, 4M-parameter MLP with AdamW, 2-core VM).
+        set of `live` tensors and reused: walking the replicated objects every step was about half of a light
+        snapshot's cost (docs/benchmarks.md).
 
         The reused skeleton can hold stale non-tensor state (an optimizer's learning rate), so the snapshot
         says a restore must take the replicated objects' skeletons from the survivor (`load_light` refuses one
@@ -437,7 +300,7 @@ class MemoryTier:
         if self._pending is not None and self._pending.slot is target:
             self._drop_pending()  # never published (no step's end came): its copy ends before this one starts
         m = target.ensure(data_offset + total)
-        HEADER.pack_into(m, 0, MAGIC, 0, -1, self.rank, self.world_size, 0, 0, 0)  # invalid while writing
+        SlotHeader.writing(self.rank, self.world_size).pack_into(m)  # invalid while writing
         if target.layout is not layout or target.data_offset != data_offset:
             target.written.clear()  # another layout: what the slot held where is no longer known
             target.layout, target.data_offset = layout, data_offset
@@ -461,19 +324,13 @@ class MemoryTier:
         device = next((t.device for t, _ in pairs if t.is_cuda), None)
         if kind == "full" and (device is not None or self.side.on_host):
             target.pin_later(self.side, device)  # the next snapshots into this slot copy at PCIe speed, and overlap
-        header = (MAGIC, 1, step, self.rank, self.world_size, len(contents), data_offset, total)
+        header = SlotHeader(1, step, self.rank, self.world_size, len(contents), data_offset, total)
         if done is not None and fence is not None:
             fence.defer(done, device)  # the next optimizer step waits for the copy (on the GPU)
             self._pending = _Pending(step, done, target, header)
         else:
-            HEADER.pack_into(m, 0, *header)
+            header.pack_into(m)
         self._next[kind] = 1 - index  # now the older one, as long as only this process writes them
-
-    @staticmethod
-    def _older(slots: list[_Slot]) -> _Slot:
-        headers = [s.header() for s in slots]
-        steps = [h[2] if h is not None else -1 for h in headers]
-        return slots[0] if steps[0] <= steps[1] else slots[1]
 
     def load(self, step: int) -> MemorySnapshot:
         """The state of `step` from whichever slot holds it, replicated tensors it did not copy from its local
@@ -482,68 +339,18 @@ class MemoryTier:
             h = slot.header()
             if self._own(h, step):
                 assert h is not None
-                return self._assemble(_read_slot(slot.path, h, step), step)
+                return self._assemble(read_slot(slot.path, h, step), step)
         raise CheckpointCorruptError(f"no memory slot holds step {step}")
-
-    # ---- peer replicas (L3, see checkpoint/tiers/replicas.py): images of whole slots, sent to and kept by other nodes
-
-    def image(self, step: int, *, light: bool) -> bytes:
-        """This rank's full (or light) snapshot of `step` as one slot image (header, table of contents, data),
-        to keep on another node; empty if no slot holds it whole."""
-        for slot in self._light if light else self._slots:
-            h = slot.header()
-            if self._own(h, step):
-                assert h is not None
-                return _read_image(slot.path, h)
-        return b""
-
-    def _ward_slots(self, replica: int, light: bool) -> list[_Slot]:
-        return [_Slot(self._slot_path(self.local_rank, i, f"ward{replica}.{'light' if light else 'slot'}"))
-                for i in (0, 1)]  # fmt: skip
-
-    def store_ward(self, replica: int, image: bytes, *, light: bool) -> bool:
-        """Keep another rank's slot image (from `image`) in the older of this rank's two ward slots of
-        `replica`; False (nothing written) if it is not a whole image of this world size."""
-        if not _whole_image(image, self.world_size):
-            return False
-        target = self._older(self._ward_slots(replica, light))
-        try:
-            _write_image(target, image)
-        finally:
-            target.close()
-        return True
-
-    def held(self, replicas: int) -> list[tuple[int, bool, int, int]]:
-        """Every whole image of this world size in this rank's slots, its own and the ward slots of `replicas`
-        replicas: (source, light, rank, step). A source is a slot's number for `held_image`."""
-        found = []
-        for source, (slot, light) in enumerate(self._all_slots(replicas)):
-            h = slot.header()
-            if h is not None and h[4] == self.world_size:
-                found.append((source, light, int(h[3]), int(h[2])))
-        return found
-
-    def held_image(self, replicas: int, source: int) -> bytes:
-        """The image in slot `source` of `held`; empty if it is no longer whole."""
-        slot = self._all_slots(replicas)[source][0]
-        h = slot.header()
-        return _read_image(slot.path, h) if h is not None else b""
-
-    def _all_slots(self, replicas: int) -> list[tuple[_Slot, bool]]:
-        found = [(s, False) for s in self._slots] + [(s, True) for s in self._light]
-        for replica in range(replicas):
-            for light in (False, True):
-                found += [(s, light) for s in self._ward_slots(replica, light)]
-        return found
 
     def install(self, image: bytes, *, light: bool) -> bool:
         """Make an image of this rank's own snapshot, brought back from the node that kept it, one of this
         rank's slots (the older); False (nothing written) if it is not a whole image of this rank."""
-        if not _whole_image(image, self.world_size) or HEADER.unpack_from(image)[3] != self.rank:
+        header = SlotHeader.unpack(image)
+        if not whole_image(image, self.world_size) or header is None or header.rank != self.rank:
             return False
         self._drop_pending()
         self._next.clear()
-        _write_image(self._older(self._light if light else self._slots), image)
+        write_image(self._older(self._light if light else self._slots), image)
         return True
 
     def light(self, step: int) -> tuple[dict[str, tuple[torch.dtype, list[int]]], Any]:
@@ -553,7 +360,7 @@ class MemoryTier:
             h = slot.header()
             if self._own(h, step):
                 assert h is not None
-                content = _read_slot(slot.path, h, step)
+                content = read_slot(slot.path, h, step)
                 return {k: (dtype_from_name(v[0]), list(v[1])) for k, v in content.live.items()}, content
         raise CheckpointCorruptError(f"no light memory slot holds step {step}")
 
@@ -566,7 +373,7 @@ class MemoryTier:
 
         def fetch(tid: str) -> torch.Tensor:
             if tid in content.table:
-                return _tensor(content.table[tid], content.data)
+                return tensor_at(content.table[tid], content.data)
             if tid in live:
                 return live[tid]
             raise CheckpointCorruptError(f"tensor {tid} is in neither the light snapshot of step {step} nor a peer's")
@@ -592,12 +399,12 @@ class MemoryTier:
             raise CheckpointCorruptError(f"the memory snapshot of step {step} is not a stalwart state")
         return MemorySnapshot(step, state, len(content.data))
 
-    def _assemble(self, own: _SlotContent, step: int) -> MemorySnapshot:
+    def _assemble(self, own: SlotContent, step: int) -> MemorySnapshot:
         peers: dict[int, tuple[dict[str, list[Any]], bytearray]] = {}
 
         def fetch(tid: str) -> torch.Tensor:
             if tid in own.table:
-                return _tensor(own.table[tid], own.data)
+                return tensor_at(own.table[tid], own.data)
             if not tid.startswith("R/"):
                 raise CheckpointCorruptError(f"tensor {tid} is missing from the memory snapshot")
             for peer in range(self.local_world_size):
@@ -607,7 +414,7 @@ class MemoryTier:
                     peers[peer] = self._peer(peer, step)
                 table, data = peers[peer]
                 if tid in table:
-                    return _tensor(table[tid], data)
+                    return tensor_at(table[tid], data)
             raise CheckpointCorruptError(f"no local rank's memory snapshot holds {tid} of step {step}")
 
         state = unflatten(own.skeleton, fetch)
@@ -618,9 +425,9 @@ class MemoryTier:
     def _peer(self, local_rank: int, step: int) -> tuple[dict[str, list[Any]], bytearray]:
         for index in (0, 1):
             path = self._slot_path(local_rank, index)
-            h = _Slot(path).header()
-            if h is not None and h[2] == step and h[4] == self.world_size:
-                got = _read_slot(path, h, step)
+            h = Slot(path).header()
+            if h is not None and h.step == step and h.world_size == self.world_size:
+                got = read_slot(path, h, step)
                 return got.table, got.data
         return {}, bytearray()
 
@@ -639,93 +446,5 @@ class _Pending:
 
     step: int
     done: CopyDone
-    slot: _Slot
-    header: tuple[int, ...]
-
-
-def _installed_side_copy() -> SideCopy | None:
-    """The copier plugged into runtime/seams.SIDE_COPY (the tests' threaded stand-in), if any."""
-    factory = seams.installed(seams.SIDE_COPY)
-    side: SideCopy | None = factory() if factory is not None else None
-    return side
-
-
-def _ended(done: CopyDone, wait_s: float | None) -> bool:
-    """Whether the copy has ended, waiting for it for at most `wait_s` seconds (None: as long as it takes)."""
-    if wait_s is None:
-        done.synchronize()
-        return True
-    deadline = time.monotonic() + wait_s
-    while not done.query():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.001)
-    return True
-
-
-def _read_image(path: Path, header: tuple[int, ...]) -> bytes:
-    """A slot file's image (header, table of contents, data), or empty if it was overwritten while read."""
-    with open(path, "rb") as f:
-        image = f.read(header[6] + header[7])
-    again = HEADER.unpack_from(image) if len(image) >= HEADER_BYTES else None
-    return image if again is not None and again[1:4] == (1, header[2], header[3]) else b""
-
-
-def _whole_image(image: bytes, world_size: int) -> bool:
-    """Whether `image` is a valid slot image of this world size whose header covers exactly its bytes."""
-    if len(image) < HEADER_BYTES:
-        return False
-    magic, valid, _, rank, size, toc_len, data_offset, data_len = HEADER.unpack_from(image)
-    return (
-        (magic, valid, size) == (MAGIC, 1, world_size)
-        and 0 <= rank < size
-        and data_offset + data_len == len(image)
-        and HEADER_BYTES + toc_len <= data_offset
-    )
-
-
-def _write_image(target: _Slot, image: bytes) -> None:
-    """Write a slot image received from elsewhere: invalid while the body is written, its header last."""
-    m = target.ensure(len(image))
-    target.toc = target.layout = None
-    target.written.clear()
-    HEADER.pack_into(m, 0, MAGIC, 0, -1, 0, 0, 0, 0, 0)
-    m[HEADER_BYTES : len(image)] = image[HEADER_BYTES:]
-    m[:HEADER_BYTES] = image[:HEADER_BYTES]
-
-
-@dataclass(frozen=True, slots=True)
-class _SlotContent:
-    skeleton: Any
-    table: dict[str, list[Any]]
-    data: bytearray
-    live: dict[str, list[Any]]
-    survivor_skeleton: tuple[str, ...] = ()
-    """The replicated objects whose skeletons must come from the survivor (snapshot_light's reused part)."""
-
-
-def _tensor(entry: list[Any], data: bytearray) -> torch.Tensor:
-    offset, nbytes, dtype_text, shape = entry
-    dtype = dtype_from_name(dtype_text)
-    if not nbytes:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype, offset=offset, count=nbytes // dtype.itemsize).reshape(shape)
-
-
-def _read_slot(path: Path, header: tuple[int, ...], step: int) -> _SlotContent:
-    _, _, _, _, _, toc_len, data_offset, data_len = header
-    data = bytearray(data_len)
-    with open(path, "rb") as f:
-        f.seek(HEADER_BYTES)
-        toc_raw = f.read(toc_len)
-        f.seek(data_offset)
-        got = f.readinto(data)
-        f.seek(0)
-        again = HEADER.unpack_from(f.read(HEADER_BYTES))
-    if got != data_len or again[1:3] != (1, step):  # overwritten while we read
-        raise CheckpointCorruptError(f"the memory snapshot of step {step} changed while it was read")
-    try:
-        skeleton, table, live, survivor_skeleton = parse_toc(toc_raw, step)
-    except Exception as exc:
-        raise CheckpointCorruptError(f"the memory snapshot of step {step} cannot be read: {exc}") from exc
-    return _SlotContent(skeleton, table, data, live, survivor_skeleton)
+    slot: Slot
+    header: SlotHeader

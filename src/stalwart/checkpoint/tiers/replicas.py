@@ -12,7 +12,7 @@ nodes can be lost at once as long as no rank loses every holder. Each rank thus 
 What is sent is what the snapshot copied: the small light image (per-rank state; the replicated state is then
 taken from a survivor) or, with full snapshots, the whole image (this rank's share of it: with several ranks
 per node the replicated tensors are split across the node's ranks, and a lost node's ranks all come back
-together). Light images are sent at the commit point, before the barrier (job/commit.py), so no rank's
+together). Light images are sent at the commit point, before the barrier (job/step_commit.py), so no rank's
 parameters reach step N+1 before every rank's image of N+1 is on another node; full images are sent after the
 step's snapshot, so a node lost between that snapshot and the send costs its one finished step.
 
@@ -25,9 +25,11 @@ runs on the restored slots.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from stalwart.checkpoint.tiers.memory import MemoryTier
+from stalwart.runtime.dist import IntMessage
 from stalwart.telemetry.events import EventLog
 
 if TYPE_CHECKING:
@@ -37,6 +39,28 @@ MAX_REPLICAS = 3
 """The most peer replicas a job may ask for; it bounds the fixed-size exchange of what each rank holds."""
 _HELD = 4 + 4 * MAX_REPLICAS  # slots a rank may hold: its own 2 full and 2 light, and 4 per replica
 _EMPTY = (-1, -1, -1, -1)
+
+
+@dataclass(frozen=True, slots=True)
+class Holding(IntMessage):
+    """What a rank holds and needs, agreed at a restore: the replicas it asks for (-1: no memory tier), whether
+    it needs its own images back, and its whole images (slot, light, rank, step). A fixed length: _HELD entries,
+    padded with _EMPTY."""
+
+    wanted: int
+    needy: int
+    held: tuple[tuple[int, int, int, int], ...] = ()
+
+    def to_ints(self) -> list[int]:
+        ints = [self.wanted, self.needy]
+        for entry in [*self.held, *[_EMPTY] * _HELD][:_HELD]:
+            ints += [int(v) for v in entry]
+        return ints
+
+    @classmethod
+    def from_ints(cls, ints: list[int]) -> Holding:
+        held = tuple((a, b, c, d) for a, b, c, d in (ints[i : i + 4] for i in range(2, len(ints), 4)) if c >= 0)
+        return cls(ints[0], ints[1], held)
 
 
 class PeerReplicas:
@@ -76,18 +100,17 @@ class PeerReplicas:
         memory = self._memory
         held = memory.held(self.wanted) if memory is not None else []
         needy = memory is not None and not any(rank == self._comm.rank for _, _, rank, _ in held)
-        row = [self.wanted if memory is not None else -1, int(needy)]
-        for entry in [*held, *[_EMPTY] * _HELD][:_HELD]:
-            row += [int(v) for v in entry]
-        gathered = self._comm.all_gather_ints(row)
-        agreed = {g[0] for g in gathered}
+        own = Holding(self.wanted if memory is not None else -1, int(needy),
+                      tuple((s, int(li), r, st) for s, li, r, st in held))  # fmt: skip
+        gathered = self._comm.gather(own)
+        agreed = {g.wanted for g in gathered}
         self.replicas = agreed.pop() if len(agreed) == 1 and min(agreed) > 0 else 0
         if not self.replicas:
             return False
-        holdings = [[tuple(g[i : i + 4]) for i in range(2, len(g), 4) if g[i + 2] >= 0] for g in gathered]
+        holdings = [list(g.held) for g in gathered]
         transfers = []  # (needy rank, holder, [(source, light, step)]), the same list on every rank
         for rank, g in enumerate(gathered):
-            if not g[1]:
+            if not g.needy:
                 continue
             offers = {}
             for h, held_by in enumerate(holdings):

@@ -6,7 +6,6 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import NoReturn
 
 from rich.table import Table
 from rich.text import Text
@@ -16,14 +15,13 @@ from stalwart.checkpoint.storage import Storage, describe_error
 from stalwart.checkpoint.tools import inspect
 from stalwart.checkpoint.tools.export import export_dcp
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError, StalwartError
+from stalwart.runtime.args import pointing_to
 from stalwart.telemetry.console import console
 
 EXIT_INVALID = 1
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{message} (see 'stalwart ckpt --help')")
+_Parser = pointing_to("stalwart ckpt")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,7 +3,7 @@
 `import stalwart` calls `install()`, so the injectors reach the workers, their persisters and the pre-flight
 check through the environment alone. What they inject is decided when a seam is used, not here: a Job's steps
 get a FaultInjector only where STALWART_FAULTS names faults for its rank and restart (else the product's
-no-op, job/hooks.py); a persister applies only the faults a save's request carries (checkpoint/save/hooks.py);
+no-op, job/step_hooks.py); a persister applies only the faults a save's request carries (checkpoint/save/save_hooks.py);
 the memory test's bad cell needs STALWART_NODE_FAULTS=bad_memory (chaos/node_faults.py); the tests' threaded
 stand-in for a GPU's side stream needs STALWART_TEST_THREADED_SIDE_COPY=1 (checkpoint/save/side_copy.py).
 """

@@ -29,10 +29,10 @@ class StepHooks(Protocol):
         """The batch the loop body gets."""
 
     def in_optimizer(self, step: int, phase: str) -> None:
-        """At the commit point of light snapshots (job/commit.py): 'before_snapshot' or 'after_barrier'."""
+        """At the commit point of light snapshots (job/step_commit.py): 'before_snapshot' or 'after_barrier'."""
 
     def save_faults(self, step: int) -> dict[str, object] | None:
-        """What the persist of `step` is to meet, carried to the persister (checkpoint/save/hooks.py)."""
+        """What the persist of `step` is to meet, carried to the persister (checkpoint/save/save_hooks.py)."""
 
 
 class NoStepHooks:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.tiers.memory import MemoryTier
-from stalwart.job.hooks import StepHooks
+from stalwart.job.step_hooks import StepHooks
 from stalwart.recovery import reform
 from stalwart.telemetry.events import EventLog
 

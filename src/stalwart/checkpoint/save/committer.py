@@ -17,9 +17,9 @@ import threading
 import time
 
 from stalwart.checkpoint.format import layout
-from stalwart.checkpoint.save.hooks import SaveHooks
 from stalwart.checkpoint.save.request import PersistRequest
 from stalwart.checkpoint.save.retry import GaveUp, Quit, Retrier
+from stalwart.checkpoint.save.save_hooks import SaveHooks
 from stalwart.checkpoint.storage import Storage, describe_error
 from stalwart.telemetry.events import EventLog
 

@@ -15,11 +15,12 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from stalwart.detect import preflight
 from stalwart.detect.gpu import nvml_device_count
 from stalwart.errors import ConfigError
+from stalwart.runtime.args import Parser
 from stalwart.runtime.env import PREFLIGHT_ENV
 from stalwart.supervisor import exclusion
 from stalwart.supervisor.peer_check import PAYLOAD_MB, PeerCheck, route_address
@@ -107,9 +108,7 @@ def summary(report: dict[str, Any]) -> str:
     return f"pre-flight {verdict} in {report['seconds']:.1f} s: " + "; ".join(parts)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(message)
+_Parser = Parser
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,184 @@
+"""One launch of the recovery bench's job under one system (torchrun, torchft or `stalwart run`), watched through
+its event log: starting it, its workers' pids, the steps it completed, stopping it (bench/recovery.py drives it)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stalwart.errors import BenchError
+from stalwart.runtime.process import spawn
+from stalwart.telemetry.events import EventLog
+
+Progress = Callable[[str], None]
+
+
+FULL_EVERY_STEP = ["--snapshot-every", "1", "--replicated-snapshot-every", "1"]
+"""The stalwart_full runs' job options: a full memory snapshot every step (the defaults before the budget)."""
+
+
+NPROC = 2
+
+
+@dataclass
+class Run:
+    """One launch of the bench job under one system, watched through its event log."""
+
+    system: str
+    workdir: Path
+    steps: int
+    spares: int = 2
+    seconds: float | None = None
+    """A bound on the job's wall time (the hang and goodput runs stop it themselves long before)."""
+    stock: bool = False
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    offset: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "events.jsonl"
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
+        env.update(STALWART_EVENT_LOG=str(self.log), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        until = [] if self.seconds is None else ["--until", f"{time.time() + self.seconds:.0f}"]
+        job = ["-m", "stalwart.bench.recovery_job", "--out", str(self.workdir), "--steps", str(self.steps), *until]
+        if self.system == "stalwart_full":
+            job += FULL_EVERY_STEP
+        if self.system == "torchft":
+            cmd = [sys.executable, "-m", "stalwart.bench.torchft_driver", "--out", str(self.workdir), "--steps",
+                   str(self.steps), *until]  # fmt: skip
+        elif self.system == "torchrun":
+            if not self.stock:
+                env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+            # Its log directory in the run's (torch elastic's default, a new one in /tmp, outlives a SIGKILL).
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
+                   "--max-restarts=100", "--log-dir", str(self.workdir / "torchrun-logs"), *job]  # fmt: skip
+        else:
+            cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", str(NPROC), "--max-restarts", "100",
+                   "--spares", str(self.spares), "--event-log", str(self.log), *job]  # fmt: skip
+        out = open(self.workdir / "output.log", "wb")  # noqa: SIM115 - closed with the process in stop()
+        self.started = time.monotonic()
+        # Its own session (the bench signals the whole group), and SIGTERM to the launcher if the bench dies.
+        self.proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        out.close()
+
+    def poll_events(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        new = []
+        for line in chunk[:end].splitlines():
+            with contextlib.suppress(ValueError):
+                new.append(json.loads(line))
+        self.offset += end
+        self.events.extend(new)
+        return new
+
+    def worker_pid(self, rank: int) -> int | None:
+        """The newest pid of `rank` (from the workers' own `worker_started` events)."""
+        pids = [e["pid"] for e in self.events if e["event"] == "worker_started" and e.get("rank") == rank]
+        return pids[-1] if pids else None
+
+    def last_step(self) -> int:
+        return max((e["step"] for e in self.events if e["event"] == "step_done"), default=0)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """End the launcher and every worker this run started (pids from its own events and /proc)."""
+        if self.proc is None:
+            return
+        workers = _descendants(self.proc.pid)
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.poll_events()
+        known = {e["pid"] for e in self.events if e["event"] == "worker_started"}
+        for pid in set(workers) | known:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _descendants(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, pp in parents.items() if pp == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def _note_kill(run: Run, what: str, rank: int, step: int) -> float:
+    """Record the fault in the run's event log (so every time is on one CLOCK_MONOTONIC) and return its time."""
+    record = EventLog(run.log, role="bench").emit("fault_injected", fault=what, rank=rank, step=step)
+    return float(record["mono"])
+
+
+def _wait(run: Run, until: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        if not run.running():
+            run.poll_events()
+            if until():
+                return
+            raise BenchError(f"{run.system}: the job exited ({run.proc.returncode if run.proc else '?'}) while "
+                             f"waiting for {what}; see {run.workdir / 'output.log'}")  # fmt: skip
+        if time.monotonic() > deadline:
+            raise BenchError(f"{run.system}: timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.02)
+        run.poll_events()
+
+
+def _stepped_in_round(run: Run, restart: int) -> Callable[[], bool]:
+    """Whether a worker of restart round `restart` (or later) has completed a step."""
+    return lambda: any(e["event"] == "step_done" and e.get("restart", 0) >= restart for e in run.events)
+
+
+def _first_step_after(events: list[dict[str, Any]], mono: float, rank: int | None = None) -> float | None:
+    times = [e["mono"] for e in events if e["event"] == "step_done" and e["mono"] > mono
+             and (rank is None or e.get("rank") == rank)]  # fmt: skip
+    return min(times) if times else None
+
+
+def _median_step(events: list[dict[str, Any]]) -> float | None:
+    steps = [e["step_s"] for e in events if e["event"] == "step_done" and e.get("rank") == 0 and e["step"] > 5]
+    return statistics.median(steps) if steps else None
+
+
+def _results(workdir: Path) -> dict[int, str]:
+    out = {}
+    for rank in range(NPROC):
+        path = workdir / f"result-rank{rank}.json"
+        if path.exists():
+            out[rank] = json.loads(path.read_text())["sha256"]
+    return out

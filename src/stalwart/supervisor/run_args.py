@@ -1,0 +1,199 @@
+"""`stalwart run`'s command line: torchrun's own parser (every flag and PET_* variable behaves the same) with
+stalwart's additions, and the checks that turn a bad combination into one line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from stalwart.detect.hang import parse_timeout
+from stalwart.errors import ConfigError
+from stalwart.runtime.args import pointing_to
+from stalwart.runtime.env import (
+    EVENT_LOG_ENV,
+    HANG_TIMEOUT_ENV,
+    METRICS_PORT_ENV,
+    PREEMPT_NOTICE_ENV,
+    REFORM_ENV,
+    SPARES_ENV,
+)
+from stalwart.supervisor import preflight_gate
+from stalwart.supervisor.preempt_notice import check_source
+
+_OneLineParser = pointing_to("stalwart run")
+DEFAULT_EVENT_LOG = "stalwart-logs/events.jsonl"
+
+
+DEFAULT_MAX_RESTARTS = 3
+"""torchrun's default is 0, which turns any failure into a failed job; a resilience launcher should restart."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's own parser (so every flag and PET_* variable behaves the same) with stalwart's additions."""
+    from torch.distributed.run import get_args_parser
+
+    torch_parser = get_args_parser()
+    parser = _OneLineParser(
+        prog="stalwart run",
+        description="Launch a training script on this node with torchrun's flags; restart workers on failure.",
+        parents=[torch_parser],
+        add_help=False,
+        formatter_class=torch_parser.formatter_class,
+    )
+    parser.add_argument(
+        "--event-log",
+        default=os.environ.get(EVENT_LOG_ENV, DEFAULT_EVENT_LOG),
+        help=f"JSONL event log shared with the workers (default: ${EVENT_LOG_ENV} or {DEFAULT_EVENT_LOG})",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        default=os.environ.get(HANG_TIMEOUT_ENV, "auto"),
+        help="seconds a worker may go without a heartbeat inside the training loop before it is killed as hung "
+        "and the group restarted; 'auto' (default) calibrates it from the step times (3x their 99th percentile, "
+        "at least 2 s, with grace for the first steps and waited saves)",
+    )
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=int(os.environ.get(SPARES_ENV, "0")),
+        help="hot spare processes this agent keeps ready (torch imported, started at the lowest CPU priority); a "
+        "worker that dies is replaced by a ready spare instead of a new interpreter (default 0)",
+    )
+    parser.add_argument(
+        "--no-reform",
+        action="store_true",
+        default=os.environ.get(REFORM_ENV) == "0",
+        help="when a worker fails, end and restart every worker of the node (torchrun's way) instead of keeping "
+        "the survivors' processes and re-forming the group with them (default: re-form; ${REFORM_ENV}=0 also "
+        "turns it off)".replace("${REFORM_ENV}", REFORM_ENV),
+    )
+    preflight_gate.add_arguments(parser)
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ[METRICS_PORT_ENV]) if os.environ.get(METRICS_PORT_ENV, "").isdigit() else None,
+        help="serve the run's Prometheus metrics on this port (0: any free one; default: off)",
+    )
+    parser.add_argument(
+        "--preempt-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM (a preemption), seconds the workers get to take a last durable checkpoint at an agreed "
+        "step and exit, before they are stopped (default 30; 0: stop at once); the launcher then exits 143",
+    )
+    parser.add_argument(
+        "--preempt-notice",
+        default=os.environ.get(PREEMPT_NOTICE_ENV) or None,
+        metavar="SOURCE",
+        help="a preemption notice to watch: an http(s) URL of the cloud's metadata service (GCE's "
+        ".../instance/preempted, AWS's .../spot/instance-action) or file:PATH; at the notice, the same as SIGTERM",
+    )
+    parser.add_argument("--metrics-addr", default="127.0.0.1",
+                        help="the address the metrics listen on (default 127.0.0.1: this host only)")  # fmt: skip
+    if "PET_MAX_RESTARTS" not in os.environ:
+        parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
+    return parser
+
+
+_STATIC_FLAGS = ("--rdzv-backend", "--rdzv_backend", "--master-addr", "--master_addr", "--master-port",
+                 "--master_port", "--node-rank", "--node_rank")  # fmt: skip
+
+
+_STATIC_ENV = ("PET_RDZV_BACKEND", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_NODE_RANK")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    # torchrun defaults to the static backend on a fixed port (29500). stalwart uses c10d unless the user chose
+    # a backend or gave torchrun's static flags (--master-addr/--master-port/--node-rank), which keep working.
+    script_at = argv.index(args.training_script) if args.training_script in argv else len(argv)
+    chose = any(a.split("=")[0] in _STATIC_FLAGS for a in argv[:script_at]) or any(e in os.environ for e in _STATIC_ENV)
+    if not chose:
+        args.rdzv_backend = "c10d"
+    elif args.rdzv_backend == "static" and str(args.nnodes) in ("1", "1:1"):
+        # The static backend makes restarted workers share the agent's store, which keeps the dead round's
+        # addresses (the torchrun hang this launcher exists to fix). On one node, rendezvous with c10d on the
+        # address and port the user asked for instead; several static nodes keep torchrun's behaviour.
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port or 0}"
+    _validate(args)
+    return args
+
+
+def _validate(args: argparse.Namespace) -> None:
+    nproc = str(args.nproc_per_node)
+    if nproc.lstrip("-").isdigit() and int(nproc) < 1:
+        raise ConfigError(f"--nproc-per-node must be at least 1, got {nproc}")
+    if not 0 <= args.preempt_grace_s < float("inf"):
+        raise ConfigError(f"--preempt-grace-s must be a number of seconds >= 0, got {args.preempt_grace_s}")
+    if args.preempt_notice is not None:
+        check_source(args.preempt_notice)
+        if args.preempt_grace_s <= 0:
+            raise ConfigError("--preempt-notice needs a grace period (--preempt-grace-s > 0) for the last checkpoint")
+    try:
+        parse_timeout(args.hang_timeout)
+    except ValueError as exc:
+        raise ConfigError(f"--hang-timeout: {exc}") from exc
+    if args.spares < 0:
+        raise ConfigError(f"--spares must be >= 0, got {args.spares}")
+    if args.spares and args.no_python:
+        raise ConfigError(
+            "--spares runs Python scripts in pre-started interpreters; it cannot be used with --no-python"
+        )
+    if args.spares and _spawned_only(args):
+        raise ConfigError(f"--spares cannot be combined with {_spawned_only(args)} (workers in pre-started spares "
+                          "write to the launcher's own stdout and stderr and are not re-bound)")  # fmt: skip
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    if not 0 < min_nodes <= max_nodes:
+        raise ConfigError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {args.nnodes}")
+    if max_nodes > 1 and args.rdzv_backend != "static" and not args.rdzv_endpoint and not args.standalone:
+        raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
+    script = args.training_script
+    if args.module:
+        try:
+            found = importlib.util.find_spec(script) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ConfigError(f"module {script!r} cannot be found by this Python ({sys.executable})")
+    elif args.no_python:
+        if not (shutil.which(script) or os.access(script, os.X_OK)):
+            raise ConfigError(f"program {script!r} does not exist or is not executable")
+    elif not Path(script).is_file():
+        raise ConfigError(f"training script {script!r} does not exist")
+
+
+def _spawned_only(args: argparse.Namespace) -> str:
+    """The torchrun options that only processes spawned for the worker can honour (empty if none is set):
+    output redirection and filters, NUMA binding. Workers in hosts (spares, re-formed survivors) cannot."""
+    used = [
+        flag for flag, name in (("--redirects", "redirects"), ("--tee", "tee")) if str(getattr(args, name, "0")) != "0"
+    ]
+    used += [flag for flag, name in (("--duplicate-stdout-filters", "duplicate_stdout_filters"),
+                                     ("--duplicate-stderr-filters", "duplicate_stderr_filters"),
+                                     ("--numa-binding", "numa_binding")) if getattr(args, name, None)]  # fmt: skip
+    return ", ".join(used)
+
+
+def reforms(args: argparse.Namespace) -> bool:
+    """Whether survivors re-form in place: needs Python workers in hosts, which cannot redirect their output or
+    be NUMA-bound; with those options, or --no-python, a failure restarts every worker as torchrun does."""
+    return not (args.no_reform or args.no_python or _spawned_only(args))
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    try:
+        parts = [int(p) for p in str(text).split(":")]
+    except ValueError as exc:
+        raise ConfigError(f"--nnodes must be N or MIN:MAX, got {text}") from exc
+    if len(parts) == 1:
+        return parts[0], parts[0]
+    if len(parts) == 2:
+        return parts[0], parts[1]
+    raise ConfigError(f"--nnodes must be N or MIN:MAX, got {text}")
