@@ -6,58 +6,59 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from stalwart.bench.recovery import _reference_run, measure_kills, survivor_of
-from stalwart.bench.recovery_goodput import SETTLE_S, fault_only, goodput_badput, steady_pace
+from stalwart.bench.recovery_goodput import SETTLE_S, PacedGoodput, steady_pace
 from stalwart.bench.recovery_run import _results
 
 STEP = 0.1
 
 
-def test_badput_splits_a_run_with_one_kill_into_its_parts() -> None:
-    # Launched at 0; step 1 done at 2.0 (1.9 s of start-up); steps 2..10 every 0.1 s, step 5 slower by 0.05 s;
-    # killed at 3.0 after step 10; resumed from step 8: step 9 done again at 3.6, then 10..12 every 0.1 s.
-    done = [(2.0, 1)]
+def _step(step: int, mono: float, **extra: Any) -> dict[str, Any]:
+    return {"event": "step_done", "rank": 0, "step": step, "mono": mono, "step_s": STEP, **extra}
+
+
+def test_a_goodput_run_is_accounted_in_the_one_model_and_counted_at_a_pace() -> None:
+    """The bench's goodput run in telemetry/goodput.py's categories (those of `stalwart report` and `stalwart
+    chaos`): launched at 0; step 1 done at 2.0, then every 0.1 s to step 10; rank 1 killed at 3.0, the agent
+    notices at 3.05, rank 0's script starts again at 3.2 and resumes step 8 from memory in 0.1 s; steps 9-12
+    done again by 3.9; the window ends at 3.95."""
+    events = [{"event": "worker_started", "rank": 0, "mono": 0.5}]
     t = 2.0
-    for step in range(2, 11):
-        t += STEP + (0.05 if step == 5 else 0.0)
-        done.append((round(t, 6), step))
-    kill = 3.0
-    after = [(3.6, 9), (3.7, 10), (3.8, 11), (3.9, 12)]
-    done += after
-    end = 3.95
-    badput = goodput_badput(done, [kill], 0.0, end, STEP)
-    assert badput["startup"] == pytest.approx(1.9)
-    assert badput["recovery"] == pytest.approx(3.6 - STEP - kill)  # to the start of the first step after it
-    assert badput["redone"] == pytest.approx(2 * STEP)  # steps 9 and 10 again
-    assert badput["tail"] == pytest.approx(0.05)
-    kept = 12 * STEP
-    wall = badput.pop("wall")
-    assert wall == pytest.approx(end)
-    lost = badput["startup"] + badput["recovery"] + badput["redone"] + badput["tail"]
-    assert fault_only({**badput, "wall": wall}) == pytest.approx(1 - lost / end)
-    assert kept + sum(badput.values()) == pytest.approx(end)  # slower_steps is the rest: its value is checked here
-    # What is left: step 5's extra 0.05 s and the part of step 11 that ran before the kill (3.0 - 2.95).
-    assert badput["slower_steps"] == pytest.approx(0.05 + (kill - done[9][0]))
+    for step in range(1, 11):
+        events.append(_step(step, round(t, 6)))
+        t += STEP
+    events += [
+        {"event": "fault_injected", "rank": 1, "fault": "kill", "mono": 3.0},
+        {"event": "worker_failed", "role": "agent", "mono": 3.05},
+        {"event": "worker_started", "rank": 0, "mono": 3.2},
+        {"event": "resumed", "rank": 0, "step": 8, "seconds": 0.1, "tier": "memory", "mono": 3.45},
+    ]
+    events += [_step(step, mono) for step, mono in ((9, 3.6), (10, 3.7), (11, 3.8), (12, 3.9))]
+    good = PacedGoodput.of(events, 0.0, 3.95, STEP)
+    bad = good.badput_s
+    assert bad["wall"] == pytest.approx(3.95)
+    assert bad["startup"] == pytest.approx(1.9)  # to the start of the first step
+    assert bad["detection"] == pytest.approx(0.05) and bad["reformation"] == pytest.approx(0.15)
+    assert bad["restore"] == pytest.approx(0.1)
+    assert bad["wasted_progress"] == pytest.approx(3.0 - 2.7)  # steps 9, 10 and the part of 11 before the kill
+    assert bad["productive"] + sum(v for k, v in bad.items() if k not in ("productive", "wall")) == pytest.approx(3.95)
+    assert good.goodput == pytest.approx(12 * STEP / 3.95), "12 steps kept, each at the reference's 0.1 s"
+    assert good.fault_only == pytest.approx(bad["productive"] / 3.95)  # no checkpoint stall here
 
 
-def test_a_run_without_faults_has_only_startup_and_slower_steps() -> None:
-    done = [(1.0 + i * 0.11, i + 1) for i in range(10)]
-    badput = goodput_badput(done, [], 0.0, done[-1][0], STEP)
-    assert badput["recovery"] == badput["redone"] == badput["tail"] == 0.0
-    assert fault_only(badput) == pytest.approx(1 - 0.9 / done[-1][0])
-    assert fault_only(None) is None
-    assert badput["startup"] == pytest.approx(0.9)
-    assert badput["slower_steps"] == pytest.approx(9 * 0.01)
-
-
-def test_a_second_kill_before_the_next_step_keeps_the_system_down_from_the_first() -> None:
-    done = [(1.0, 1), (1.1, 2), (1.2, 3), (2.5, 3), (2.6, 4)]
-    badput = goodput_badput(done, [1.25, 1.9], 0.0, 2.6, STEP)
-    assert badput["recovery"] == pytest.approx(2.5 - STEP - 1.25)
-    assert badput["redone"] == pytest.approx(STEP)
+def test_a_run_without_faults_charges_only_its_start_and_counts_checkpoint_stalls_as_work() -> None:
+    events = [_step(i + 1, 1.0 + i * 0.11, snapshot_s=0.01) for i in range(10)]
+    good = PacedGoodput.of(events, 0.0, events[-1]["mono"], STEP)
+    wall = events[-1]["mono"]
+    assert good.badput_s["wasted_progress"] == good.badput_s["detection"] == good.badput_s["restore"] == 0.0
+    assert good.badput_s["startup"] == pytest.approx(1.0 - STEP)
+    assert good.badput_s["checkpoint"] == pytest.approx(0.1)
+    assert good.fault_only == pytest.approx(1 - (1.0 - STEP) / wall)
+    assert good.goodput == pytest.approx(10 * STEP / wall)
 
 
 def test_the_steady_pace_leaves_out_the_start_and_the_seconds_after_each_kill() -> None:
@@ -81,12 +82,13 @@ def test_the_report_gives_both_goodputs_and_the_two_paces() -> None:
 
     from stalwart.bench.recovery_cli import print_report
 
-    bad = {"startup": 2.0, "recovery": 3.0, "redone": 0.3, "tail": 0.0, "slower_steps": 20.0, "wall": 300.0}
+    bad = {"startup": 2.0, "checkpoint": 1.0, "restore": 0.5, "wasted_progress": 0.3, "detection": 0.2,
+           "reformation": 1.0, "other": 10.0, "productive": 285.0, "wall": 300.0}  # fmt: skip
     system = {
         "kill_to_step_s_median": 0.45, "kill_to_step_s_max": 0.5, "steps_lost_max": 0, "survivor_stall_s_median": 0.4,
         "hang_detect_s": 0.5, "goodput": 0.881, "goodput_own_pace": 0.934, "bitwise_identical": True,
-        "step_s_median": 0.05, "badput_s": bad, "goodput_fault_only": 0.982,
-        "own_pace_badput_s": {**bad, "slower_steps": 10.0}, "goodput_step_s": {"reference": 0.0514, "own_pace": 0.0532},
+        "step_s_median": 0.05, "badput_s": bad, "goodput_fault_only": 0.953,
+        "goodput_step_s": {"reference": 0.0514, "own_pace": 0.0532},
     }  # fmt: skip
     out = io.StringIO()
     report = {"kills": 5, "job": {"model": "m"}, "systems": {"torchrun": system, "stalwart": system},
@@ -94,8 +96,9 @@ def test_the_report_gives_both_goodputs_and_the_two_paces() -> None:
     print_report(Console(file=out, width=240), report)
     text = out.getvalue()
     assert "88.1% (93.4%)" in text
-    assert "stalwart, at its own pace (53.2 ms a step" in text and "reference 51.4 ms): " in text
-    assert "slower steps 10.0 s" in text and "slower steps 20.0 s" in text
+    assert "stalwart, kept steps counted at its own pace: 53.2 ms a step" in text and "reference's: 51.4 ms" in text
+    assert "productive 285.0 s; startup 2.0 s, checkpoint 1.0 s" in text and "wasted progress 0.3 s" in text
+    assert "charged only for failures 95.3%" in text
 
 
 def test_a_killed_rank_0_is_measured_from_its_survivor_rank_1(tmp_path: Path) -> None:

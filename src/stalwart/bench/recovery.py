@@ -34,7 +34,6 @@ from typing import Any
 
 from stalwart.bench.recovery_goodput import (
     PacedGoodput,
-    fault_only,
     measure_goodput,
 )
 from stalwart.bench.recovery_run import (
@@ -172,7 +171,6 @@ def stock_torchrun(workdir: Path, trials: int, timeout: float, progress: Progres
 def summarize(
     kills: dict[str, Any], hang_s: float | None, good: PacedGoodput | None, reference_step_s: float
 ) -> dict[str, Any]:
-    badput = good.badput_s if good is not None else None
     return {
         "kill_to_step_s_median": statistics.median(kills["kill_to_step_s"]),
         "kill_to_step_s_max": max(kills["kill_to_step_s"]),
@@ -180,10 +178,9 @@ def summarize(
         "survivor_stall_s_median": statistics.median(kills["survivor_stall_s"]),
         "hang_detect_s": hang_s,
         "goodput": good.goodput if good is not None else None,
-        "badput_s": badput,
-        "goodput_fault_only": fault_only(badput),
+        "badput_s": good.badput_s if good is not None else None,
+        "goodput_fault_only": good.fault_only if good is not None else None,
         "goodput_own_pace": good.own_pace if good is not None else None,
-        "own_pace_badput_s": good.own_pace_badput_s if good is not None else None,
         "goodput_step_s": {
             "reference": reference_step_s,
             "own_pace": good.steady_step_s if good is not None else None,

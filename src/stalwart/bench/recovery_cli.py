@@ -111,17 +111,18 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     for name, s in report["systems"].items():
         if s.get("badput_s"):
             bad = s["badput_s"]
-            parts = ", ".join(f"{part.replace('_', ' ')} {v:.1f} s" for part, v in bad.items() if part != "wall")
+            parts = ", ".join(f"{part.replace('_', ' ')} {v:.1f} s" for part, v in bad.items()
+                              if part not in ("wall", "productive"))  # fmt: skip
             console.print(
-                f"{name}, goodput run of {bad['wall']:.0f} s, time lost: {parts}; goodput without the steps' "
-                f"speed {100 * s['goodput_fault_only']:.1f}%"
+                f"{name}, goodput run of {bad['wall']:.0f} s: productive {bad['productive']:.1f} s; {parts} "
+                f"(telemetry/goodput.py's categories); charged only for failures {100 * s['goodput_fault_only']:.1f}%"
             )
-            own, pace = s.get("own_pace_badput_s"), s.get("goodput_step_s") or {}
-            if own and pace.get("own_pace"):
-                parts = ", ".join(f"{part.replace('_', ' ')} {v:.1f} s" for part, v in own.items() if part != "wall")
+            pace = s.get("goodput_step_s") or {}
+            if pace.get("own_pace"):
                 console.print(
-                    f"{name}, at its own pace ({1e3 * pace['own_pace']:.1f} ms a step, {SETTLE_S:.0f} s or more from "
-                    f"a start or kill; reference {1e3 * pace['reference']:.1f} ms): {parts}"
+                    f"{name}, kept steps counted at its own pace: {1e3 * pace['own_pace']:.1f} ms a step "
+                    f"({SETTLE_S:.0f} s or more from a start or kill); at the reference's: "
+                    f"{1e3 * pace['reference']:.1f} ms"
                 )
     ratio = report["ratios"]["torchrun_over_stalwart_kill_to_step"]
     console.print(f"torchrun ÷ stalwart, kill to next step: {ratio:.1f}×")

@@ -22,6 +22,9 @@ segment's first step start at its resume step. The next segment's resume step sa
 was kept: time up to that step's completion is productive, the rest is wasted. Gaps between segments are
 split between detection, re-formation, restore and other from the launcher's and the worker's events.
 Reads only the log: works live (on a log being written) and after the run.
+
+One model for every command that reports goodput: `stalwart report`, `stalwart chaos` and `stalwart bench
+recovery` (which gives it a window of its own and also counts the kept steps at a fixed pace, `Goodput.paced`).
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class Goodput:
     productive_s: float
     badput: dict[str, float]
     final_step: int
+    kept_steps: int = 0
+    """Steps of the final history done inside the wall time (a redone step counts once)."""
     recoveries: list[Recovery] = field(default_factory=list)
     attempts: list[Attempt] = field(default_factory=list)
     """Progress over time, for the report's timeline."""
@@ -76,6 +81,16 @@ class Goodput:
     @property
     def ratio(self) -> float:
         return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def paced(self, step_s: float) -> float:
+        """Goodput with each kept step counted at `step_s` (a fault-free run's step time) instead of its own: it
+        also charges what slowed the steps down (snapshots, spares starting, contention), not only the time down."""
+        return self.kept_steps * step_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def fault_only(self) -> float:
+        """Goodput charged only for start-up, failures and their recoveries: checkpoint stalls count as work."""
+        return (self.productive_s + self.badput["checkpoint"]) / self.wall_s if self.wall_s > 0 else 0.0
 
 
 @dataclass(slots=True)
@@ -108,15 +123,20 @@ class _Segment:
         return self.points[-1][0] if self.points else self.resume
 
 
-def account(events: Iterable[dict[str, Any]]) -> Goodput:
-    """The goodput of the run whose events these are (one run: one launcher's log)."""
+def account(events: Iterable[dict[str, Any]], *, window: tuple[float, float] | None = None) -> Goodput:
+    """The goodput of the run whose events these are (one run: one launcher's log), from its launch to its exit,
+    or over `window` (monotonic start and end; events after the end are left out)."""
     events = sorted(events, key=lambda e: e.get("mono", 0.0))
+    if window is not None:
+        events = [e for e in events if e.get("mono", 0.0) <= window[1]]
     agent = [e for e in events if e.get("role") == "agent"]
     rank0 = [e for e in events if e.get("role") != "agent" and e.get("rank") == 0]
     if not events:
         return Goodput(0.0, 0.0, dict.fromkeys(CATEGORIES, 0.0), 0)
     start = next((e["mono"] for e in agent if e["event"] == "launcher_started"), events[0]["mono"])
     end = next((e["mono"] for e in reversed(agent) if e["event"] == "launcher_exit"), events[-1]["mono"])
+    if window is not None:
+        start, end = window
     segments = _segments(rank0, agent, events)
     badput = dict.fromkeys(CATEGORIES, 0.0)
     productive = 0.0
@@ -170,7 +190,7 @@ def account(events: Iterable[dict[str, Any]]) -> Goodput:
     wall = end - start
     badput["other"] += wall - productive - sum(badput.values())  # what the segments' own accounting missed
     final = max(s.reached for s in segments)
-    return Goodput(wall, productive, badput, final, recoveries, attempts)
+    return Goodput(wall, productive, badput, final, final - first.resume, recoveries, attempts)
 
 
 def _worker_started(rank0: list[dict[str, Any]], after: float, before: float) -> float | None:
