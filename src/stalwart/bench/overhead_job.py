@@ -135,7 +135,7 @@ def main() -> None:
         args.result.write_text(json.dumps(result))
     if job is None and world > 1:
         # Plain DDP under torchrun: at interpreter exit torch's gloo threads now and then abort the process
-        # ("terminate called without an active exception", 1 run in 4 of the 2-rank test on 2026-11-25), which
+        # ("terminate called without an active exception", now and then in the 2-rank test), which
         # fails a run whose result is written. The work is done and the group destroyed: leave without teardown.
         sys.stdout.flush()
         sys.stderr.flush()

@@ -299,10 +299,9 @@ class Checkpointer:
 
     def prepare(self, state: dict[str, Any]) -> None:
         """Allocate the staging memory a save of a state like `state` needs, on a background thread, so that the
-        first save after a start does not stall for it: 1.8 to 3.5 s for a 4.8 GB GPU state on an H100 (faulting
-        the pages in, registering them with CUDA); for a 1 GB CPU state on the 2-core VM, 0.46-0.48 s without it
-        and 0.087-0.091 s with it (`python -m stalwart.bench.first_save`, 2026-11-24). Local to this rank (no
-        collective). Any problem is left to the save itself to meet and report."""
+        first save after a start does not stall for it (faulting the pages in, registering them with CUDA: seconds
+        for a GPU state of a few GB; `python -m stalwart.bench.first_save`, docs/benchmarks.md). Local to this rank
+        (no collective). Any problem is left to the save itself to meet and report."""
         if self._preparing is not None or self._staging.size > 0:
             return
         try:

@@ -9,8 +9,7 @@ How: every `every` steps each rank fingerprints its replicated objects' tensors:
 bytes read as 64-bit integers, wrapping (an integer sum does not depend on the order of additions, so every rank
 and device gets the same one), with the bytes past the last whole word summed as 8-bit integers; one read of the
 tensor, one host transfer per device; then all of them hashed in order into 63 bits. Summing 32-bit words into
-64 bits, as before, took 50 ms for the 48 MB of the recovery bench job's model and AdamW state on one core (torch
-widens every word first); 64-bit words take 2.4 ms (2026-11-25).
+64 bits, as before, was twenty times slower (torch widens every word first; docs/benchmarks.md).
 One all-gather compares the ranks. All equal: nothing happens. Otherwise a `replica_divergence` event names
 the ranks outside the largest group of equal fingerprints:
 

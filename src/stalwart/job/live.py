@@ -6,15 +6,15 @@ state: an optimizer's learning rate, a scheduler's epoch). Both must be those of
 both are read at every step's end: the tensors' version counters (any in-place write bumps one, so versions
 equal to those read at the step's end prove at a failure that the tensors still hold that step) and the
 skeleton. That is on the training thread every step, so each is read the cheap way, measured inside the 2-rank
-bench job on the 2-core VM (2026-11-25), where a step's matrix products leave Python's data cold in the caches:
+bench job (docs/benchmarks.md), where a step's matrix products leave Python's data cold in the caches:
 
 - the live tensors are listed once and listed again when an optimizer's state grows (its first step) or a
   fresh read is asked for (at a failure and after a restore): walking a model's modules for its parameters
-  was most of the versions' 105 us per step (now 35-47 us);
+  was most of the versions' cost per step;
 - the skeleton is walked without its tensors (serialize.FlattenCache), a module whose state_dict() can only
   hold its parameters (no buffers, no extra state, no state-dict hooks) is not asked for it at all (its
   skeleton depends only on which tensors it holds, which the live tensors' data pointers say), and a plain
-  torch optimizer's is rebuilt from its param groups (166 us a step, now about 20 us).
+  torch optimizer's is rebuilt from its param groups (the figures: docs/benchmarks.md).
 
 A parameter replaced since the list was made is caught by the fresh read at a failure: its versions then differ
 from those of the step's end, and the survivor keeps nothing (the replacement falls back to a full copy).
@@ -123,9 +123,8 @@ class _OptimizerSkeleton:
     """An optimizer's skeleton from its param_groups alone, for an optimizer whose state_dict() is torch's own
     (no override, no hooks) and whose state holds nothing but live tensors: the "state" part is then only
     references, fixed while the live tensors are, and the non-tensor state (learning rate, betas) is in the
-    param groups. Saves the optimizer's state_dict() and the walk of its state every step (about 80 us of a
-    light snapshot inside the 2-rank bench job). Anything else in the groups (a tensor learning rate) falls back
-    to state_dict()."""
+    param groups. Saves the optimizer's state_dict() and the walk of its state every step (a large share of a
+    light snapshot). Anything else in the groups (a tensor learning rate) falls back to state_dict()."""
 
     def __init__(self, state: Any, params: list[list[int]], key: frozenset[int] | None) -> None:
         self._state = state

@@ -122,7 +122,7 @@ def _tensor(words: Any) -> torch.Tensor:
 class _TorchState:
     """torch's CPU generator: get_rng_state() is a fresh 5 KB tensor each call; when it equals the last one,
     the last one is returned (never written in place, so sharing it is safe). Comparing only its head and
-    normal caches through ctypes measured no faster than torch.equal with cold caches (2026-11-25)."""
+    normal caches through ctypes measured no faster than torch.equal with cold caches."""
 
     def __init__(self) -> None:
         self._last: torch.Tensor | None = None

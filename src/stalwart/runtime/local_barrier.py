@@ -1,7 +1,7 @@
 """A barrier of the ranks of one node through a shared page, for the commit point of every step.
 
 Why: light snapshots put a barrier in every step (job/step_commit.py). Over stalwart's gloo group one barrier cost
-1.9 ms per step on the 2-core VM (2 ranks, timed inside the commit point, 2026-11-23): the request goes from the
+milliseconds per step (docs/benchmarks.md): the request goes from the
 training thread to gloo's work thread, its TCP loop thread and the loopback socket, then to the peer's threads and
 back, and on busy cores every hand-off waits for the scheduler. That alone is three times the light snapshots'
 half of the 1% snapshot budget, so they were turned off and a kill lost up to the full copies' interval.

@@ -53,16 +53,16 @@ class Profile:
 
 STALWART = Profile(
     "stalwart",
-    detect_crash_s=0.1,  # a SIGKILLed rank noticed in 0.04-0.11 s (chaos quick suite, 2026-11-24)
-    detect_hang_s=2.0,  # a SIGSTOPped rank 0.5-0.6 s, a network partition 2.07 s (2026-11-24)
-    process_restart_s=0.5,  # kill to next step 0.48 s median, bench recovery (2026-11-23)
-    node_swap_s=4.0,  # a lost node relaunched: 3.0-3.8 s to the next step (chaos kill_node, 2026-11-24)
+    detect_crash_s=0.1,  # measured (docs/benchmarks.md, "The simulator's inputs"): a SIGKILLed rank noticed
+    detect_hang_s=2.0,  # measured: a SIGSTOPped rank and a network partition
+    process_restart_s=0.5,  # measured: kill to next step, bench recovery
+    node_swap_s=4.0,  # measured: a lost node relaunched, to the next step (chaos kill_node)
     node_wait_s=600.0,  # assumed
     repair_s=2 * 24 * 3600.0,  # assumed: two days away for diagnosis and repair
     restore_memory_s=0.05,  # restore from node memory or the peer copy: 0.03-0.07 s (2 ranks)
     restore_durable_s=60.0,  # assumed (reading a 16k-GPU checkpoint back)
     memory_tier=True,
-    snapshot_stall_s=0.112,  # H100, 5.8 GB state: 0.112 s stall, the pinned device-to-host copy (2026-11-23)
+    snapshot_stall_s=0.112,  # measured on an H100, 5.8 GB state: the pinned device-to-host copy
     checkpoint_stall_s=0.112,  # the same copy; persisting runs in the background
     persist_s=60.0,  # assumed
     sdc_detect_s=60.0,  # the replica fingerprint check runs every 100 steps (about a minute of steps assumed)
@@ -79,7 +79,7 @@ TORCHRUN = Profile(
     restore_durable_s=60.0,
     memory_tier=False,
     snapshot_stall_s=0.0,
-    checkpoint_stall_s=12.3,  # torch.save of 5.8 GB on the H100: 110x stalwart's 0.112 s stall (2026-11-23)
+    checkpoint_stall_s=12.3,  # measured: torch.save of the same 5.8 GB on the H100
     persist_s=0.0,  # synchronous: usable when the stall ends
     sdc_detect_s=3600.0,  # assumed: found by a person looking at a loss curve
 )

@@ -1,11 +1,11 @@
 """Waking the agent's monitor loop when a worker ends, instead of at its next tick.
 
 torch elastic's agent sleeps `monitor_interval` (0.1 s by default) between looks at its workers, so it learns of
-a dead worker 50 ms after the death on average and up to 100 ms after it: in a recovery of about 0.35 s (the
-recovery bench job, 2026-11-26: kill, re-form, resume, first step) that wait was the largest single share after
-the script's own re-run. Here the agent waits on a pidfd of each worker (readable once the process has ended)
-and on the zygote's socket (which says how a forked worker ended), with the monitor interval as the timeout, so
-a death is looked at within about a millisecond and a quiet job is looked at as often as before.
+a dead worker 50 ms after the death on average and up to 100 ms after it: in a recovery of a few tenths of a
+second that wait was the largest single share after the script's own re-run (docs/benchmarks.md). Here the
+agent waits on a pidfd of each worker (readable once the process has ended) and on the zygote's socket (which
+says how a forked worker ended), with the monitor interval as the timeout, so a death is looked at within about
+a millisecond and a quiet job is looked at as often as before.
 
 A pidfd stays readable after its process has ended; a pid seen ended is not waited on again, so a dead worker
 whose group has not been restarted yet cannot turn the wait into a busy loop. Where pidfds do not exist (Linux

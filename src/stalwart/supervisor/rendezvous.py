@@ -89,9 +89,9 @@ def _cheap_event_names() -> None:
     torch's dynamic rendezvous names each event it records after the method that records it, found with
     `inspect.stack()` twice per event: every frame's source file and module looked up, each lookup a scan of
     `sys.modules`. In the agent (torch and stalwart imported: thousands of modules) a restart's 8 events took
-    most of its rendezvous: 0.116 s of 0.119 s under cProfile, about 40 ms of a kill-to-step of ~0.31 s on the
-    2-core VM (recovery bench job, 2026-11-26). `sys._getframe` gives the same name (the function two frames
-    up) without the lookups. Only torch's own function is replaced; another torch is left as it is."""
+    most of its rendezvous (the profile is in docs/benchmarks.md). `sys._getframe` gives the same name (the
+    function two frames up) without the lookups. Only torch's own function is replaced; another torch is left as
+    it is."""
     import inspect
     import sys
 

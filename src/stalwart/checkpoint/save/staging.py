@@ -87,9 +87,8 @@ class Staging:
                 raise
             self.fd, self.size = fd, size
             self._buf = torch.frombuffer(self._map, dtype=torch.uint8)
-            # Fault the pages in now, not during the first timed copies. Also before cudaHostRegister: on an H100
-            # (2026-11-24) registering 5.3 GB of untouched pages made the first save stall 2.8-3.5 s, against
-            # 1.85 s for filling them first and then registering.
+            # Fault the pages in now, not during the first timed copies. Also before cudaHostRegister: registering
+            # untouched pages was measured slower than filling them first and then registering (docs/benchmarks.md).
             self._buf.zero_()
             self._pinned = False
         if pin and not self._pinned and torch.cuda.is_available():

@@ -6,8 +6,8 @@ table holds the state's skeleton (flatten's: the structure, with references in p
 
 Why the split: a light snapshot every step is taken at every optimizer step, and any value in the skeleton that
 changes from step to step (the step itself, a data loader's batch counter, an epoch) made every snapshot
-pickle its skeleton again: torch.save, base64 and JSON, about 0.5 ms of the 0.85 ms a light snapshot cost
-inside the 2-rank bench job with a tracked loader (2-core VM, 2026-11-25). So the step goes to the slot's
+pickle its skeleton again: torch.save, base64 and JSON, more than half of a light snapshot's cost inside the
+2-rank bench job with a tracked loader (docs/benchmarks.md). So the step goes to the slot's
 header, and every other plain value (int, float, bool, str, None) is taken out of the pickled skeleton into a
 JSON list, `values`, written each time; the pickled part, the tensor table and their JSON are made once per
 layout and reused while it does not change.
