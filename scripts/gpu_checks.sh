@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, run on a lent device machine (docs/benchmarks.md records what they printed).
 # Usage, from the repository root there: bash scripts/gpu_checks.sh [what...]; results go to $OUT (default ./gpu-out).
-# what: info nvml preflight run overhead checkpoint overlap first_save (default: all). Wheels missing there travel in .whl/.
+# what: info nvml preflight run overhead checkpoint overlap first_save sync (default: all). Wheels missing there travel in .whl/.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -10,7 +10,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1
 PY=python3
-what=${*:-info nvml preflight run overhead checkpoint overlap first_save}
+what=${*:-info nvml preflight run overhead checkpoint overlap first_save sync}
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
 for w in $what; do
 case $w in
@@ -71,5 +71,8 @@ first_save)
     step "the first save after a start, with staging prepared in the background (4 GB)"
     timeout 300 $PY -m stalwart.bench.first_save --device cuda --size 4GB > "$OUT/first_save.json"; echo "exit $?"
     cat "$OUT/first_save.json" ;;
+sync)
+    step "host reads: at most one synchronisation a step with the defaults, none with the checks off"
+    timeout 300 $PY tests/scripts/gpu_host_reads.py | tee "$OUT/host_reads.json"; echo "exit $?" ;;
 esac
 done

@@ -3,7 +3,7 @@
 A save has two halves. The snapshot (here, on the training thread) agrees with the other ranks that a save
 starts, flattens the state into a skeleton and tensors, and copies this rank's tensors into its staging memory;
 that copy is the whole stall. The persist (save/persister.py, another process) hashes and writes the rank's data
-and meta files and, on rank 0, waits for every rank's meta file and writes the manifest last (save/commit.py):
+and meta files and, on rank 0, waits for every rank's meta file and writes the manifest last (save/committer.py):
 that write is the commit. A crash at any instant before it leaves the previous checkpoint the newest loadable one.
 
 Replicated objects (`replicated=`, e.g. a DDP model and its optimizer) are written once: each of their tensors
