@@ -39,6 +39,10 @@ BOARD_PREFIX = "stalwart-heartbeat-"
 
 SLOT = struct.Struct("<qqqqqq")  # seq, pid, step, phase, beat_ns, deadline_ns
 SLOT_BYTES = 64
+WORD = struct.Struct("<q")
+RISK_AT, PREEMPT_AT = 0, 8
+"""The agent's slot (the board's last), one int64 word each at these offsets in it: the risk counter, and the
+preemption flag (1: asked)."""
 
 PHASE_NONE, PHASE_RESUME, PHASE_STEP, PHASE_SAVE, PHASE_DONE = range(5)
 PHASES = {PHASE_NONE: "none", PHASE_RESUME: "resume", PHASE_STEP: "step", PHASE_SAVE: "save", PHASE_DONE: "done"}
@@ -116,16 +120,19 @@ class Board:
     def request_preemption(self) -> None:
         """Ask the workers for a last checkpoint and a clean exit (the launcher got SIGTERM)."""
         if self._map is not None:
-            struct.pack_into("<q", self._map, max(self.slots, 1) * SLOT_BYTES + 8, 1)
+            WORD.pack_into(self._map, self._agent_slot + PREEMPT_AT, 1)
 
     def raise_risk(self) -> int:
         """Tell the workers of a warning sign: the counter goes up by one; returns it."""
         if self._map is None:
             return 0
-        offset = max(self.slots, 1) * SLOT_BYTES
-        value = struct.unpack_from("<q", self._map, offset)[0] + 1
-        struct.pack_into("<q", self._map, offset, value)
-        return int(value)
+        value = int(WORD.unpack_from(self._map, self._agent_slot + RISK_AT)[0]) + 1
+        WORD.pack_into(self._map, self._agent_slot + RISK_AT, value)
+        return value
+
+    @property
+    def _agent_slot(self) -> int:
+        return max(self.slots, 1) * SLOT_BYTES
 
     def read(self, slot: int) -> Beat | None:
         """The slot's last complete beat, or None (never written, or being written on both tries)."""
@@ -155,7 +162,7 @@ class Heartbeat:
     def __init__(self, path: str | None, slot: int) -> None:
         self._map: mmap.mmap | None = None
         self._offset = slot * SLOT_BYTES
-        self._risk_offset = -1  # the agent's risk counter: the board's last slot
+        self._agent_slot = -1  # the offset of the agent's slot: the board's last
         self._seq = 0
         self._pid = os.getpid()
         if path:
@@ -164,7 +171,7 @@ class Heartbeat:
                 if self._offset + SLOT_BYTES <= len(m):
                     self._map = m
                     if self._offset + 2 * SLOT_BYTES <= len(m):
-                        self._risk_offset = len(m) - SLOT_BYTES
+                        self._agent_slot = len(m) - SLOT_BYTES
                 else:
                     m.close()
 
@@ -178,15 +185,15 @@ class Heartbeat:
 
     def risk(self) -> int:
         """The agent's risk counter (0 without a board): it rises with every warning sign the agent sees."""
-        if self._map is None or self._risk_offset < 0:
+        if self._map is None or self._agent_slot < 0:
             return 0
-        return int(struct.unpack_from("<q", self._map, self._risk_offset)[0])
+        return int(WORD.unpack_from(self._map, self._agent_slot + RISK_AT)[0])
 
     def preemption_requested(self) -> bool:
         """Whether the agent asked for a last checkpoint and a clean exit."""
-        if self._map is None or self._risk_offset < 0:
+        if self._map is None or self._agent_slot < 0:
             return False
-        return bool(struct.unpack_from("<q", self._map, self._risk_offset + 8)[0])
+        return bool(WORD.unpack_from(self._map, self._agent_slot + PREEMPT_AT)[0])
 
     def beat(self, step: int, phase: int, timeout_s: float | None) -> None:
         """Say "at `step`, in `phase`, and I will beat again within `timeout_s`" (None: do not watch me)."""
@@ -195,9 +202,9 @@ class Heartbeat:
         now = time.monotonic_ns()
         deadline = 0 if timeout_s is None else now + int(timeout_s * 1e9)
         self._seq += 1
-        struct.pack_into("<q", self._map, self._offset, 2 * self._seq - 1)  # odd: being written
+        WORD.pack_into(self._map, self._offset, 2 * self._seq - 1)  # the seq word first, odd: being written
         SLOT.pack_into(self._map, self._offset, 2 * self._seq - 1, self._pid, step, phase, now, deadline)
-        struct.pack_into("<q", self._map, self._offset, 2 * self._seq)
+        WORD.pack_into(self._map, self._offset, 2 * self._seq)
 
     def close(self) -> None:
         if self._map is not None:
