@@ -8,8 +8,8 @@ How: a pre-hook on every tracked optimizer takes the total norm of the tracked o
 norm per device and dtype, then one read on the host per step: the same synchronisation torch's GradScaler makes).
 By default it reads a sample of each gradient (its first 4,096 elements) and scales it up: a NaN or Inf from the
 data, the loss or anywhere in the forward or backward pass reaches every gradient upstream of it, and the sample
-sees it, at a small fraction of a full read (the full read measured 1.4 ms per step on the bench job, over the
-detectors' 1% budget; `sample=None` makes it exact). What a sample can miss is a lone non-finite element that
+sees it, at a small fraction of a full read (a full read cost more than the detectors' 1% budget on the bench
+job, docs/benchmarks.md; `sample=None` makes it exact). What a sample can miss is a lone non-finite element that
 propagates nowhere; the parameter it then corrupts makes the next forward pass non-finite, the guard skips that
 step, and the job, finding a non-finite parameter, rolls back to before the update that put it there
 (recovery/rollback.py).
@@ -70,8 +70,8 @@ class GuardConfig:
     max_skips: int = 5
     sample: int | None = 4096
     """Elements read per gradient tensor: the first this many, contiguous (all of a smaller one).
-    None reads every element: exact, at the cost of one read of all gradients per step (1.4 ms of a 64 ms step
-    on the 4M-parameter bench job, 2 ranks on 2 cores: over the 1% the detectors may take)."""
+    None reads every element: exact, at the cost of one read of all gradients per step (over the 1% the detectors
+    may take on the bench job, docs/benchmarks.md)."""
 
 
 class NumericGuard:
@@ -211,8 +211,8 @@ def _sampled(grads: list[torch.Tensor], sample: int | None) -> tuple[list[torch.
     with the factor that scales the sample's sum of squares to an estimate of the whole's.
 
     One contiguous block rather than every k-th element: after the backward pass the gradients are out of the
-    caches, and a strided sample pays a cache miss per element (0.45 ms a step for the bench job's four 1M-element
-    gradients, against 0.09 ms once cached). Which elements does not matter for what the guard is for: a NaN or
+    caches, and a strided sample pays a cache miss per element (five times a contiguous block's cost on the bench
+    job, docs/benchmarks.md). Which elements does not matter for what the guard is for: a NaN or
     Inf that reaches the loss reaches every gradient element upstream of it. The norm of a fixed block is a
     biased estimate of the whole's, but a consistent one, and spikes are judged against its own history."""
     views, scales = [], []

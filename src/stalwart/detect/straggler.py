@@ -54,13 +54,12 @@ BASELINE = 3
 """Windows whose median is a rank's own baseline for its individual score."""
 HOOKED_PARAMETERS = 1
 """Parameters hooked per module: the first, whose gradient backward produces last. Each hook costs a Python
-call per step taken from the autograd engine (about 10 us of CPU, 70-100 us of wall time on 2 busy cores)."""
+call per step taken from the autograd engine (its cost: docs/benchmarks.md)."""
 NO_SAMPLE = -1
 MIN_EXCESS_S = 0.002
 """A straggler's median must also exceed the others' by this much: on a busy host, scheduling alone moves a few
-milliseconds of work by 20% (a clean run of 5 ms steps on 2 shared cores was flagged at 5.7 ms against 4.6 ms;
-a clean 30-minute soak of such steps raised 44 flags), while a slow GPU or node costs far more than 2 ms a step
-on any step worth watching."""
+milliseconds of work by 20% (clean runs of short steps on shared cores were flagged without it,
+docs/benchmarks.md), while a slow GPU or node costs far more than 2 ms a step on any step worth watching."""
 
 
 @dataclass

@@ -60,8 +60,8 @@ SAMPLE_WORDS = 32
 
 class _PythonState:
     """Python's generator state, its 625 words as an int64 tensor, the previous tensor again when it has not
-    moved. `random.getstate()` builds a tuple of 625 ints (9 us warm, 29 us on the 2-core VM right after a 64 MB
-    copy, which leaves the caches as a training step's matrix products do). Whether the generator moved is read
+    moved. `random.getstate()` builds a tuple of 625 ints, slow with the cold caches a training step's matrix
+    products leave (docs/benchmarks.md). Whether the generator moved is read
     from its C struct instead: its position and first 32 words (132 bytes). A Mersenne Twister that moves
     either advances its position or, at the end of its 624 words, regenerates all of them: that 32 regenerated
     words all come out as before has a chance of 2**-1024. Only when it moved is the whole state read (2.5 KB).
@@ -140,9 +140,9 @@ MT_BYTES = 624 * 4 + 4
 
 
 class _NumpyState:
-    """numpy's legacy global generator. `np.random.get_state()` takes about 53 us (it copies the 624 words one
-    at a time). Whether it moved is read as for Python's generator (`_PythonState`): its position and first 32
-    words, through the bit generator's ctypes interface. When they are what the last capture saw and that
+    """numpy's legacy global generator. `np.random.get_state()` copies the 624 words one at a time. Whether it
+    moved is read as for Python's generator (`_PythonState`): its position and first 32 words, through the bit
+    generator's ctypes interface. When they are what the last capture saw and that
     capture held no cached Gaussian, the state is the same and the last capture is returned. (A cached Gaussian
     can be used up without the words moving, so then the full read is taken.) The raw layout is checked against
     get_state() once; if it differs, every capture is a full read. Only a set_state can put a cached Gaussian

@@ -1,7 +1,7 @@
 """The commit point of a step under light memory snapshots: taken at the optimizer step, behind a barrier.
 
-Why: a full memory snapshot copies the whole training state every step (about 5 ms of a 52 ms step in
-`stalwart bench recovery`). Under re-forming (L1) the survivors of a failure keep the replicated state
+Why: a full memory snapshot copies the whole training state every step (a tenth of a step of the recovery bench
+job, docs/benchmarks.md). Under re-forming (L1) the survivors of a failure keep the replicated state
 (parameters, optimizer state) in their own memory, so each step only the small per-rank rest needs a copy (a
 light snapshot, see checkpoint/tiers/memory.py). That is sound only if, whenever a survivor's parameters reach step
 N+1, every rank holds a light snapshot of step N+1. Taken at the end of the step, it is not: a rank that dies

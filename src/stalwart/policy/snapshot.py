@@ -1,7 +1,7 @@
 """How often a memory snapshot is taken: as often as a cost budget allows, measured online (`snapshot_every="auto"`).
 
-Why: a memory snapshot copies this rank's whole state. On two CPU cores that is about 9% of a step of the
-bench job; on an H100 a 487M-parameter state took 10x the step itself. Taken every step, it is the dominant
+Why: a memory snapshot copies this rank's whole state: a large share of a step on CPU cores, and on a GPU up to
+many times the step itself (docs/benchmarks.md). Taken every step, it is the dominant
 cost of fault tolerance. With a budget b (JobConfig.snapshot_budget, default 1%), a snapshot that costs c
 seconds is taken every k = ceil(c / (b * t)) steps of t seconds, so it costs at most about b of the training
 time; a failure then redoes up to k - 1 more steps than with a snapshot every step. That is the trade-off,
@@ -132,14 +132,14 @@ class LightCost:
     """Whether light snapshots every step stay within their budget, judged from their measured cost.
 
     Why: a light snapshot copies little, but it waits on a barrier of every rank at the optimizer step (the
-    commit point) and reads the per-rank state twice a step. On two busy CPU cores that measured 4-5 ms per
-    step at first (a gloo barrier), more than a full copy of the bench job's 48 MB; on a large model a full
-    copy is far dearer than a light snapshot. So neither is right everywhere, and the job measures: after
+    commit point) and reads the per-rank state twice a step. On busy CPU cores that measured more than a full
+    copy of the bench job's state at first (a gloo barrier); on a large model a full copy is far dearer than a
+    light snapshot (docs/benchmarks.md). So neither is right everywhere, and the job measures: after
     LIGHT_SAMPLES light snapshots, if the median of the largest rank's cost is over `budget`
     (JobConfig.light_snapshot_budget, 2%) of the step time, light snapshots are turned off for the run (every
     rank decides alike, from gathered values) and full copies take the whole snapshot budget. Their budget is
-    their own, not a share of the full copies' 1%: they measured 0.9-1.2% of a step on the 2-core bench jobs,
-    and a line drawn at 1% kept them at one judgment and turned them off at the next as the measurements moved."""
+    their own, not a share of the full copies' 1%: they measured close to 1% of a step on the bench jobs, and a
+    line drawn at 1% kept them at one judgment and turned them off at the next as the measurements moved."""
 
     def __init__(self, budget: float) -> None:
         self.budget = budget

@@ -6,8 +6,8 @@ machine is on. A store created here listens on a socket bound to the address it 
 one-node run, the rendezvous endpoint's or MASTER_ADDR's address on several nodes (docs/architecture.md).
 
 A client created here also waits for its server's port to accept before torch's client connects. torch's client
-retries a refused connection after a randomized, growing back-off (0.25-0.73 s on the 2-core VM when the server
-came up 20-200 ms after the client, docs/benchmarks.md), and a re-formed group meets exactly that: a survivor
+retries a refused connection after a randomized, growing back-off (up to most of a second, docs/benchmarks.md),
+and a re-formed group meets exactly that: a survivor
 reaches the new round's store while the rank that hosts it is still being started.
 """
 

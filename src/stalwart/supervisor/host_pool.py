@@ -2,8 +2,8 @@
 the process context that runs workers in hosts,
 and what keeps a re-formed survivor in its process.
 
-A restart normally spawns fresh interpreters that import torch again (1.8-2.7 s on this machine before a
-worker can do anything). Under `stalwart run` workers run in host processes instead, so that:
+A restart normally spawns fresh interpreters that import torch again (seconds before a worker can do anything;
+docs/benchmarks.md). Under `stalwart run` workers run in host processes instead, so that:
 - a host is forked from the zygote (zygote.py), which imported torch once, in milliseconds; without one it is
   a new interpreter;
 - with `--spares N` the agent keeps N hosts that are ready before they are needed (`SparePool`);

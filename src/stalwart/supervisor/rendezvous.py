@@ -116,8 +116,8 @@ def _cheap_event_names() -> None:
 def _without_start_skew(next_rendezvous: Callable[[], Any]) -> Any:
     """`next_rendezvous()` without the random 0-0.3 s sleep torch takes while the round is still 0 (at the start
     and at the first restart), meant to spread several nodes' first joins over time. With one node there is
-    nothing to spread, and the sleep was the larger part of a restart's rendezvous (0.31 s of a 0.57 s recovery
-    measured once). Delays of a set length (polling for other nodes) are kept."""
+    nothing to spread, and the sleep was the larger part of a restart's rendezvous (docs/benchmarks.md). Delays
+    of a set length (polling for other nodes) are kept."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     delay = getattr(dynamic_rendezvous, "_delay", None)

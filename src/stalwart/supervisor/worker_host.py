@@ -42,7 +42,7 @@ from stalwart.supervisor.host_protocol import Activation, HostStatus
 def import_training_side() -> None:
     """Import what a training script imports first (the zygote does this once for every host it forks)."""
     import torch
-    import torch._dynamo  # torch 2.13 imports it at the first optimizer step: 0.6 s
+    import torch._dynamo  # torch 2.13 imports it at the first optimizer step, a large part of that step
     import torch.distributed
     import torch.nn.parallel  # noqa: F401
 

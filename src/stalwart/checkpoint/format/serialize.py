@@ -230,8 +230,8 @@ class FlattenCache:
 
     Why: light memory snapshots flatten the per-rank state at every step's optimizer step, and a survivor needs
     its replicated objects' skeleton at every step's end. flatten spends most of its time on the tensors
-    (aliases, ids, sizes): 100 us of 127 for a 4-layer MLP with AdamW, warm, on the 2-core VM, and 80 us for
-    the four tensors of the per-rank state inside a training step, where the caches are cold. With a template,
+    (aliases, ids, sizes; docs/benchmarks.md), the more so inside a training step, where the caches are cold.
+    With a template,
     a tensor at the same place with the same dtype and shape gets the same id and size, and only containers
     and plain values are walked. `same_tensors` asks for the same tensors too (the same data pointers: a
     replicated skeleton must name the tensors the survivor holds). Anything else (a new key, another shape, a
