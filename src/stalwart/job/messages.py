@@ -46,19 +46,3 @@ class CheckpointInputs(IntMessage):
     """Failures this launch has seen (the launcher's restart count)."""
     age_s: int
     """Seconds since the launch started."""
-
-
-@dataclass(frozen=True, slots=True)
-class SkipRecord(IntMessage):
-    """Rank 0's reading of the skipped-batch record (recovery/rollback.py): whether it could read it, and the
-    batches. Variable length: `ok` first, then the steps."""
-
-    ok: int
-    steps: tuple[int, ...] = ()
-
-    def to_ints(self) -> list[int]:
-        return [self.ok, *self.steps]
-
-    @classmethod
-    def from_ints(cls, ints: list[int]) -> SkipRecord:
-        return cls(ints[0], tuple(ints[1:]))

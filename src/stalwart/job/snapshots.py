@@ -126,21 +126,12 @@ class Snapshots:
     def _start_commit(self) -> None:
         """The commit point at the replicated optimizers' step (job/step_commit.py); without live tensors (CUDA
         parameters, which are not version-checked) there is nothing for a survivor to keep and no light mode."""
-        optimizers = self._state.optimizers(replicated_only=True)
-        if self.memory is None or not self.live.held or not optimizers:
+        if self.memory is None or not self.live.held or not self._state.optimizers(replicated_only=True):
             return
         self.commit = StepCommit(
-            self.memory,
-            self._commit_barrier(),
-            self._events,
-            self._hooks,
-            self._state.state,
-            self._state.per_rank,
-            self._state.replicated_states,
-            self._state.replicated,
-            optimizers,
-            lambda step: self.replicas.push(step, light=True),
-        )
+            self.memory, self._state, self._commit_barrier(), events=self._events, hooks=self._hooks,
+            push=lambda step: self.replicas.push(step, light=True),
+        )  # fmt: skip
 
     def _commit_barrier(self) -> Callable[[int], tuple[float | None, int]]:
         """The commit point's barrier, carrying a flag (the largest any rank brought comes back to all): through

@@ -19,11 +19,10 @@ from stalwart.checkpoint.format.serialize import check_loadable
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.manager import Checkpointer
 from stalwart.errors import CheckpointError, CheckpointMismatchError, ConfigError, PeerError
-from stalwart.job.messages import SkipRecord
 from stalwart.job.replicated import replicated_names
 from stalwart.job.rng import capture_rng, restore_rng
 from stalwart.recovery.rollback import read_skips
-from stalwart.runtime.dist import Comm
+from stalwart.runtime.dist import Comm, StepList
 from stalwart.runtime.process import first_line
 from stalwart.telemetry.events import EventLog
 
@@ -179,7 +178,7 @@ def read_skip_record(comm: Comm, checkpointer: Checkpointer) -> set[int]:
             problem = exc
         except Exception as exc:  # the store cannot be read now: maybe passing, so a restart may try again
             problem = CheckpointError(f"cannot read {checkpointer.root}'s skipped-batch record: {exc}")
-    record = comm.broadcast(SkipRecord(0) if problem else SkipRecord(1, tuple(skips)))
+    record = comm.broadcast(StepList(0) if problem else StepList(1, tuple(skips)))
     if not record.ok:
         raise problem or PeerError("rank 0 cannot read the skipped-batch record; see its error")
     return set(record.steps)

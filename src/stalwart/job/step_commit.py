@@ -37,12 +37,10 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.tiers.memory import MemoryTier
+from stalwart.job.state import TrackedState
 from stalwart.job.step_hooks import StepHooks
 from stalwart.recovery import reform
 from stalwart.telemetry.events import EventLog
-
-StateOf = Callable[[int], dict[str, Any]]
-"""The job's state (full, or its per-rank part), labelled with the given step."""
 
 
 class StepCommit:
@@ -51,25 +49,24 @@ class StepCommit:
     def __init__(
         self,
         memory: MemoryTier,
+        state: TrackedState,
         barrier: Callable[[int], tuple[float | None, int]],
+        *,
         events: EventLog,
         hooks: StepHooks,
-        state_of: StateOf,
-        per_rank_of: StateOf,
-        replicated_of: Callable[[], dict[str, Any]],
-        replicated: frozenset[str],
-        optimizers: list[torch.optim.Optimizer],
         push: Callable[[int], None],
     ) -> None:
+        """`state`: the job's tracked state, whose replicated optimizers get the pre-hook; `barrier`: every rank's,
+        carrying a flag (Snapshots._commit_barrier); `push`: sends the light snapshot of a step to the peer
+        replicas (L3)."""
         self._memory = memory
+        self._state = state
         self._barrier = barrier
         self._events = events
         self._hooks = hooks
-        self._state_of = state_of
-        self._per_rank_of = per_rank_of
-        self._replicated_of = replicated_of
-        self._replicated = replicated
+        self._replicated = state.replicated
         self._push = push
+        optimizers = state.optimizers(replicated_only=True)
         self._handles = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizers]
         self._step = -1  # completed steps while armed; -1: not inside an armed step
         self._live: frozenset[int] = frozenset()
@@ -111,9 +108,9 @@ class StepCommit:
             self._hooks.in_optimizer(self._step, "after_barrier")
             return
         started = time.perf_counter()
-        state = self._per_rank_of(step)
-        if self._memory.snapshot_light(step, state, self._replicated_of, self._live) is None:
-            state = self._state_of(step)  # a replicated tensor is not live (a buffer): the whole light snapshot
+        state = self._state.per_rank(step)
+        if self._memory.snapshot_light(step, state, self._state.replicated_states, self._live) is None:
+            state = self._state.state(step)  # a replicated tensor is not live (a buffer): the whole light snapshot
             self._memory.snapshot(step, state, self._replicated, live=self._live)
         # The RNG part as captured: capture_rng's tensors are never written in place, and an unchanged generator
         # gives the same tensor again, which check() then passes at a glance.

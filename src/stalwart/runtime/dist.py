@@ -71,6 +71,22 @@ M = TypeVar("M", bound=IntMessage)
 
 
 @dataclass(frozen=True, slots=True)
+class StepList(IntMessage):
+    """Rank 0's answer of a list of steps, for `Comm.broadcast`: whether it could make the list (`ok`), then the
+    steps (the checkpoint directory's committed steps, the batches rollbacks skipped). Any length."""
+
+    ok: int
+    steps: tuple[int, ...] = ()
+
+    def to_ints(self) -> list[int]:
+        return [self.ok, *self.steps]
+
+    @classmethod
+    def from_ints(cls, ints: list[int]) -> StepList:
+        return cls(ints[0], tuple(ints[1:]))
+
+
+@dataclass(frozen=True, slots=True)
 class Flag(IntMessage):
     """One yes/no (or small count) per rank: a vote, a verdict, whether a rank sees something."""
 

@@ -14,23 +14,8 @@ from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.load.rank_state import CORRUPT, MISMATCH, VALID, Restored, try_load
 from stalwart.checkpoint.storage import Storage, describe_error
 from stalwart.errors import CheckpointError, CheckpointMismatchError, NoValidCheckpointError, PeerError
-from stalwart.runtime.dist import Comm, IntMessage
+from stalwart.runtime.dist import Comm, IntMessage, StepList
 from stalwart.telemetry.events import EventLog
-
-
-@dataclass(frozen=True, slots=True)
-class Listing(IntMessage):
-    """Rank 0's listing of the committed steps, newest first: whether it could list them, then the steps."""
-
-    ok: int
-    steps: tuple[int, ...] = ()
-
-    def to_ints(self) -> list[int]:
-        return [self.ok, *self.steps]
-
-    @classmethod
-    def from_ints(cls, ints: list[int]) -> Listing:
-        return cls(ints[0], tuple(ints[1:]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +31,10 @@ def load_newest(
     """The newest checkpoint (not after step `at_most`) that verifies on every rank; None when there is no such
     checkpoint at all. Collective."""
     root = storage.display()
-    listing = Listing(0)
+    listing = StepList(0)  # rank 0's listing of the committed steps, newest first
     if comm.rank == 0:
         try:
-            listing = Listing(1, tuple(s for s in layout.committed_steps(storage) if at_most is None or s <= at_most))
+            listing = StepList(1, tuple(s for s in layout.committed_steps(storage) if at_most is None or s <= at_most))
         except Exception as exc:
             events.emit("checkpoint_list_failed", error=describe_error(exc))
     listing = comm.broadcast(listing)
