@@ -38,13 +38,18 @@ class HostReads:
         self._step_ends = 0
 
     def later(self, values: list[torch.Tensor], then: Callable[[list[float]], None]) -> None:
-        """Read `values` (each with one element) with the next read, and call `then` with them as floats."""
-        self._waiting.append(_Waiting([v.detach().reshape(1) for v in values], then, self._step_ends))
+        """Read `values` (1-D, one element each, not requiring grad) with the next read, and call `then` with them
+        as floats."""
+        self._waiting.append(_Waiting(values, then, self._step_ends))
 
     def read(self, values: list[torch.Tensor]) -> list[float]:
-        """`values` (1-D tensors) as floats, in order, read together with everything waiting: one read per device."""
+        """`values` (1-D tensors) as floats, in order, read together with everything waiting: one read per device.
+        Few tensor operations on purpose: each costs microseconds of dispatch on the training thread."""
         waiting, self._waiting = self._waiting, []
-        parts = [v.reshape(-1) for v in values] + [v for w in waiting for v in w.values]
+        if not waiting and len(values) == 1:  # the guard's norms alone, the usual step
+            self.count += 1
+            return values[0].tolist()
+        parts = values + [v for w in waiting for v in w.values]
         floats = self._read(parts)
         mine = sum(v.numel() for v in values)
         out, rest = floats[:mine], floats[mine:]
@@ -57,7 +62,8 @@ class HostReads:
         """`values` with each tensor in it read as its `.item()` would give it (an int or bool stays one), all in
         one read with whatever waits."""
         tensors = {k: v.detach() for k, v in values.items() if isinstance(v, torch.Tensor)}
-        floats = self.read([v.reshape(1) for v in tensors.values()]) if tensors else []
+        # float64: an int64 or a bool comes back exactly (a float32 would round ints past 2**24)
+        floats = self.read([v.reshape(1).to(torch.float64) for v in tensors.values()]) if tensors else []
         read = {k: _as_item(tensors[k], f) for k, f in zip(tensors, floats, strict=True)}
         return {k: read.get(k, v) for k, v in values.items()}
 
@@ -88,8 +94,9 @@ class HostReads:
         for part in parts[:-1]:
             starts.append(starts[-1] + part.numel())
         for indices in by_device.values():
-            # float64: a float32 norm or loss comes back exactly; one copy to the host for the device's values.
-            values = torch.cat([parts[i].to(torch.float64) for i in indices]).tolist()
+            # One copy to the host for the device's values. The parts are floating point (norms, a loss, metrics
+            # made float64 by read_items): cat promotes them to the widest, which holds each value exactly.
+            values = torch.cat([parts[i] for i in indices]).tolist()
             self.count += 1
             at = 0
             for i in indices:

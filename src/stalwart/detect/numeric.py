@@ -297,15 +297,15 @@ class LossWatch:
         """Whether `loss` (after `step` completed steps) is a spike; if so, an event with `action`. A tensor waits
         for the job's next read (False now, judged then) unless `now` or there are no job reads."""
         if isinstance(loss, torch.Tensor):
-            value = loss.detach().float()
             if self._reads is None:
-                return self._judge(step, float(value.item()), action)
+                return self._judge(step, float(loss.detach().float().item()), action)
+            value = loss.detach().float().reshape(1)  # float32, as `.float().item()` read it before
             if not now:
-                entry = (step, value.reshape(1), action)
+                entry = (step, value, action)
                 self._waiting.append(entry)
-                self._reads.later([entry[1]], lambda got: self._settle(entry, got[0]))
+                self._reads.later([value], lambda got: self._settle(entry, got[0]))
                 return False
-            return self._judge(step, self._reads.read([value.reshape(1)])[0], action)
+            return self._judge(step, self._reads.read([value])[0], action)
         return self._judge(step, float(loss), action)
 
     def _settle(self, entry: tuple[int, torch.Tensor, str], value: float) -> None:

@@ -58,6 +58,8 @@ class IntMessage:
     """
 
     __slots__ = ()
+    FIXED = True
+    """Whether every message of the class has the same length (a broadcast then needs no length first)."""
 
     def to_ints(self) -> list[int]:
         return [int(getattr(self, f.name)) for f in dataclasses.fields(self)]  # type: ignore[arg-type]
@@ -77,6 +79,7 @@ class StepList(IntMessage):
 
     ok: int
     steps: tuple[int, ...] = ()
+    FIXED = False
 
     def to_ints(self) -> list[int]:
         return [self.ok, *self.steps]
@@ -123,8 +126,16 @@ class Comm:
         return [type(message).from_ints(v) for v in self.all_gather_ints(message.to_ints())]
 
     def broadcast(self, message: M) -> M:
-        """Rank 0's `message` on every rank (the others' is ignored; see IntMessage)."""
-        return type(message).from_ints(self.broadcast_ints(message.to_ints()))
+        """Rank 0's `message` on every rank (the others' is ignored but for its length, which a FIXED message
+        shares with rank 0's: one broadcast; else its length goes first)."""
+        ints = message.to_ints()
+        if not type(message).FIXED:
+            return type(message).from_ints(self.broadcast_ints(ints))
+        if self._group is not None:
+            t = torch.tensor(ints, dtype=torch.int64)
+            dist.broadcast(t, src=0, group=self._group)
+            ints = [int(v) for v in t.tolist()]
+        return type(message).from_ints(ints)
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's list of int64 values, indexed by rank (lists must have equal length)."""
