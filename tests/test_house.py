@@ -166,7 +166,7 @@ def test_every_option_has_one_home() -> None:
     assert sorted(config.FLAT.values()) == sorted(wanted)
     made = config.JobConfig.of("x", keep_last=7, snapshot_budget=0.05, loss_spike="rollback", max_rollbacks=1)
     assert (made.checkpoint.keep_last, made.snapshot.budget, made.detect.loss_spike) == (7, 0.05, "rollback")
-    assert made.option("max_rollbacks") == 1 and made.option("checkpoint_dir") == "x"
+    assert made.recovery.max_rollbacks == 1 and made.checkpoint.dir == "x"
 
 
 def test_module_and_class_names_are_unique() -> None:

@@ -9,7 +9,7 @@ one read, and with the guard and the loss-spike check off it costs none.
 
 What waits is read at the latest at the end of the next step (`step_ended`): a value never waits longer than a
 step, and a step in which the guard read nothing (no optimizer step, a skipped batch) makes that one read itself.
-`count` is the number of reads made: the seam through which a test holds the defaults to one read per step.
+tests/test_numeric.py holds the defaults to one read per step by counting torch's own reading methods.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ class HostReads:
     """Reads of tensor values to the host: `read` now, or `later`, with the next read."""
 
     def __init__(self) -> None:
-        self.count = 0
-        """Reads made (one per device a read's values lie on)."""
         self._waiting: list[_Waiting] = []
         self._step_ends = 0
 
@@ -47,7 +45,6 @@ class HostReads:
         Few tensor operations on purpose: each costs microseconds of dispatch on the training thread."""
         waiting, self._waiting = self._waiting, []
         if not waiting and len(values) == 1:  # the guard's norms alone, the usual step
-            self.count += 1
             return values[0].tolist()
         parts = values + [v for w in waiting for v in w.values]
         floats = self._read(parts)
@@ -72,10 +69,6 @@ class HostReads:
         if self._waiting:
             self.read([])
 
-    def drop(self) -> None:
-        """Forget what waits (it belonged to a history a rollback abandoned)."""
-        self._waiting = []
-
     def step_ended(self) -> None:
         """At each step's end, after the step queued its own values: what an earlier step queued and no read of
         this step took is read now, so that nothing waits more than one step."""
@@ -97,7 +90,6 @@ class HostReads:
             # One copy to the host for the device's values. The parts are floating point (norms, a loss, metrics
             # made float64 by read_items): cat promotes them to the widest, which holds each value exactly.
             values = torch.cat([parts[i] for i in indices]).tolist()
-            self.count += 1
             at = 0
             for i in indices:
                 n = parts[i].numel()

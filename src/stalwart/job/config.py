@@ -342,8 +342,3 @@ class JobConfig:
             recovery=RecoveryOptions(**sections["recovery"]),
             **top,
         )
-
-    def option(self, name: str) -> Any:
-        """The value of a flat option (FLAT) by its documented name."""
-        section, key = FLAT[name]
-        return getattr(self if not section else getattr(self, section), key)

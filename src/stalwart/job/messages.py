@@ -1,5 +1,5 @@
-"""What the ranks of a job agree on, message by message: each a dataclass of int fields sent through
-`Comm.gather` or `Comm.broadcast` (runtime/dist.IntMessage), its encoding in one place.
+"""What the ranks of a job agree on, message by message: each a dataclass of int fields sent through `Comm.gather`
+or `Comm.broadcast` (runtime/dist.IntMessage), its encoding in one place. A yes/no vote is runtime/dist.Flag.
 
 Durations travel as integer microseconds and are agreed at their largest over the ranks, so that every rank takes
 the same decision from the same numbers.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stalwart.runtime.dist import Flag as Flag
 from stalwart.runtime.dist import IntMessage
 
 

@@ -23,13 +23,13 @@ from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import PeerReplicas
 from stalwart.job.config import SnapshotOptions
 from stalwart.job.live import LiveState
-from stalwart.job.messages import Durations, Flag, to_us
+from stalwart.job.messages import Durations, to_us
 from stalwart.job.state import TrackedState
 from stalwart.job.step_commit import StepCommit
 from stalwart.job.step_hooks import StepHooks
 from stalwart.policy.snapshot import LightCost, SnapshotSchedule, full_copy_budget
 from stalwart.recovery import reform
-from stalwart.runtime.dist import Comm
+from stalwart.runtime.dist import Comm, Flag
 from stalwart.runtime.local_barrier import LocalBarrier
 from stalwart.telemetry.events import EventLog
 

@@ -17,12 +17,12 @@ from stalwart.checkpoint.manager import Checkpointer
 from stalwart.errors import ReplicaDivergenceError
 from stalwart.job.config import JobConfig
 from stalwart.job.detectors import Detectors
-from stalwart.job.messages import CheckpointInputs, Flag, to_us
+from stalwart.job.messages import CheckpointInputs, to_us
 from stalwart.job.snapshots import Snapshots
 from stalwart.job.state import TrackedState
 from stalwart.policy.auto_checkpoint import CheckpointInterval
 from stalwart.recovery.rollback import RollbackRequest, all_finite
-from stalwart.runtime.dist import Comm
+from stalwart.runtime.dist import Comm, Flag
 from stalwart.runtime.env import LAUNCH_TIME_ENV
 from stalwart.telemetry.events import EventLog
 
