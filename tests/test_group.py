@@ -1,0 +1,107 @@
+"""The re-formable process group (runtime/group.py): a DDP model keeps training through a peer's death in the
+same processes, and ends bitwise identical to a run without it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from conftest import alive, child_env
+from stalwart.runtime import group as reformable
+from stalwart.runtime.process import spawn
+
+SCRIPT = Path(__file__).parent / "scripts" / "group_reform.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(tmp_path: Path, kill_at: int | None) -> dict[int, dict[str, Any]]:
+    """Run the two ranks (and the replacement after a kill); every process is reaped, also on failure."""
+    tmp_path.mkdir(parents=True)
+    port, port2 = _free_port(), _free_port()
+    env = child_env(KILL_AT=str(kill_at if kill_at is not None else -1))
+    procs: list[subprocess.Popen[bytes]] = []
+    logs: list[Path] = []
+
+    def start(*args: str) -> None:
+        log = tmp_path / f"rank{len(logs)}.log"
+        logs.append(log)
+        with open(log, "wb") as out:
+            procs.append(spawn([sys.executable, str(SCRIPT), *args], stdout=out, stderr=subprocess.STDOUT, env=env))
+
+    try:
+        for rank in range(2):
+            start(str(rank), str(port), str(port2))
+        if kill_at is not None:
+            assert procs[1].wait(60) == 1, logs[1].read_text()[-2000:]
+            start("1", str(port), str(port2), "newcomer")
+            procs[1] = procs.pop()
+        codes = [p.wait(90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0, 0], "\n".join(log.read_text()[-1500:] for log in logs)
+    results: dict[int, dict[str, Any]] = {}
+    for log in logs:
+        for line in log.read_text().splitlines():
+            if line.startswith("{"):
+                found = json.loads(line)
+                results[found["rank"]] = found
+    return results
+
+
+def test_survivors_absorb_a_peers_death_and_reform_in_their_loop(tmp_path: Path) -> None:
+    reference = _run(tmp_path / "reference", None)
+    faulty = _run(tmp_path / "faulty", 5)
+    assert sorted(faulty) == [0, 1]
+    for rank in (0, 1):
+        assert faulty[rank]["sha256"] == reference[rank]["sha256"], f"rank {rank} differs from the fault-free run"
+        assert faulty[rank]["setups"] == 1
+    assert not [r for r in faulty.values() if alive(r["pid"])], "every process ended"
+
+
+def test_a_failed_group_completes_collectives_without_raising() -> None:
+    """One rank, no peer: a collective after a failure is not run and leaves its tensors as they are."""
+    store = dist.HashStore()
+    group = reformable.ReformableGroup(0, 1)
+    from datetime import timedelta
+
+    group.configure(store, 0, 1, timedelta(seconds=5))
+    t = torch.ones(3)
+    group.allreduce([t]).wait()
+    assert group.failed is None and t.tolist() == [1.0, 1.0, 1.0]
+    group.fail("the agent asked")
+    t.fill_(2.0)
+    work = group.allreduce([t])
+    assert work.wait() and work.get_future().value() == [t]
+    assert group.failed is not None and t.tolist() == [2.0, 2.0, 2.0]
+    group.configure(store, 0, 1, timedelta(seconds=5))
+    assert group.failed is None and group.generation == 2
+
+
+def test_a_joining_rank_runs_no_collective_and_gathers_its_own_tensors() -> None:
+    group = reformable.ReformableGroup(1, 3)
+    group.join(True)  # no backend at all: nothing may reach one
+    mine = torch.tensor([7, 8])
+    outs = [torch.zeros(2, dtype=torch.int64) for _ in range(3)]
+    assert group.allgather([outs], [mine]).wait()
+    assert [o.tolist() for o in outs] == [[7, 8]] * 3
+    flat = torch.zeros(6, dtype=torch.int64)
+    group._allgather_base(flat, mine).wait()
+    assert flat.tolist() == [7, 8] * 3
+    b = torch.tensor([1.0])
+    group.broadcast([b]).wait()
+    assert b.tolist() == [1.0] and group.failed is None
