@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from stalwart.runtime import group as reformable
-from stalwart.runtime.env import JOINING_ENV
 from stalwart.runtime.store import tcp_store
 
 SIZE, STEPS = 2, 12
@@ -47,16 +46,15 @@ def main() -> None:
     rank, port, port2, newcomer = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] == ["newcomer"]
     kill_at = int(os.environ.get("KILL_AT", "-1"))
     reformable.register()
-    if newcomer:
-        os.environ[JOINING_ENV] = "1"
     comm = form(rank, port2 if newcomer else port)
+    group = reformable.current()
+    assert group is not None and dist.group.WORLD is group
+    group.join(newcomer)  # (stalwart.Job learns it from its peers)
     setups = 1  # the set-up: everything before the loop
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
-    group = reformable.current()
-    assert group is not None and dist.group.WORLD is group
     step = 0
     if newcomer:
         step = send_state(model, opt, step, comm)

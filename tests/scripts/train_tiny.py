@@ -91,6 +91,10 @@ def main() -> None:
     p.add_argument("--when-busy", default="wait", help="wait: every save happens (deterministic steps for tests)")
     p.add_argument("--ckpt-per-rank", action="store_true", help="a node-local checkpoint dir on each rank (wrong)")
     p.add_argument("--unsavable-on-rank", type=int, default=-1, help="track a numpy scalar on this rank (wrong)")
+    p.add_argument("--setup-s", type=float, default=0.0, help="seconds of set-up before the loop (data, model)")
+    p.add_argument("--setup-log", default="", help="append this process's pid here each time the set-up runs")
+    p.add_argument("--die-at", default="", help="STEP:PHASE (forward, backward, before_optimizer): rank 1 of the "
+                   "first round dies there, the user's code killing its own process")  # fmt: skip
     args = p.parse_args()
     if args.ckpt_per_rank:
         args.ckpt = f"{args.ckpt}-rank{os.environ.get('RANK', '0')}"
@@ -114,6 +118,10 @@ def main() -> None:
         loss_spike=args.loss_spike,
         straggler_policy=args.straggler_policy,
     )
+    if args.setup_log:
+        with open(args.setup_log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+    time.sleep(args.setup_s)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(args.hidden, 1)
@@ -134,6 +142,11 @@ def main() -> None:
         if job.rank == args.byzantine_rank:  # its gradients, before they are sent: large and pointing the wrong way
             for param in model.parameters():
                 param.register_hook(lambda g: g * -50.0 + 3.0)
+    die_step, die_phase = _die_at(args.die_at, job)
+    if die_phase == "forward":
+        model.register_forward_pre_hook(lambda m, a: _die() if _at(job, die_step) else None)
+    elif die_phase == "backward":  # while the gradients are computed: DDP's all-reduce of other buckets in flight
+        model[0].weight.register_hook(lambda g: _die() if _at(job, die_step) else None)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=7, gamma=0.5)
     loader = stalwart.ResumableLoader(
@@ -157,6 +170,8 @@ def main() -> None:
         loss = (ddp(x) - x.sum(dim=1, keepdim=True) - noise).pow(2).mean()
         optim.zero_grad()
         loss.backward()
+        if die_phase == "before_optimizer" and step == die_step:
+            _die()
         if step != args.no_update_at:
             optim.step()
         if args.rank1_draws_late and job.rank == 1:
@@ -186,6 +201,22 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{job.rank}.json").write_text(json.dumps(result))
+
+
+def _die_at(spec: str, job: stalwart.Job) -> tuple[int, str]:
+    """(step, phase) at which this rank is to die; (-1, "") on any other rank or round."""
+    if not spec or job.rank != 1 or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return -1, ""
+    step, phase = spec.split(":")
+    return int(step), phase
+
+
+def _at(job: stalwart.Job, step: int) -> bool:
+    return job.step == step
+
+
+def _die() -> None:
+    os.kill(os.getpid(), 9)
 
 
 def _full_loss(model: torch.nn.Module, args: argparse.Namespace) -> float:

@@ -67,11 +67,17 @@ def survivor_of(rank: int) -> int:
 
 
 def measure_kills(
-    system: str, workdir: Path, schedule: list[int], progress: Progress, spares: int = 2, rank: int = 1
+    system: str,
+    workdir: Path,
+    schedule: list[int],
+    progress: Progress,
+    spares: int = 2,
+    rank: int = 1,
+    setup_s: float = 0.0,
 ) -> dict[str, Any]:
     """SIGKILLs of `rank` once the job has completed each step of `schedule`, one recovery at a time."""
     kills = len(schedule)
-    run = Run(system, workdir, steps=schedule[-1] + 60, spares=spares)
+    run = Run(system, workdir, steps=schedule[-1] + 60, spares=spares, setup_s=setup_s)
     run.start()
     marks: list[tuple[float, int]] = []
     try:
@@ -115,10 +121,16 @@ def measure_kills(
 
 
 def measure_hang(
-    system: str, workdir: Path, wait_s: float, progress: Progress, spares: int = 2, rank: int = 1
+    system: str,
+    workdir: Path,
+    wait_s: float,
+    progress: Progress,
+    spares: int = 2,
+    rank: int = 1,
+    setup_s: float = 0.0,
 ) -> float | None:
     """Seconds from SIGSTOPping `rank` to the system's hang report; None if none came within `wait_s`."""
-    run = Run(system, workdir, steps=100_000, spares=spares, seconds=300 + wait_s + 120)
+    run = Run(system, workdir, steps=100_000, spares=spares, seconds=300 + wait_s + 120 + setup_s, setup_s=setup_s)
     run.start()
     try:
         _wait(run, lambda: run.last_step() >= 60, 300, "step 60")
@@ -205,7 +217,10 @@ def run_bench(
     spares: int = 2,
     full: bool = True,
     kill_rank: int = 1,
+    setup_s: float = 0.0,
 ) -> dict[str, Any]:
+    """Every system's figures on the same job and the same kills; `setup_s`: the seconds its script spends before
+    its loop (what a failure costs a system that runs the script again)."""
     if not 0 <= kill_rank < NPROC:
         raise BenchError(f"--kill-rank must be 0 or 1 (the job has {NPROC} ranks), not {kill_rank}")
     rng = random.Random(seed)
@@ -213,7 +228,7 @@ def run_bench(
         root = Path(tmp)
         schedule = kill_schedule(kills, gap, rng)
         progress(f"fault-free reference run of {schedule[-1] + 60} steps (stalwart run, no spares)")
-        ref = Run("stalwart", root / "reference", steps=schedule[-1] + 60, spares=0)
+        ref = Run("stalwart", root / "reference", steps=schedule[-1] + 60, spares=0, setup_s=setup_s)
         ref.start()
         try:
             _wait(ref, lambda: not ref.running(), 900, "the reference run")
@@ -229,10 +244,10 @@ def run_bench(
         for name in names:
             expected = reference
             if name == "torchft":  # its allreduce differs from DDP's: compare with its own fault-free run
-                expected = _reference_run(name, root / "torchft-reference", schedule[-1] + 60, progress)
-            k = measure_kills(name, root / f"{name}-kills", schedule, progress, spares, kill_rank)
+                expected = _reference_run(name, root / "torchft-reference", schedule[-1] + 60, progress, setup_s)
+            k = measure_kills(name, root / f"{name}-kills", schedule, progress, spares, kill_rank, setup_s)
             k["bitwise_identical"] = _results(root / f"{name}-kills") == expected
-            hang = measure_hang(name, root / f"{name}-hang", hang_wait, progress, spares, kill_rank)
+            hang = measure_hang(name, root / f"{name}-hang", hang_wait, progress, spares, kill_rank, setup_s)
             good = None
             if goodput_seconds > 0:
                 progress(
@@ -247,6 +262,7 @@ def run_bench(
                     progress,
                     spares,
                     kill_rank,
+                    setup_s,
                 )
             systems[name] = summarize(k, hang, good, reference_step_s)
             if name == "torchrun" and hang is None:
@@ -301,12 +317,13 @@ def run_bench(
             ),
         },
         "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]},
+        "setup_s": setup_s,
     }
 
 
-def _reference_run(system: str, workdir: Path, steps: int, progress: Progress) -> dict[int, str]:
+def _reference_run(system: str, workdir: Path, steps: int, progress: Progress, setup_s: float = 0.0) -> dict[int, str]:
     progress(f"{system}: fault-free reference run of {steps} steps")
-    run = Run(system, workdir, steps=steps)
+    run = Run(system, workdir, steps=steps, setup_s=setup_s)
     run.start()
     try:
         _wait(run, lambda: not run.running(), 900, f"{system}'s reference run")

@@ -48,6 +48,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--spares", type=int, default=2, help="stalwart run --spares for stalwart's runs (default 2)")
     p.add_argument("--no-full", action="store_true", help="skip the stalwart_full runs (a full snapshot every step)")
+    p.add_argument("--setup-s", type=float, default=0.0, help="seconds the job's script spends before its loop, as "
+                   "a real job's dataset indexing and model building do (default 0)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the kill steps (default 0)")
     p.add_argument("--dir", type=Path, help="where the runs write (default: a new temporary directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of tables")
@@ -71,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
             spares=max(0, args.spares),
             full=not args.no_full,
             kill_rank=args.kill_rank,
+            setup_s=args.setup_s,
             parent=args.dir,
             progress=lambda line: err.print(f"bench: {line}"),
         )
@@ -90,7 +93,9 @@ def _s(value: float | None) -> str:
 
 def print_report(console: Console, report: dict[str, Any]) -> None:
     killed = report["job"].get("killed_rank", 1)
-    table = Table(title=f"recovery, {report['kills']} kills of rank {killed} per system ({report['job']['model']})")
+    setup = f", {report['setup_s']:g} s of set-up before the loop" if report.get("setup_s") else ""
+    title = f"recovery, {report['kills']} kills of rank {killed} per system ({report['job']['model']}{setup})"
+    table = Table(title=title)
     for column in ("system", "kill→step median", "max", "steps lost max", "survivor stall", "hang detect",
                    "goodput (own pace)", "bitwise identical", "median step"):  # fmt: skip
         table.add_column(column, justify="left" if column == "system" else "right")

@@ -55,13 +55,14 @@ def measure_goodput(
     progress: Progress,
     spares: int = 2,
     rank: int = 1,
+    setup_s: float = 0.0,
 ) -> PacedGoodput:
     """Productive time kept over wall time, with `rank` killed every `kill_every` seconds: the steps in the final
     history (a redone step counts once) times `step_s`, the median step of the fault-free run. Counting a fixed
     step time, not each step's own, charges a system for everything that slows its steps or runs between them
     (snapshots, spares starting up), not only for the time it is down. Returns that goodput, the same at the
     run's own steady pace (steady_pace), and where the wall time went in telemetry/goodput.py's categories."""
-    run = Run(system, workdir, steps=1_000_000, spares=spares, seconds=seconds + 120)
+    run = Run(system, workdir, steps=1_000_000, spares=spares, seconds=seconds + 120, setup_s=setup_s)
     run.start()
     started = run.started
     try:

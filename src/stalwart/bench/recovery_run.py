@@ -41,6 +41,8 @@ class Run:
     seconds: float | None = None
     """A bound on the job's wall time (the hang and goodput runs stop it themselves long before)."""
     stock: bool = False
+    setup_s: float = 0.0
+    """Seconds the job's script spends before its loop (`--setup-s`: dataset indexing, building the model)."""
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     offset: int = 0
@@ -55,12 +57,14 @@ class Run:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
         env.update(STALWART_EVENT_LOG=str(self.log), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         until = [] if self.seconds is None else ["--until", f"{time.time() + self.seconds:.0f}"]
-        job = ["-m", "stalwart.bench.recovery_job", "--out", str(self.workdir), "--steps", str(self.steps), *until]
+        setup = ["--setup-s", str(self.setup_s)] if self.setup_s else []
+        job = ["-m", "stalwart.bench.recovery_job", "--out", str(self.workdir), "--steps", str(self.steps), *until,
+               *setup]  # fmt: skip
         if self.system == "stalwart_full":
             job += FULL_EVERY_STEP
         if self.system == "torchft":
             cmd = [sys.executable, "-m", "stalwart.bench.torchft_driver", "--out", str(self.workdir), "--steps",
-                   str(self.steps), *until]  # fmt: skip
+                   str(self.steps), *until, *setup]  # fmt: skip
         elif self.system == "torchrun":
             if not self.stock:
                 env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

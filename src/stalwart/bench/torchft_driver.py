@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--until", type=float, help="stop the replicas and exit 0 at this time.time()")
+    p.add_argument("--setup-s", type=float, default=0.0, help="as recovery_job.py's")
     args = p.parse_args()
     from torchft.coordination import LighthouseServer
 
@@ -37,7 +38,8 @@ def main() -> None:
 
     def start(replica: int) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-m", "stalwart.bench.torchft_job", "--out", str(args.out), "--steps",
-               str(args.steps), "--replica", str(replica), "--restart", str(restarts[replica])]  # fmt: skip
+               str(args.steps), "--replica", str(replica), "--restart", str(restarts[replica]),
+               "--setup-s", str(args.setup_s)]  # fmt: skip
         return spawn(cmd, env=env, death_signal=signal.SIGKILL)  # replicas die with this driver
 
     procs = [start(r) for r in range(REPLICAS)]

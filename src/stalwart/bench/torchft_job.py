@@ -38,7 +38,9 @@ def main() -> None:
     p.add_argument("--restart", type=int, default=0)
     p.add_argument("--width", type=int, default=1152)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--setup-s", type=float, default=0.0, help="as recovery_job.py's")
     args = p.parse_args()
+    time.sleep(args.setup_s)
     from torchft import Manager, Optimizer, ProcessGroupGloo
     from torchft.ddp import PureDistributedDataParallel
 

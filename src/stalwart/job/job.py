@@ -20,7 +20,6 @@ from enum import Enum
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.manager import Checkpointer
@@ -28,7 +27,7 @@ from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.detect.hang import hang_timer
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
 from stalwart.errors import ConfigError
-from stalwart.job import leaving, lifecycle
+from stalwart.job import endings, leaving, lifecycle
 from stalwart.job.config import JobConfig
 from stalwart.job.detectors import Detectors
 from stalwart.job.messages import RunName
@@ -38,6 +37,7 @@ from stalwart.job.state import Stateful, TrackedState, read_skip_record
 from stalwart.job.step_end import StepEnd
 from stalwart.job.step_hooks import StepHooks, step_hooks
 from stalwart.recovery import reform
+from stalwart.recovery.in_loop import InLoop
 from stalwart.recovery.restore import Restorer
 from stalwart.recovery.rollback import Rollback, RollbackRequest
 from stalwart.runtime.dist import Comm, Placement, init_process_group
@@ -68,7 +68,8 @@ class Job:
         self.config = JobConfig.of(checkpoint_dir, **options)
         self.placement = Placement.from_env()
         timeout = timedelta(seconds=self.config.collective_timeout_s)
-        self._owns_process_group = init_process_group(self.placement, timeout)
+        self._owns_process_group = init_process_group(self.placement, timeout, reformable=reform.in_loop())
+        self._given_hooks = hooks
         try:
             self._set_up(hooks)
         except BaseException:
@@ -79,14 +80,18 @@ class Job:
         reform.register(self)
         self.events.emit("worker_started", world_size=self.world_size, local_rank=self.placement.local_rank)
 
-    def _set_up(self, hooks: StepHooks | None) -> None:
-        """Everything after joining the process group; `__init__` undoes what it made if any of it fails."""
+    def _set_up(self, hooks: StepHooks | None, *, staying: bool = False) -> None:
+        """Everything after joining the process group; `__init__` undoes what it made if any of it fails.
+        `staying`: a survivor makes its parts anew inside its loop (job/endings.py)."""
         config, placement = self.config, self.placement
         self.comm = Comm(placement, timedelta(seconds=config.collective_timeout_s))
         self.events = EventLog.from_env(rank=placement.rank, restart=placement.restart_count)
         name = self.comm.broadcast(RunName(placement.restart_count, secrets.randbits(48)))
         token = f"{name.restart}x{name.token:012x}"  # names this run's files
         self._hooks = hooks or step_hooks(self.rank, placement.restart_count, self._announce)
+        self._in_loop = InLoop.of_process()
+        if self._in_loop is not None:  # a replacement whose peers stayed in their loop joins them quietly
+            self._in_loop.join_if_peers_stayed(self.comm, staying=staying)
         self._heartbeat = Heartbeat.from_env(placement.local_rank)
         self._hang = hang_timer(config.detect.hang_timeout_s)
         local_world = placement.local_world_size
@@ -104,6 +109,7 @@ class Job:
         self._snapshots = Snapshots(
             config.snapshot, memory, self._tracked, self.checkpointer, self.comm, self.events, self._hooks,
             token=token, barrier_timeout_s=config.collective_timeout_s, local_world_size=local_world,
+            absorb=self._in_loop.lose if self._in_loop is not None else None,
         )  # fmt: skip
         self._restorer = Restorer(self.comm, self.events, self.checkpointer, memory, self._snapshots.replicas)
         self._rollback = Rollback(self._restorer, self.checkpointer, memory, self.comm, self.events,
@@ -122,15 +128,7 @@ class Job:
 
     def _close_partial(self) -> None:
         """After a failed `_set_up`: close what it made (a Job the caller never got), then leave the group."""
-        for name in ("checkpointer", "_heartbeat", "comm", "events"):
-            part = self.__dict__.get(name)
-            if part is not None:
-                with contextlib.suppress(Exception):
-                    part.close()
-        if self._owns_process_group and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-            self._owns_process_group = False
+        endings.close_partial(self)
 
     @property
     def rank(self) -> int:
@@ -168,6 +166,8 @@ class Job:
         self._rollback.skips = read_skip_record(self.comm, self.checkpointer)
         restored = self._restorer.restore(allow_world_size_change=allow)
         self.state = JobState.RUNNING
+        if self._in_loop is not None:
+            self._in_loop.joined()  # a replacement has its state: its collectives run for real from now on
         if restored is None:
             self.events.emit("fresh_start")
             return 0
@@ -217,40 +217,25 @@ class Job:
                 if self.step != self._last_saved:
                     self.save(wait=True)
                 break
-            if self.step in self._rollback.skips:  # a rollback skipped this batch: drawn, never seen by the loop
-                self.events.emit("batch_skipped", step=self.step)
-                self._busy_step = True  # no work: keep it out of the step-time calibrations
-            else:
-                yield from self._body(self.step, self._hooks.batch(self.step, batch), first)
-            step_s = self._body_done(started)
-            live_s = self._snapshots.at_step_end(self.step)  # before any collective of this step's end
-            self._snapshots.publish()
-            rollback = self._step_end.rollback_wanted(self.step)
-            self._detectors.reads.step_ended()  # a loss the guard's read of this step did not take is read now
-            if rollback is not None and self._roll_back(rollback, loader):
-                iterator = iter(loader) if loader is not None else None  # from the restored data position
-                self._busy_step = False
-                reform.allow_requests()
+            try:
+                if self.step in self._rollback.skips:  # a rollback skipped this batch: drawn, never seen by the loop
+                    self.events.emit("batch_skipped", step=self.step)
+                    self._busy_step = True  # no work: keep it out of the step-time calibrations
+                else:
+                    yield from self._body(self.step, self._hooks.batch(self.step, batch), first)
+                if self._in_loop is not None:
+                    self._in_loop.check()
+                rolled_back = self._end_step(started, first, max_steps, loader)
+            except Exception as exc:
+                if self._in_loop is None or not reform.is_reformable(exc):
+                    raise
+                iterator = self._reform_in_loop(exc, loader, iterator, batch)
+                first = True  # as for the replacement: the first step of a start
                 continue
-            if rollback is not None and self._snapshots.light_wanted():
-                self._snapshots.read_live(self.step)  # nothing to roll back to (a loss spike only reported)
-            warning = self._step_end.warning(self.step, measured=not self._busy_step)
-            self._busy_step = False
-            self._snapshots.take(self.step, live_s)
-            reform.allow_requests()  # a re-forming request deferred by the commit point is raised here
-            if first:  # the optimizer's state exists now: staging is allocated while the next steps run
-                with contextlib.suppress(Exception):
-                    self.checkpointer.prepare(self._tracked.state(self.step))
-            if first or self.step % self.config.log_every == 0:
-                self._log_step(step_s)
-                first = False
-            self._checkpoint(max_steps, warning.reason)
-            if warning.evict is not None:
-                leaving.evict(self.step, warning.evict, self.rank, self.checkpointer, self.events, self._heartbeat,
-                              self._hang)  # fmt: skip
-            if self._step_end.preempt(self.step, max_steps):
-                leaving.preempt(self.step, self._last_saved == self.step, lambda: self.save(wait=True),
-                                self.checkpointer, self.events, self._heartbeat, is_main=self.is_main)  # fmt: skip
+            if rolled_back:
+                iterator = iter(loader) if loader is not None else None  # from the restored data position
+                continue
+            first = False
         self._detectors.reads.flush()  # the last step's loss is judged before steps() returns
         self._heartbeat.beat(self.step, PHASE_DONE, None)  # after the loop the worker is not watched
         if self.state is not JobState.FINISHED:
@@ -258,9 +243,49 @@ class Job:
             if self.is_main:
                 self.events.emit("job_finished", step=self.step)
 
+    def _end_step(self, started: float, first: bool, max_steps: int, loader: Iterable[Any] | None) -> bool:
+        """The loop body returned: the step is complete. Its snapshot, checks, log line and checkpoint; True when
+        the job rolled back instead (the caller restarts the loader from the restored position)."""
+        step_s = self._body_done(started)
+        live_s = self._snapshots.at_step_end(self.step)  # before any collective of this step's end
+        self._snapshots.publish()
+        rollback = self._step_end.rollback_wanted(self.step)
+        self._detectors.reads.step_ended()  # a loss the guard's read of this step did not take is read now
+        if rollback is not None and self._roll_back(rollback, loader):
+            self._busy_step = False
+            reform.allow_requests()
+            return True
+        if rollback is not None and self._snapshots.light_wanted():
+            self._snapshots.read_live(self.step)  # nothing to roll back to (a loss spike only reported)
+        warning = self._step_end.warning(self.step, measured=not self._busy_step)
+        self._busy_step = False
+        self._snapshots.take(self.step, live_s)
+        reform.allow_requests()  # a re-forming request deferred by the commit point is raised here
+        if first:  # the optimizer's state exists now: staging is allocated while the next steps run
+            with contextlib.suppress(Exception):
+                self.checkpointer.prepare(self._tracked.state(self.step))
+        if first or self.step % self.config.log_every == 0:
+            self._log_step(step_s)
+        self._checkpoint(max_steps, warning.reason)
+        if warning.evict is not None:
+            leaving.evict(self.step, warning.evict, self.rank, self.checkpointer, self.events, self._heartbeat,
+                          self._hang)  # fmt: skip
+        if self._step_end.preempt(self.step, max_steps):
+            leaving.preempt(self.step, self._last_saved == self.step, lambda: self.save(wait=True),
+                            self.checkpointer, self.events, self._heartbeat, is_main=self.is_main)  # fmt: skip
+        return False
+
+    def _reform_in_loop(
+        self, failure: Exception, loader: Iterable[Any] | None, iterator: Iterator[Any] | None, batch: Any
+    ) -> Iterator[Any] | None:
+        """Re-form inside the loop (job/endings.py); returns the iterator to go on with."""
+        return endings.reform_in_loop(self, failure, loader, iterator, batch)
+
     def _start(self) -> None:
-        """The parts a run needs, once the state is loaded: detectors, the GPU fence, re-forming's deferral, the
-        snapshots' commit point, the checkpoint interval."""
+        """The parts a run needs, once the state is loaded: re-forming in the loop, detectors, the GPU fence,
+        re-forming's deferral, the snapshots' commit point, the checkpoint interval."""
+        if self._in_loop is not None:
+            self._in_loop.start(self._tracked.optimizers())
         self._detectors.start_guard(self._tracked)  # its pre-hook first: it decides whether the update happens
         self._optimizer_hooks.start(self._tracked.optimizers(), overlap=self.config.checkpoint.overlap)
         self._detectors.start(self._tracked, self.step)
@@ -273,6 +298,8 @@ class Job:
         guard = self._detectors.guard
         if guard is not None:
             guard.arm(step)
+        if self._in_loop is not None:
+            self._in_loop.arm()
         self._snapshots.arm(step, first)
         try:
             yield step, batch
@@ -402,42 +429,11 @@ class Job:
     def close(self) -> None:
         """Stop the persister and release the process groups this job created (also run at interpreter exit).
         A persist still in flight is abandoned; the final checkpoint of steps() is durable before it returns."""
-        for close in (self._snapshots.close_commit, self._optimizer_hooks.close, self._detectors.close):
-            close()
-        self._heartbeat.close()
-        if self._snapshots.memory is not None:
-            self._snapshots.memory.close()
-        self.checkpointer.close()
-        self.comm.close()
-        if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_process_group = False
-        self.events.close()
+        endings.close(self)
 
     def abandon(self) -> None:
-        """Drop this job after its group failed, without a collective (supervisor/worker_host.py re-forms the worker in
-        place, see recovery/reform.py): the persister is killed, so a save in flight never commits, and nothing
-        runs at interpreter exit. The process groups are aborted by the caller, all at once."""
-        atexit.unregister(self.close)
-        with contextlib.suppress(Exception):
-            self.checkpointer.abandon()  # first: the persister dies before anything else can go wrong
-        running = self.state is JobState.RUNNING
-        outside = None if running else f"the job was {self.state.value}, not inside its training loop"
-        lost = self._snapshots.keep_live_state(self.step, outside)
-        closers = (self._snapshots.close_commit, self._optimizer_hooks.close, self._detectors.close,
-                   self._heartbeat.close, self.comm.forget)  # fmt: skip
-        for close in closers:
-            with contextlib.suppress(Exception):
-                close()
-        memory = self._snapshots.memory
-        if memory is not None:
-            with contextlib.suppress(Exception):
-                memory.close(wait_s=0.0)  # a snapshot's copy on a GPU that may hang: only if already done
-        self._owns_process_group = False
-        with contextlib.suppress(Exception):
-            why = {} if lost is None else {"why": lost}
-            self.events.emit("reforming", step=self.step, kept_live_state=lost is None, **why)
-        self.events.close()
+        """Drop this job after its group failed, without a collective (job/endings.py)."""
+        endings.abandon(self)
 
     def _log_step(self, step_s: float) -> None:
         """A `step_done` event; the reported tensors are read in one read, with whatever waits for one."""

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 from stalwart.checkpoint.format.serialize import flatten
 from stalwart.checkpoint.manager import Checkpointer
@@ -50,7 +51,11 @@ class Snapshots:
         token: str,
         barrier_timeout_s: float,
         local_world_size: int,
+        absorb: Callable[[BaseException, Any], bool] | None = None,
     ) -> None:
+        """`absorb`: takes a peer's failure at the commit point's barrier instead of raising it into the user's
+        optimizer step (recovery/in_loop.py), see StepCommit."""
+        self._absorb = absorb
         self._options = options
         self.memory = memory
         self._state = state
@@ -130,7 +135,7 @@ class Snapshots:
             return
         self.commit = StepCommit(
             self.memory, self._state, self._commit_barrier(), events=self._events, hooks=self._hooks,
-            push=lambda step: self.replicas.push(step, light=True),
+            push=lambda step: self.replicas.push(step, light=True), absorb=self._absorb,
         )  # fmt: skip
 
     def _commit_barrier(self) -> Callable[[int], tuple[float | None, int]]:

@@ -55,10 +55,14 @@ class StepCommit:
         events: EventLog,
         hooks: StepHooks,
         push: Callable[[int], None],
+        absorb: Callable[[BaseException, Any], bool] | None = None,
     ) -> None:
         """`state`: the job's tracked state, whose replicated optimizers get the pre-hook; `barrier`: every rank's,
         carrying a flag (Snapshots._commit_barrier); `push`: sends the light snapshot of a step to the peer
-        replicas (L3)."""
+        replicas (L3); `absorb(exc, optimizer)`: a survivor staying in its loop (recovery/in_loop.py) takes a peer's
+        failure at the barrier and drops the step's update (True), instead of it being raised into the user's
+        optimizer step."""
+        self._absorb = absorb
         self._memory = memory
         self._state = state
         self._barrier = barrier
@@ -102,7 +106,8 @@ class StepCommit:
         if self.off is not None:
             if not self._told:  # the other ranks are still committing: meet them once, saying so
                 self._told = True
-                self._barrier(1)
+                if not self._meet(1, optimizer):
+                    return
                 self.agreed_off = True
             self._committed = step
             self._hooks.in_optimizer(self._step, "after_barrier")
@@ -118,7 +123,10 @@ class StepCommit:
         self._committed = step
         self._push(step)  # to the peer replicas on other nodes (L3), before any rank's parameters move
         work = time.perf_counter() - started
-        cost, peer_off = self._barrier(0)  # raises if a peer is gone: this rank's parameters then stay at step N
+        met = self._meet(0, optimizer)  # a peer is gone: this rank's parameters then stay at step N
+        if met is None:
+            return
+        cost, peer_off = met
         reform.defer_requests()  # committed: finish the step before re-forming (the job allows them at its end)
         if peer_off and self.off is None:  # another rank turned light snapshots off: all do, at the same step
             self.off = "another rank's per-rank state changed after the optimizer step"
@@ -129,6 +137,15 @@ class StepCommit:
         # A barrier that knows its own cost (the ranks' skew is not: the next collective would wait for it too)
         self.seconds += work + (time.perf_counter() - started - work if cost is None else cost)
         self._hooks.in_optimizer(self._step, "after_barrier")
+
+    def _meet(self, flag: int, optimizer: Any) -> tuple[float | None, int] | None:
+        """The barrier; None when a peer's failure met there was absorbed (the update is then dropped)."""
+        try:
+            return self._barrier(flag)
+        except Exception as exc:
+            if self._absorb is None or not reform.is_reformable(exc) or not self._absorb(exc, optimizer):
+                raise
+            return None
 
     def check(self, state: dict[str, Any]) -> bool:
         """After the end-of-step snapshot of a committed step: whether the per-rank state it took at the

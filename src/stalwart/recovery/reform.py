@@ -27,13 +27,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
 import signal
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Protocol
 
+from stalwart.runtime.env import IN_LOOP_ENV
 from stalwart.runtime.env import REFORM_ENV as REFORM_ENV
 
 REFORM_SIGNAL: int = signal.SIGRTMIN + 4
@@ -92,6 +94,29 @@ def enabled() -> bool:
     return os.environ.get(REFORM_ENV) == "1"
 
 
+_rearm: Callable[[], None] | None = None
+
+
+def offer_rearm(rearm: Callable[[], None] | None) -> None:
+    """The worker host's way back to its agent while the script runs (supervisor/worker_host.py): `rearm()` says the
+    worker left its failed group, waits for the next round's activation and takes its environment. None: none."""
+    global _rearm
+    _rearm = rearm
+
+
+def in_loop() -> bool:
+    """Whether a survivor re-forms inside its training loop (recovery/in_loop.py): re-forming is on, the worker
+    runs in a host that can re-arm, and the launcher did not ask for re-running the script instead."""
+    return enabled() and _rearm is not None and os.environ.get(IN_LOOP_ENV, "1") == "1"
+
+
+def rearm() -> None:
+    """Tell the agent this worker left its group and wait for the next round; os.environ is then that round's."""
+    if _rearm is None:
+        raise RuntimeError("re-arming needs a worker host (stalwart run)")
+    _rearm()
+
+
 def is_reformable(exc: BaseException) -> bool:
     """True when `exc` (or what caused it) says a peer or the group is gone, not that this rank's code is wrong."""
     from stalwart.errors import is_peer_failure
@@ -104,6 +129,13 @@ def is_reformable(exc: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+def reason(exc: BaseException) -> str:
+    """The first sentence, without gloo's source location: "Read error [127.0.0.1]:17032: Connection reset by
+    peer" rather than the two lines of advice that follow it."""
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(exc).strip())
+    return text.splitlines()[0].split(". ")[0] if text else type(exc).__name__
 
 
 _deferring = False
@@ -172,13 +204,13 @@ def abandon() -> int:
         with contextlib.suppress(Exception):
             job.abandon()
     _live.clear()
-    _abort_process_groups()
+    abort_process_groups()
     gc.collect()  # the failed run's model, optimizer and DDP buckets, before the next run allocates its own
     _release_device_memory()
     return len(jobs)
 
 
-def _abort_process_groups() -> None:
+def abort_process_groups() -> None:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():

@@ -228,10 +228,11 @@ def _wait_all(works: list[Any]) -> None:
             work.wait()
 
 
-def init_process_group(placement: Placement, timeout: timedelta) -> bool:
+def init_process_group(placement: Placement, timeout: timedelta, *, reformable: bool = False) -> bool:
     """Join the default process group when launched with several ranks; returns whether this call did it.
 
     The backend is NCCL when CUDA is available and gloo otherwise; a group the user created first is kept.
+    `reformable`: the group is stalwart's re-formable one (runtime/group.py) over those backends.
     """
     if placement.world_size == 1 or dist.is_initialized():
         return False
@@ -240,6 +241,13 @@ def init_process_group(placement: Placement, timeout: timedelta) -> bool:
         backend = "cuda:nccl,cpu:gloo"
     else:
         backend = "gloo"
+    if reformable:
+        from stalwart.runtime import group
+
+        group.register()
+        backend = group.BACKEND
+        shared = torch.cuda.is_available() and placement.local_world_size > torch.cuda.device_count()
+        group.ReformableGroup.cuda_backend = "gloo" if shared else "nccl"  # NCCL refuses two ranks on one GPU
     store = _bootstrap_store(placement, timeout)
     if store is None:
         dist.init_process_group(backend=backend, timeout=timeout)

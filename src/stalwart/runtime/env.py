@@ -23,9 +23,9 @@ SNAPSHOT_DIR_ENV = "STALWART_SNAPSHOT_DIR"
 """The node's shared-memory directory for the memory tier."""
 REFORM_ENV = "STALWART_REFORM"
 """1 when survivors re-form in place (the default; `--no-reform` sets 0)."""
-JOINING_ENV = "STALWART_JOINING"
-"""1 for a replacement whose round has survivors that stayed in their loop: its group stays local until its state
-arrived (runtime/group.py)."""
+IN_LOOP_ENV = "STALWART_IN_LOOP"
+"""1 (the default under re-forming; `stalwart run --reform-by-rerun` sets 0): survivors re-form inside their
+training loop (recovery/in_loop.py) instead of running the script again."""
 ELASTIC_ENV = "STALWART_ELASTIC"
 """1 under `stalwart run --nnodes MIN:MAX` (MIN < MAX): the world size may change between restarts."""
 SPARES_ENV = "STALWART_SPARES"

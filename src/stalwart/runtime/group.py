@@ -24,7 +24,6 @@ that read the size before (DDP reads it at construction: the in-place path keeps
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from datetime import timedelta
 from typing import Any
@@ -33,8 +32,6 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 from torch.futures import Future
-
-from stalwart.runtime.env import JOINING_ENV
 
 BACKEND = "stalwart"
 """The name `init_process_group(backend=...)` knows this group by once `register()` ran."""
@@ -99,9 +96,14 @@ class _AbsorbingWork(dist.Work):
 class ReformableGroup(dist.ProcessGroup):
     """The job's default group under in-place re-forming; see the module docstring.
 
+    `cuda_backend`: what carries CUDA tensors, "nccl" (the default) or "gloo" (ranks sharing a device, which NCCL
+    refuses: runtime/dist.init_process_group chooses it when a node has more ranks than GPUs).
+
     torch fixes a ProcessGroup's C++ rank and size at construction, and C++ callers (DDP's reducer) read those;
     Python callers read `rank()`/`size()`, which follow `configure`. Re-forming keeps the world size, so both agree.
     """
+
+    cuda_backend = "nccl"
 
     def __init__(self, rank: int, size: int) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]
@@ -128,6 +130,8 @@ class ReformableGroup(dist.ProcessGroup):
 
     def _backend(self, device: str) -> Any:
         backend = self._backends.get(device)
+        if backend is None and device == "cuda" and self.cuda_backend == "gloo":
+            backend = self._backends["cuda"] = self._backends["cpu"]  # gloo takes CUDA tensors as they are
         if backend is None and device == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self._timeout
@@ -148,6 +152,14 @@ class ReformableGroup(dist.ProcessGroup):
                         method()
                     break
         self._backends = {}
+
+    def abort(self) -> None:
+        """torch's `_abort_process_group` calls it from Python: the backends go, the object stays."""
+        self.abort_backends()
+
+    def shutdown(self) -> None:
+        """torch's `destroy_process_group` calls it: as `abort`."""
+        self.abort_backends()
 
     def absorb(self, exc: BaseException) -> None:
         """Record a failure; the first one is kept (the others follow from it)."""
@@ -285,7 +297,6 @@ def _create(options: Any, backend_options: Any) -> ReformableGroup:
     rank, size = int(options.group_rank), int(options.group_size)
     if _current is None or _current.size() != size:
         _current = ReformableGroup(rank, size)
-        _current.join(os.environ.get(JOINING_ENV) == "1")
     _current.configure(options.store, rank, size, options.timeout)
     return _current
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import runpy
 import signal
 import sys
@@ -164,6 +163,7 @@ def _serve(control: IO[str], status: int) -> None:
         ran = True
         argv = _apply(Activation.decode(line))
         lost: str | None = None
+        reform.offer_rearm((lambda: _rearm_in_loop(control, status)) if status >= 0 else None)
         try:
             with reform.interruptible():
                 _run_script(argv)
@@ -173,7 +173,7 @@ def _serve(control: IO[str], status: int) -> None:
             if not (reform.enabled() and status >= 0 and reform.is_reformable(exc)):
                 sys.excepthook(type(exc), exc, exc.__traceback__)
                 sys.exit(1)
-            lost = _first_line(exc)
+            lost = reform.reason(exc)
         if lost is None:
             sys.exit(0)
         # Outside the except block, so that the failed run's frames (model, optimizer, buckets) can be freed.
@@ -185,11 +185,21 @@ def _serve(control: IO[str], status: int) -> None:
             os._exit(EXIT_PEER_LOST)
 
 
-def _first_line(exc: BaseException) -> str:
-    """The first sentence, without gloo's source location: "Read error [127.0.0.1]:17032: Connection reset by
-    peer" rather than the two lines of advice that follow it."""
-    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(exc).strip())
-    return text.splitlines()[0].split(". ")[0] if text else type(exc).__name__
+def _rearm_in_loop(control: IO[str], status: int) -> None:
+    """A survivor that stays in its training loop (recovery/in_loop.py) re-arms from inside the script: as a run that
+    ended, but the next activation's environment is taken in place and the script goes on."""
+    from stalwart.errors import EXIT_PEER_LOST
+
+    try:
+        os.write(status, HostStatus.REARMED.encode())
+    except OSError:
+        os._exit(EXIT_PEER_LOST)
+    line = control.readline()
+    if not line:  # the agent no longer needs this worker (the job ends, or its round failed)
+        os._exit(EXIT_PEER_LOST)
+    activation = Activation.decode(line)
+    os.environ.clear()
+    os.environ.update(activation.env)
 
 
 def _say(line: str) -> None:

@@ -194,9 +194,13 @@ def account(events: Iterable[dict[str, Any]], *, window: tuple[float, float] | N
 
 
 def _worker_started(rank0: list[dict[str, Any]], after: float, before: float) -> float | None:
+    """When rank 0 was running again: its new worker started, or, a survivor that stayed in its loop
+    (recovery/in_loop.py), its restore began."""
     for e in rank0:
         if e["event"] == "worker_started" and after <= e["mono"] <= before:
             return float(e["mono"])
+        if e["event"] == "resumed" and after <= e["mono"] <= before:
+            return float(e["mono"]) - float(e.get("seconds", 0.0))
     return None
 
 
@@ -207,7 +211,7 @@ def _segments(rank0: list[dict[str, Any]], agent: list[dict[str, Any]], events: 
     pending_restore, pending_tier, resume = 0.0, None, 0
     for e in rank0:
         kind = e["event"]
-        if kind == "worker_started":
+        if kind in ("worker_started", "reforming"):  # a new worker, or a survivor leaving its failed group
             if current is not None:
                 current.kind = "worker_failed"
                 segments.append(current)

@@ -1,0 +1,117 @@
+"""How a Job's parts end: closed when the job ends, dropped when its group fails, made anew when it stays in its loop.
+
+`close` at the end of the script (or at interpreter exit), `close_partial` when `Job()` itself fails. Two ways on
+from a peer's failure (recovery/reform.py, recovery/in_loop.py):
+- `reform_in_loop`, the default under `stalwart run`: the survivor stays in `Job.steps()`. It drops its parts
+  (`abandon`), waits for the next round of the rendezvous, makes its parts anew in the same process with the same
+  tracked objects and the same process group object, restores the step every rank agrees on and goes on;
+- `abandon` alone, the fallback: the script's run ends and the worker host runs it again (a failure met outside
+  `steps()`, or in a collective stalwart cannot absorb).
+
+Kept out of job/job.py, the facade: each reaches into most of the Job's parts, in an order that matters.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import time
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from stalwart.recovery import reform
+from stalwart.runtime.dist import Placement, init_process_group
+
+Job = Any
+"""A `stalwart.Job` (job/job.py imports this module, so the type cannot be imported back)."""
+
+
+def close(job: Job) -> None:
+    """Every part, the process group last (if the job made it), the event log after it."""
+    for close_part in (job._snapshots.close_commit, job._optimizer_hooks.close, job._detectors.close):
+        close_part()
+    job._heartbeat.close()
+    if job._snapshots.memory is not None:
+        job._snapshots.memory.close()
+    job.checkpointer.close()
+    job.comm.close()
+    if job._owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+        job._owns_process_group = False
+    job.events.close()
+
+
+def close_partial(job: Job) -> None:
+    """After a failed `Job._set_up`: close what it made (a Job the caller never got), then leave the group."""
+    for name in ("checkpointer", "_heartbeat", "comm", "events"):
+        part = job.__dict__.get(name)
+        if part is not None:
+            with contextlib.suppress(Exception):
+                part.close()
+    if job._owns_process_group and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        job._owns_process_group = False
+
+
+def abandon(job: Job) -> None:
+    """Drop `job` after its group failed, without a collective: the persister is killed, so a save in flight never
+    commits, the live state is kept for the next formation when it still holds the last completed step, and nothing
+    runs at interpreter exit. The process groups are aborted by the caller, all at once."""
+    atexit.unregister(job.close)
+    with contextlib.suppress(Exception):
+        job.checkpointer.abandon()  # first: the persister dies before anything else can go wrong
+    running = job.state.value == "running"
+    outside = None if running else f"the job was {job.state.value}, not inside its training loop"
+    lost = job._snapshots.keep_live_state(job.step, outside)
+    closers = [job._snapshots.close_commit, job._optimizer_hooks.close, job._detectors.close, job._heartbeat.close,
+               job.comm.forget]  # fmt: skip
+    if job._in_loop is not None:
+        closers.append(job._in_loop.close)
+    for close in closers:
+        with contextlib.suppress(Exception):
+            close()
+    memory = job._snapshots.memory
+    if memory is not None:
+        with contextlib.suppress(Exception):
+            memory.close(wait_s=0.0)  # a snapshot's copy on a GPU that may hang: only if already done
+    job._owns_process_group = False
+    with contextlib.suppress(Exception):
+        why = {} if lost is None else {"why": lost}
+        job.events.emit("reforming", step=job.step, kept_live_state=lost is None, **why)
+    job.events.close()
+
+
+def reform_in_loop(
+    job: Job, failure: Exception, loader: Iterable[Any] | None, iterator: Iterator[Any] | None, batch: Any
+) -> Iterator[Any] | None:
+    """L1 in the loop: leave the failed group keeping the live state, wait for the next round, re-form in this
+    process with the same tracked objects and restore the step every rank agrees on (an event `reformed_in_loop`).
+    Returns the iterator to go on with: the loader's from the restored position when the job tracks it, else the
+    same batch again when the failed step is redone."""
+    failed_at, started, in_loop = job.step, time.monotonic(), job._in_loop
+    assert in_loop is not None
+    objects = dict(job._tracked.objects)
+    abandon(job)
+    in_loop.leave(job.rank, reform.reason(failure))
+    job.placement = Placement.from_env()
+    timeout = timedelta(seconds=job.config.collective_timeout_s)
+    job._owns_process_group = init_process_group(job.placement, timeout, reformable=True)
+    job._set_up(job._given_hooks, staying=True)
+    job._tracked.track(**objects)
+    ddp_modules = in_loop.rejoin()
+    atexit.register(job.close)
+    reform.register(job)
+    job.resume()
+    job._start()
+    job.events.emit("reformed_in_loop", failed_at=failed_at, step=job.step, world_size=job.world_size,
+                    ddp_modules=ddp_modules, seconds=time.monotonic() - started)  # fmt: skip
+    if loader is not None and any(obj is loader for obj in objects.values()):
+        return iter(loader)
+    if job.step == failed_at and iterator is not None:
+        return itertools.chain([batch], iterator)
+    return iterator

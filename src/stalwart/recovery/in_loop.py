@@ -1,0 +1,144 @@
+"""L1 inside the survivor's loop: a peer's failure costs the survivors the failure, not the user's set-up.
+
+Under `stalwart run` a worker's default group is stalwart's re-formable one (runtime/group.py). When a peer dies:
+
+1. the collective that meets the death (DDP's all-reduce inside `loss.backward()`) is absorbed: it completes
+   without raising and the group records the failure; the agent's request to re-form (REFORM_SIGNAL) marks the
+   group failed the same way instead of raising into the user's code;
+2. the step's update is dropped: an optimizer pre-hook, registered before the numeric guard's, clears the
+   gradients of a step whose group failed, so the parameters and the optimizer's state stay those of the last
+   completed step (torch's optimizers skip parameters without a gradient), as the guard does for a non-finite step;
+3. at the step boundary the job (`Job.steps`) leaves the failed group keeping its live state, tells its agent it
+   re-armed and waits for the next round of the rendezvous in this process; the replacement's set-up runs
+   meanwhile, its own collectives kept local until its state arrived (`ReformableGroup.join`);
+4. the job re-forms: the same group object takes the new round's backends, the tracked DDP modules get fresh
+   reducers (`reset_ddp`), stalwart's parts are rebuilt, and the restore agrees on the step every rank can resume
+   (the survivors' live state, broadcast to the replacement, plus every rank's light snapshot from node memory);
+5. the step is redone with the same batch; the user's objects are the same Python objects throughout.
+
+The script runs again (the fallback of recovery/reform.py) only when the failure cannot be absorbed: it surfaced
+outside `job.steps()` (during the user's set-up, or after the loop), in a collective on a group the user made
+(`dist.new_group`, or a group made before `stalwart.Job()`, which then never becomes the re-formable one), or in
+the user's loop body as something else than a collective (an exception the job cannot see past).
+"""
+
+from __future__ import annotations
+
+import gc
+import signal
+import sys
+from collections import OrderedDict
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from stalwart.recovery import reform
+from stalwart.runtime import group as reformable
+from stalwart.runtime.dist import Comm
+
+
+class GroupFailed(reform.ReformRequested):
+    """The step's group failed before its update (a peer died, or the agent asked): raised at the step boundary,
+    never to the user."""
+
+
+class InLoop:
+    """The job's side of re-forming inside its loop; see the module docstring."""
+
+    def __init__(self, group: reformable.ReformableGroup) -> None:
+        self.group = group
+        self._handles: list[Any] = []
+        self._decided: bool | None = None  # this step's update: None (no optimizer step yet), True (kept), False
+
+    @classmethod
+    def of_process(cls) -> InLoop | None:
+        """The process's re-formable group when it is the default one and the worker can re-arm in place."""
+        group = reformable.current()
+        if group is None or not reform.in_loop() or dist.group.WORLD is not group:
+            return None
+        return cls(group)
+
+    def start(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Arm the pre-hooks (before any other: the guard must not judge a failed step's partial gradients) and
+        turn the agent's request to re-form into a failed group."""
+        self.close()
+        for opt in optimizers:
+            handle = opt.register_step_pre_hook(self._before_optimizer_step)
+            hooks = cast("OrderedDict[int, Any]", opt._optimizer_step_pre_hooks)
+            hooks.move_to_end(handle.id, last=False)  # torch runs them in their order
+            self._handles.append(handle)
+        signal.signal(reform.REFORM_SIGNAL, self._asked)
+
+    def _asked(self, signum: int, frame: FrameType | None) -> None:
+        self.group.fail("the agent asked this worker to re-form: a peer failed")
+
+    def arm(self) -> None:
+        """A step's loop body starts."""
+        self._decided = None
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The first optimizer step of a step decides for all of them: its update is dropped if the group has
+        failed by then, and kept otherwise (a failure after it does not split the step's optimizers)."""
+        if self._decided is None:
+            self._decided = self.group.failed is None
+        if self._decided:
+            return
+        for param_group in optimizer.param_groups:
+            for p in param_group["params"]:
+                p.grad = None
+
+    def lose(self, exc: BaseException, optimizer: torch.optim.Optimizer) -> bool:
+        """A peer's failure met by stalwart's own collective inside the optimizer step (the commit point's barrier,
+        job/step_commit.py) before the update: the group is failed and the update dropped, as if the failure had
+        been met first by the step's all-reduce. Returns True (taken)."""
+        self.group.absorb(exc)
+        self._decided = False
+        self._before_optimizer_step(optimizer, (), {})
+        return True
+
+    def check(self) -> None:
+        """At the step boundary: raise GroupFailed when the group failed before the step's update (or in a step
+        without one), so the step is redone. A failure after the update leaves the step complete: the step's end
+        meets it in its own collectives, or the next step does at its first one."""
+        failed = self.group.failed
+        if failed is not None and not self._decided:
+            raise GroupFailed(reform.reason(failed)) from failed
+
+    def join_if_peers_stayed(self, comm: Comm, *, staying: bool) -> None:
+        """A new worker whose peers stayed in their loop (a replacement) joins quietly until its state arrived
+        (`ReformableGroup.join`). Collective: every rank says whether it stayed, when its Job is made or re-formed."""
+        stayed = any(v[0] for v in comm.all_gather_ints([int(staying)]))
+        self.group.join(stayed and not staying)
+
+    def joined(self) -> None:
+        """The job has its state: a replacement's collectives run for real from now on."""
+        self.group.join(False)
+
+    def leave(self, rank: int, why: str) -> None:
+        """Leave the failed group and wait for the next round: every process group is aborted (the re-formable
+        one keeps its object), the agent learns this worker re-armed, and os.environ becomes the new round's."""
+        stream = sys.__stderr__ or sys.stderr
+        stream.write(f"stalwart: rank {rank}: {why}; re-forming in place, inside the training loop\n")
+        stream.flush()
+        self.close()
+        self.group.abort_backends()
+        reform.abort_process_groups()
+        reform.rearm()
+
+    def rejoin(self) -> int:
+        """After the group took the new round's backends: fresh reducers for the DDP modules on it; returns how
+        many. They are found among all live objects, not among the tracked ones: a job tracks the module DDP
+        wraps as often as the wrapper (its state_dict has no "module." prefix), and a replacement's new DDP
+        must meet every survivor's DDP in the same state."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        found = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
+        return sum(reformable.reset_ddp(m, self.group) for m in found if m.process_group is self.group)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,115 @@
+"""L1 inside the loop (recovery/in_loop.py): a peer's death, wherever in a step it lands, costs the survivors no
+run of their script. They keep their process, run their set-up once, and the job ends bitwise identical to a run
+without failures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import alive, child_env, fault_free_results, tiny_args
+
+STEPS = 24
+ARGS = ("--steps", str(STEPS), "--step-sleep", "0.03", "--replicated-snapshot-every", "20")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    return fault_free_results(tmp_path_factory.mktemp("in-loop-reference"), *ARGS)
+
+
+def _setups(job: Any) -> dict[int, int]:
+    """pid -> how many times the script's set-up ran in that process."""
+    counts: dict[int, int] = {}
+    for line in (job.workdir / "setups.log").read_text().split():
+        counts[int(line)] = counts.get(int(line), 0) + 1
+    return counts
+
+
+def _check(job: Any, reference: dict[int, dict[str, Any]], survivors: set[int]) -> None:
+    results = job.results()
+    for rank in reference:
+        assert results[rank]["sha256"] == reference[rank]["sha256"], f"rank {rank} differs from the fault-free run"
+        assert results[rank]["seen"] == reference[rank]["seen"], "the sample history differs"
+    first, second = job.worker_pids(restart=0), job.worker_pids(restart=1)
+    assert {r for r in first if first[r] == second[r]} == survivors, f"survivors keep their pid: {first} -> {second}"
+    assert all(e["kept"] == (e["rank"] in survivors) for e in job.events("worker_spawned") if e["restart"] == 1)
+    setups = _setups(job)
+    assert set(setups.values()) == {1}, f"the set-up ran once in every process: {setups}"
+    assert {e["rank"] for e in job.events("reformed_in_loop")} == survivors
+    assert "inside the training loop" in job.output()
+    pids = {e["worker_pid"] for e in job.events("worker_spawned")}
+    assert not [pid for pid in pids if alive(pid)], "no worker outlives the launcher"
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        ("--die-at", "13:forward"),
+        ("--die-at", "13:backward"),  # inside the backward pass, with DDP's all-reduce of a bucket in flight
+        ("--die-at", "13:before_optimizer"),  # the all-reduce done, the update not yet made
+        ("STALWART_FAULTS", "kill@rank=1,step=13"),  # between two steps
+        ("STALWART_FAULTS", "kill_in_optimizer@rank=1,step=13,phase=before_snapshot"),  # in the commit point
+        ("STALWART_FAULTS", "kill_in_optimizer@rank=1,step=13,phase=after_barrier"),
+    ],
+    ids=lambda w: w[1].split("@")[0] + ":" + w[1].split(":")[-1] if "@" in w[1] else w[1],
+)
+def test_a_kill_anywhere_in_a_step_keeps_the_survivor_in_its_loop(
+    launch: Any, reference: Any, where: tuple[str, str]
+) -> None:
+    flag, value = where
+    extra = (flag, value) if flag.startswith("--") else ()
+    env = child_env(**({flag: value} if not flag.startswith("--") else {}))
+    job = launch(tiny_args(*ARGS, "--setup-log", "setups.log", *extra), env=env)
+    assert job.wait(180) == 0, job.output()
+    _check(job, reference, survivors={0})
+
+
+def test_a_kill_of_the_survivor_right_after_the_reformation(launch: Any, reference: Any, tmp_path: Path) -> None:
+    # Rank 1 dies at step 13; rank 0, which stayed in its loop, dies as the redone step starts; the replacement of
+    # rank 1 then stays in its own loop and takes the replacement of rank 0.
+    fault = "kill@rank=1,step=13;kill@rank=0,step=13,restart=1"
+    job = launch(tiny_args(*ARGS, "--setup-log", "setups.log"), env=child_env(STALWART_FAULTS=fault))
+    assert job.wait(180) == 0, job.output()
+    results = job.results()
+    for rank in reference:
+        assert results[rank]["sha256"] == reference[rank]["sha256"], f"rank {rank} differs from the fault-free run"
+    second, third = job.worker_pids(restart=1), job.worker_pids(restart=2)
+    assert third[1] == second[1] and third[0] != second[0]
+    assert set(_setups(job).values()) == {1}
+
+
+@pytest.fixture(scope="module")
+def reference3(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    directory = tmp_path_factory.mktemp("in-loop-reference-3")
+    from conftest import Launch
+
+    job = Launch(directory, tiny_args(*ARGS, nproc=3), child_env())
+    try:
+        assert job.wait(180) == 0, job.output()
+        return job.results()
+    finally:
+        job.reap()
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "kill@rank=1,step=13;kill@rank=2,step=13",  # two at once
+        "hang@rank=1,step=13,how=sigstop;kill@rank=2,step=13",  # a stop and a kill
+    ],
+    ids=["two_kills", "stop_and_kill"],
+)
+def test_two_failures_at_once_keep_the_third_rank_in_its_loop(launch: Any, reference3: Any, fault: str) -> None:
+    job = launch(tiny_args(*ARGS, "--setup-log", "setups.log", nproc=3), env=child_env(STALWART_FAULTS=fault))
+    assert job.wait(240) == 0, job.output()
+    first, second = job.worker_pids(restart=0), job.worker_pids(restart=1)
+    assert first[0] == second[0] and first[1] != second[1] and first[2] != second[2]
+    assert {e["rank"] for e in job.events("reformed_in_loop")} == {0}
+    assert set(_setups(job).values()) == {1}
+    results = job.results()
+    for rank in (0, 1, 2):
+        assert results[rank]["seen"] == reference3[rank]["seen"], "the sample history differs"
+        assert results[rank]["sha256"] == reference3[rank]["sha256"], f"rank {rank} differs from the fault-free run"
