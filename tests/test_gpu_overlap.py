@@ -179,3 +179,21 @@ def test_registering_host_memory_leaves_the_callers_cuda_state_alone() -> None:
     finally:
         assert host_pin.unregister(buf.data_ptr(), device)
     assert not host_pin.unregister(buf.data_ptr(), device), "unregistered twice"
+
+
+def test_a_restore_of_a_gpu_job_reads_node_memory_into_pinned_memory(tmp_path: Path) -> None:
+    """With CUDA in use, `MemoryTier.load` reads into page-locked memory, so the copies into the job's CUDA tensors
+    run at the link's speed (issue #33; `bash scripts/gpu_checks.sh restore` times it)."""
+    from stalwart.checkpoint.tiers.memory import MemoryTier
+
+    torch.cuda.init()
+    shm = Path(tempfile.mkdtemp(prefix="stalwart-test-", dir="/dev/shm"))
+    tier = MemoryTier(shm, rank=0, world_size=1)
+    try:
+        weights = torch.randn(1 << 20)
+        tier.snapshot(1, {"step": 1, "objects": {"m": {"w": weights}}, "rng": {}})
+        got = tier.load(1).state["objects"]["m"]["w"]
+        assert got.is_pinned() and torch.equal(got, weights)
+        assert torch.equal(got.to("cuda", non_blocking=True).cpu(), weights)
+    finally:
+        tier.close()

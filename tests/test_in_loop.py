@@ -113,3 +113,17 @@ def test_two_failures_at_once_keep_the_third_rank_in_its_loop(launch: Any, refer
     for rank in (0, 1, 2):
         assert results[rank]["seen"] == reference3[rank]["seen"], "the sample history differs"
         assert results[rank]["sha256"] == reference3[rank]["sha256"], f"rank {rank} differs from the fault-free run"
+
+
+def test_reform_by_rerun_runs_the_script_again_in_the_survivor(launch: Any, reference: Any) -> None:
+    """The way before in-loop re-forming, kept as an option: the survivor keeps its process but runs the script
+    again, its set-up too."""
+    args = ["--reform-by-rerun", *tiny_args(*ARGS, "--setup-log", "setups.log")]
+    job = launch(args, env=child_env(STALWART_FAULTS="kill@rank=1,step=13"))
+    assert job.wait(180) == 0, job.output()
+    first, second = job.worker_pids(restart=0), job.worker_pids(restart=1)
+    assert first[0] == second[0] and first[1] != second[1]
+    assert _setups(job)[first[0]] == 2, "the survivor ran its set-up again"
+    assert not job.events("reformed_in_loop")
+    results = job.results()
+    assert all(results[r]["sha256"] == reference[r]["sha256"] for r in reference)

@@ -16,6 +16,7 @@ from stalwart.runtime.args import pointing_to
 from stalwart.runtime.env import (
     EVENT_LOG_ENV,
     HANG_TIMEOUT_ENV,
+    IN_LOOP_ENV,
     METRICS_PORT_ENV,
     PREEMPT_NOTICE_ENV,
     REFORM_ENV,
@@ -70,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="when a worker fails, end and restart every worker of the node (torchrun's way) instead of keeping "
         "the survivors' processes and re-forming the group with them (default: re-form; ${REFORM_ENV}=0 also "
         "turns it off)".replace("${REFORM_ENV}", REFORM_ENV),
+    )
+    parser.add_argument(
+        "--reform-by-rerun",
+        action="store_true",
+        default=os.environ.get(IN_LOOP_ENV) == "0",
+        help="survivors of a failure run the script again in their process instead of re-forming inside their "
+        "training loop (the way before in-loop re-forming; ${IN_LOOP_ENV}=0 also does)".replace(
+            "${IN_LOOP_ENV}", IN_LOOP_ENV
+        ),
     )
     preflight_gate.add_arguments(parser)
     parser.add_argument(

@@ -49,6 +49,7 @@ from stalwart.checkpoint.tiers.slot import (
     SlotContent,
     SlotHeader,
     read_slot,
+    restores_to_gpu,
     tensor_at,
     whole_image,
     write_image,
@@ -339,7 +340,7 @@ class MemoryTier(SlotFiles):
             h = slot.header()
             if self._own(h, step):
                 assert h is not None
-                return self._assemble(read_slot(slot.path, h, step), step)
+                return self._assemble(read_slot(slot.path, h, step, pinned=restores_to_gpu()), step)
         raise CheckpointCorruptError(f"no memory slot holds step {step}")
 
     def install(self, image: bytes, *, light: bool) -> bool:
@@ -360,7 +361,7 @@ class MemoryTier(SlotFiles):
             h = slot.header()
             if self._own(h, step):
                 assert h is not None
-                content = read_slot(slot.path, h, step)
+                content = read_slot(slot.path, h, step, pinned=restores_to_gpu())
                 return {k: (dtype_from_name(v[0]), list(v[1])) for k, v in content.live.items()}, content
         raise CheckpointCorruptError(f"no light memory slot holds step {step}")
 
@@ -400,7 +401,7 @@ class MemoryTier(SlotFiles):
         return MemorySnapshot(step, state, len(content.data))
 
     def _assemble(self, own: SlotContent, step: int) -> MemorySnapshot:
-        peers: dict[int, tuple[dict[str, list[Any]], bytearray]] = {}
+        peers: dict[int, tuple[dict[str, list[Any]], bytearray | memoryview]] = {}
 
         def fetch(tid: str) -> torch.Tensor:
             if tid in own.table:
@@ -422,12 +423,12 @@ class MemoryTier(SlotFiles):
             raise CheckpointCorruptError(f"the memory snapshot of step {step} is not a stalwart state")
         return MemorySnapshot(step, state, len(own.data))
 
-    def _peer(self, local_rank: int, step: int) -> tuple[dict[str, list[Any]], bytearray]:
+    def _peer(self, local_rank: int, step: int) -> tuple[dict[str, list[Any]], bytearray | memoryview]:
         for index in (0, 1):
             path = self._slot_path(local_rank, index)
             h = Slot(path).header()
             if h is not None and h.step == step and h.world_size == self.world_size:
-                got = read_slot(path, h, step)
+                got = read_slot(path, h, step, pinned=restores_to_gpu())
                 return got.table, got.data
         return {}, bytearray()
 

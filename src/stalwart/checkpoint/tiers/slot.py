@@ -242,13 +242,13 @@ def write_image(target: Slot, image: bytes) -> None:
 class SlotContent:
     skeleton: Any
     table: dict[str, list[Any]]
-    data: bytearray
+    data: bytearray | memoryview
     live: dict[str, list[Any]]
     survivor_skeleton: tuple[str, ...] = ()
     """The replicated objects whose skeletons must come from the survivor (snapshot_light's reused part)."""
 
 
-def tensor_at(entry: list[Any], data: bytearray) -> torch.Tensor:
+def tensor_at(entry: list[Any], data: bytearray | memoryview) -> torch.Tensor:
     offset, nbytes, dtype_text, shape = entry
     dtype = dtype_from_name(dtype_text)
     if not nbytes:
@@ -256,8 +256,23 @@ def tensor_at(entry: list[Any], data: bytearray) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype, offset=offset, count=nbytes // dtype.itemsize).reshape(shape)
 
 
-def read_slot(path: Path, header: SlotHeader, step: int) -> SlotContent:
-    data = bytearray(header.data_len)
+def read_buffer(nbytes: int, *, pinned: bool) -> bytearray | memoryview:
+    """Where a slot's data is read to. `pinned`: page-locked host memory (torch's pinned allocator, which keeps the
+    block for the next restore), for a state whose tensors are on a GPU: their copies in then run at the link's
+    speed instead of being staged through pageable memory by the driver (on an H200, 600 MB per rank restored
+    from node memory took 1.3 s, 0.46 GB/s, issue #33)."""
+    if pinned and nbytes:
+        return memoryview(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy())  # type: ignore[arg-type]
+    return bytearray(nbytes)
+
+
+def restores_to_gpu() -> bool:
+    """Whether this process's state lives on a GPU (CUDA is in use): its restores read into pinned memory."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def read_slot(path: Path, header: SlotHeader, step: int, *, pinned: bool = False) -> SlotContent:
+    data = read_buffer(header.data_len, pinned=pinned)
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
         toc_raw = f.read(header.toc_len)
