@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -73,13 +74,10 @@ def test_survivors_absorb_a_peers_death_and_reform_in_their_loop(tmp_path: Path)
     assert not [r for r in faulty.values() if alive(r["pid"])], "every process ended"
 
 
-def test_a_failed_group_completes_collectives_without_raising() -> None:
-    """One rank, no peer: a collective after a failure is not run and leaves its tensors as they are."""
-    store = dist.HashStore()
-    group = reformable.ReformableGroup(0, 1)
-    from datetime import timedelta
-
-    group.configure(store, 0, 1, timedelta(seconds=5))
+def test_a_failed_group_completes_collectives_without_raising_and_forwards_to_the_next_formation() -> None:
+    """One rank, no peer: a collective after a failure is not run and leaves its tensors as they are; once the next
+    formation's group exists, the old object runs its collectives there and reports its state."""
+    group = reformable.ReformableGroup(dist.HashStore(), 0, 1, timedelta(seconds=5))
     t = torch.ones(3)
     group.allreduce([t]).wait()
     assert group.failed is None and t.tolist() == [1.0, 1.0, 1.0]
@@ -88,13 +86,18 @@ def test_a_failed_group_completes_collectives_without_raising() -> None:
     work = group.allreduce([t])
     assert work.wait() and work.get_future().value() == [t]
     assert group.failed is not None and t.tolist() == [2.0, 2.0, 2.0]
-    group.configure(store, 0, 1, timedelta(seconds=5))
-    assert group.failed is None and group.generation == 2
+    after = reformable.ReformableGroup(dist.HashStore(), 0, 1, timedelta(seconds=5), generation=2)
+    group.succeeded_by(after)
+    assert group.latest() is after and group.failed is None and after.generation == 2
+    group.allreduce([t]).wait()  # through the old object, on the new formation's backend
+    assert group.failed is None and t.tolist() == [2.0, 2.0, 2.0]
+    group.fail("again")
+    assert after.failed is not None, "a failure met through an old object is the newest formation's"
 
 
 def test_a_joining_rank_runs_no_collective_and_gathers_its_own_tensors() -> None:
-    group = reformable.ReformableGroup(1, 3)
-    group.join(True)  # no backend at all: nothing may reach one
+    group = reformable.ReformableGroup(dist.HashStore(), 0, 1, timedelta(seconds=5))
+    group.join(True)
     mine = torch.tensor([7, 8])
     outs = [torch.zeros(2, dtype=torch.int64) for _ in range(3)]
     assert group.allgather([outs], [mine]).wait()

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed.fsdp
 
 from conftest import alive, child_env, fault_free_results, tiny_args
 
@@ -127,3 +129,24 @@ def test_reform_by_rerun_runs_the_script_again_in_the_survivor(launch: Any, refe
     assert not job.events("reformed_in_loop")
     results = job.results()
     assert all(results[r]["sha256"] == reference[r]["sha256"] for r in reference)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.distributed.fsdp, "fully_shard"), reason="FSDP2 is public (and runs on CPU) from torch 2.6"
+)
+def test_fsdp2_survivors_keep_their_shards_in_their_loop(launch: Any, tmp_path: Path) -> None:
+    """FSDP2 over the whole world (a 1-D mesh on the default group): a kill in the forward is absorbed like DDP's,
+    the survivor keeps its process and its shards, and the run ends bitwise identical (the lost rank's shards come
+    from node memory)."""
+    from conftest import Launch
+
+    args = ("--steps", str(STEPS), "--step-sleep", "0.03", "--fsdp")
+    reference = Launch(tmp_path / "reference", tiny_args(*args), child_env())
+    try:
+        assert reference.wait(180) == 0, reference.output()
+        expected = reference.results()
+    finally:
+        reference.reap()
+    job = launch(tiny_args(*args, "--setup-log", "setups.log", "--die-at", "13:forward"), env=child_env())
+    assert job.wait(180) == 0, job.output()
+    _check(job, expected, survivors={0})

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-import stalwart.checkpoint.tiers.memory as memory_tier
+import stalwart.checkpoint.tiers.slot as slot_module
 from stalwart.checkpoint.tiers.memory import MemoryTier
 
 SIZE_GB = float(os.environ.get("SIZE_GB", "2"))
@@ -38,10 +38,10 @@ def main() -> None:
         tier.snapshot(1, {"step": 1, "objects": {"m": state}, "rng": {}})
         if device == "cuda":
             torch.cuda.init()
-        real = memory_tier.restores_to_gpu
+        real = slot_module.restores_to_gpu
         ways = (("pageable", False), ("pinned", True)) if device == "cuda" else (("pageable", False),)  # a dry run
         for way, pinned in ways:
-            memory_tier.restores_to_gpu = lambda p=pinned: p
+            slot_module.restores_to_gpu = lambda p=pinned: p
             runs = []
             for _ in range(3):
                 started = time.perf_counter()
@@ -57,7 +57,7 @@ def main() -> None:
                 runs.append({"load_s": round(loaded - started, 4), "copy_s": round(done - loaded, 4),
                              "seconds": round(seconds, 4), "gbps": round(nbytes / seconds / 1e9, 2)})  # fmt: skip
             results[way] = runs
-        memory_tier.restores_to_gpu = real
+        slot_module.restores_to_gpu = real
     finally:
         tier.close()
         shutil.rmtree(directory, ignore_errors=True)

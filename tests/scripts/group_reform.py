@@ -48,7 +48,8 @@ def main() -> None:
     reformable.register()
     comm = form(rank, port2 if newcomer else port)
     group = reformable.current()
-    assert group is not None and dist.group.WORLD is group
+    assert group is not None
+    assert dist.group.WORLD is reformable.current(), "the default group is the re-formable one"
     group.join(newcomer)  # (stalwart.Job learns it from its peers)
     setups = 1  # the set-up: everything before the loop
     torch.manual_seed(0)
@@ -62,7 +63,7 @@ def main() -> None:
     while step < STEPS:
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
         ddp(x).pow(2).mean().backward()
-        whole = group.failed is None
+        whole = group.failed is None  # (the newest formation's, whichever object asks)
         if whole:
             opt.step()
         opt.zero_grad()
@@ -71,8 +72,9 @@ def main() -> None:
         if not whole:  # the step is redone in the new round
             dist.destroy_process_group()
             comm = form(rank, port2)
-            assert reformable.current() is group and group.generation == 2
-            reformable.reset_ddp(ddp, group)
+            now = reformable.current()
+            assert now is not None and now is not group and group.latest() is now and now.generation == 2
+            reformable.reset_ddp(ddp, now)
             step = send_state(model, opt, step, comm)
             continue
         step += 1

@@ -11,15 +11,17 @@ Under `stalwart run` a worker's default group is stalwart's re-formable one (run
 3. at the step boundary the job (`Job.steps`) leaves the failed group keeping its live state, tells its agent it
    re-armed and waits for the next round of the rendezvous in this process; the replacement's set-up runs
    meanwhile, its own collectives kept local until its state arrived (`ReformableGroup.join`);
-4. the job re-forms: the same group object takes the new round's backends, the tracked DDP modules get fresh
-   reducers (`reset_ddp`), stalwart's parts are rebuilt, and the restore agrees on the step every rank can resume
-   (the survivors' live state, broadcast to the replacement, plus every rank's light snapshot from node memory);
+4. the job re-forms: the next formation's group takes the new round (older group objects forward to it), the
+   DDP modules get fresh reducers (`reset_ddp`), stalwart's parts are rebuilt, and the restore agrees on the step
+   every rank can resume (the survivors' live state, broadcast to the replacement, plus every rank's light
+   snapshot from node memory);
 5. the step is redone with the same batch; the user's objects are the same Python objects throughout.
 
 The script runs again (the fallback of recovery/reform.py) only when the failure cannot be absorbed: it surfaced
-outside `job.steps()` (during the user's set-up, or after the loop), in a collective on a group the user made
-(`dist.new_group`, or a group made before `stalwart.Job()`, which then never becomes the re-formable one), or in
-the user's loop body as something else than a collective (an exception the job cannot see past).
+outside `job.steps()` (during the user's set-up, or after the loop), in a collective on another group (the user's
+`dist.new_group`, a 2-D DeviceMesh's dimensions, or a group made before `stalwart.Job()`, which then never becomes
+the re-formable one), in a functional collective (DTensor's, which reach the backends from C++), or in the user's
+loop body as something else than a collective (an exception the job cannot see past).
 """
 
 from __future__ import annotations
@@ -49,9 +51,14 @@ class InLoop:
     """The job's side of re-forming inside its loop; see the module docstring."""
 
     def __init__(self, group: reformable.ReformableGroup) -> None:
-        self.group = group
+        self._group = group
         self._handles: list[Any] = []
         self._decided: bool | None = None  # this step's update: None (no optimizer step yet), True (kept), False
+
+    @property
+    def group(self) -> reformable.ReformableGroup:
+        """The newest formation's group (a re-formation makes a new one, runtime/group.py)."""
+        return self._group.latest()
 
     @classmethod
     def of_process(cls) -> InLoop | None:
@@ -135,8 +142,10 @@ class InLoop:
         must meet every survivor's DDP in the same state."""
         from torch.nn.parallel import DistributedDataParallel
 
+        group = self.group
         found = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
-        return sum(reformable.reset_ddp(m, self.group) for m in found if m.process_group is self.group)
+        ours = [m for m in found if isinstance(getattr(m, "process_group", None), reformable.ReformableGroup)]
+        return sum(reformable.reset_ddp(m, group) for m in ours if m.process_group.latest() is group)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         for handle in self._handles:

@@ -53,6 +53,10 @@ AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 """Set by torch elastic when workers share the agent's store (torchrun's default) instead of rank 0 hosting one."""
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """1 (stalwart run's default): each restart's workers get a fresh store hosted by rank 0."""
+NCCL_ERRORS_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+"""2 under in-loop re-forming unless the user set it (torch's CleanUpOnly): NCCL's watchdog aborts a failed
+communicator and the collective's wait raises, which the re-formable group absorbs, instead of the default of
+tearing the process down (recovery/in_loop.py)."""
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 """Set to "lo" on a one-node run so gloo listens on loopback only."""
 GPU_TELEMETRY_ENV = "STALWART_GPU_TELEMETRY"

@@ -1,5 +1,5 @@
-"""The process group stalwart gives a job that re-forms in place: it absorbs a peer's failure and is re-formed
-under the same Python object.
+"""The process group stalwart gives a job that re-forms in place: it absorbs a peer's failure, and the objects the
+job's modules hold go on working after it is re-formed.
 
 Why: a survivor of a peer's death must stay in its training loop (the L1 rung of the recovery ladder), but a
 failed collective raises inside the user's loop body (DDP's all-reduce raises from `loss.backward()`), where no
@@ -12,13 +12,14 @@ forwards every collective to a real backend (gloo for CPU tensors, NCCL for CUDA
   its tensors as they are, and the group records `failed`. The step's update is then dropped (the job's optimizer
   pre-hook, recovery/in_loop.py) and the step is redone once the group is re-formed, so the partial gradients
   are never applied. This is torchft's design: errors are reported to a manager instead of raised;
-- is re-formed at a step boundary: `dist.destroy_process_group()` then `dist.init_process_group(backend="stalwart")`
-  with the next round's store hands the same object new backends (`configure`), so torch's default group, the
-  user's DDP and stalwart's own groups all talk to the new round.
+- is re-formed at a step boundary: aborting the groups, then `dist.init_process_group(backend="stalwart")` with the
+  next round's store, makes the next formation's group, and every older one forwards to it, so torch's default
+  group, the user's DDP and FSDP2 modules (whichever object they hold) and stalwart's own groups all talk to the
+  new round. A new object each time because torch's C++ group keeps the rank, size and backends it was made with.
 
-What it cannot absorb: a failure of a collective made on another group (the user's own `new_group`), a hang with
-no failure (the agent kills the hung rank, which turns it into a failure), and a rank-count change seen by code
-that read the size before (DDP reads it at construction: the in-place path keeps the world size).
+What it cannot absorb: a failure of a collective made on another group (the user's own `new_group`), of a
+functional collective (DTensor's redistribute, `full_tensor`: they reach the backends from C++), and a hang with no
+failure (the agent kills the hung rank, which turns it into a failure).
 """
 
 from __future__ import annotations
@@ -65,25 +66,38 @@ class _AbsorbingWork(dist.Work):
         super().__init__()
         self._group, self._work, self._result = group, work, result
         self._future: Future[Any] = Future()
+        try:
+            inner = work.get_future()
+        except RuntimeError:  # gloo's reduce-scatter has none: completed by wait(), see get_future
+            return
+        inner.add_done_callback(self._settle)
 
-        def done(inner: Future[Any]) -> None:
-            try:
-                inner.value()
-            except Exception as exc:
-                group.absorb(exc)
-            with contextlib.suppress(RuntimeError):  # set once, by whichever of wait() and the callback is first
-                self._future.set_result(result)
+    def _settle(self, inner: Future[Any]) -> None:
+        try:
+            inner.value()
+        except Exception as exc:
+            self._group.absorb(exc)
+        self._complete()
 
-        work.get_future().add_done_callback(done)
+    def _complete(self) -> None:
+        if not self._future.done():  # once, by whichever of wait() and the callback is first
+            with contextlib.suppress(RuntimeError):
+                self._future.set_result(self._result)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         try:
             self._work.wait() if timeout is None else self._work.wait(timeout)
         except Exception as exc:
             self._group.absorb(exc)
+        self._complete()
         return True
 
     def get_future(self) -> Future[Any]:
+        if not self._future.done():
+            try:
+                self._work.get_future()
+            except RuntimeError:  # no future of its own: the caller gets a completed one, after the wait
+                self.wait()
         return self._future
 
     def is_completed(self) -> bool:
@@ -94,50 +108,72 @@ class _AbsorbingWork(dist.Work):
 
 
 class ReformableGroup(dist.ProcessGroup):
-    """The job's default group under in-place re-forming; see the module docstring.
+    """The job's default group under in-place re-forming, one object per formation; see the module docstring.
+
+    Every formation makes a new object (torch's C++ group fixes its rank, size and backends when made, and C++
+    callers, DTensor's functional collectives among them, read those) and the older ones forward to it: an object
+    held by the user's DDP or FSDP2 modules, or by anything else, runs its collectives on the newest formation's
+    backends and reports the newest formation's failure.
 
     `cuda_backend`: what carries CUDA tensors, "nccl" (the default) or "gloo" (ranks sharing a device, which NCCL
     refuses: runtime/dist.init_process_group chooses it when a node has more ranks than GPUs).
-
-    torch fixes a ProcessGroup's C++ rank and size at construction, and C++ callers (DDP's reducer) read those;
-    Python callers read `rank()`/`size()`, which follow `configure`. Re-forming keeps the world size, so both agree.
     """
 
     cuda_backend = "nccl"
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, generation: int = 1) -> None:
+        """`store`: the round's (already prefixed by torch); `rank` and `size`: this process's place in it."""
         super().__init__(rank, size)  # type: ignore[call-arg]
-        self._rank, self._size = rank, size
-        self._backends: dict[str, Any] = {}
+        self._rank, self._size, self._store = rank, size, store
         self._lock = threading.Lock()
-        self.failed: BaseException | None = None
-        """The first failure absorbed since the last `configure` (None: the group is whole)."""
-        self.generation = 0
-        """How many times the group was configured: 1 after the first formation."""
-        self.joining = False
-        """A replacement joining a running job, before its state arrived: see `join`."""
+        self._failed: BaseException | None = None
+        self._joining = False
+        self._next: ReformableGroup | None = None
+        self.generation = generation
+        """Which formation of this process made the group: 1 for the first."""
+        gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._backends: dict[str, Any] = {"cpu": gloo}
+        kinds = {"cpu": dist.ProcessGroup.BackendType.GLOO}
+        if torch.cuda.is_available():
+            if self.cuda_backend == "gloo":
+                self._backends["cuda"] = gloo  # gloo takes CUDA tensors as they are
+                kinds["cuda"] = dist.ProcessGroup.BackendType.GLOO
+            else:  # NCCL makes its communicator at the first collective: the object costs nothing
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self._backends["cuda"] = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
+                kinds["cuda"] = dist.ProcessGroup.BackendType.NCCL
+        # Registered on the C++ side too, for the collectives that reach the backends from C++ (functional
+        # collectives: DTensor's redistribute and `full_tensor`). Those are not absorbed: a failure in one raises
+        # and takes the fallback (the script run again, recovery/reform.py).
+        for device, backend in self._backends.items():
+            self._register_backend(torch.device(device), kinds[device], backend)
+        self._set_default_backend(kinds["cpu"])
 
-    def configure(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
-        """Take backends for a new round: `store` is the round's (already prefixed by torch), `rank` and `size`
-        this process's place in it. The previous backends are aborted first."""
+    def latest(self) -> ReformableGroup:
+        """The newest formation's group (this one until the group is re-formed)."""
+        group = self
+        while group._next is not None:
+            group = group._next
+        return group
+
+    def succeeded_by(self, group: ReformableGroup) -> None:
+        """`group` is the next formation's: this one's backends go, its collectives go to `group`."""
         self.abort_backends()
-        self.generation += 1
-        self._rank, self._size = rank, size
-        self._timeout = timeout
-        self._store = store
-        self._backends = {"cpu": dist.ProcessGroupGloo(store, rank, size, timeout)}
-        self.failed = None
+        self._next = group
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The first failure the newest formation absorbed (None: the group is whole)."""
+        return self.latest()._failed
+
+    @property
+    def joining(self) -> bool:
+        """A replacement joining a running job, before its state arrived: see `join`."""
+        return self.latest()._joining
 
     def _backend(self, device: str) -> Any:
         backend = self._backends.get(device)
-        if backend is None and device == "cuda" and self.cuda_backend == "gloo":
-            backend = self._backends["cuda"] = self._backends["cpu"]  # gloo takes CUDA tensors as they are
-        if backend is None and device == "cuda":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = self._timeout
-            backend = self._backends["cuda"] = dist.ProcessGroupNCCL(
-                dist.PrefixStore("nccl", self._store), self._rank, self._size, options
-            )
         if backend is None:
             raise ValueError(f"the stalwart process group has no backend for {device} tensors")
         return backend
@@ -162,12 +198,13 @@ class ReformableGroup(dist.ProcessGroup):
         self.abort_backends()
 
     def absorb(self, exc: BaseException) -> None:
-        """Record a failure; the first one is kept (the others follow from it)."""
-        with self._lock:
-            if self.failed is None:
-                self.failed = exc
+        """Record a failure on the newest formation; the first one is kept (the others follow from it)."""
+        group = self.latest()
+        with group._lock:
+            if group._failed is None:
+                group._failed = exc
 
-    def fail(self, why: str) -> None:
+    def fail(self, why: str) -> None:  # (on the newest formation, through absorb)
         """Treat the group as failed from now on (the agent asked this rank to re-form)."""
         self.absorb(RuntimeError(why))
 
@@ -179,7 +216,7 @@ class ReformableGroup(dist.ProcessGroup):
         an all-gather and broadcasts rank 0's parameters). Run for real they would meet the survivors' next
         step's all-reduce. Its state arrives afterwards from a survivor (the job's restore), so nothing the
         skipped collectives would have brought is missed; the job ends the joining once it has resumed."""
-        self.joining = joining
+        self.latest()._joining = joining
 
     def _local(self, name: str, result: Any, args: tuple[Any, ...]) -> dist.Work:
         """A collective of a joining rank: every rank is taken to hold what this one holds."""
@@ -193,17 +230,18 @@ class ReformableGroup(dist.ProcessGroup):
         return _DoneWork(result)
 
     def _run(self, name: str, tensors: list[torch.Tensor], result: Any, *args: Any) -> dist.Work:
-        if self.joining:
+        group = self.latest()
+        if group._joining:
             return self._local(name, result, args)
-        if self.failed is not None:
+        if group._failed is not None:
             return _DoneWork(result)
         try:
             device = tensors[0].device.type if tensors else "cpu"
-            work = getattr(self._backend(device), name)(*args)
+            work = getattr(group._backend(device), name)(*args)
         except Exception as exc:
-            self.absorb(exc)
+            group.absorb(exc)
             return _DoneWork(result)
-        return _AbsorbingWork(self, work, result)
+        return _AbsorbingWork(group, work, result)
 
     # The collectives torch's Python API and DDP/FSDP call, forwarded by name (the backends' signatures).
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
@@ -229,6 +267,20 @@ class ReformableGroup(dist.ProcessGroup):
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else c10d.AllgatherOptions()
         return self._run("_allgather_base", [input], [output], output, input, opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        """torch >= 2.13's name for `_allgather_base` (`dist.all_gather_into_tensor`, FSDP2)."""
+        return self._allgather_base(output, input, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        """torch >= 2.13's name for `_reduce_scatter_base` (`dist.reduce_scatter_tensor`, FSDP2)."""
+        return self._reduce_scatter_base(output, input, opts)
+
+    def all_to_all_single(
+        self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int], opts: Any = None
+    ) -> dist.Work:
+        """torch >= 2.13's name for `alltoall_base`."""
+        return self.alltoall_base(output, input, out_splits, in_splits, opts)
 
     def reduce_scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
@@ -269,10 +321,26 @@ class ReformableGroup(dist.ProcessGroup):
         return self._run("barrier", [], [], opts)
 
     def rank(self) -> int:
-        return self._rank
+        return self.latest()._rank
 
     def size(self) -> int:
-        return self._size
+        return self.latest()._size
+
+    def _set_group_name(self, name: str) -> None:
+        """torch names every group it makes (`init_process_group` calls this); the C++ side keeps the name on the
+        group's backends, which a Python group has none of, so it is kept here (DeviceMesh and FSDP2 read it)."""
+        self._group_name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return getattr(self, "_group_name", "")
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_group_desc", "")
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -290,15 +358,36 @@ def current() -> ReformableGroup | None:
     return _current
 
 
-def _create(options: Any, backend_options: Any) -> ReformableGroup:
-    """torch's creator for BACKEND: the process's one group, made at the first formation and configured anew at
-    every later one."""
+def _create(options: Any, backend_options: Any) -> dist.ProcessGroup:
+    """torch's creator for BACKEND. The default group: a new ReformableGroup for every formation, which the previous
+    one forwards to. A subgroup made from it (`dist.new_group`, a 2-D DeviceMesh's dimensions): a plain group over
+    gloo and NCCL, which does not absorb failures; the re-formation does not make it again either, so a collective
+    on it after a failure raises and takes the fallback (the script run again, recovery/reform.py)."""
     global _current
-    rank, size = int(options.group_rank), int(options.group_size)
-    if _current is None or _current.size() != size:
-        _current = ReformableGroup(rank, size)
-    _current.configure(options.store, rank, size, options.timeout)
+    store, rank, size, timeout = options.store, int(options.group_rank), int(options.group_size), options.timeout
+    if list(options.global_ranks_in_group):
+        return _plain(store, rank, size, timeout)
+    previous = _current
+    _current = ReformableGroup(store, rank, size, timeout, generation=previous.generation + 1 if previous else 1)
+    if previous is not None:
+        previous.succeeded_by(_current)
     return _current
+
+
+def _plain(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+    group = dist.ProcessGroup(store, rank, size)
+    gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    if torch.cuda.is_available():
+        if ReformableGroup.cuda_backend == "gloo":
+            group._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, gloo)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
+            group._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return group
 
 
 def register() -> None:

@@ -49,6 +49,7 @@ from stalwart.runtime.env import (
     HEARTBEAT_ENV,
     IN_LOOP_ENV,
     LAUNCH_TIME_ENV,
+    NCCL_ERRORS_ENV,
     REFORM_ENV,
     SHARE_STORE_ENV,
     SNAPSHOT_DIR_ENV,
@@ -239,6 +240,8 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
     os.environ[HANG_TIMEOUT_ENV] = str(args.hang_timeout)
     os.environ[REFORM_ENV] = "1" if reforms(args) else "0"
     os.environ[IN_LOOP_ENV] = "0" if args.reform_by_rerun else "1"
+    if reforms(args) and not args.reform_by_rerun:
+        os.environ.setdefault(NCCL_ERRORS_ENV, "2")  # a failed NCCL collective raises, the process lives
     # torch elastic makes a log directory per run (attempt and rank folders, error files) and, with no
     # --log-dir, leaves it in /tmp for ever: one per run. Ours lives as long as the launcher.
     if args.log_dir is None:

@@ -49,7 +49,6 @@ from stalwart.checkpoint.tiers.slot import (
     SlotContent,
     SlotHeader,
     read_slot,
-    restores_to_gpu,
     tensor_at,
     whole_image,
     write_image,
@@ -340,7 +339,7 @@ class MemoryTier(SlotFiles):
             h = slot.header()
             if self._own(h, step):
                 assert h is not None
-                return self._assemble(read_slot(slot.path, h, step, pinned=restores_to_gpu()), step)
+                return self._assemble(read_slot(slot.path, h, step), step)
         raise CheckpointCorruptError(f"no memory slot holds step {step}")
 
     def install(self, image: bytes, *, light: bool) -> bool:
@@ -361,7 +360,7 @@ class MemoryTier(SlotFiles):
             h = slot.header()
             if self._own(h, step):
                 assert h is not None
-                content = read_slot(slot.path, h, step, pinned=restores_to_gpu())
+                content = read_slot(slot.path, h, step)
                 return {k: (dtype_from_name(v[0]), list(v[1])) for k, v in content.live.items()}, content
         raise CheckpointCorruptError(f"no light memory slot holds step {step}")
 
@@ -428,7 +427,7 @@ class MemoryTier(SlotFiles):
             path = self._slot_path(local_rank, index)
             h = Slot(path).header()
             if h is not None and h.step == step and h.world_size == self.world_size:
-                got = read_slot(path, h, step, pinned=restores_to_gpu())
+                got = read_slot(path, h, step)
                 return got.table, got.data
         return {}, bytearray()
 
