@@ -23,7 +23,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from stalwart.detect.heartbeat import PHASE_RESUME
 from stalwart.recovery import reform
+from stalwart.recovery.in_loop import InLoop, NothingToGoBackTo
 from stalwart.runtime.dist import Placement, init_process_group
 
 Job = Any
@@ -86,16 +88,57 @@ def abandon(job: Job) -> None:
     job.events.close()
 
 
+def can_go_back(job: Job) -> bool:
+    """Whether a survivor has a state to go back to, as far as it knows: it resumed from one, holds a memory
+    snapshot, or finds a committed checkpoint (listed only once it has taken one: a save in flight commits later).
+    Without one (a failure before the first), re-forming in the loop could only end in NothingToGoBackTo and a
+    second round; the script is run again at once instead (recovery/reform.py)."""
+    memory = job._snapshots.memory
+    if job.resumed_from is not None or (memory is not None and (memory.steps() or memory.steps(light=True))):
+        return True
+    return job._last_saved is not None and job.checkpointer.newest_committed() >= 0
+
+
 def reform_in_loop(
-    job: Job, failure: Exception, loader: Iterable[Any] | None, iterator: Iterator[Any] | None, batch: Any
+    job: Job, failure: Exception, loader: Iterable[Any] | None, iterator: Iterator[Any] | None, batch: tuple[int, Any]
 ) -> Iterator[Any] | None:
     """L1 in the loop: leave the failed group keeping the live state, wait for the next round, re-form in this
     process with the same tracked objects and restore the step every rank agrees on (an event `reformed_in_loop`).
-    Returns the iterator to go on with: the loader's from the restored position when the job tracks it, else the
-    same batch again when the failed step is redone."""
-    failed_at, started, in_loop = job.step, time.monotonic(), job._in_loop
+    A failure during the re-formation itself (a peer dying in the restore) starts it again. `batch`: (the step it
+    is for, the batch last drawn; `loader` None: the failure came before the loop, in the job's first restore).
+    Returns the iterator to go on with: the loader's from the restored position when the job tracks it; else the
+    same batch again when its step is redone, the iterator as it is when the restored step is the next one (an
+    untracked loader cannot go back further)."""
+    in_loop = job._in_loop
     assert in_loop is not None
+    failed_at, started, ran = job.step, time.monotonic(), job.state.value == "running"
     objects = dict(job._tracked.objects)
+    while True:
+        try:
+            ddp_modules = _reform_once(job, in_loop, failure, objects)
+            break
+        except NothingToGoBackTo:
+            raise
+        except Exception as exc:
+            if not reform.is_reformable(exc):
+                raise
+            failure = exc  # another failure while re-forming: leave again
+    if job.resumed_from is None and ran:
+        why = f"no snapshot or checkpoint to go back to from step {failed_at}; running the script again"
+        raise NothingToGoBackTo(why)
+    job._start()
+    job.events.emit("reformed_in_loop", failed_at=failed_at, step=job.step, world_size=job.world_size,
+                    ddp_modules=ddp_modules, seconds=time.monotonic() - started)  # fmt: skip
+    if loader is not None and any(obj is loader for obj in objects.values()):
+        return iter(loader)
+    drawn_at, drawn = batch
+    if job.step == drawn_at and iterator is not None:
+        return itertools.chain([drawn], iterator)
+    return iterator
+
+
+def _reform_once(job: Job, in_loop: InLoop, failure: Exception, objects: dict[str, Any]) -> int:
+    """One attempt: leave, wait for the next round, make the parts anew and restore. Returns the DDP modules reset."""
     abandon(job)
     in_loop.leave(job.rank, reform.reason(failure))
     job.placement = Placement.from_env()
@@ -106,12 +149,6 @@ def reform_in_loop(
     ddp_modules = in_loop.rejoin()
     atexit.register(job.close)
     reform.register(job)
+    job._heartbeat.beat(job.step, PHASE_RESUME, job._hang.grace())  # the restore may wait for the replacement
     job.resume()
-    job._start()
-    job.events.emit("reformed_in_loop", failed_at=failed_at, step=job.step, world_size=job.world_size,
-                    ddp_modules=ddp_modules, seconds=time.monotonic() - started)  # fmt: skip
-    if loader is not None and any(obj is loader for obj in objects.values()):
-        return iter(loader)
-    if job.step == failed_at and iterator is not None:
-        return itertools.chain([batch], iterator)
-    return iterator
+    return ddp_modules

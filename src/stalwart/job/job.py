@@ -73,7 +73,7 @@ class Job:
         try:
             self._set_up(hooks)
         except BaseException:
-            self._close_partial()
+            endings.close_partial(self)  # what it made (a Job the caller never got), then the group
             raise
         # Only now: an exit handler of a half-made Job met missing attributes, and its group was never destroyed.
         atexit.register(self.close)
@@ -125,10 +125,6 @@ class Job:
         self.step = 0
         """Completed steps: changed only by `_move_to`."""
         self.resumed_from: int | None = None
-
-    def _close_partial(self) -> None:
-        """After a failed `_set_up`: close what it made (a Job the caller never got), then leave the group."""
-        endings.close_partial(self)
 
     @property
     def rank(self) -> int:
@@ -195,8 +191,13 @@ class Job:
         if max_steps < 0:
             raise ConfigError(f"max_steps must be >= 0, got {max_steps}")
         self._heartbeat.beat(self.step, PHASE_RESUME, self._hang.grace())
-        self.resume()
-        self._start()
+        try:
+            self.resume()
+            self._start()
+        except Exception as exc:  # a peer lost in the first restore: re-form before the loop
+            if self._in_loop is None or not reform.is_reformable(exc):
+                raise
+            self._reform_in_loop(exc, None, None, (self.step, None))
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
         if 0 < self.step == max_steps and self._last_saved != self.step:
             # Resumed at the last step from node memory or a survivor (a failure during the run's final save):
@@ -217,6 +218,7 @@ class Job:
                 if self.step != self._last_saved:
                     self.save(wait=True)
                 break
+            drawn_at = self.step  # the step `batch` is for
             try:
                 if self.step in self._rollback.skips:  # a rollback skipped this batch: drawn, never seen by the loop
                     self.events.emit("batch_skipped", step=self.step)
@@ -227,9 +229,9 @@ class Job:
                     self._in_loop.check()
                 rolled_back = self._end_step(started, first, max_steps, loader)
             except Exception as exc:
-                if self._in_loop is None or not reform.is_reformable(exc):
+                if self._in_loop is None or not reform.is_reformable(exc) or not endings.can_go_back(self):
                     raise
-                iterator = self._reform_in_loop(exc, loader, iterator, batch)
+                iterator = self._reform_in_loop(exc, loader, iterator, (drawn_at, batch))
                 first = True  # as for the replacement: the first step of a start
                 continue
             if rolled_back:
@@ -276,7 +278,7 @@ class Job:
         return False
 
     def _reform_in_loop(
-        self, failure: Exception, loader: Iterable[Any] | None, iterator: Iterator[Any] | None, batch: Any
+        self, failure: Exception, loader: Iterable[Any] | None, iterator: Iterator[Any] | None, batch: tuple[int, Any]
     ) -> Iterator[Any] | None:
         """Re-form inside the loop (job/endings.py); returns the iterator to go on with."""
         return endings.reform_in_loop(self, failure, loader, iterator, batch)

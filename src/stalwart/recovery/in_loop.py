@@ -47,6 +47,13 @@ class GroupFailed(reform.ReformRequested):
     never to the user."""
 
 
+class NothingToGoBackTo(reform.ReformRequested):
+    """A survivor past step 0 re-formed and the job found no state to resume from (a failure before the first
+    snapshot or checkpoint): it cannot undo its own steps in place, so it leaves its loop and its host runs the
+    script again, from the user's own initial state (recovery/reform.py). Its peers meet its leaving as a failure
+    and re-form with it."""
+
+
 class InLoop:
     """The job's side of re-forming inside its loop; see the module docstring."""
 
