@@ -11,6 +11,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -78,6 +79,7 @@ def test_a_failed_group_completes_collectives_without_raising_and_forwards_to_th
     """One rank, no peer: a collective after a failure is not run and leaves its tensors as they are; once the next
     formation's group exists, the old object runs its collectives there and reports its state."""
     group = reformable.ReformableGroup(dist.HashStore(), 0, 1, timedelta(seconds=5))
+    group.absorb_failures(True)
     t = torch.ones(3)
     group.allreduce([t]).wait()
     assert group.failed is None and t.tolist() == [1.0, 1.0, 1.0]
@@ -87,12 +89,16 @@ def test_a_failed_group_completes_collectives_without_raising_and_forwards_to_th
     assert work.wait() and work.get_future().value() == [t]
     assert group.failed is not None and t.tolist() == [2.0, 2.0, 2.0]
     after = reformable.ReformableGroup(dist.HashStore(), 0, 1, timedelta(seconds=5), generation=2)
+    after.absorb_failures(True)
     group.succeeded_by(after)
     assert group.latest() is after and group.failed is None and after.generation == 2
     group.allreduce([t]).wait()  # through the old object, on the new formation's backend
     assert group.failed is None and t.tolist() == [2.0, 2.0, 2.0]
     group.fail("again")
     assert after.failed is not None, "a failure met through an old object is the newest formation's"
+    group.absorb_failures(False)  # outside a job's loop a failed group raises
+    with pytest.raises(RuntimeError, match="the process group failed"):
+        group.allreduce([t])
 
 
 def test_a_joining_rank_runs_no_collective_and_gathers_its_own_tensors() -> None:

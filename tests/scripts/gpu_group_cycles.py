@@ -68,6 +68,7 @@ def gloo_rank(rank: int, port: int, port2: int, newcomer: bool) -> None:
     reformable.register()
     reformable.ReformableGroup.cuda_backend = "gloo"  # two ranks on one GPU
     group = _form(rank, 2, port2 if newcomer else port)
+    group.absorb_failures(True)
     t = torch.full((4,), float(rank + 1), device=DEVICE)
     if newcomer:  # its one all-reduce meets the survivor's first after re-forming
         dist.all_reduce(t)
@@ -83,6 +84,7 @@ def gloo_rank(rank: int, port: int, port2: int, newcomer: bool) -> None:
     group.abort_backends()
     dist.distributed_c10d._abort_process_group()
     again = _form(rank, 2, port2)
+    again.absorb_failures(True)
     dist.all_reduce(t)  # with the replacement: 3.0 + 2.0
     print(json.dumps({"rank": rank, "absorbed": absorbed, "kept": kept, "forwards": group.latest() is again,
                       "after": float(t[0])}), flush=True)  # fmt: skip

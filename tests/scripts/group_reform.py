@@ -51,6 +51,7 @@ def main() -> None:
     assert group is not None
     assert dist.group.WORLD is reformable.current(), "the default group is the re-formable one"
     group.join(newcomer)  # (stalwart.Job learns it from its peers)
+    group.absorb_failures(True)  # (stalwart.Job: inside its training loop)
     setups = 1  # the set-up: everything before the loop
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -75,6 +76,7 @@ def main() -> None:
             now = reformable.current()
             assert now is not None and now is not group and group.latest() is now and now.generation == 2
             reformable.reset_ddp(ddp, now)
+            now.absorb_failures(True)
             step = send_state(model, opt, step, comm)
             continue
         step += 1

@@ -238,6 +238,8 @@ class Job:
                 iterator = iter(loader) if loader is not None else None  # from the restored data position
                 continue
             first = False
+        if self._in_loop is not None:
+            self._in_loop.stop()  # a failed collective after the loop raises, as without stalwart
         self._detectors.reads.flush()  # the last step's loss is judged before steps() returns
         self._heartbeat.beat(self.step, PHASE_DONE, None)  # after the loop the worker is not watched
         if self.state is not JobState.FINISHED:

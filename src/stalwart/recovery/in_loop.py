@@ -85,6 +85,11 @@ class InLoop:
             hooks.move_to_end(handle.id, last=False)  # torch runs them in their order
             self._handles.append(handle)
         signal.signal(reform.REFORM_SIGNAL, self._asked)
+        self.group.absorb_failures(True)
+
+    def stop(self) -> None:
+        """The training loop is over: failed collectives raise again (the user's code after the loop)."""
+        self.group.absorb_failures(False)
 
     def _asked(self, signum: int, frame: FrameType | None) -> None:
         self.group.fail("the agent asked this worker to re-form: a peer failed")
@@ -133,7 +138,8 @@ class InLoop:
 
     def leave(self, rank: int, why: str) -> None:
         """Leave the failed group and wait for the next round: every process group is aborted (the re-formable
-        one keeps its object), the agent learns this worker re-armed, and os.environ becomes the new round's."""
+        group's objects forward to the next formation's), the agent learns this worker re-armed, and os.environ
+        becomes the new round's."""
         stream = sys.__stderr__ or sys.stderr
         stream.write(f"stalwart: rank {rank}: {why}; re-forming in place, inside the training loop\n")
         stream.flush()

@@ -8,10 +8,11 @@ group would leave it talking to the dead one. torch 2.13's `shrink_group` does n
 `supports_shrinking` False. So the job's default group (WORLD) is this wrapper, a Python `ProcessGroup` that
 forwards every collective to a real backend (gloo for CPU tensors, NCCL for CUDA ones) and:
 
-- absorbs a failure: a collective that fails (or is started after one failed) completes without error and leaves
-  its tensors as they are, and the group records `failed`. The step's update is then dropped (the job's optimizer
-  pre-hook, recovery/in_loop.py) and the step is redone once the group is re-formed, so the partial gradients
-  are never applied. This is torchft's design: errors are reported to a manager instead of raised;
+- absorbs a failure, inside the job's training loop (`absorb_failures`): a collective that fails (or is started
+  after one failed) completes without error and leaves its tensors as they are, and the group records `failed`.
+  The step's update is then dropped (the job's optimizer pre-hook, recovery/in_loop.py) and the step is redone
+  once the group is re-formed, so the partial gradients are never applied. This is torchft's design: errors are
+  reported to a manager instead of raised;
 - is re-formed at a step boundary: aborting the groups, then `dist.init_process_group(backend="stalwart")` with the
   next round's store, makes the next formation's group, and every older one forwards to it, so torch's default
   group, the user's DDP and FSDP2 modules (whichever object they hold) and stalwart's own groups all talk to the
@@ -128,6 +129,7 @@ class ReformableGroup(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._failed: BaseException | None = None
         self._joining = False
+        self._absorbing = False
         self._next: ReformableGroup | None = None
         self.generation = generation
         """Which formation of this process made the group: 1 for the first."""
@@ -166,6 +168,12 @@ class ReformableGroup(dist.ProcessGroup):
     def failed(self) -> BaseException | None:
         """The first failure the newest formation absorbed (None: the group is whole)."""
         return self.latest()._failed
+
+    def absorb_failures(self, on: bool) -> None:
+        """Absorb failed collectives from now on (`on`), or let them raise as any group's do. stalwart.Job turns it
+        on for its training loop only (recovery/in_loop.py): there a failed step is redone, while a collective
+        of the user's set-up or after the loop that failed silently would leave wrong results behind."""
+        self.latest()._absorbing = on
 
     @property
     def joining(self) -> bool:
@@ -233,6 +241,11 @@ class ReformableGroup(dist.ProcessGroup):
         group = self.latest()
         if group._joining:
             return self._local(name, result, args)
+        if not group._absorbing:
+            if group._failed is not None:
+                raise RuntimeError(f"the process group failed: {group._failed}")
+            device = tensors[0].device.type if tensors else "cpu"
+            return getattr(group._backend(device), name)(*args)
         if group._failed is not None:
             return _DoneWork(result)
         try:
