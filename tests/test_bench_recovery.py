@@ -126,6 +126,15 @@ def test_a_bad_kill_rank_is_one_line() -> None:
     assert len(lines) == 1 and "--kill-rank" in lines[0], out.stderr
 
 
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "five"])
+def test_a_bad_setup_time_is_one_line(value: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "stalwart", "bench", "recovery", f"--setup-s={value}"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--setup-s" in lines[0] and "seconds" in lines[0], out.stderr
+
+
 def _events(workdir: Path) -> list[dict[str, object]]:
     from stalwart.telemetry.events import read_events
 

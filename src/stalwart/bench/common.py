@@ -28,6 +28,17 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def seconds(text: str) -> float:
+    """argparse type of a duration in seconds: a finite number, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return value
+
+
 def parse_size(text: str) -> int:
     """Bytes of state from '100MB', '1GB', '250MB' or '1.5GB' (decimal units, like the GB/s figures)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([MG])B?\s*", text, re.IGNORECASE)

@@ -19,7 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.bench.common import positive_int
+from stalwart.bench.common import positive_int, seconds
 from stalwart.bench.recovery import run_bench
 from stalwart.bench.recovery_goodput import SETTLE_S
 from stalwart.errors import BenchError
@@ -48,7 +48,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--spares", type=int, default=2, help="stalwart run --spares for stalwart's runs (default 2)")
     p.add_argument("--no-full", action="store_true", help="skip the stalwart_full runs (a full snapshot every step)")
-    p.add_argument("--setup-s", type=float, default=0.0, help="seconds the job's script spends before its loop, as "
+    p.add_argument("--setup-s", type=seconds, default=0.0, help="seconds the job's script spends before its loop, as "
                    "a real job's dataset indexing and model building do (default 0)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the kill steps (default 0)")
     p.add_argument("--dir", type=Path, help="where the runs write (default: a new temporary directory)")
