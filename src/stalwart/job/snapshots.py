@@ -51,7 +51,7 @@ class Snapshots:
         token: str,
         barrier_timeout_s: float,
         local_world_size: int,
-        absorb: Callable[[BaseException, Any], bool] | None = None,
+        absorb: Callable[[BaseException, Any], None] | None = None,
     ) -> None:
         """`absorb`: takes a peer's failure at the commit point's barrier instead of raising it into the user's
         optimizer step (recovery/in_loop.py), see StepCommit."""

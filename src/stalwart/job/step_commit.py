@@ -55,13 +55,13 @@ class StepCommit:
         events: EventLog,
         hooks: StepHooks,
         push: Callable[[int], None],
-        absorb: Callable[[BaseException, Any], bool] | None = None,
+        absorb: Callable[[BaseException, Any], None] | None = None,
     ) -> None:
         """`state`: the job's tracked state, whose replicated optimizers get the pre-hook; `barrier`: every rank's,
         carrying a flag (Snapshots._commit_barrier); `push`: sends the light snapshot of a step to the peer
         replicas (L3); `absorb(exc, optimizer)`: a survivor staying in its loop (recovery/in_loop.py) takes a peer's
-        failure at the barrier and drops the step's update (True), instead of it being raised into the user's
-        optimizer step."""
+        failure at the barrier and drops the step's update, instead of it being raised into the user's optimizer
+        step."""
         self._absorb = absorb
         self._memory = memory
         self._state = state
@@ -143,8 +143,9 @@ class StepCommit:
         try:
             return self._barrier(flag)
         except Exception as exc:
-            if self._absorb is None or not reform.is_reformable(exc) or not self._absorb(exc, optimizer):
+            if self._absorb is None or not reform.is_reformable(exc):
                 raise
+            self._absorb(exc, optimizer)
             return None
 
     def check(self, state: dict[str, Any]) -> bool:

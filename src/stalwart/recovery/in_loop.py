@@ -109,14 +109,13 @@ class InLoop:
             for p in param_group["params"]:
                 p.grad = None
 
-    def lose(self, exc: BaseException, optimizer: torch.optim.Optimizer) -> bool:
+    def lose(self, exc: BaseException, optimizer: torch.optim.Optimizer) -> None:
         """A peer's failure met by stalwart's own collective inside the optimizer step (the commit point's barrier,
         job/step_commit.py) before the update: the group is failed and the update dropped, as if the failure had
-        been met first by the step's all-reduce. Returns True (taken)."""
+        been met first by the step's all-reduce."""
         self.group.absorb(exc)
         self._decided = False
         self._before_optimizer_step(optimizer, (), {})
-        return True
 
     def check(self) -> None:
         """At the step boundary: raise GroupFailed when the group failed before the step's update (or in a step

@@ -133,24 +133,12 @@ class ReformableGroup(dist.ProcessGroup):
         self._next: ReformableGroup | None = None
         self.generation = generation
         """Which formation of this process made the group: 1 for the first."""
-        gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
-        self._backends: dict[str, Any] = {"cpu": gloo}
-        kinds = {"cpu": dist.ProcessGroup.BackendType.GLOO}
-        if torch.cuda.is_available():
-            if self.cuda_backend == "gloo":
-                self._backends["cuda"] = gloo  # gloo takes CUDA tensors as they are
-                kinds["cuda"] = dist.ProcessGroup.BackendType.GLOO
-            else:  # NCCL makes its communicator at the first collective: the object costs nothing
-                options = dist.ProcessGroupNCCL.Options()
-                options._timeout = timeout
-                self._backends["cuda"] = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
-                kinds["cuda"] = dist.ProcessGroup.BackendType.NCCL
+        made = _make_backends(store, rank, size, timeout)
+        self._backends: dict[str, Any] = {device: backend for device, (_, backend) in made.items()}
         # Registered on the C++ side too, for the collectives that reach the backends from C++ (functional
         # collectives: DTensor's redistribute and `full_tensor`). Those are not absorbed: a failure in one raises
         # and takes the fallback (the script run again, recovery/reform.py).
-        for device, backend in self._backends.items():
-            self._register_backend(torch.device(device), kinds[device], backend)
-        self._set_default_backend(kinds["cpu"])
+        _register(self, made)
 
     def latest(self) -> ReformableGroup:
         """The newest formation's group (this one until the group is re-formed)."""
@@ -174,11 +162,6 @@ class ReformableGroup(dist.ProcessGroup):
         on for its training loop only (recovery/in_loop.py): there a failed step is redone, while a collective
         of the user's set-up or after the loop that failed silently would leave wrong results behind."""
         self.latest()._absorbing = on
-
-    @property
-    def joining(self) -> bool:
-        """A replacement joining a running job, before its state arrived: see `join`."""
-        return self.latest()._joining
 
     def _backend(self, device: str) -> Any:
         backend = self._backends.get(device)
@@ -212,7 +195,7 @@ class ReformableGroup(dist.ProcessGroup):
             if group._failed is None:
                 group._failed = exc
 
-    def fail(self, why: str) -> None:  # (on the newest formation, through absorb)
+    def fail(self, why: str) -> None:
         """Treat the group as failed from now on (the agent asked this rank to re-form)."""
         self.absorb(RuntimeError(why))
 
@@ -241,15 +224,14 @@ class ReformableGroup(dist.ProcessGroup):
         group = self.latest()
         if group._joining:
             return self._local(name, result, args)
-        if not group._absorbing:
-            if group._failed is not None:
-                raise RuntimeError(f"the process group failed: {group._failed}")
-            device = tensors[0].device.type if tensors else "cpu"
-            return getattr(group._backend(device), name)(*args)
         if group._failed is not None:
+            if not group._absorbing:
+                raise RuntimeError(f"the process group failed: {group._failed}")
             return _DoneWork(result)
+        device = tensors[0].device.type if tensors else "cpu"
+        if not group._absorbing:
+            return getattr(group._backend(device), name)(*args)
         try:
-            device = tensors[0].device.type if tensors else "cpu"
             work = getattr(group._backend(device), name)(*args)
         except Exception as exc:
             group.absorb(exc)
@@ -367,7 +349,7 @@ _current: ReformableGroup | None = None
 
 
 def current() -> ReformableGroup | None:
-    """This process's group, once made (it lives as long as the process: the user's DDP may hold it)."""
+    """The newest formation's group of this process, once one was made."""
     return _current
 
 
@@ -389,18 +371,31 @@ def _create(options: Any, backend_options: Any) -> dist.ProcessGroup:
 
 def _plain(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
     group = dist.ProcessGroup(store, rank, size)
+    _register(group, _make_backends(store, rank, size, timeout))
+    return group
+
+
+def _make_backends(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dict[str, tuple[Any, Any]]:
+    """device -> (backend type, backend) of a formation: gloo for CPU tensors; for CUDA ones, when CUDA is there,
+    NCCL (it makes its communicator at the first collective: the object costs nothing) or, with
+    `ReformableGroup.cuda_backend` "gloo", the same gloo backend (it takes CUDA tensors as they are)."""
+    kinds = dist.ProcessGroup.BackendType
     gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    made: dict[str, tuple[Any, Any]] = {"cpu": (kinds.GLOO, gloo)}
     if torch.cuda.is_available():
         if ReformableGroup.cuda_backend == "gloo":
-            group._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, gloo)
+            made["cuda"] = (kinds.GLOO, gloo)
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
-            group._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
-    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    return group
+            made["cuda"] = (kinds.NCCL, dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options))
+    return made
+
+
+def _register(group: dist.ProcessGroup, made: dict[str, tuple[Any, Any]]) -> None:
+    for device, (kind, backend) in made.items():
+        group._register_backend(torch.device(device), kind, backend)
+    group._set_default_backend(made["cpu"][0])
 
 
 def register() -> None:

@@ -179,10 +179,7 @@ def _serve(control: IO[str], status: int) -> None:
         # Outside the except block, so that the failed run's frames (model, optimizer, buckets) can be freed.
         _say(f"stalwart: rank {os.environ.get('RANK', '?')}: {lost}; re-forming in place")
         reform.abandon()
-        try:
-            os.write(status, HostStatus.REARMED.encode())
-        except OSError:
-            os._exit(EXIT_PEER_LOST)
+        _report_rearmed(status)
 
 
 def _rearm_in_loop(control: IO[str], status: int) -> None:
@@ -190,16 +187,21 @@ def _rearm_in_loop(control: IO[str], status: int) -> None:
     ended, but the next activation's environment is taken in place and the script goes on."""
     from stalwart.errors import EXIT_PEER_LOST
 
+    _report_rearmed(status)
+    line = control.readline()
+    if not line:  # the agent no longer needs this worker (the job ends, or its round failed)
+        os._exit(EXIT_PEER_LOST)
+    _apply(Activation.decode(line))  # its argv is the script already running
+
+
+def _report_rearmed(status: int) -> None:
+    """REARMED on the status pipe; an agent that is gone ends the worker."""
+    from stalwart.errors import EXIT_PEER_LOST
+
     try:
         os.write(status, HostStatus.REARMED.encode())
     except OSError:
         os._exit(EXIT_PEER_LOST)
-    line = control.readline()
-    if not line:  # the agent no longer needs this worker (the job ends, or its round failed)
-        os._exit(EXIT_PEER_LOST)
-    activation = Activation.decode(line)
-    os.environ.clear()
-    os.environ.update(activation.env)
 
 
 def _say(line: str) -> None:

@@ -271,9 +271,9 @@ def restores_to_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def read_slot(path: Path, header: SlotHeader, step: int, *, pinned: bool | None = None) -> SlotContent:
-    """A slot's content; its data in pinned memory when `pinned`, by default when this process uses CUDA."""
-    data = read_buffer(header.data_len, pinned=restores_to_gpu() if pinned is None else pinned)
+def read_slot(path: Path, header: SlotHeader, step: int) -> SlotContent:
+    """A slot's content; its data in pinned memory when this process uses CUDA (`read_buffer`)."""
+    data = read_buffer(header.data_len, pinned=restores_to_gpu())
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
         toc_raw = f.read(header.toc_len)
