@@ -23,6 +23,9 @@ TINY = Path(__file__).parent / "scripts" / "train_tiny.py"
 def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    # The tests compare runs with failures bitwise to runs without: survivors wait for the replacement. Training on
+    # shrunk meanwhile (the default) has its own tests (tests/test_shrink.py), which set it to 0.
+    env["STALWART_WAIT_FOR_REPLACEMENT"] = "1"
     env.update(extra)
     return env
 

@@ -91,6 +91,7 @@ def main() -> None:
     p.add_argument("--when-busy", default="wait", help="wait: every save happens (deterministic steps for tests)")
     p.add_argument("--ckpt-per-rank", action="store_true", help="a node-local checkpoint dir on each rank (wrong)")
     p.add_argument("--unsavable-on-rank", type=int, default=-1, help="track a numpy scalar on this rank (wrong)")
+    p.add_argument("--no-randomness", action="store_true", help="no dropout, no noise: steps draw no random numbers")
     p.add_argument("--setup-s", type=float, default=0.0, help="seconds of set-up before the loop (data, model)")
     p.add_argument("--setup-log", default="", help="append this process's pid here each time the set-up runs")
     p.add_argument("--die-at", default="", help="STEP:PHASE (forward, backward, before_optimizer): rank 1 of the "
@@ -124,7 +125,10 @@ def main() -> None:
     time.sleep(args.setup_s)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(8, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(args.hidden, 1)
+        torch.nn.Linear(8, args.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.0 if args.no_randomness else 0.2),
+        torch.nn.Linear(args.hidden, 1),
     )
     if args.fsdp:
         from torch.distributed.device_mesh import init_device_mesh
@@ -166,7 +170,7 @@ def main() -> None:
         seen.ids.extend(ids.tolist())
         if args.compute_sleep:
             time.sleep(args.compute_sleep)  # a stand-in for compute (a GPU's kernels) that no other rank slows
-        noise = torch.rand(len(x), 1)  # draws from the global RNG, so RNG restore matters
+        noise = torch.rand(len(x), 1) * (0.0 if args.no_randomness else 1.0)  # draws: RNG restore matters
         loss = (ddp(x) - x.sum(dim=1, keepdim=True) - noise).pow(2).mean()
         optim.zero_grad()
         loss.backward()

@@ -30,11 +30,13 @@ from stalwart.runtime.dist import Placement
 
 
 class _LocalBatches(Sampler[list[tuple[int, int]]]):
-    """Endless stream of this rank's index lists, starting at a global position."""
+    """Endless stream of this rank's index lists, starting at a global position: per global batch, one list for
+    each of the ranks this process stands for (its own, and a missing rank's while the job runs shrunk)."""
 
-    def __init__(self, loader: ResumableLoader, epoch: int, batch: int) -> None:
+    def __init__(self, loader: ResumableLoader, epoch: int, batch: int, ranks: tuple[int, ...]) -> None:
         self._loader = loader
         self._start = (epoch, batch)
+        self._ranks = ranks
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         ld = self._loader
@@ -44,7 +46,8 @@ class _LocalBatches(Sampler[list[tuple[int, int]]]):
             for b in range(batch, ld.batches_per_epoch):
                 g = perm[b * ld.global_batch_size : (b + 1) * ld.global_batch_size]
                 seed = order.batch_seed(ld.seed, epoch, b)
-                yield [(seed, i) for i in order.local_slice(g, ld.rank, ld.world_size).tolist()]
+                for rank in self._ranks:
+                    yield [(seed, i) for i in order.local_slice(g, rank, ld.world_size).tolist()]
             epoch, batch = epoch + 1, 0
 
 
@@ -119,27 +122,47 @@ class ResumableLoader:
         self._pin_memory = pin_memory
         self.epoch = 0
         self.batch = 0  # next global batch within the epoch
+        self._ranks: tuple[int, ...] = (self.rank,)
 
     @property
     def local_batch_size(self) -> int:
         return self.global_batch_size // self.world_size
 
+    @property
+    def shares(self) -> tuple[int, ...]:
+        """The ranks whose slice of each global batch this process trains on: its own, and while the job runs
+        shrunk (recovery/shrink.py) a missing rank's too."""
+        return self._ranks
+
+    def take_shares(self, ranks: tuple[int, ...] | None) -> None:
+        """From the next iterator on, yield each global batch's slices of `ranks` in turn, one item each, and move
+        the position once all of them were handed out (None: this rank's alone). The position stays global, so a
+        missing rank's samples are neither lost nor seen twice."""
+        ranks = (self.rank,) if ranks is None else tuple(ranks)
+        if not ranks or any(not 0 <= r < self.world_size for r in ranks):
+            raise ConfigError(f"shares {ranks} are not ranks of {self.world_size}")
+        self._ranks = ranks
+
     def __iter__(self) -> Iterator[Any]:
         start = (self.epoch, self.batch)
+        ranks = self._ranks
         g = torch.Generator()
         g.manual_seed(self.seed)  # seeds worker processes; never touches the global generator
         dl = DataLoader(
             _SeededFetch(self.dataset),
-            batch_sampler=_LocalBatches(self, *start),
+            batch_sampler=_LocalBatches(self, *start, ranks),
             num_workers=self._num_workers,
             collate_fn=self._collate_fn,
             generator=g,
             pin_memory=self._pin_memory,
         )
-        for item in dl:
+        for n, item in enumerate(dl, 1):
             if (self.epoch, self.batch) != start:
                 # load_state_dict moved the position under us: this iterator is stale.
                 return
+            if n % len(ranks):  # more shares of this global batch to come: the position moves after the last
+                yield item
+                continue
             self.batch += 1
             if self.batch == self.batches_per_epoch:
                 self.epoch, self.batch = self.epoch + 1, 0

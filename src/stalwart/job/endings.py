@@ -17,7 +17,7 @@ import atexit
 import contextlib
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +34,9 @@ Job = Any
 
 def close(job: Job) -> None:
     """Every part, the process group last (if the job made it), the event log after it."""
+    if job._deferred:  # a replacement that never reached its loop (job/joining.py): it made only these
+        close_partial(job)
+        return
     for close_part in (job._snapshots.close_commit, job._optimizer_hooks.close, job._detectors.close):
         close_part()
     job._heartbeat.close()
@@ -60,10 +63,11 @@ def close_partial(job: Job) -> None:
         job._owns_process_group = False
 
 
-def abandon(job: Job) -> None:
+def abandon(job: Job, before_close: Callable[[], None] | None = None) -> None:
     """Drop `job` after its group failed, without a collective: the persister is killed, so a save in flight never
     commits, the live state is kept for the next formation when it still holds the last completed step, and nothing
-    runs at interpreter exit. The process groups are aborted by the caller, all at once."""
+    runs at interpreter exit. The process groups are aborted by the caller, all at once. `before_close`: runs once
+    the live state is kept, while node memory is still open (job/shrunk.py undoes the failed step there)."""
     atexit.unregister(job.close)
     with contextlib.suppress(Exception):
         job.checkpointer.abandon()  # first: the persister dies before anything else can go wrong
@@ -77,6 +81,8 @@ def abandon(job: Job) -> None:
     for close in closers:
         with contextlib.suppress(Exception):
             close()
+    if before_close is not None:
+        before_close()
     memory = job._snapshots.memory
     if memory is not None:
         with contextlib.suppress(Exception):
@@ -100,29 +106,31 @@ def can_go_back(job: Job) -> bool:
 
 
 def reform_in_loop(
-    job: Job, failure: Exception, loader: Iterable[Any] | None, iterator: Iterator[Any] | None, batch: tuple[int, Any]
-) -> Iterator[Any] | None:
+    job: Job, failure: Exception, loader: Iterable[Any] | None, iterator: Iterator[Any] | None,
+    batch: tuple[int, Any], *, left: bool = False,
+) -> Iterator[Any] | None:  # fmt: skip
     """L1 in the loop: leave the failed group keeping the live state, wait for the next round, re-form in this
     process with the same tracked objects and restore the step every rank agrees on (an event `reformed_in_loop`).
     A failure during the re-formation itself (a peer dying in the restore) starts it again. `batch`: (the step it
     is for, the batch last drawn; `loader` None: the failure came before the loop, in the job's first restore).
     Returns the iterator to go on with: the loader's from the restored position when the job tracks it; else the
     same batch again when its step is redone, the iterator as it is when the restored step is the next one (an
-    untracked loader cannot go back further)."""
+    untracked loader cannot go back further). `left`: the job was abandoned and its worker re-armed already
+    (job/shrunk.py)."""
     in_loop = job._in_loop
     assert in_loop is not None
     failed_at, started, ran = job.step, time.monotonic(), job.state.value == "running"
     objects = dict(job._tracked.objects)
     while True:
         try:
-            ddp_modules = _reform_once(job, in_loop, failure, objects)
+            ddp_modules = _reform_once(job, in_loop, failure, objects, left=left)
             break
         except NothingToGoBackTo:
             raise
         except Exception as exc:
             if not reform.is_reformable(exc):
                 raise
-            failure = exc  # another failure while re-forming: leave again
+            failure, left = exc, False  # another failure while re-forming: leave again
     if job.resumed_from is None and ran:
         why = f"no snapshot or checkpoint to go back to from step {failed_at}; running the script again"
         raise NothingToGoBackTo(why)
@@ -137,10 +145,12 @@ def reform_in_loop(
     return iterator
 
 
-def _reform_once(job: Job, in_loop: InLoop, failure: Exception, objects: dict[str, Any]) -> int:
-    """One attempt: leave, wait for the next round, make the parts anew and restore. Returns the DDP modules reset."""
-    abandon(job)
-    in_loop.leave(job.rank, reform.reason(failure))
+def _reform_once(job: Job, in_loop: InLoop, failure: Exception, objects: dict[str, Any], *, left: bool) -> int:
+    """One attempt: leave (unless `left`), wait for the next round, make the parts anew and restore. Returns the DDP
+    modules reset."""
+    if not left:
+        abandon(job)
+        in_loop.leave(job.rank, reform.reason(failure))
     job.placement = Placement.from_env()
     timeout = timedelta(seconds=job.config.collective_timeout_s)
     job._owns_process_group = init_process_group(job.placement, timeout, reformable=True)

@@ -27,7 +27,7 @@ from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.detect.hang import hang_timer
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
 from stalwart.errors import ConfigError
-from stalwart.job import endings, leaving, lifecycle
+from stalwart.job import endings, joining, leaving, lifecycle, shrunk
 from stalwart.job.config import JobConfig
 from stalwart.job.detectors import Detectors
 from stalwart.job.messages import RunName
@@ -40,7 +40,7 @@ from stalwart.recovery import reform
 from stalwart.recovery.in_loop import InLoop
 from stalwart.recovery.restore import Restorer
 from stalwart.recovery.rollback import Rollback, RollbackRequest
-from stalwart.runtime.dist import Comm, Placement, init_process_group
+from stalwart.runtime.dist import Comm, Placement
 from stalwart.telemetry.events import EventLog
 
 __all__ = ["Job", "JobConfig", "JobState", "Stateful"]
@@ -68,10 +68,13 @@ class Job:
         self.config = JobConfig.of(checkpoint_dir, **options)
         self.placement = Placement.from_env()
         timeout = timedelta(seconds=self.config.collective_timeout_s)
-        self._owns_process_group = init_process_group(self.placement, timeout, reformable=reform.in_loop())
+        self._deferred, self._owns_process_group = joining.join_group(self.placement, timeout)
         self._given_hooks = hooks
         try:
-            self._set_up(hooks)
+            if self._deferred:
+                joining.set_up_placeholder(self, JobState.CREATED)
+            else:
+                self._set_up(hooks)
         except BaseException:
             endings.close_partial(self)  # what it made (a Job the caller never got), then the group
             raise
@@ -91,7 +94,8 @@ class Job:
         self._hooks = hooks or step_hooks(self.rank, placement.restart_count, self._announce)
         self._in_loop = InLoop.of_process()
         if self._in_loop is not None:  # a replacement whose peers stayed in their loop joins them quietly
-            self._in_loop.join_if_peers_stayed(self.comm, staying=staying)
+            grown_at = self.__dict__.pop("_grown_at", None)  # survivors that trained on shrunk (job/shrunk.py)
+            self._in_loop.join_if_peers_stayed(self.comm, staying=staying, grown_at=grown_at)
         self._heartbeat = Heartbeat.from_env(placement.local_rank)
         self._hang = hang_timer(config.detect.hang_timeout_s)
         local_world = placement.local_world_size
@@ -153,6 +157,8 @@ class Job:
         """Load the newest valid checkpoint into the tracked objects; returns the step to continue from."""
         if self.state is not JobState.CREATED:
             return self.step
+        joining.join_late(self)  # a replacement that deferred joining (job/joining.py); else nothing
+        self._heartbeat.beat(self.step, PHASE_RESUME, self._hang.grace())
         started = time.monotonic()
         self._tracked.check_loadable()
         self.checkpointer.replicated = self._tracked.choose_replicated(self.config.recovery.replicated)
@@ -160,13 +166,15 @@ class Job:
         if allow is None:
             allow = os.environ.get(lifecycle.ELASTIC_ENV) == "1"
         self._rollback.skips = read_skip_record(self.comm, self.checkpointer)
-        restored = self._restorer.restore(allow_world_size_change=allow)
+        grown = joining.grow(self)  # after training on shrunk (job/shrunk.py)
+        restored = None if grown else self._restorer.restore(allow_world_size_change=allow)
         self.state = JobState.RUNNING
         if self._in_loop is not None:
             self._in_loop.joined()  # a replacement has its state: its collectives run for real from now on
-        if restored is None:
+        if restored is None and not grown:
             self.events.emit("fresh_start")
-            return 0
+        if restored is None:
+            return self.step
         self._load(restored)
         self._move_to(restored.step)
         self.resumed_from = restored.step
@@ -190,14 +198,13 @@ class Job:
         """
         if max_steps < 0:
             raise ConfigError(f"max_steps must be >= 0, got {max_steps}")
-        self._heartbeat.beat(self.step, PHASE_RESUME, self._hang.grace())
         try:
             self.resume()
             self._start()
         except Exception as exc:  # a peer lost in the first restore: re-form before the loop
             if self._in_loop is None or not reform.is_reformable(exc):
                 raise
-            self._reform_in_loop(exc, None, None, (self.step, None))
+            endings.reform_in_loop(self, exc, None, None, (self.step, None))
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
         if 0 < self.step == max_steps and self._last_saved != self.step:
             # Resumed at the last step from node memory or a survivor (a failure during the run's final save):
@@ -218,7 +225,7 @@ class Job:
                 if self.step != self._last_saved:
                     self.save(wait=True)
                 break
-            drawn_at = self.step  # the step `batch` is for
+            drawn_at, failure = self.step, None  # the step `batch` is for
             try:
                 if self.step in self._rollback.skips:  # a rollback skipped this batch: drawn, never seen by the loop
                     self.events.emit("batch_skipped", step=self.step)
@@ -231,7 +238,9 @@ class Job:
             except Exception as exc:
                 if self._in_loop is None or not reform.is_reformable(exc) or not endings.can_go_back(self):
                     raise
-                iterator = self._reform_in_loop(exc, loader, iterator, (drawn_at, batch))
+                failure = exc
+            if failure is not None:  # re-form (or train on shrunk meanwhile: job/shrunk.py), then redo the step
+                iterator = yield from shrunk.recover(self, failure, loader, iterator, (drawn_at, batch), max_steps)
                 first = True  # as for the replacement: the first step of a start
                 continue
             if rolled_back:
@@ -278,12 +287,6 @@ class Job:
             leaving.preempt(self.step, self._last_saved == self.step, lambda: self.save(wait=True),
                             self.checkpointer, self.events, self._heartbeat, is_main=self.is_main)  # fmt: skip
         return False
-
-    def _reform_in_loop(
-        self, failure: Exception, loader: Iterable[Any] | None, iterator: Iterator[Any] | None, batch: tuple[int, Any]
-    ) -> Iterator[Any] | None:
-        """Re-form inside the loop (job/endings.py); returns the iterator to go on with."""
-        return endings.reform_in_loop(self, failure, loader, iterator, batch)
 
     def _start(self) -> None:
         """The parts a run needs, once the state is loaded: re-forming in the loop, detectors, the GPU fence,
@@ -408,15 +411,13 @@ class Job:
         return True
 
     def _tensors_to_flip(self) -> list[torch.Tensor]:
-        """A bit flip's targets (the step hooks' `tensors`), once the copies still reading them have ended: the
-        last snapshot or checkpoint must hold the state before the flip, as it would without overlap."""
+        """A bit flip's targets, once the copies reading them ended: the last snapshot holds the state before it."""
         self._optimizer_hooks.wait()
         return self._tracked.replicated_tensors()
 
     @property
     def detector_seconds(self) -> float:
-        """Time the guard and the step-end checks took on the training thread in this process (job/detectors.py);
-        `stalwart bench overhead` reports it per step."""
+        """Seconds the guard and step-end checks took on this process's training thread (`stalwart bench overhead`)."""
         return sum(self.detector_breakdown.values())
 
     @property
@@ -427,8 +428,7 @@ class Job:
     @property
     def skipped_steps(self) -> list[int]:
         """Steps of this process whose update the numeric guard skipped (completed steps before each)."""
-        guard = self._detectors.guard
-        return list(guard.skipped) if guard is not None else []
+        return list(self._detectors.guard.skipped) if self._detectors.guard is not None else []
 
     def close(self) -> None:
         """Stop the persister and release the process groups this job created (also run at interpreter exit).

@@ -31,6 +31,7 @@ import signal
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, cast
 
@@ -54,10 +55,21 @@ class NothingToGoBackTo(reform.ReformRequested):
     and re-form with it."""
 
 
+@dataclass(frozen=True, slots=True)
+class Grow:
+    """The job grows back after training on shrunk: the survivors are at `step`; `source`, the lowest of them,
+    hands its state to the `receivers` (recovery/restore.Restorer.hand_over)."""
+
+    step: int
+    source: int
+    receivers: tuple[int, ...]
+
+
 class InLoop:
     """The job's side of re-forming inside its loop; see the module docstring."""
 
     def __init__(self, group: reformable.ReformableGroup) -> None:
+        self.grow: Grow | None = None
         self._group = group
         self._handles: list[Any] = []
         self._decided: bool | None = None  # this step's update: None (no optimizer step yet), True (kept), False
@@ -125,11 +137,16 @@ class InLoop:
         if failed is not None and not self._decided:
             raise GroupFailed(reform.reason(failed)) from failed
 
-    def join_if_peers_stayed(self, comm: Comm, *, staying: bool) -> None:
+    def join_if_peers_stayed(self, comm: Comm, *, staying: bool, grown_at: int | None = None) -> None:
         """A new worker whose peers stayed in their loop (a replacement) joins quietly until its state arrived
-        (`ReformableGroup.join`). Collective: every rank says whether it stayed, when its Job is made or re-formed."""
-        stayed = any(v[0] for v in comm.all_gather_ints([int(staying)]))
+        (`ReformableGroup.join`). Collective: every rank says whether it stayed, when its Job is made or re-formed,
+        and, a survivor that trained on shrunk (recovery/shrink.py), the step it reached (`grown_at`): the job then
+        grows back at that step (`grow`)."""
+        said = comm.all_gather_ints([int(staying), -1 if grown_at is None else grown_at])
+        stayed = any(v[0] for v in said)
         self.group.join(stayed and not staying)
+        grown = [(rank, v[1]) for rank, v in enumerate(said) if v[0] and v[1] >= 0]
+        self.grow = Grow(grown[0][1], grown[0][0], tuple(r for r, v in enumerate(said) if not v[0])) if grown else None
 
     def joined(self) -> None:
         """The job has its state: a replacement's collectives run for real from now on."""

@@ -16,6 +16,7 @@ import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -228,6 +229,26 @@ class Restorer:
         assert snapshot is not None
         where = f"node memory (step {step}) and rank {source}'s live state"
         return Restored(step, comm.world_size, snapshot.state, where, snapshot.bytes + total, tier="peer")
+
+    def hand_over(
+        self, step: int, source: int, receivers: tuple[int, ...], state: Callable[[], Any]
+    ) -> Restored | None:
+        """The job grows back after training on shrunk (recovery/shrink.py): rank `source` sends its whole state at
+        `step` (`state()`) to each of `receivers`, which get it back; the other survivors hold it already and get
+        None. The caller keeps a receiver's own random generators: two ranks must not draw the same dropout masks."""
+        comm = self._comm
+        if comm.rank == source:
+            out = io.BytesIO()
+            torch.save(state(), out)
+            for rank in receivers:
+                comm.send_bytes(out.getvalue(), rank)
+            return None
+        if comm.rank not in receivers:
+            return None
+        payload = comm.recv_bytes(source)
+        restored = torch.load(io.BytesIO(payload), weights_only=False)
+        where = f"rank {source}'s live state (the job grew back at step {step})"
+        return Restored(step, comm.world_size, restored, where, len(payload), tier="peer")
 
     def _all_agree(self, usable: bool, step: int, problem: str) -> bool:
         """Whether every rank can use its snapshot of `step`; if not, an event names the first problem."""

@@ -228,11 +228,14 @@ def _wait_all(works: list[Any]) -> None:
             work.wait()
 
 
-def init_process_group(placement: Placement, timeout: timedelta, *, reformable: bool = False) -> bool:
+def init_process_group(
+    placement: Placement, timeout: timedelta, *, reformable: bool = False, placeholder: bool = False
+) -> bool:
     """Join the default process group when launched with several ranks; returns whether this call did it.
 
     The backend is NCCL when CUDA is available and gloo otherwise; a group the user created first is kept.
-    `reformable`: the group is stalwart's re-formable one (runtime/group.py) over those backends.
+    `reformable`: the group is stalwart's re-formable one (runtime/group.py) over those backends. `placeholder`
+    (with `reformable`): a group that joins nobody yet, its collectives local (recovery/shrink.py).
     """
     if placement.world_size == 1 or dist.is_initialized():
         return False
@@ -248,6 +251,11 @@ def init_process_group(placement: Placement, timeout: timedelta, *, reformable: 
         backend = group.BACKEND
         shared = torch.cuda.is_available() and placement.local_world_size > torch.cuda.device_count()
         group.ReformableGroup.cuda_backend = "gloo" if shared else "nccl"  # NCCL refuses two ranks on one GPU
+        if placeholder:
+            group.make_placeholder_next()
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=placement.rank,
+                                    world_size=placement.world_size, timeout=timeout)  # fmt: skip
+            return True
     store = _bootstrap_store(placement, timeout)
     if store is None:
         dist.init_process_group(backend=backend, timeout=timeout)

@@ -26,6 +26,12 @@ REFORM_ENV = "STALWART_REFORM"
 IN_LOOP_ENV = "STALWART_IN_LOOP"
 """1 (the default under re-forming; `stalwart run --reform-by-rerun` sets 0): survivors re-form inside their
 training loop (recovery/in_loop.py) instead of running the script again."""
+WAIT_FOR_REPLACEMENT_ENV = "STALWART_WAIT_FOR_REPLACEMENT"
+"""1 (`stalwart run --wait-for-replacement`): after a failure the survivors wait for the replacement instead of
+training on shrunk meanwhile (recovery/shrink.py); the job then ends bitwise identical to a run without it."""
+KEPT_RANKS_ENV = "STALWART_KEPT_RANKS"
+"""Set by the agent in a re-formed round of one node: the global ranks whose processes were kept (survivors), as
+"0,2"; the others are replacements starting (recovery/shrink.py)."""
 ELASTIC_ENV = "STALWART_ELASTIC"
 """1 under `stalwart run --nnodes MIN:MAX` (MIN < MAX): the world size may change between restarts."""
 SPARES_ENV = "STALWART_SPARES"

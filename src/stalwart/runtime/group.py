@@ -122,19 +122,25 @@ class ReformableGroup(dist.ProcessGroup):
 
     cuda_backend = "nccl"
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, generation: int = 1) -> None:
-        """`store`: the round's (already prefixed by torch); `rank` and `size`: this process's place in it."""
+    def __init__(
+        self, store: dist.Store, rank: int, size: int, timeout: timedelta, generation: int = 1, *, connect: bool = True
+    ) -> None:
+        """`store`: the round's (already prefixed by torch); `rank` and `size`: this process's place in it. Not
+        `connect`: a placeholder that joins nobody, its collectives local (`join`), until the next formation."""
         super().__init__(rank, size)  # type: ignore[call-arg]
         self._rank, self._size, self._store = rank, size, store
         self._lock = threading.Lock()
         self._failed: BaseException | None = None
-        self._joining = False
+        self._joining = not connect
         self._absorbing = False
         self._next: ReformableGroup | None = None
         self.generation = generation
         """Which formation of this process made the group: 1 for the first."""
+        if not connect:  # a replacement whose survivors train on shrunk meanwhile (recovery/shrink.py)
+            self._backends: dict[str, Any] = {}
+            return
         made = _make_backends(store, rank, size, timeout)
-        self._backends: dict[str, Any] = {device: backend for device, (_, backend) in made.items()}
+        self._backends = {device: backend for device, (_, backend) in made.items()}
         # Registered on the C++ side too, for the collectives that reach the backends from C++ (functional
         # collectives: DTensor's redistribute and `full_tensor`). Those are not absorbed: a failure in one raises
         # and takes the fallback (the script run again, recovery/reform.py).
@@ -346,6 +352,13 @@ class ReformableGroup(dist.ProcessGroup):
 
 
 _current: ReformableGroup | None = None
+_placeholder_next = False
+
+
+def make_placeholder_next() -> None:
+    """The next formation is a placeholder (`ReformableGroup(connect=False)`)."""
+    global _placeholder_next
+    _placeholder_next = True
 
 
 def current() -> ReformableGroup | None:
@@ -362,8 +375,11 @@ def _create(options: Any, backend_options: Any) -> dist.ProcessGroup:
     store, rank, size, timeout = options.store, int(options.group_rank), int(options.group_size), options.timeout
     if list(options.global_ranks_in_group):
         return _plain(store, rank, size, timeout)
-    previous = _current
-    _current = ReformableGroup(store, rank, size, timeout, generation=previous.generation + 1 if previous else 1)
+    global _placeholder_next
+    previous, connect = _current, not _placeholder_next
+    _placeholder_next = False
+    generation = previous.generation + 1 if previous else 1
+    _current = ReformableGroup(store, rank, size, timeout, generation=generation, connect=connect)
     if previous is not None:
         previous.succeeded_by(_current)
     return _current

@@ -126,7 +126,9 @@ class StalwartAgent(LocalElasticAgent):
             spares = self._spares.take(len(missing), all_or_none=False) if self._spares is not None else []
             from_spares = {s.pid for s in spares}
             plan.update(zip(missing, spares, strict=False))
-            with running_in(plan, reform=self._reform, zygote=self._zygote):
+            one_node = worker_group.group_world_size == 1
+            survivors = {r for r, host in plan.items() if host.pid in kept} if one_node else set()
+            with running_in(plan, reform=self._reform, zygote=self._zygote, kept=survivors):
                 pids = super()._start_workers(worker_group)
             if self._spares is not None and len(spares) < len(missing):
                 self._spares.schedule_refill()  # after the start, so spares do not slow it down

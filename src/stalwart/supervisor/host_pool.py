@@ -33,7 +33,7 @@ from typing import Any
 
 from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.recovery.reform import REFORM_SIGNAL
-from stalwart.runtime.env import HOST_STATUS_FD_ENV, HOST_WARM_ENV
+from stalwart.runtime.env import HOST_STATUS_FD_ENV, HOST_WARM_ENV, KEPT_RANKS_ENV
 from stalwart.runtime.process import stopped
 from stalwart.supervisor.host_protocol import Activation, HostStatus
 from stalwart.supervisor.zygote import ForkedProcess, Zygote
@@ -296,9 +296,13 @@ class HostContext:
 
 
 @contextlib.contextmanager
-def running_in(plan: dict[int, Host], *, reform: bool, zygote: Zygote | None = None) -> Iterator[None]:
+def running_in(
+    plan: dict[int, Host], *, reform: bool, zygote: Zygote | None = None, kept: set[int] | None = None
+) -> Iterator[None]:
     """While active, torch elastic's `start_processes` activates the hosts of `plan` (local rank -> host)
-    instead of spawning processes. A host that cannot be activated (it died meanwhile) is replaced by a cold one."""
+    instead of spawning processes. A host that cannot be activated (it died meanwhile) is replaced by a cold one.
+    `kept`: the local ranks whose hosts are survivors of a one-node job; every worker learns their global ranks
+    (KEPT_RANKS_ENV), so survivors can train on shrunk while the replacements start (recovery/shrink.py)."""
     import torch.distributed.elastic.agent.server.local_elastic_agent as lea
 
     real = lea.start_processes
@@ -306,8 +310,12 @@ def running_in(plan: dict[int, Host], *, reform: bool, zygote: Zygote | None = N
     def start_in_hosts(*, entrypoint: str, args: dict[int, tuple[Any, ...]], envs: dict[int, dict[str, str]],
                        **kwargs: Any) -> Any:  # fmt: skip
         workers: dict[int, Host] = {}
+        survivors = ",".join(sorted((envs[r].get("RANK", "") for r in kept or ()), key=lambda r: int(r or -1)))
         for rank in sorted(envs):
             env = {**os.environ, **envs[rank]}
+            env.pop(KEPT_RANKS_ENV, None)
+            if kept and len(kept) < len(envs):
+                env[KEPT_RANKS_ENV] = survivors
             argv = [str(a) for a in args[rank]]
             host = plan.pop(rank, None) or Host(warm=False, zygote=zygote)
             if not host.activate(argv, env):

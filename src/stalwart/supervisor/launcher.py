@@ -53,6 +53,7 @@ from stalwart.runtime.env import (
     REFORM_ENV,
     SHARE_STORE_ENV,
     SNAPSHOT_DIR_ENV,
+    WAIT_FOR_REPLACEMENT_ENV,
 )
 from stalwart.runtime.process import first_line
 from stalwart.supervisor import exclusion, preflight_gate
@@ -240,6 +241,7 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
     os.environ[HANG_TIMEOUT_ENV] = str(args.hang_timeout)
     os.environ[REFORM_ENV] = "1" if reforms(args) else "0"
     os.environ[IN_LOOP_ENV] = "0" if args.reform_by_rerun else "1"
+    os.environ[WAIT_FOR_REPLACEMENT_ENV] = "1" if args.wait_for_replacement else "0"
     if reforms(args) and not args.reform_by_rerun:
         os.environ.setdefault(NCCL_ERRORS_ENV, "2")  # a failed NCCL collective raises, the process lives
     # torch elastic makes a log directory per run (attempt and rank folders, error files) and, with no

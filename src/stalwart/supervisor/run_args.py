@@ -21,6 +21,7 @@ from stalwart.runtime.env import (
     PREEMPT_NOTICE_ENV,
     REFORM_ENV,
     SPARES_ENV,
+    WAIT_FOR_REPLACEMENT_ENV,
 )
 from stalwart.supervisor import preflight_gate
 from stalwart.supervisor.preempt_notice import check_source
@@ -80,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
         "training loop (the way before in-loop re-forming; ${IN_LOOP_ENV}=0 also does)".replace(
             "${IN_LOOP_ENV}", IN_LOOP_ENV
         ),
+    )
+    parser.add_argument(
+        "--wait-for-replacement",
+        action="store_true",
+        default=os.environ.get(WAIT_FOR_REPLACEMENT_ENV) == "1",
+        help="after a failure the survivors wait for the replacement's set-up instead of training on at the smaller "
+        "world size meanwhile with the global batch kept (the default on one node); the job then ends bitwise "
+        "identical to a run without the failure (${ENV}=1 also does)".replace("${ENV}", WAIT_FOR_REPLACEMENT_ENV),
     )
     preflight_gate.add_arguments(parser)
     parser.add_argument(

@@ -1,0 +1,132 @@
+"""A replacement that joins late, and the job growing back to its full size (recovery/shrink.py says why).
+
+While the survivors of a failure train on shrunk, the replacement's `stalwart.Job()` makes only what the user's
+set-up needs (`set_up_placeholder`): its group is a placeholder that runs collectives locally (so DDP's constructor
+meets nobody) and its tracked objects are recorded. It joins the job's group for real when its training loop
+starts (`join_late`, from `Job.resume`), after announcing itself; the survivors grow back at their next step
+boundary, and the whole job takes the lowest survivor's state at the step it reached (`grow`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from stalwart.data.loader import ResumableLoader
+from stalwart.job.rng import capture_rng
+from stalwart.job.state import TrackedState
+from stalwart.recovery import reform, shrink
+from stalwart.runtime.dist import Placement, init_process_group
+from stalwart.telemetry.events import EventLog
+
+Job = Any
+"""A `stalwart.Job` (job/job.py imports this module)."""
+
+
+def join_group(placement: Placement, timeout: timedelta) -> tuple[bool, bool]:
+    """`Job()` joins the default group: (whether it defers joining for real, whether it made the group). A
+    replacement whose survivors may train on shrunk defers it to its loop's start (`join_late`)."""
+    in_loop = reform.in_loop()
+    deferred = in_loop and shrink.defers_joining(placement.rank, placement.world_size)
+    return deferred, init_process_group(placement, timeout, reformable=in_loop, placeholder=deferred)
+
+
+def set_up_placeholder(job: Job, created: Any) -> None:
+    """What a replacement's Job needs before its loop: its events, the tracked objects, the state (`created`: the
+    JobState) and step."""
+    placement = job.placement
+    job.events = EventLog.from_env(rank=placement.rank, restart=placement.restart_count)
+    job._tracked = TrackedState(placement.rank, placement.world_size, job.events, None)
+    job._in_loop = None
+    job.state = created
+    job.step = 0
+    job.resumed_from = None
+
+
+def join_late(job: Job) -> None:
+    """The replacement reached its loop: announce it, then join the job's group (it waits there for the survivors
+    to come at their next step boundary) and make every part, as `Job()` makes them for a worker that joins at once.
+    Nothing for a job that did not defer it."""
+    if not job._deferred:
+        return
+    started = time.monotonic()
+    objects = dict(job._tracked.objects)
+    shrink.announce_ready(job.rank)
+    job.events.close()
+    reform.abort_process_groups()  # the placeholder
+    job._owns_process_group = init_process_group(
+        job.placement, timedelta(seconds=job.config.collective_timeout_s), reformable=True
+    )
+    job._set_up(job._given_hooks)
+    job._tracked.track(**objects)
+    job._deferred = False
+    job.events.emit("joined_late", world_size=job.world_size, seconds=round(time.monotonic() - started, 4))
+
+
+def grow(job: Job) -> bool:
+    """In `Job.resume`: when the survivors trained on shrunk, the job takes the lowest survivor's state at the step
+    they reached and returns True; False otherwise (the usual restore). A replacement's per-rank objects and random
+    generators are its own rank's (`_take_own_parts`), not the survivor's."""
+    in_loop = job._in_loop
+    plan = in_loop.grow if in_loop is not None else None
+    if plan is None:
+        return False
+    started = time.monotonic()
+    restored = job._restorer.hand_over(plan.step, plan.source, plan.receivers, lambda: job._tracked.state(plan.step))
+    if restored is not None:
+        _take_own_parts(job, restored.state, plan.step)
+        job._load(restored)
+    job._move_to(plan.step)
+    job.resumed_from = plan.step
+    reform.drop_stash()
+    job.events.emit("resumed", step=plan.step, source=f"rank {plan.source} (the job grew back)", tier="peer",
+                    bytes=restored.bytes if restored is not None else 0,
+                    seconds=time.monotonic() - started)  # fmt: skip
+    return True
+
+
+class _AnyTensor(dict[str, Any]):
+    """Stands in for the live replicated tensors when only a light snapshot's per-rank part is wanted."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return torch.empty(0)
+
+
+def _take_own_parts(job: Job, state: dict[str, Any], step: int) -> None:
+    """Into `state` (the survivor's), this rank's own per-rank objects, random generators and detector history
+    from the newest snapshot its predecessor left in node memory (at most `step`): the survivors stood in for the
+    missing rank while the job ran shrunk, so what the missing rank's own objects recorded until its failure
+    (the samples it saw, its generators) goes on from there. Without one, the replacement keeps its own
+    generators and takes the survivor's per-rank objects. A ResumableLoader is the survivor's either way: its
+    position is global."""
+    own = None
+    memory = job._snapshots.memory
+    if memory is not None:
+        full = [s for s in memory.steps() if s <= step]
+        light = [s for s in memory.steps(light=True) if s <= step]
+        replicated = {n: v for n, v in state["objects"].items() if n in job._tracked.replicated}
+        with contextlib.suppress(Exception):
+            if light and (not full or light[0] > full[0]):
+                _, content = memory.light(light[0])
+                own = memory.load_light(light[0], content, _AnyTensor(), replicated).state
+            elif full:
+                own = memory.load(full[0]).state
+    if own is None:
+        state["rng"] = capture_rng()
+        return
+    objects = job._tracked.objects
+    for name in state["objects"]:
+        # A ResumableLoader's position is global: the survivor's is the job's.
+        mine = name not in job._tracked.replicated and not isinstance(objects.get(name), ResumableLoader)
+        if mine and name in own["objects"]:
+            state["objects"][name] = own["objects"][name]
+    state["rng"] = own["rng"]
+    if "detectors" in own:
+        state["detectors"] = own["detectors"]

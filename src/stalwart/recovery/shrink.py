@@ -1,0 +1,245 @@
+"""Training on, shrunk, while a replacement starts: the survivors of a failure do not wait for its set-up.
+
+The default under `stalwart run` (in-loop re-forming, one node; `--wait-for-replacement` turns it off). After a
+peer's failure the survivors re-arm as in recovery/in_loop.py; the agent's next round activates them again and
+starts the replacement, and every worker of that round learns which ranks were kept (KEPT_RANKS_ENV). Then:
+
+1. the replacement's `stalwart.Job()` does not join the job's group yet: its group is a placeholder that runs no
+   collective (`ReformableGroup(connect=False)`), so the user's set-up (DDP's constructor included) runs beside
+   training; it announces itself ready when it reaches `job.steps()` (`announce_ready`, a file on the node), and
+   only then joins;
+2. the survivors undo the failed step locally (their own snapshot of the last completed step) and form a group of
+   their own (`form`), at W' of the job's W ranks. Each goes on with the global batch kept: it takes its own slice
+   of every global batch and W/W' - 1 slices of the missing ranks (ResumableLoader.take_shares), one loop body per
+   slice (`MicroSteps`: the user's `optimizer.step()`, `zero_grad()` and `scheduler.step()` take effect only where
+   one step of the full job would), and the gradients, summed over the slices and averaged over W' ranks by DDP,
+   are scaled by W'/W: the update is the full job's average over W slices;
+3. at the first step boundary after the replacement announced itself, the survivors leave their group and the whole
+   job forms again (job/endings.py); the replacement receives the state from the lowest survivor.
+
+Which results stay bitwise: with `--wait-for-replacement` the job ends bitwise identical to a run without the
+failure (docs/architecture.md). Shrunk, the same samples make the same update in exact arithmetic, but the
+missing rank's slices draw from a survivor's random generators (dropout, noise) instead of its own, and
+floating-point sums run in another order; results stay within a tolerance (tests/test_shrink.py measures it for a
+model without randomness in its steps).
+
+Shrinking applies when W' divides W (every survivor takes as many slices), the job tracks the ResumableLoader it
+iterates, its state is replicated (sharded jobs wait: issue "elastic for sharded models"), the failed step is not
+the last one, and the survivor's own snapshot of the last completed step is in node memory. Otherwise the
+survivors wait for the replacement, still inside their loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stalwart.recovery import reform
+from stalwart.runtime.env import KEPT_RANKS_ENV, SNAPSHOT_DIR_ENV, WAIT_FOR_REPLACEMENT_ENV
+
+
+class ShrunkFailed(reform.ReformRequested):
+    """A survivor's group failed while the job ran shrunk (another death): the survivor leaves its loop and its
+    host runs the script again, from the last snapshot (recovery/reform.py's fallback). Rare: two failures within
+    one replacement's set-up."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Who trains on while the replacements start, and on which slices of each global batch."""
+
+    kept: tuple[int, ...]
+    """The survivors' ranks in the full job, ascending."""
+    world_size: int
+    """W: the full job's ranks."""
+    rank: int
+    """This survivor's rank in the full job."""
+
+    @property
+    def size(self) -> int:
+        """W': the survivors."""
+        return len(self.kept)
+
+    @property
+    def shrunk_rank(self) -> int:
+        return self.kept.index(self.rank)
+
+    @property
+    def missing(self) -> tuple[int, ...]:
+        return tuple(r for r in range(self.world_size) if r not in self.kept)
+
+    @property
+    def shares(self) -> tuple[int, ...]:
+        """This survivor's own rank first, then the missing ranks it stands for (every W'-th one)."""
+        return (self.rank, *self.missing[self.shrunk_rank :: self.size])
+
+    @property
+    def scale(self) -> float:
+        """W'/W: what turns DDP's average over W' ranks of gradients summed over W/W' slices into the full job's
+        average over W slices."""
+        return self.size / self.world_size
+
+
+def wanted() -> bool:
+    """Whether this run shrinks after a failure (not `--wait-for-replacement`)."""
+    return os.environ.get(WAIT_FOR_REPLACEMENT_ENV, "0") != "1"
+
+
+def kept_ranks() -> tuple[int, ...] | None:
+    """The survivors of this round (KEPT_RANKS_ENV), None when the agent named none (a first start, several
+    nodes, or every rank kept)."""
+    text = os.environ.get(KEPT_RANKS_ENV, "")
+    try:
+        kept = tuple(sorted(int(r) for r in text.split(",") if r))
+    except ValueError:
+        return None
+    return kept or None
+
+
+def plan(rank: int, world_size: int) -> Plan | None:
+    """This survivor's plan for the round that just activated it; None when the job does not shrink (see the
+    module docstring: not wanted, no replacement, or W' not dividing W)."""
+    kept = kept_ranks()
+    if not wanted() or kept is None or rank not in kept or len(kept) >= world_size or world_size % len(kept):
+        return None
+    return Plan(kept, world_size, rank)
+
+
+def defers_joining(rank: int, world_size: int) -> bool:
+    """Whether a new worker is a replacement whose survivors may be training on shrunk: its Job joins the group
+    only when the training loop starts (see the module docstring)."""
+    kept = kept_ranks()
+    return wanted() and kept is not None and rank not in kept and world_size % len(kept) == 0
+
+
+def _round_file(name: str) -> Path:
+    """A file of this round on this node: in the memory tier's directory (removed with the job), else the
+    temporary directory; named by the round's MASTER_PORT and restart count, which no other round shares."""
+    directory = os.environ.get(SNAPSHOT_DIR_ENV) or tempfile.gettempdir()
+    port = os.environ.get("MASTER_PORT", "0")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return Path(directory) / f"stalwart-{name}-{port}-{restart}"
+
+
+def announce_ready(rank: int) -> None:
+    """A replacement reached its training loop: the survivors grow back at their next step boundary."""
+    path = _round_file(f"ready-{rank}")
+    with contextlib.suppress(OSError):
+        path.write_bytes(b"")
+
+
+def replacements_ready(p: Plan) -> bool:
+    return all(_round_file(f"ready-{r}").exists() for r in p.missing)
+
+
+def forget_round(p: Plan) -> None:
+    """The lowest survivor removes the round's files once the job grew back."""
+    if p.shrunk_rank == 0:
+        for r in p.missing:
+            with contextlib.suppress(OSError):
+                _round_file(f"ready-{r}").unlink()
+
+
+def form(p: Plan, timeout: timedelta) -> None:
+    """The survivors' own formation: the default group at W' ranks (one store file on the node; none for one
+    survivor). The job's re-formable group objects forward to it (runtime/group.py)."""
+    from stalwart.runtime import group
+
+    store = dist.HashStore() if p.size == 1 else dist.FileStore(str(_round_file("shrunk")), p.size)
+    dist.init_process_group(
+        backend=group.BACKEND, store=dist.PrefixStore("shrunk", store), rank=p.shrunk_rank, world_size=p.size,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def agree(p: Plan, flag: bool) -> bool:
+    """Whether any survivor says `flag` (the lowest one decides for the grow; one collective of one int)."""
+    if p.size == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+class MicroSteps:
+    """One step of the full job as `count` loop bodies of one survivor: its optimizers step in the last one, with
+    the gradients summed over all of them and scaled by `scale`, their gradients are cleared only before the
+    first body's backward or after the last body's optimizer step, and its schedulers step in the last one.
+
+    It replaces the instance's methods for the duration of one body (`begin`, `end`), whatever pattern the loop
+    uses (zero_grad before backward or after the optimizer step). `module.zero_grad()` is not held back: a loop
+    that clears gradients through its module clears the slices' sums."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], schedulers: list[Any], scale: float) -> None:
+        self._optimizers = optimizers
+        self._schedulers = schedulers
+        self._scale = scale
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._stepped = False
+
+    def begin(self, index: int, count: int) -> None:
+        last = index == count - 1
+        self._stepped = False
+        for opt in self._optimizers:
+            self._patch(opt, "step", self._step(opt, last))
+            self._patch(opt, "zero_grad", self._zero_grad(opt, index == 0, last))
+        if not last:
+            for sched in self._schedulers:
+                self._patch(sched, "step", lambda *a, **k: None)
+
+    def end(self) -> None:
+        for obj, name, before in reversed(self._saved):
+            if before is _ABSENT:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = before
+        self._saved = []
+
+    def _patch(self, obj: Any, name: str, replacement: Any) -> None:
+        self._saved.append((obj, name, obj.__dict__.get(name, _ABSENT)))
+        obj.__dict__[name] = replacement
+
+    def _step(self, opt: torch.optim.Optimizer, last: bool) -> Any:
+        real = opt.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            self._stepped = True
+            if not last:
+                return None
+            with torch.no_grad():
+                for param_group in opt.param_groups:
+                    for p in param_group["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(self._scale)
+            return real(*args, **kwargs)
+
+        if hasattr(real, "_wrapped_by_lr_sched"):  # what torch's schedulers check the optimizer's step for
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        return step
+
+    def _zero_grad(self, opt: torch.optim.Optimizer, first: bool, last: bool) -> Any:
+        real = opt.zero_grad
+
+        def zero_grad(*args: Any, **kwargs: Any) -> None:
+            if (first and not self._stepped) or (last and self._stepped):
+                real(*args, **kwargs)
+
+        return zero_grad
+
+
+_ABSENT = object()
+
+
+def schedulers(objects: dict[str, Any]) -> list[Any]:
+    """The tracked learning-rate schedulers (their step counts steps of the full job)."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    return [o for o in objects.values() if isinstance(o, LRScheduler | ReduceLROnPlateau)]

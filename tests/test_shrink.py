@@ -1,0 +1,124 @@
+"""Training on, shrunk, while the replacement starts (recovery/shrink.py): the survivors of a failure do not wait for
+its set-up. They take the missing rank's slices of every global batch, the replacement joins at a step boundary once
+its loop starts, and no sample is lost or seen twice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import alive, child_env, fault_free_results, tiny_args
+from stalwart.data.loader import ResumableLoader
+from stalwart.recovery.shrink import MicroSteps, Plan
+
+STEPS = 40
+ARGS = ("--steps", str(STEPS), "--step-sleep", "0.05", "--no-randomness")
+TOLERANCE = 1e-5
+"""Largest difference allowed between a parameter of the shrunk run and of the fault-free run, relative to the
+parameters' largest magnitude (docs/architecture.md). The tiny job draws no random numbers in its steps here, so
+the same samples make the same updates; only the order of floating-point sums differs."""
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    return fault_free_results(tmp_path_factory.mktemp("shrink-reference"), *ARGS)
+
+
+def test_shrink_then_grow_keeps_the_global_batch(launch: Any, reference: Any) -> None:
+    env = child_env(STALWART_FAULTS="kill@rank=1,step=13", STALWART_WAIT_FOR_REPLACEMENT="0")
+    job = launch(tiny_args(*ARGS, "--setup-s", "3", "--setup-log", "setups.log"), env=env)
+    assert job.wait(180) == 0, job.output()
+    results = job.results()
+
+    [shrunk] = job.events("shrunk")
+    assert (shrunk["rank"], shrunk["failed_at"], shrunk["world_size"], shrunk["shares"]) == (0, 13, 1, [0, 1])
+    [growing] = job.events("growing")
+    assert growing["shrunk_steps"] >= 1, "the survivor trained while the replacement ran its set-up"
+    grown = {e["rank"]: e for e in job.events("resumed") if "grew back" in e["source"]}
+    assert set(grown) == {0, 1} and grown[0]["step"] == growing["step"]
+    assert grown[1]["bytes"] > 0 and grown[0]["bytes"] == 0, "the survivor sends, the replacement receives"
+
+    seen = sorted(i for r in results for i in results[r]["seen"])
+    assert seen == sorted(i for r in reference for i in reference[r]["seen"]), "every sample once, none twice"
+    scale = max(abs(v) for v in reference[0]["params"])
+    for rank in reference:
+        assert results[rank]["step"] == STEPS
+        diff = max(abs(a - b) for a, b in zip(results[rank]["params"], reference[rank]["params"], strict=True))
+        assert diff <= TOLERANCE * scale, f"rank {rank}: {diff} from the fault-free run"
+
+    first, second = job.worker_pids(restart=0), job.worker_pids(restart=1)
+    assert first[0] == second[0] and first[1] != second[1], "the survivor keeps its process"
+    counts: dict[str, int] = {}
+    for pid in (job.workdir / "setups.log").read_text().split():
+        counts[pid] = counts.get(pid, 0) + 1
+    assert counts[str(first[0])] == 1 and set(counts.values()) == {1}, f"set-up once per process: {counts}"
+    assert [e["rank"] for e in job.events("joined_late")] == [1]
+    pids = {e["worker_pid"] for e in job.events("worker_spawned")}
+    assert not [pid for pid in pids if alive(pid)], "no worker outlives the launcher"
+
+
+def test_a_survivor_takes_the_missing_ranks_slices_of_each_global_batch() -> None:
+    data = list(range(48))
+    alone = [ResumableLoader(data, global_batch_size=8, seed=1, rank=r, world_size=4) for r in range(4)]
+    shrunk = [ResumableLoader(data, global_batch_size=8, seed=1, rank=r, world_size=4) for r in (0, 2)]
+    for loader, plan in zip(shrunk, (Plan((0, 2), 4, 0), Plan((0, 2), 4, 2)), strict=True):
+        assert plan.shares == ((0, 1) if plan.rank == 0 else (2, 3))
+        loader.take_shares(plan.shares)
+    streams = [iter(loader) for loader in shrunk]
+    for batch in range(3):
+        got = {int(i) for s in streams for _ in range(2) for i in next(s)}
+        want = {int(i) for ld in alone for i in next(iter(ld))}  # each new iterator goes on from its position
+        assert got == want, f"global batch {batch}"
+        assert all(ld.state_dict()["batch"] == batch + 1 for ld in shrunk), "the position moves once per batch"
+
+
+@pytest.mark.parametrize("zero_grad_first", [True, False])
+def test_micro_steps_make_the_full_jobs_update(zero_grad_first: bool) -> None:
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 3) for _ in range(2)]
+
+    def model_and_optimizer() -> tuple[torch.nn.Linear, torch.optim.Optimizer, Any]:
+        torch.manual_seed(1)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    full, opt, sched = model_and_optimizer()  # two ranks' mean: one update
+    opt.zero_grad()
+    (sum(full(x).pow(2).mean() for x in xs) / 2).backward()
+    opt.step()
+    sched.step()
+
+    model, opt, sched = model_and_optimizer()
+    micro = MicroSteps([opt], [sched], scale=0.5)
+    for index, x in enumerate(xs):
+        micro.begin(index, len(xs))
+        try:
+            if zero_grad_first:
+                opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            if not zero_grad_first:
+                opt.zero_grad()
+            sched.step()
+        finally:
+            micro.end()
+    assert sched.last_epoch == 1, "the scheduler steps once per step of the full job"
+    assert "step" not in opt.__dict__ or hasattr(opt.step, "_wrapped_by_lr_sched"), "the optimizer is as it was"
+    for a, b in zip(model.parameters(), full.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_shrinking_is_off_with_wait_for_replacement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stalwart.recovery import shrink
+
+    monkeypatch.setenv("STALWART_KEPT_RANKS", "0,2")
+    monkeypatch.setenv("STALWART_WAIT_FOR_REPLACEMENT", "0")
+    assert shrink.plan(0, 4) == Plan((0, 2), 4, 0)
+    assert shrink.plan(0, 3) is None, "W' must divide W"
+    assert shrink.defers_joining(1, 4) and not shrink.defers_joining(0, 4)
+    monkeypatch.setenv("STALWART_WAIT_FOR_REPLACEMENT", "1")
+    assert shrink.plan(0, 4) is None and not shrink.defers_joining(1, 4)
