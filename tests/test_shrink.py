@@ -119,6 +119,6 @@ def test_shrinking_is_off_with_wait_for_replacement(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("STALWART_WAIT_FOR_REPLACEMENT", "0")
     assert shrink.plan(0, 4) == Plan((0, 2), 4, 0)
     assert shrink.plan(0, 3) is None, "W' must divide W"
-    assert shrink.defers_joining(1, 4) and not shrink.defers_joining(0, 4)
+    assert shrink.defers_joining(4) and not shrink.defers_joining(3)
     monkeypatch.setenv("STALWART_WAIT_FOR_REPLACEMENT", "1")
-    assert shrink.plan(0, 4) is None and not shrink.defers_joining(1, 4)
+    assert shrink.plan(0, 4) is None and not shrink.defers_joining(4)

@@ -1,8 +1,10 @@
 """The job `stalwart bench recovery` runs under each launcher: 2 gloo ranks, a 4M-parameter MLP under DDP.
 
-Every step's batch is drawn from a generator seeded by (step, rank), so a run with failures must end with exactly
-the parameters of a run without. It checkpoints every `--checkpoint-every` steps (durable, reloaded on restart
-under any launcher) and logs every step, which is what the bench reads. At the end each rank writes
+Sample i is drawn from a generator seeded by i and fed by a ResumableLoader (global batch: `--batch` per rank), so
+a run with failures must end with exactly the parameters of a run without, and stalwart's survivors can take a
+missing rank's slices of each batch while its replacement starts (recovery/shrink.py). It checkpoints every
+`--checkpoint-every` steps (durable, reloaded on restart under any launcher) and logs every step, which is what
+the bench reads. At the end each rank writes
 `result-rank<R>.json` with the sha256 of its parameters.
 """
 
@@ -19,6 +21,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 import stalwart
 from stalwart.runtime.process import die_with_parent
+
+
+class _SeededSamples(torch.utils.data.Dataset[torch.Tensor]):
+    """`n` samples of `width` values, each made from its own seed when fetched: no memory, any order."""
+
+    def __init__(self, n: int, width: int) -> None:
+        self._n, self._width = n, width
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.randn(self._width, generator=torch.Generator().manual_seed(i))
 
 
 def _every(text: str) -> int | str:
@@ -57,12 +72,13 @@ def main() -> None:
     )
     ddp = DistributedDataParallel(model) if job.world_size > 1 else model
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    job.track(model=model, optim=optim)
-    for step, _ in job.steps(max_steps=args.steps):
+    global_batch = args.batch * job.world_size
+    epoch = global_batch * min(args.steps, 1000)  # long runs go round epochs: a permutation stays small
+    loader = stalwart.ResumableLoader(_SeededSamples(epoch, w), global_batch_size=global_batch, seed=1)
+    job.track(model=model, optim=optim, data=loader)
+    for _, x in job.steps(loader, max_steps=args.steps):
         if args.until is not None and time.time() > args.until:
             return
-        g = torch.Generator().manual_seed(step * 1009 + job.rank)
-        x = torch.randn(args.batch, w, generator=g)
         loss = (ddp(x) - x).pow(2).mean()
         optim.zero_grad()
         loss.backward()

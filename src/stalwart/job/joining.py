@@ -31,7 +31,7 @@ def join_group(placement: Placement, timeout: timedelta) -> tuple[bool, bool]:
     """`Job()` joins the default group: (whether it defers joining for real, whether it made the group). A
     replacement whose survivors may train on shrunk defers it to its loop's start (`join_late`)."""
     in_loop = reform.in_loop()
-    deferred = in_loop and shrink.defers_joining(placement.rank, placement.world_size)
+    deferred = in_loop and shrink.defers_joining(placement.world_size)
     return deferred, init_process_group(placement, timeout, reformable=in_loop, placeholder=deferred)
 
 

@@ -113,11 +113,13 @@ def plan(rank: int, world_size: int) -> Plan | None:
     return Plan(kept, world_size, rank)
 
 
-def defers_joining(rank: int, world_size: int) -> bool:
-    """Whether a new worker is a replacement whose survivors may be training on shrunk: its Job joins the group
-    only when the training loop starts (see the module docstring)."""
+def defers_joining(world_size: int) -> bool:
+    """Whether a `stalwart.Job()` made in this round joins the group only when its training loop starts (see the
+    module docstring): a replacement whose survivors may be training on shrunk. Every Job() of such a round does,
+    a kept process that runs its script again too (a survivor whose shrunk group failed): DDP's constructor then
+    runs its collectives locally on every new Job alike, and the restore brings the state."""
     kept = kept_ranks()
-    return wanted() and kept is not None and rank not in kept and world_size % len(kept) == 0
+    return wanted() and kept is not None and world_size % len(kept) == 0
 
 
 def _round_file(name: str) -> Path:
