@@ -134,10 +134,12 @@ def test_reform_by_rerun_runs_the_script_again_in_the_survivor(launch: Any, refe
 @pytest.mark.skipif(
     not hasattr(torch.distributed.fsdp, "fully_shard"), reason="FSDP2 is public (and runs on CPU) from torch 2.6"
 )
-def test_fsdp2_survivors_keep_their_shards_in_their_loop(launch: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("wait", ["1", "0"], ids=["wait-for-replacement", "default"])
+def test_fsdp2_survivors_keep_their_shards_in_their_loop(launch: Any, tmp_path: Path, wait: str) -> None:
     """FSDP2 over the whole world (a 1-D mesh on the default group): a kill in the forward is absorbed like DDP's,
     the survivor keeps its process and its shards, and the run ends bitwise identical (the lost rank's shards come
-    from node memory)."""
+    from node memory). By default too: sharded state does not train on shrunk, the survivor waits, and the
+    replacement's FSDP2 set-up runs on its placeholder group until its loop starts (recovery/shrink.py)."""
     from conftest import Launch
 
     args = ("--steps", str(STEPS), "--step-sleep", "0.03", "--fsdp")
@@ -147,6 +149,8 @@ def test_fsdp2_survivors_keep_their_shards_in_their_loop(launch: Any, tmp_path: 
         expected = reference.results()
     finally:
         reference.reap()
-    job = launch(tiny_args(*args, "--setup-log", "setups.log", "--die-at", "13:forward"), env=child_env())
+    env = child_env(STALWART_WAIT_FOR_REPLACEMENT=wait)
+    job = launch(tiny_args(*args, "--setup-log", "setups.log", "--die-at", "13:forward"), env=env)
     assert job.wait(180) == 0, job.output()
     _check(job, expected, survivors={0})
+    assert not job.events("shrunk"), "sharded state waits for the replacement"

@@ -60,6 +60,31 @@ def test_shrink_then_grow_keeps_the_global_batch(launch: Any, reference: Any) ->
     assert not [pid for pid in pids if alive(pid)], "no worker outlives the launcher"
 
 
+def test_a_replacement_dying_in_its_set_up_costs_the_shrunk_survivor_nothing(launch: Any, reference: Any) -> None:
+    env = child_env(STALWART_FAULTS="kill@rank=1,step=13", STALWART_WAIT_FOR_REPLACEMENT="0")
+    args = tiny_args(*ARGS, "--setup-s", "3", "--setup-log", "setups.log", "--die-in-setup", "1")
+    job = launch(args, env=env)
+    assert job.wait(180) == 0, job.output()
+    [rearmed] = job.events("shrunk_rearmed")
+    assert rearmed["rank"] == 0 and rearmed["restart"] == 2, "the survivor re-armed in its shrunk loop"
+    assert len(job.events("shrunk")) == 1, "and trained on, shrunk, without going back"
+    pids = [job.worker_pids(restart=r) for r in range(3)]
+    assert pids[0][0] == pids[1][0] == pids[2][0], "the survivor keeps its process through both rounds"
+    results = job.results()
+    seen = sorted(i for r in results for i in results[r]["seen"])
+    assert seen == sorted(i for r in reference for i in reference[r]["seen"]), "every sample once, none twice"
+    scale = max(abs(v) for v in reference[0]["params"])
+    for rank in reference:
+        diff = max(abs(a - b) for a, b in zip(results[rank]["params"], reference[rank]["params"], strict=True))
+        assert diff <= TOLERANCE * scale, f"rank {rank}: {diff} from the fault-free run"
+    counts: dict[str, int] = {}
+    for pid in (job.workdir / "setups.log").read_text().split():
+        counts[pid] = counts.get(pid, 0) + 1
+    assert counts[str(pids[0][0])] == 1, f"the survivor's set-up ran once: {counts}"
+    alive_pids = {e["worker_pid"] for e in job.events("worker_spawned")}
+    assert not [pid for pid in alive_pids if alive(pid)], "no worker outlives the launcher"
+
+
 def test_a_survivor_takes_the_missing_ranks_slices_of_each_global_batch() -> None:
     data = list(range(48))
     alone = [ResumableLoader(data, global_batch_size=8, seed=1, rank=r, world_size=4) for r in range(4)]

@@ -91,6 +91,7 @@ def main() -> None:
     p.add_argument("--when-busy", default="wait", help="wait: every save happens (deterministic steps for tests)")
     p.add_argument("--ckpt-per-rank", action="store_true", help="a node-local checkpoint dir on each rank (wrong)")
     p.add_argument("--unsavable-on-rank", type=int, default=-1, help="track a numpy scalar on this rank (wrong)")
+    p.add_argument("--die-in-setup", type=int, default=-1, help="rank 1 of this restart dies in its set-up")
     p.add_argument("--no-randomness", action="store_true", help="no dropout, no noise: steps draw no random numbers")
     p.add_argument("--setup-s", type=float, default=0.0, help="seconds of set-up before the loop (data, model)")
     p.add_argument("--setup-log", default="", help="append this process's pid here each time the set-up runs")
@@ -122,6 +123,9 @@ def main() -> None:
     if args.setup_log:
         with open(args.setup_log, "a") as f:
             f.write(f"{os.getpid()}\n")
+    if job.rank == 1 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == args.die_in_setup:
+        time.sleep(args.setup_s / 2)
+        _die()
     time.sleep(args.setup_s)
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -109,9 +109,11 @@ def measure_kills(
         # torchft's survivor is not restarted: its first step after the kill, whatever its round, is its stall.
         survivor = _first_step_after(run.events if system == "torchft" else after, mono, rank=survivor_of(rank))
         stall.append((survivor if survivor is not None else first) - mono)
-        # The step the job went on from: a restore's, or the survivors' when they train on shrunk meanwhile.
-        resumed = [e for e in run.events if e["event"] in ("resumed", "fresh_start", "shrunk") and e["mono"] > mono]
-        lost.append(done - (resumed[0].get("step", 0) if resumed else done))
+        # The step the job went on from: a restore's, or the survivors' when they train on shrunk meanwhile (and
+        # went on, re-armed, when a replacement in its set-up was killed: nothing of theirs is lost then).
+        went_on = ("resumed", "fresh_start", "shrunk", "shrunk_rearmed")
+        resumed = [e for e in run.events if e["event"] in went_on and e["mono"] > mono]
+        lost.append(max(0, done - (resumed[0].get("step", 0) if resumed else done)))
     return {
         "kill_to_step_s": to_step,
         "steps_lost": lost,

@@ -108,6 +108,7 @@ def _train(
     group = reformable.current()
     assert group is not None
     group.absorb_failures(True)
+    asked = shrink.Asked()
     loader.take_shares(plan.shares)
     iterator = iter(loader)
     first = job.step
@@ -115,8 +116,11 @@ def _train(
                 shares=list(plan.shares), seconds=round(time.monotonic() - started, 4))  # fmt: skip
     try:
         while job.step + 1 < max_steps:
-            ready = shrink.agree(plan, plan.shrunk_rank == 0 and shrink.replacements_ready(plan))
+            ready, again = shrink.agree(plan, plan.shrunk_rank == 0 and shrink.replacements_ready(plan), asked.asked)
             _check(group)
+            if again:  # the round failed again (its replacement died): re-arm, train on in the next one
+                plan, events = _rearm(job, plan, asked, events)
+                continue
             if ready:
                 break
             heartbeat.beat(job.step, PHASE_STEP, job._hang.grace())  # k slices a step: not the calibrated time
@@ -135,10 +139,29 @@ def _train(
             events.emit("step_done", step=job.step, step_s=time.monotonic() - step_started, world_size=plan.size)
         events.emit("growing", step=job.step, shrunk_steps=job.step - first)
     finally:
+        asked.close()
         loader.take_shares(None)
         group.absorb_failures(False)
         heartbeat.close()
         events.close()
+
+
+def _rearm(job: Job, plan: shrink.Plan, asked: shrink.Asked, events: EventLog) -> tuple[shrink.Plan, EventLog]:
+    """Re-arm in the shrunk loop: the agent's next round keeps this process; the survivors' group stays. The same
+    survivors must be kept (a survivor lost is a failure of their group, met by its collectives first). Returns the
+    next round's plan and event log (its events carry the round's restart count)."""
+    started = time.monotonic()
+    reform.rearm()
+    asked.asked = False
+    now = Placement.from_env()
+    again = shrink.plan(now.rank, now.world_size)
+    if again is None or again.kept != plan.kept or again.world_size != plan.world_size:
+        raise shrink.ShrunkFailed(f"the next round keeps other ranks ({again.kept if again else 'none'}) than "
+                                  f"the survivors' group ({plan.kept})")  # fmt: skip
+    events.close()
+    events = EventLog.from_env(rank=now.rank, restart=now.restart_count)
+    events.emit("shrunk_rearmed", step=job.step, seconds=round(time.monotonic() - started, 4))
+    return again, events
 
 
 def _check(group: reformable.ReformableGroup) -> None:

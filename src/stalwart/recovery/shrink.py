@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -162,13 +164,29 @@ def form(p: Plan, timeout: timedelta) -> None:
     )  # fmt: skip
 
 
-def agree(p: Plan, flag: bool) -> bool:
-    """Whether any survivor says `flag` (the lowest one decides for the grow; one collective of one int)."""
+def agree(p: Plan, *flags: bool) -> tuple[bool, ...]:
+    """Whether any survivor says each of `flags` (one collective of a few ints; none for one survivor)."""
     if p.size == 1:
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.int64)
+        return flags
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return tuple(bool(v) for v in t.tolist())
+
+
+class Asked:
+    """The agent's request to re-form (REFORM_SIGNAL) while the job runs shrunk: its round failed again (the
+    replacement died in its set-up, or a survivor did). It is recorded, not raised: at the next step boundary the
+    survivors re-arm together and, when the same survivors are kept, train on in the next round."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self._before = signal.signal(reform.REFORM_SIGNAL, self._ask)
+
+    def _ask(self, signum: int, frame: FrameType | None) -> None:
+        self.asked = True
+
+    def close(self) -> None:
+        signal.signal(reform.REFORM_SIGNAL, self._before)
 
 
 class MicroSteps:
