@@ -97,7 +97,7 @@ def measure_kills(
         run.stop()
     if run.proc is not None and run.proc.returncode != 0:
         raise BenchError(f"{system}: the job failed (exit {run.proc.returncode}); see {workdir / 'output.log'}")
-    to_step, lost, stall = [], [], []
+    to_step, lost, stall, replaced = [], [], [], []
     for mono, done in marks:
         # A step finished by the old workers just after the kill is not a recovery: count from the new round.
         before = max((e.get("restart", 0) for e in run.events if e["mono"] <= mono and "restart" in e), default=0)
@@ -109,6 +109,10 @@ def measure_kills(
         # torchft's survivor is not restarted: its first step after the kill, whatever its round, is its stall.
         survivor = _first_step_after(run.events if system == "torchft" else after, mono, rank=survivor_of(rank))
         stall.append((survivor if survivor is not None else first) - mono)
+        # The killed rank's replacement: its first step of the full job (not one of the survivors' shrunk steps).
+        full = [e for e in after if e.get("world_size") is None or e.get("world_size") == NPROC]
+        replacement = _first_step_after(full, mono, rank=rank)
+        replaced.append(replacement - mono if replacement is not None else None)
         # The step the job went on from: a restore's, or the survivors' when they train on shrunk meanwhile (and
         # went on, re-armed, when a replacement in its set-up was killed: nothing of theirs is lost then).
         went_on = ("resumed", "fresh_start", "shrunk", "shrunk_rearmed")
@@ -118,6 +122,7 @@ def measure_kills(
         "kill_to_step_s": to_step,
         "steps_lost": lost,
         "survivor_stall_s": stall,
+        "replacement_first_step_s": replaced,
         "bitwise_identical": None,
         "step_s_median": _median_step(run.events),
     }
@@ -227,6 +232,11 @@ def run_bench(
     if not 0 <= kill_rank < NPROC:
         raise BenchError(f"--kill-rank must be 0 or 1 (the job has {NPROC} ranks), not {kill_rank}")
     rng = random.Random(seed)
+    if parent is not None:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BenchError(f"--dir {parent} cannot be made: {exc.strerror or exc}") from exc
     with tempfile.TemporaryDirectory(prefix="stalwart-bench-recovery-", dir=parent) as tmp:
         root = Path(tmp)
         schedule = kill_schedule(kills, gap, rng)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,12 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     for name, s in report["systems"].items():
         if s.get("note"):
             console.print(f"{name}: {s['note']}")
+    for name, s in report["systems"].items():
+        firsts = [v for v in (s.get("samples") or {}).get("replacement_first_step_s") or [] if v is not None]
+        if firsts:
+            median = statistics.median(firsts)
+            console.print(f"{name}: the replacement's first step, after the kill: median {median:.2f} s, "
+                          f"max {max(firsts):.2f} s (its set-up included)")  # fmt: skip
     for name, s in report["systems"].items():
         if s.get("badput_s"):
             bad = s["badput_s"]
