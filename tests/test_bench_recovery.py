@@ -135,6 +135,17 @@ def test_a_bad_setup_time_is_one_line(value: str) -> None:
     assert len(lines) == 1 and "--setup-s" in lines[0] and "seconds" in lines[0], out.stderr
 
 
+def test_a_dir_that_is_a_file_is_one_line(tmp_path: Path) -> None:
+    taken = tmp_path / "a-file"
+    taken.write_text("mine")
+    out = subprocess.run([sys.executable, "-m", "stalwart", "bench", "recovery", "--dir", str(taken)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode != 0 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--dir" in lines[0], out.stderr
+    assert taken.read_text() == "mine", "nothing is lost"
+
+
 def _events(workdir: Path) -> list[dict[str, object]]:
     from stalwart.telemetry.events import read_events
 

@@ -98,7 +98,8 @@ def measure_kills(
     if run.proc is not None and run.proc.returncode != 0:
         raise BenchError(f"{system}: the job failed (exit {run.proc.returncode}); see {workdir / 'output.log'}")
     to_step, lost, stall, replaced = [], [], [], []
-    for mono, done in marks:
+    for index, (mono, done) in enumerate(marks):
+        until = marks[index + 1][0] if index + 1 < len(marks) else float("inf")
         # A step finished by the old workers just after the kill is not a recovery: count from the new round.
         before = max((e.get("restart", 0) for e in run.events if e["mono"] <= mono and "restart" in e), default=0)
         after = [e for e in run.events if e.get("restart", 0) > before]
@@ -109,10 +110,12 @@ def measure_kills(
         # torchft's survivor is not restarted: its first step after the kill, whatever its round, is its stall.
         survivor = _first_step_after(run.events if system == "torchft" else after, mono, rank=survivor_of(rank))
         stall.append((survivor if survivor is not None else first) - mono)
-        # The killed rank's replacement: its first step of the full job (not one of the survivors' shrunk steps).
+        # The killed rank's replacement: its first step of the full job (not one of the survivors' shrunk steps);
+        # None when the next kill came first (survivors training on shrunk reach the next kill's step while the
+        # replacement still runs its set-up, and that kill is the replacement's).
         full = [e for e in after if e.get("world_size") is None or e.get("world_size") == NPROC]
         replacement = _first_step_after(full, mono, rank=rank)
-        replaced.append(replacement - mono if replacement is not None else None)
+        replaced.append(replacement - mono if replacement is not None and replacement < until else None)
         # The step the job went on from: a restore's, or the survivors' when they train on shrunk meanwhile (and
         # went on, re-armed, when a replacement in its set-up was killed: nothing of theirs is lost then).
         went_on = ("resumed", "fresh_start", "shrunk", "shrunk_rearmed")

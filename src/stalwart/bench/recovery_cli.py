@@ -115,11 +115,13 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
         if s.get("note"):
             console.print(f"{name}: {s['note']}")
     for name, s in report["systems"].items():
-        firsts = [v for v in (s.get("samples") or {}).get("replacement_first_step_s") or [] if v is not None]
+        every = (s.get("samples") or {}).get("replacement_first_step_s") or []
+        firsts = [v for v in every if v is not None]
         if firsts:
-            median = statistics.median(firsts)
+            median, cut = statistics.median(firsts), len(every) - len(firsts)
+            early = f"; {cut} replacement(s) killed before their first step" if cut else ""
             console.print(f"{name}: the replacement's first step, after the kill: median {median:.2f} s, "
-                          f"max {max(firsts):.2f} s (its set-up included)")  # fmt: skip
+                          f"max {max(firsts):.2f} s (its set-up included){early}")  # fmt: skip
     for name, s in report["systems"].items():
         if s.get("badput_s"):
             bad = s["badput_s"]
