@@ -76,6 +76,28 @@ def test_a_kill_costs_detection_reformation_restore_and_the_redone_steps() -> No
     assert g.attempts[1].points[0] == (14.0, 8) and g.attempts[1].points[-1] == (26.0, 20)
 
 
+def test_survivors_training_on_shrunk_keep_their_steps() -> None:
+    """recovery/shrink.py: the survivor goes on at once from its own snapshot (`shrunk`), and the job grows back
+    later inside the same segment (`resumed` of the grow): every step after the kill is productive."""
+    events = [
+        _agent("launcher_started", 0.0), _worker("worker_started", 0.5), _worker("fresh_start", 0.6),
+        *_steps(1, 10, 1.0, 1.0),  # step 10 done at 11.0
+        {"event": "fault_injected", "mono": 11.5, "rank": 1, "restart": 0, "fault": "kill", "step": 10},
+        _agent("worker_failed", 11.6, rank=1), _agent("restarting", 11.6),
+        _worker("reforming", 11.65, 0, step=10), _worker("shrunk", 11.7, 1, step=10, world_size=1, seconds=0.05),
+        *_steps(11, 15, 11.7, 1.0, 1),  # shrunk: 11-15, done at 12.7..16.7
+        _worker("resumed", 16.8, 1, step=15, tier="peer", seconds=0.1),  # grown back
+        *_steps(16, 20, 16.8, 1.0, 1),
+        _worker("job_finished", 21.8, 1), _agent("launcher_exit", 21.8),
+    ]  # fmt: skip
+    g = account(events)
+    (r,) = g.recoveries
+    assert r.steps_lost == 0 and r.wasted_s == pytest.approx(0.5)  # only the step running at the kill
+    assert g.badput["reformation"] + g.badput["detection"] + g.badput["other"] == pytest.approx(0.2)
+    assert g.productive_s == pytest.approx(20.1)  # 20 steps; the grow's 0.1 s falls inside step 16's time
+    assert _total(g) == pytest.approx(g.wall_s)
+
+
 def test_a_hang_is_detected_after_its_silence() -> None:
     events = [
         _agent("launcher_started", 0.0), _worker("worker_started", 0.0), *_steps(1, 5, 0.0, 1.0),

@@ -201,6 +201,8 @@ def _worker_started(rank0: list[dict[str, Any]], after: float, before: float) ->
             return float(e["mono"])
         if e["event"] == "resumed" and after <= e["mono"] <= before:
             return float(e["mono"]) - float(e.get("seconds", 0.0))
+        if e["event"] == "shrunk" and after <= e["mono"] <= before:  # it trains on at a smaller size at once
+            return float(e["mono"])
     return None
 
 
@@ -217,8 +219,10 @@ def _segments(rank0: list[dict[str, Any]], agent: list[dict[str, Any]], events: 
                 segments.append(current)
             current = None
             pending_restore, pending_tier, resume = 0.0, None, 0
-        elif kind == "resumed":
+        elif kind == "resumed" and current is None:
             pending_restore, pending_tier, resume = float(e.get("seconds", 0.0)), e.get("tier"), int(e["step"])
+        elif kind == "shrunk":  # a survivor trains on at a smaller size from its own snapshot (recovery/shrink.py)
+            pending_restore, pending_tier, resume = 0.0, "memory", int(e["step"])
         elif kind == "rolled_back":
             if current is not None:
                 current.kind = "rollback"
