@@ -133,10 +133,12 @@ def tiny_args(*extra: str, nproc: int = 2, max_restarts: int = 3) -> list[str]:
     ]  # fmt: skip
 
 
-def fault_free_results(directory: Path, *job_args: str, timeout: float = 120) -> dict[int, dict[str, Any]]:
+def fault_free_results(
+    directory: Path, *job_args: str, timeout: float = 120, nproc: int = 2
+) -> dict[int, dict[str, Any]]:
     """The tiny job's results (rank -> step, parameters' sha256, samples seen) from a fault-free run under
     `stalwart run` with `job_args` (tiny_args' extras): what a run with failures must end identical to."""
-    job = Launch(directory, tiny_args(*job_args), child_env())
+    job = Launch(directory, tiny_args(*job_args, nproc=nproc), child_env())
     try:
         assert job.wait(timeout) == 0, job.output()
         return job.results()

@@ -85,6 +85,26 @@ def test_a_replacement_dying_in_its_set_up_costs_the_shrunk_survivor_nothing(lau
     assert not [pid for pid in alive_pids if alive(pid)], "no worker outlives the launcher"
 
 
+def test_two_of_four_survivors_train_on_as_a_group_of_their_own(launch: Any, tmp_path_factory: Any) -> None:
+    """Two ranks of four killed at once: the two survivors form a group of two (a FileStore on the node), each takes
+    its own slice and one missing rank's, and their all-reduce averages over two; the job grows back to four."""
+    args = ("--steps", "30", "--step-sleep", "0.05", "--no-randomness", "--gbs", "8", "--num-samples", "64")
+    reference = fault_free_results(tmp_path_factory.mktemp("shrink-reference-4"), *args, nproc=4)
+    env = child_env(STALWART_FAULTS="kill@rank=1,step=11;kill@rank=3,step=11", STALWART_WAIT_FOR_REPLACEMENT="0")
+    job = launch(tiny_args(*args, "--setup-s", "3", nproc=4), env=env)
+    assert job.wait(240) == 0, job.output()
+    shrunk = {e["rank"]: e for e in job.events("shrunk")}
+    assert {r: (e["world_size"], e["shares"]) for r, e in shrunk.items()} == {0: (2, [0, 1]), 2: (2, [2, 3])}
+    assert {e["rank"] for e in job.events("growing")} == {0, 2}
+    results = job.results()
+    seen = sorted(i for r in results for i in results[r]["seen"])
+    assert seen == sorted(i for r in reference for i in reference[r]["seen"]), "every sample once, none twice"
+    scale = max(abs(v) for v in reference[0]["params"])
+    for rank in reference:
+        diff = max(abs(a - b) for a, b in zip(results[rank]["params"], reference[rank]["params"], strict=True))
+        assert diff <= TOLERANCE * scale, f"rank {rank}: {diff} from the fault-free run"
+
+
 def test_a_survivor_takes_the_missing_ranks_slices_of_each_global_batch() -> None:
     data = list(range(48))
     alone = [ResumableLoader(data, global_batch_size=8, seed=1, rank=r, world_size=4) for r in range(4)]
