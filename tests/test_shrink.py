@@ -131,9 +131,11 @@ def test_micro_steps_make_the_full_jobs_update(zero_grad_first: bool) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
-    full, opt, sched = model_and_optimizer()  # two ranks' mean: one update
+    full, opt, sched = model_and_optimizer()  # two ranks' mean: one update, its gradient clipped
     opt.zero_grad()
     (sum(full(x).pow(2).mean() for x in xs) / 2).backward()
+    norm = torch.nn.utils.clip_grad_norm_(full.parameters(), 0.05)
+    assert norm > 0.05, "the clipping matters in this test"
     opt.step()
     sched.step()
 
@@ -145,12 +147,14 @@ def test_micro_steps_make_the_full_jobs_update(zero_grad_first: bool) -> None:
             if zero_grad_first:
                 opt.zero_grad()
             model(x).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # the full job's clip, in the last slice only
             opt.step()
             if not zero_grad_first:
                 opt.zero_grad()
             sched.step()
         finally:
             micro.end()
+    micro.close()
     assert sched.last_epoch == 1, "the scheduler steps once per step of the full job"
     assert "step" not in opt.__dict__ or hasattr(opt.step, "_wrapped_by_lr_sched"), "the optimizer is as it was"
     for a, b in zip(model.parameters(), full.parameters(), strict=True):

@@ -139,6 +139,7 @@ def _train(
             events.emit("step_done", step=job.step, step_s=time.monotonic() - step_started, world_size=plan.size)
         events.emit("growing", step=job.step, shrunk_steps=job.step - first)
     finally:
+        micro.close()
         asked.close()
         loader.take_shares(None)
         group.absorb_failures(False)

@@ -191,8 +191,13 @@ class Asked:
 
 class MicroSteps:
     """One step of the full job as `count` loop bodies of one survivor: its optimizers step in the last one, with
-    the gradients summed over all of them and scaled by `scale`, their gradients are cleared only before the
-    first body's backward or after the last body's optimizer step, and its schedulers step in the last one.
+    the gradients summed over all of them, their gradients are cleared only before the first body's backward or
+    after the last body's optimizer step, and its schedulers step in the last one.
+
+    Every gradient is scaled by `scale` as the backward pass makes it (a hook on each parameter, before DDP's
+    all-reduce sees it), so the sum after the last body is the full job's average, and gradient clipping in the
+    last body (`torch.nn.utils.clip_grad_norm_`/`clip_grad_value_`, called through the module) clips what the full
+    job would; in the bodies before it, clipping only measures (the sum is partial).
 
     It replaces the instance's methods for the duration of one body (`begin`, `end`), whatever pattern the loop
     uses (zero_grad before backward or after the optimizer step). `module.zero_grad()` is not held back: a loop
@@ -204,6 +209,17 @@ class MicroSteps:
         self._scale = scale
         self._saved: list[tuple[Any, str, Any]] = []
         self._stepped = False
+        params = {id(p): p for o in optimizers for g in o.param_groups for p in g["params"] if p.requires_grad}
+        self._hooks = [p.register_hook(self._scaled) for p in params.values()]
+
+    def _scaled(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad * self._scale
+
+    def close(self) -> None:
+        """The job grows back: gradients are the backward pass's again."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def begin(self, index: int, count: int) -> None:
         last = index == count - 1
@@ -214,6 +230,10 @@ class MicroSteps:
         if not last:
             for sched in self._schedulers:
                 self._patch(sched, "step", lambda *a, **k: None)
+            clip = torch.nn.utils.clip_grad
+            for module in (torch.nn.utils, clip):
+                self._patch(module, "clip_grad_norm_", _measure_only(clip.clip_grad_norm_))
+                self._patch(module, "clip_grad_value_", lambda *a, **k: None)
 
     def end(self) -> None:
         for obj, name, before in reversed(self._saved):
@@ -232,14 +252,7 @@ class MicroSteps:
 
         def step(*args: Any, **kwargs: Any) -> Any:
             self._stepped = True
-            if not last:
-                return None
-            with torch.no_grad():
-                for param_group in opt.param_groups:
-                    for p in param_group["params"]:
-                        if p.grad is not None:
-                            p.grad.mul_(self._scale)
-            return real(*args, **kwargs)
+            return real(*args, **kwargs) if last else None
 
         if hasattr(real, "_wrapped_by_lr_sched"):  # what torch's schedulers check the optimizer's step for
             step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
@@ -253,6 +266,15 @@ class MicroSteps:
                 real(*args, **kwargs)
 
         return zero_grad
+
+
+def _measure_only(clip_grad_norm: Any) -> Any:
+    """`clip_grad_norm_` that returns the norm and clips nothing (an infinite limit)."""
+
+    def measure(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        return clip_grad_norm(parameters, float("inf"), *args, **kwargs)
+
+    return measure
 
 
 _ABSENT = object()
