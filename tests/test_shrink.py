@@ -27,6 +27,24 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, A
     return fault_free_results(tmp_path_factory.mktemp("shrink-reference"), *ARGS)
 
 
+def _check_global_batch_kept(results: dict[int, Any], reference: dict[int, Any]) -> None:
+    """Every sample of the fault-free run seen once, none twice, and every rank's parameters within TOLERANCE."""
+    seen = sorted(i for r in results for i in results[r]["seen"])
+    assert seen == sorted(i for r in reference for i in reference[r]["seen"]), "every sample once, none twice"
+    scale = max(abs(v) for v in reference[0]["params"])
+    for rank in reference:
+        diff = max(abs(a - b) for a, b in zip(results[rank]["params"], reference[rank]["params"], strict=True))
+        assert diff <= TOLERANCE * scale, f"rank {rank}: {diff} from the fault-free run"
+
+
+def _setups(job: Any) -> dict[str, int]:
+    """pid -> how many times the script's set-up ran in that process."""
+    counts: dict[str, int] = {}
+    for pid in (job.workdir / "setups.log").read_text().split():
+        counts[pid] = counts.get(pid, 0) + 1
+    return counts
+
+
 def test_shrink_then_grow_keeps_the_global_batch(launch: Any, reference: Any) -> None:
     env = child_env(STALWART_FAULTS="kill@rank=1,step=13", STALWART_WAIT_FOR_REPLACEMENT="0")
     job = launch(tiny_args(*ARGS, "--setup-s", "3", "--setup-log", "setups.log"), env=env)
@@ -41,19 +59,12 @@ def test_shrink_then_grow_keeps_the_global_batch(launch: Any, reference: Any) ->
     assert set(grown) == {0, 1} and grown[0]["step"] == growing["step"]
     assert grown[1]["bytes"] > 0 and grown[0]["bytes"] == 0, "the survivor sends, the replacement receives"
 
-    seen = sorted(i for r in results for i in results[r]["seen"])
-    assert seen == sorted(i for r in reference for i in reference[r]["seen"]), "every sample once, none twice"
-    scale = max(abs(v) for v in reference[0]["params"])
-    for rank in reference:
-        assert results[rank]["step"] == STEPS
-        diff = max(abs(a - b) for a, b in zip(results[rank]["params"], reference[rank]["params"], strict=True))
-        assert diff <= TOLERANCE * scale, f"rank {rank}: {diff} from the fault-free run"
+    assert all(results[rank]["step"] == STEPS for rank in reference)
+    _check_global_batch_kept(results, reference)
 
     first, second = job.worker_pids(restart=0), job.worker_pids(restart=1)
     assert first[0] == second[0] and first[1] != second[1], "the survivor keeps its process"
-    counts: dict[str, int] = {}
-    for pid in (job.workdir / "setups.log").read_text().split():
-        counts[pid] = counts.get(pid, 0) + 1
+    counts = _setups(job)
     assert counts[str(first[0])] == 1 and set(counts.values()) == {1}, f"set-up once per process: {counts}"
     assert [e["rank"] for e in job.events("joined_late")] == [1]
     pids = {e["worker_pid"] for e in job.events("worker_spawned")}
@@ -71,15 +82,8 @@ def test_a_replacement_dying_in_its_set_up_costs_the_shrunk_survivor_nothing(lau
     pids = [job.worker_pids(restart=r) for r in range(3)]
     assert pids[0][0] == pids[1][0] == pids[2][0], "the survivor keeps its process through both rounds"
     results = job.results()
-    seen = sorted(i for r in results for i in results[r]["seen"])
-    assert seen == sorted(i for r in reference for i in reference[r]["seen"]), "every sample once, none twice"
-    scale = max(abs(v) for v in reference[0]["params"])
-    for rank in reference:
-        diff = max(abs(a - b) for a, b in zip(results[rank]["params"], reference[rank]["params"], strict=True))
-        assert diff <= TOLERANCE * scale, f"rank {rank}: {diff} from the fault-free run"
-    counts: dict[str, int] = {}
-    for pid in (job.workdir / "setups.log").read_text().split():
-        counts[pid] = counts.get(pid, 0) + 1
+    _check_global_batch_kept(results, reference)
+    counts = _setups(job)
     assert counts[str(pids[0][0])] == 1, f"the survivor's set-up ran once: {counts}"
     alive_pids = {e["worker_pid"] for e in job.events("worker_spawned")}
     assert not [pid for pid in alive_pids if alive(pid)], "no worker outlives the launcher"
@@ -97,12 +101,7 @@ def test_two_of_four_survivors_train_on_as_a_group_of_their_own(launch: Any, tmp
     assert {r: (e["world_size"], e["shares"]) for r, e in shrunk.items()} == {0: (2, [0, 1]), 2: (2, [2, 3])}
     assert {e["rank"] for e in job.events("growing")} == {0, 2}
     results = job.results()
-    seen = sorted(i for r in results for i in results[r]["seen"])
-    assert seen == sorted(i for r in reference for i in reference[r]["seen"]), "every sample once, none twice"
-    scale = max(abs(v) for v in reference[0]["params"])
-    for rank in reference:
-        diff = max(abs(a - b) for a, b in zip(results[rank]["params"], reference[rank]["params"], strict=True))
-        assert diff <= TOLERANCE * scale, f"rank {rank}: {diff} from the fault-free run"
+    _check_global_batch_kept(results, reference)
 
 
 def test_a_survivor_takes_the_missing_ranks_slices_of_each_global_batch() -> None:

@@ -108,8 +108,9 @@ def _run(
     if scenario is not None and any(f.kind in GPU_KINDS for f in scenario.faults):
         env[GPU_TELEMETRY_ENV] = str(_gpu_script(scenario, directory, nproc))
         env[GPU_POLL_ENV] = "0.2"
+    # The proof is bitwise: survivors wait for the replacement instead of training on shrunk (recovery/shrink.py).
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", str(nproc), "--max-restarts",
-           str(max_restarts), "--event-log", str(log), *launcher_args]  # fmt: skip
+           str(max_restarts), "--event-log", str(log), "--wait-for-replacement", *launcher_args]  # fmt: skip
     if net is None:
         nodes = [_Node([*cmd, *job], env, "output")]
     else:  # host 0 holds the rendezvous store; a new namespace has every port free

@@ -30,6 +30,11 @@ Job = Any
 """A `stalwart.Job` (job/job.py imports this module)."""
 
 
+FORM_TIMEOUT_S = 30.0
+"""How long the survivors wait for one another to form their own group before they wait for the replacement
+instead (all of them fall back alike: each times out)."""
+
+
 def recover(
     job: Job, failure: Exception, loader: Iterable[Any] | None, iterator: Iterator[Any] | None,
     batch: tuple[int, Any], max_steps: int,
@@ -45,8 +50,8 @@ def recover(
     now = Placement.from_env()
     plan = shrink.plan(now.rank, now.world_size) if undone == [True] and now.world_size == job.world_size else None
     if plan is not None:
-        try:
-            shrink.form(plan, timedelta(seconds=job.config.collective_timeout_s))
+        try:  # the survivors were all activated together: a short wait for one another
+            shrink.form(plan, timedelta(seconds=min(job.config.collective_timeout_s, FORM_TIMEOUT_S)))
         except Exception:  # a survivor that did not come (a host that died as it was activated): wait instead
             reform.abort_process_groups()
             plan = None

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from stalwart.recovery import reform
-from stalwart.runtime.env import KEPT_RANKS_ENV, SNAPSHOT_DIR_ENV, WAIT_FOR_REPLACEMENT_ENV
+from stalwart.runtime.env import KEPT_RANKS_ENV, RESTART_COUNT_ENV, SNAPSHOT_DIR_ENV, WAIT_FOR_REPLACEMENT_ENV
 
 
 class ShrunkFailed(reform.ReformRequested):
@@ -129,7 +129,7 @@ def _round_file(name: str) -> Path:
     temporary directory; named by the round's MASTER_PORT and restart count, which no other round shares."""
     directory = os.environ.get(SNAPSHOT_DIR_ENV) or tempfile.gettempdir()
     port = os.environ.get("MASTER_PORT", "0")
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    restart = os.environ.get(RESTART_COUNT_ENV, "0")
     return Path(directory) / f"stalwart-{name}-{port}-{restart}"
 
 
