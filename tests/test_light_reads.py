@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from stalwart.checkpoint.format.serialize import FlattenCache, flatten, frozen
@@ -287,3 +288,20 @@ def test_a_tensor_that_grows_in_place_in_the_table_is_read_back_at_its_new_size(
         tier.snapshot(step, {"step": step, "objects": {"seen": {"ids": history}}})
         assert torch.equal(tier.load(step).state["objects"]["seen"]["ids"], history), step
     tier.close()
+
+
+def test_a_cuda_graph_replay_is_noticed() -> None:
+    """A CUDA graph's replay writes without bumping version counters: once one replayed, the live state leaves CUDA
+    tensors out (job/live.py). Here no GPU: the watched replay is called on something that is not a graph."""
+    from stalwart.job import live
+
+    live.LiveState(0)  # installs the watch
+    assert getattr(torch.cuda.CUDAGraph.replay, "_stalwart_watched", False)
+    before = live._graphs_replayed[0]
+    try:
+        live._graphs_replayed[0] = False
+        with pytest.raises((TypeError, AttributeError)):  # no graph: torch's replay fails, after the watch saw it
+            torch.cuda.CUDAGraph.replay(object())  # type: ignore[arg-type]
+        assert live.graphs_replayed()
+    finally:
+        live._graphs_replayed[0] = before

@@ -92,6 +92,7 @@ def main() -> None:
     p.add_argument("--ckpt-per-rank", action="store_true", help="a node-local checkpoint dir on each rank (wrong)")
     p.add_argument("--unsavable-on-rank", type=int, default=-1, help="track a numpy scalar on this rank (wrong)")
     p.add_argument("--die-in-setup", type=int, default=-1, help="rank 1 of this restart dies in its set-up")
+    p.add_argument("--cuda", action="store_true", help="model and batches on GPU 0, shared by every rank (GPU checks)")
     p.add_argument("--no-randomness", action="store_true", help="no dropout, no noise: steps draw no random numbers")
     p.add_argument("--setup-s", type=float, default=0.0, help="seconds of set-up before the loop (data, model)")
     p.add_argument("--setup-log", default="", help="append this process's pid here each time the set-up runs")
@@ -134,6 +135,10 @@ def main() -> None:
         torch.nn.Dropout(0.0 if args.no_randomness else 0.2),
         torch.nn.Linear(args.hidden, 1),
     )
+    device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
+    if args.cuda:
+        torch.cuda.set_device(0)
+        model.to(device)
     if args.fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -175,6 +180,7 @@ def main() -> None:
         if args.compute_sleep:
             time.sleep(args.compute_sleep)  # a stand-in for compute (a GPU's kernels) that no other rank slows
         noise = torch.rand(len(x), 1) * (0.0 if args.no_randomness else 1.0)  # draws: RNG restore matters
+        x, noise = x.to(device), noise.to(device)
         loss = (ddp(x) - x.sum(dim=1, keepdim=True) - noise).pow(2).mean()
         optim.zero_grad()
         loss.backward()
@@ -198,7 +204,7 @@ def main() -> None:
     finite = True
     for name, t in model.state_dict().items():
         t = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor under FSDP2
-        digest.update(name.encode() + t.contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(name.encode() + t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         finite = finite and bool(torch.isfinite(t).all())
     env = {k: os.environ.get(k) for k in _ENV}
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]) if not args.fsdp else None
@@ -232,7 +238,7 @@ def _full_loss(model: torch.nn.Module, args: argparse.Namespace) -> float:
     was = model.training
     model.eval()
     with torch.no_grad():
-        data = Samples(args.num_samples).x
+        data = Samples(args.num_samples).x.to(next(model.parameters()).device)
         loss = float((model(data) - data.sum(dim=1, keepdim=True) - 0.5).pow(2).mean())
     model.train(was)
     return loss

@@ -34,6 +34,7 @@ class LiveState:
     """The versions of a rank's live replicated tensors and its replicated objects' skeleton, at a step's end."""
 
     def __init__(self, rank: int) -> None:
+        watch_cuda_graphs()
         self._rank = rank
         self.key: frozenset[int] = frozenset()
         """The live tensors' data pointers, the same object while the list of live tensors does not change."""
@@ -167,7 +168,11 @@ class _OptimizerSkeleton:
 
 def live_tensors(objects: Mapping[str, Any], replicated: frozenset[str]) -> list[torch.Tensor]:
     """The tensors a survivor can keep: the parameters of replicated modules and the state of replicated
-    optimizers, CPU tensors only (a CUDA tensor's in-place writes are not all seen by its version counter)."""
+    optimizers, on the CPU or a GPU. A GPU's in-place writes bump the version counters when they are launched
+    (torch's foreach and fused optimizers included), and a survivor's later copy of the tensors runs after them on
+    the same stream; the exception is a CUDA graph's replay, which writes without bumping them: once the process
+    has replayed one (torch.compile's "reduce-overhead" mode does), CUDA tensors are left out and the restore takes
+    a full snapshot instead (`graphs_replayed`)."""
     found: list[torch.Tensor] = []
     for name, obj in objects.items():
         if name not in replicated:
@@ -178,8 +183,33 @@ def live_tensors(objects: Mapping[str, Any], replicated: frozenset[str]) -> list
             tensors = (t for st in obj.state.values() for t in st.values() if isinstance(t, torch.Tensor))
         else:
             continue
-        found.extend(t for t in tensors if type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cpu)
+        cuda = not _graphs_replayed[0]
+        found.extend(t for t in tensors if type(t) in (torch.Tensor, torch.nn.Parameter)
+                     and (t.is_cpu or (cuda and t.is_cuda)))  # fmt: skip
     return found
+
+
+_graphs_replayed = [False]
+
+
+def watch_cuda_graphs() -> None:
+    """Note the first CUDA graph replay of this process from now on (see `live_tensors`): every LiveState installs
+    it, before its job's loop replays any. Costs nothing until a graph replays (no CUDA initialisation)."""
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    replay = getattr(graph, "replay", None)
+    if graph is None or replay is None or getattr(replay, "_stalwart_watched", False):
+        return
+
+    def watched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _graphs_replayed[0] = True
+        return replay(self, *args, **kwargs)
+
+    watched._stalwart_watched = True  # type: ignore[attr-defined]
+    graph.replay = watched
+
+
+def graphs_replayed() -> bool:
+    return _graphs_replayed[0]
 
 
 def plain_module(module: torch.nn.Module) -> bool:
