@@ -4,7 +4,6 @@ its loop starts, and no sample is lost or seen twice."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -160,7 +159,7 @@ def test_micro_steps_make_the_full_jobs_update(zero_grad_first: bool) -> None:
         torch.testing.assert_close(a, b)
 
 
-def test_shrinking_is_off_with_wait_for_replacement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shrinking_is_off_with_wait_for_replacement(monkeypatch: pytest.MonkeyPatch) -> None:
     from stalwart.recovery import shrink
 
     monkeypatch.setenv("STALWART_KEPT_RANKS", "0,2")

@@ -240,8 +240,9 @@ class Restorer:
         if comm.rank == source:
             out = io.BytesIO()
             torch.save(state(), out)
+            payload = out.getvalue()  # once, whatever the number of receivers
             for rank in receivers:
-                comm.send_bytes(out.getvalue(), rank)
+                comm.send_bytes(payload, rank)
             return None
         if comm.rank not in receivers:
             return None
