@@ -61,6 +61,26 @@ def test_a_run_without_faults_charges_only_its_start_and_counts_checkpoint_stall
     assert good.goodput == pytest.approx(10 * STEP / wall)
 
 
+def test_the_long_run_goodput_charges_failures_not_the_start_up_or_the_machines_noise() -> None:
+    """Steps of 0.1 s with every fourth taking 0.3 s (a VM's skewed noise) after a 1 s start, no failure: a long
+    run at that pace keeps all of its time; counted at the median step (own_pace) it would seem to lose a third."""
+    events, t = [], 1.0
+    for i in range(400):
+        t = round(t + (0.3 if i % 4 == 3 else STEP), 6)
+        events.append(_step(i + 1, t))
+    wall = events[-1]["mono"]
+    good = PacedGoodput.of(events, 0.0, wall, STEP)
+    assert good.steady_step_s == pytest.approx(STEP) and good.steady_mean_s == pytest.approx(0.15, rel=0.01)
+    assert good.own_pace == pytest.approx(400 * STEP / wall)
+    assert good.long_run == pytest.approx(1.0, abs=0.01), "no failure: a long run keeps everything"
+    # One kill at 40 s that costs 2 s (steps resume 2 s later, none lost): the long run is charged those 2 s.
+    later = [_step(e["step"], e["mono"] + 2.0) for e in events if e["mono"] > 40.0]
+    faulty = [e for e in events if e["mono"] <= 40.0] + later
+    faulty.append({"event": "fault_injected", "rank": 1, "fault": "kill", "mono": 40.0})
+    hit = PacedGoodput.of(faulty, 0.0, wall + 2.0, STEP)
+    assert hit.long_run == pytest.approx(1.0 - 2.0 / (wall + 2.0 - 1.0), abs=0.01)
+
+
 def test_the_steady_pace_leaves_out_the_start_and_the_seconds_after_each_kill() -> None:
     # 0.1 s steps from 1 s to 60 s, except 0.3 s steps for 10 s after the start and after the kill at 30 s, and
     # one step across the kill: the steady pace is the 0.1 s of the rest, whatever those slow stretches hold.
@@ -86,17 +106,18 @@ def test_the_report_gives_both_goodputs_and_the_two_paces() -> None:
            "reformation": 1.0, "other": 10.0, "productive": 285.0, "wall": 300.0}  # fmt: skip
     system = {
         "kill_to_step_s_median": 0.45, "kill_to_step_s_max": 0.5, "steps_lost_max": 0, "survivor_stall_s_median": 0.4,
-        "hang_detect_s": 0.5, "goodput": 0.881, "goodput_own_pace": 0.934, "bitwise_identical": True,
-        "step_s_median": 0.05, "badput_s": bad, "goodput_fault_only": 0.953,
-        "goodput_step_s": {"reference": 0.0514, "own_pace": 0.0532},
+        "hang_detect_s": 0.5, "goodput": 0.881, "goodput_own_pace": 0.934, "goodput_long_run": 0.95,
+        "bitwise_identical": True, "step_s_median": 0.05, "badput_s": bad, "goodput_fault_only": 0.953,
+        "goodput_step_s": {"reference": 0.0514, "own_pace": 0.0532, "own_mean": 0.0545},
     }  # fmt: skip
     out = io.StringIO()
     report = {"kills": 5, "job": {"model": "m"}, "systems": {"torchrun": system, "stalwart": system},
               "ratios": {"torchrun_over_stalwart_kill_to_step": 7.0}, "stock_torchrun": None}  # fmt: skip
     print_report(Console(file=out, width=240), report)
     text = out.getvalue()
-    assert "88.1% (93.4%)" in text
+    assert "88.1% (93.4%, 95.0%)" in text
     assert "stalwart, kept steps counted at its own pace: 53.2 ms a step" in text and "reference's: 51.4 ms" in text
+    assert "mean 54.5 ms (the long run's)" in text
     assert "productive 285.0 s; startup 2.0 s, checkpoint 1.0 s" in text and "wasted progress 0.3 s" in text
     assert "charged only for failures 95.3%" in text
 

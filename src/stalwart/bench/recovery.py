@@ -12,7 +12,10 @@ For each system, in one invocation:
 - goodput: the job runs `--goodput-seconds` with that rank killed every `--kill-every` seconds; goodput is the step
   time of the steps in the final history (a redone step counts once) over the wall time, each step counted at
   the fault-free reference run's median step and again at the run's own steady pace (steady_pace: its steps
-  away from start and kills, which leaves out the VM's drift between the two runs).
+  away from start and kills, which leaves out the VM's drift between the two runs), and at that pace with the
+  start-up left out (a long run's goodput at the same failure rate).
+The job checkpoints to durable storage every 20 steps under torchrun (its recovery reloads that checkpoint) and
+at JobConfig's default cadence under stalwart (its recovery reads live peers and node memory).
 torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (without it, restarted workers can hang on stale gloo
 addresses); `--stock-trials` single-kill runs of stock torchrun report how often it recovers at all. torchft is
 measured only if it is installed; otherwise its entries are null with a note. Every process the bench starts is
@@ -38,6 +41,7 @@ from stalwart.bench.recovery_goodput import (
 )
 from stalwart.bench.recovery_run import (
     NPROC,
+    RESTART_CHECKPOINT_EVERY,
     Progress,
     Run,
     _first_step_after,
@@ -48,6 +52,7 @@ from stalwart.bench.recovery_run import (
     _wait,
 )
 from stalwart.errors import BenchError
+from stalwart.job.config import CheckpointOptions
 
 # ------------------------------------------------------------------------------------------------- the phases
 
@@ -204,9 +209,11 @@ def summarize(
         "badput_s": good.badput_s if good is not None else None,
         "goodput_fault_only": good.fault_only if good is not None else None,
         "goodput_own_pace": good.own_pace if good is not None else None,
+        "goodput_long_run": good.long_run if good is not None else None,
         "goodput_step_s": {
             "reference": reference_step_s,
             "own_pace": good.steady_step_s if good is not None else None,
+            "own_mean": good.steady_mean_s if good is not None else None,
         },
         "bitwise_identical": kills["bitwise_identical"],
         "step_s_median": kills["step_s_median"],
@@ -314,7 +321,10 @@ def run_bench(
         "job": {
             "nproc": NPROC,
             "model": "3-layer MLP, 4.0M parameters, DDP, AdamW",
-            "checkpoint_every": 20,
+            "checkpoint_every": {
+                "torchrun": RESTART_CHECKPOINT_EVERY,
+                "stalwart": CheckpointOptions.__dataclass_fields__["every"].default,
+            },
             "stalwart_spares": spares,
             "killed_rank": kill_rank,
         },

@@ -98,12 +98,14 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     title = f"recovery, {report['kills']} kills of rank {killed} per system ({report['job']['model']}{setup})"
     table = Table(title=title)
     for column in ("system", "kill→step median", "max", "steps lost max", "survivor stall", "hang detect",
-                   "goodput (own pace)", "bitwise identical", "median step"):  # fmt: skip
+                   "goodput (own pace, long run)", "bitwise identical", "median step"):  # fmt: skip
         table.add_column(column, justify="left" if column == "system" else "right")
     for name, s in report["systems"].items():
         goodput = "n/a" if s.get("goodput") is None else f"{100 * s['goodput']:.1f}%"
         if s.get("goodput_own_pace") is not None:
-            goodput += f" ({100 * s['goodput_own_pace']:.1f}%)"
+            long_run = s.get("goodput_long_run")
+            tail = "" if long_run is None else f", {100 * long_run:.1f}%"
+            goodput += f" ({100 * s['goodput_own_pace']:.1f}%{tail})"
         identical = {True: "yes", False: "NO", None: "n/a"}[s.get("bitwise_identical")]
         table.add_row(
             name, _s(s["kill_to_step_s_median"]), _s(s["kill_to_step_s_max"]),
@@ -133,10 +135,11 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
             )
             pace = s.get("goodput_step_s") or {}
             if pace.get("own_pace"):
+                mean = f", mean {1e3 * pace['own_mean']:.1f} ms (the long run's)" if pace.get("own_mean") else ""
                 console.print(
                     f"{name}, kept steps counted at its own pace: {1e3 * pace['own_pace']:.1f} ms a step "
-                    f"({SETTLE_S:.0f} s or more from a start or kill); at the reference's: "
-                    f"{1e3 * pace['reference']:.1f} ms"
+                    f"(median of its steps {SETTLE_S:.0f} s or more from a start or kill{mean}); at the "
+                    f"reference's: {1e3 * pace['reference']:.1f} ms"
                 )
     ratio = report["ratios"]["torchrun_over_stalwart_kill_to_step"]
     console.print(f"torchrun ÷ stalwart, kill to next step: {ratio:.1f}×")

@@ -3,8 +3,8 @@
 Sample i is drawn from a generator seeded by i and fed by a ResumableLoader (global batch: `--batch` per rank), so
 a run with failures must end with exactly the parameters of a run without, and stalwart's survivors can take a
 missing rank's slices of each batch while its replacement starts (recovery/shrink.py). It checkpoints every
-`--checkpoint-every` steps (durable, reloaded on restart under any launcher) and logs every step, which is what
-the bench reads. At the end each rank writes
+`--checkpoint-every` steps (durable, reloaded on restart under any launcher; JobConfig's default unless given) and
+logs every step, which is what the bench reads. At the end each rank writes
 `result-rank<R>.json` with the sha256 of its parameters.
 """
 
@@ -44,7 +44,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--checkpoint-every", type=int, default=20)
+    p.add_argument("--checkpoint-every", type=_every, help="as JobConfig's (default: its default)")
     p.add_argument("--width", type=int, default=1152, help="3 layers of width^2: 4.0M parameters at 1152")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--snapshot-every", type=_every, default="auto", help="as JobConfig's")
@@ -56,9 +56,10 @@ def main() -> None:
     die_with_parent()  # under torchrun too: a launcher killed with SIGKILL leaves no worker behind
     torch.use_deterministic_algorithms(True)
     # DDP keeps model and optimizer equal on every rank: written (and snapshotted) once, split between ranks.
+    every = {} if args.checkpoint_every is None else {"checkpoint_every": args.checkpoint_every}
     job = stalwart.Job(
         args.out / "ckpt",
-        checkpoint_every=args.checkpoint_every,
+        **every,
         log_every=1,
         replicated=("model", "optim"),
         snapshot_every=args.snapshot_every,

@@ -29,6 +29,7 @@ from stalwart.errors import CheckpointCorruptError
 from stalwart.recovery import reform
 from stalwart.runtime.dist import Comm, Flag, IntMessage
 from stalwart.runtime.process import first_line
+from stalwart.runtime.state_wire import recv_state, send_state
 from stalwart.telemetry.events import EventLog
 
 _SLOTS = 2  # a rank keeps two snapshots of each kind (double buffering), so it reports at most two steps
@@ -238,18 +239,15 @@ class Restorer:
         None. The caller keeps a receiver's own random generators: two ranks must not draw the same dropout masks."""
         comm = self._comm
         if comm.rank == source:
-            out = io.BytesIO()
-            torch.save(state(), out)
-            payload = out.getvalue()  # once, whatever the number of receivers
+            state_now = state()  # once, whatever the number of receivers
             for rank in receivers:
-                comm.send_bytes(payload, rank)
+                send_state(comm, state_now, rank)
             return None
         if comm.rank not in receivers:
             return None
-        payload = comm.recv_bytes(source)
-        restored = torch.load(io.BytesIO(payload), weights_only=False)
+        restored, size = recv_state(comm, source)
         where = f"rank {source}'s live state (the job grew back at step {step})"
-        return Restored(step, comm.world_size, restored, where, len(payload), tier="peer")
+        return Restored(step, comm.world_size, restored, where, size, tier="peer")
 
     def _all_agree(self, usable: bool, step: int, problem: str) -> bool:
         """Whether every rank can use its snapshot of `step`; if not, an event names the first problem."""

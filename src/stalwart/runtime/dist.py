@@ -202,6 +202,16 @@ class Comm:
         if payload:
             dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, group=self._group)
 
+    def send_tensor(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send `tensor` to rank `dst`, which receives it into a tensor of the same size and dtype (`recv_tensor`)."""
+        if self._group is not None:
+            dist.send(tensor, dst, group=self._group)
+
+    def recv_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        """Into `tensor`, what rank `src` sends with `send_tensor`."""
+        if self._group is not None:
+            dist.recv(tensor, src, group=self._group)
+
     def recv_bytes(self, src: int) -> bytes:
         """What rank `src` sends with `send_bytes`."""
         if self._group is None:
