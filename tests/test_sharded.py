@@ -77,14 +77,17 @@ def test_fsdp2_export_is_the_whole_model(launch: Any, fsdp_reference: dict[int, 
 
 
 @fsdp2
-def test_fsdp2_checkpoint_at_another_world_size_is_refused(launch: Any) -> None:
+def test_fsdp2_checkpoint_at_another_world_size_is_refused_unless_allowed(launch: Any) -> None:
     first = launch(tiny_args("--steps", "4", "--every", "4", "--fsdp"))
     assert first.wait(120) == 0, first.output()
-    second = launch(tiny_args("--steps", "8", "--fsdp", "--allow-resize", nproc=1))  # same directory, one rank
+    second = launch(tiny_args("--steps", "8", "--fsdp", nproc=1))  # same directory, one rank, no resizing allowed
     assert second.wait(120) != 0
-    assert "resharding is not supported" in second.output()
+    assert "was written by 2 ranks and this job has 1" in second.output()
     assert "Traceback" not in second.output()
     assert (first.workdir / "ckpt" / "step_00000004" / "manifest.json").exists(), "nothing is moved or deleted"
+    third = launch(tiny_args("--steps", "8", "--fsdp", "--allow-resize", nproc=1))  # resharded onto one rank
+    assert third.wait(120) == 0, third.output()
+    assert [e["step"] for e in third.events("resumed")] == [4]
 
 
 def test_dtensor_placements_on_a_2x2_mesh_round_trip(launch: Any) -> None:
@@ -104,6 +107,23 @@ def test_dtensor_placements_on_a_2x2_mesh_round_trip(launch: Any) -> None:
     shards = [t for t in manifest["tensors"] if t.startswith("D/")]
     # Each distinct shard once: 2+1+2+4+2+4+2 (see SHAPES in the script, plus the parameter).
     assert len(shards) == len(set(shards)) == 17
+
+
+def test_a_2x2_mesh_that_loses_a_row_reshards_onto_the_rest(launch: Any) -> None:
+    """HSDP's 2x2 mesh (replicas x shards) saved, loaded on 2 ranks as 1x2 (a replica group lost) and as 2x1 (a
+    shard group lost): every tensor, of every placement, whole as it was saved."""
+    save = launch(["--nproc-per-node", "4", str(MESH), "--phase", "save"], name="mesh")
+    assert save.wait(180) == 0, save.output()
+    for mesh in ("1,2", "2,1"):
+        load = Launch(save.workdir, ["--nproc-per-node", "2", str(MESH), "--phase", "load", "--mesh", mesh,
+                                     "--allow-resize"], child_env())  # fmt: skip
+        try:
+            assert load.wait(180) == 0, load.output()
+            results = load.results()
+        finally:
+            load.reap()
+        loaded = [results[rank] for rank in (0, 1)]
+        assert all(r["resumed_from"] == 3 and r["same"] and r["extents_ok"] for r in loaded), (mesh, loaded)
 
 
 def test_shard_extent_matches_dtensor_rules() -> None:
@@ -155,3 +175,40 @@ def test_partial_dtensor_is_refused_at_save_with_its_path(tmp_path: Path) -> Non
     done = subprocess.run([sys.executable, "-c", PARTIAL, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "refused: m/w is a DTensor with placement Partial" in done.stdout
+
+
+class _Mesh:
+    """A 1-D device mesh of `size` ranks as reshard sees it (its shape and this rank's coordinate)."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self.mesh, self._rank = torch.arange(size), rank
+
+    def get_coordinate(self) -> list[int]:
+        return [self._rank]
+
+
+class _Shards:
+    """A checkpoint's saved shards of one 1-D tensor of 8 values over 4 ranks, but for those in `lost`."""
+
+    def __init__(self, lost: tuple[int, ...] = ()) -> None:
+        self.values = torch.arange(8, dtype=torch.float32)
+        self.lost = lost
+
+    def shard_ids(self, tensor: str) -> list[str]:
+        return [f"{tensor}@{r}" for r in range(4) if r not in self.lost]
+
+    def read(self, tid: str) -> torch.Tensor:
+        r = int(tid.rsplit("@", 1)[1])
+        return self.values[2 * r : 2 * r + 2].clone()
+
+
+def test_a_missing_shard_makes_the_reshard_fail_as_corrupt_not_zeros() -> None:
+    from stalwart.checkpoint.format.sharded import SavedShard, reshard
+
+    info = {"ref": "D/m/w@0", "shape": [8], "stride": [1], "placements": ["S0"], "mesh": [0, 1, 2, 3],
+            "mesh_shape": [4], "coord": [0]}  # fmt: skip
+    saved = SavedShard(torch.zeros(2), info)
+    with pytest.raises(CheckpointCorruptError, match="cover 2 of the 4 values"):
+        reshard(saved, _Mesh(2, 1), _Shards(lost=(3,)), "step 8")  # rank 1 of 2 needs old shards 2 and 3
+    with pytest.raises(CheckpointCorruptError, match="malformed"):
+        reshard(saved, _Mesh(2, 0), type("Bad", (_Shards,), {"shard_ids": lambda self, t: [f"{t}@x"]})(), "s")

@@ -44,9 +44,13 @@ def _setups(job: Any) -> dict[str, int]:
     return counts
 
 
-def test_shrink_then_grow_keeps_the_global_batch(launch: Any, reference: Any) -> None:
+@pytest.mark.parametrize("snapshots", ["full", "light"])
+def test_shrink_then_grow_keeps_the_global_batch(launch: Any, reference: Any, snapshots: str) -> None:
+    """`snapshots`: a full memory snapshot every step, or light ones (JobConfig's default under re-forming), from
+    which the replacement takes its predecessor's per-rank objects: the samples rank 1 saw (checked below)."""
     env = child_env(STALWART_FAULTS="kill@rank=1,step=13", STALWART_WAIT_FOR_REPLACEMENT="0")
-    job = launch(tiny_args(*ARGS, "--setup-s", "3", "--setup-log", "setups.log"), env=env)
+    light = ("--snapshot-every", "auto", "--replicated-snapshot-every", "auto") if snapshots == "light" else ()
+    job = launch(tiny_args(*ARGS, *light, "--setup-s", "3", "--setup-log", "setups.log"), env=env)
     assert job.wait(180) == 0, job.output()
     results = job.results()
 
@@ -57,6 +61,11 @@ def test_shrink_then_grow_keeps_the_global_batch(launch: Any, reference: Any) ->
     grown = {e["rank"]: e for e in job.events("resumed") if "grew back" in e["source"]}
     assert set(grown) == {0, 1} and grown[0]["step"] == growing["step"]
     assert grown[1]["bytes"] > 0 and grown[0]["bytes"] == 0, "the survivor sends, the replacement receives"
+    failed_at = shrunk["failed_at"]
+    [last] = [e for e in job.events("step_done") if e["rank"] == 1 and e["step"] == failed_at and e["restart"] == 0]
+    kind = "full" if last.get("full_copy_step") == failed_at else "light"  # under "auto", a full copy may fall there
+    assert kind == snapshots or snapshots == "light", last
+    assert grown[1]["own_parts"] == f"{kind} snapshot of step {failed_at}", grown[1]
 
     assert all(results[rank]["step"] == STEPS for rank in reference)
     _check_global_batch_kept(results, reference)

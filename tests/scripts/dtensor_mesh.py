@@ -1,7 +1,8 @@
 """DTensors on a 2x2 device mesh (4 ranks) with every supported kind of placement, saved and loaded back.
 
 `--phase save` fills the tensors from the step number and saves at steps 1..3; `--phase load` (a second launch
-on the same checkpoint directory) resumes and checks every tensor against what was saved, whole. It also checks
+on the same checkpoint directory, on the same mesh or with `--allow-resize` on another) resumes and checks every
+tensor against what was saved, whole. It also checks
 stalwart's shard arithmetic against DTensor's own for each tensor. Writes out/rank<R>.json.
 """
 
@@ -64,9 +65,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--phase", choices=("save", "load"), required=True)
     p.add_argument("--ckpt", default="ckpt")
+    p.add_argument("--mesh", default="2,2", help="the device mesh's shape (its size: the world size)")
+    p.add_argument("--allow-resize", action="store_true", help="load a checkpoint of another mesh (resharding)")
     args = p.parse_args()
-    job = stalwart.Job(args.ckpt, checkpoint_every=1, when_busy="wait")
-    mesh = init_device_mesh("cpu", (2, 2))
+    job = stalwart.Job(args.ckpt, checkpoint_every=1, when_busy="wait", allow_world_size_change=args.allow_resize)
+    mesh_shape = [int(n) for n in args.mesh.split(",")]
+    mesh = init_device_mesh("cpu", tuple(mesh_shape))
     tensors = Tensors(mesh)
     job.track(params=Params(mesh), tensors=tensors)
     result: dict[str, object] = {"rank": job.rank}
@@ -74,7 +78,7 @@ def main() -> None:
     for value in tensors.values.values():
         shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, value.placements)
         names = ["R" if isinstance(p, Replicate) else f"S{p.dim}" for p in value.placements]
-        mine = shard_extent(list(value.shape), [2, 2], list(mesh.get_coordinate()), names)
+        mine = shard_extent(list(value.shape), mesh_shape, list(mesh.get_coordinate()), names)
         extents_ok &= mine == (list(shape), list(offset)) and list(value.to_local().shape) == list(shape)
     result["extents_ok"] = extents_ok
     if args.phase == "save":

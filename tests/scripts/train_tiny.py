@@ -95,6 +95,13 @@ def main() -> None:
     p.add_argument("--cuda", action="store_true", help="model and batches on GPU 0, shared by every rank (GPU checks)")
     p.add_argument("--no-randomness", action="store_true", help="no dropout, no noise: steps draw no random numbers")
     p.add_argument("--setup-s", type=float, default=0.0, help="seconds of set-up before the loop (data, model)")
+    p.add_argument(
+        "--dump-dir",
+        default="",
+        help="rank 0 writes the full parameters and optimizer state here: "
+        "resumed-<step>.pt after a resume, at-<step>.pt at --dump-at, end-<step>.pt at the end",
+    )
+    p.add_argument("--dump-at", type=int, default=-1, help="with --dump-dir: also dump before this step")
     p.add_argument("--setup-log", default="", help="append this process's pid here each time the set-up runs")
     p.add_argument("--die-at", default="", help="STEP:PHASE (forward, backward, before_optimizer): rank 1 of the "
                    "first round dies there, the user's code killing its own process")  # fmt: skip
@@ -173,7 +180,11 @@ def main() -> None:
         job.track(best=_Holder({"best_loss": np.float64(0.5)}))
 
     loss0 = _full_loss(model, args) if not args.fsdp else None
+    if args.dump_dir and job.resume():
+        _dump(model, optim, job, Path(args.dump_dir) / f"resumed-{job.step}.pt")
     for step, (ids, x) in job.steps(loader, max_steps=args.steps):
+        if args.dump_dir and step == args.dump_at:
+            _dump(model, optim, job, Path(args.dump_dir) / f"at-{step}.pt")
         if step == args.skip_batch:
             continue
         seen.ids.extend(ids.tolist())
@@ -200,6 +211,8 @@ def main() -> None:
             with job.busy():
                 time.sleep(args.busy_s)
 
+    if args.dump_dir:
+        _dump(model, optim, job, Path(args.dump_dir) / f"end-{job.step}.pt")
     digest = hashlib.sha256()
     finite = True
     for name, t in model.state_dict().items():
@@ -215,6 +228,23 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{job.rank}.json").write_text(json.dumps(result))
+
+
+def _dump(model: torch.nn.Module, optim: torch.optim.Optimizer, job: stalwart.Job, path: Path) -> None:
+    """The full parameters and optimizer state (DTensors gathered: a collective, so every rank calls it); rank 0
+    writes them."""
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+
+    names = [name for name, _ in model.named_parameters()]
+    state = {f"param/{name}": full(t) for name, t in model.state_dict().items()}
+    for name, param in zip(names, model.parameters(), strict=True):
+        for key, value in optim.state.get(param, {}).items():
+            state[f"optim/{name}/{key}"] = full(value)
+    if job.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
 
 
 def _die_at(spec: str, job: stalwart.Job) -> tuple[int, str]:

@@ -9,7 +9,6 @@ boundary, and the whole job takes the lowest survivor's state at the step it rea
 
 from __future__ import annotations
 
-import contextlib
 import time
 from datetime import timedelta
 from typing import Any
@@ -21,6 +20,7 @@ from stalwart.job.rng import capture_rng
 from stalwart.job.state import TrackedState
 from stalwart.recovery import reform, shrink
 from stalwart.runtime.dist import Placement, init_process_group
+from stalwart.runtime.process import first_line
 from stalwart.telemetry.events import EventLog
 
 Job = Any
@@ -77,14 +77,15 @@ def grow(job: Job) -> bool:
         return False
     started = time.monotonic()
     restored = job._restorer.hand_over(plan.step, plan.source, plan.receivers, lambda: job._tracked.state(plan.step))
+    own_parts = None
     if restored is not None:
-        _take_own_parts(job, restored.state, plan.step)
+        own_parts = _take_own_parts(job, restored.state, plan.step)
         job._load(restored)
     job._move_to(plan.step)
     job.resumed_from = plan.step
     reform.drop_stash()
     job.events.emit("resumed", step=plan.step, source=f"rank {plan.source} (the job grew back)", tier="peer",
-                    bytes=restored.bytes if restored is not None else 0,
+                    bytes=restored.bytes if restored is not None else 0, own_parts=own_parts,
                     seconds=time.monotonic() - started)  # fmt: skip
     return True
 
@@ -99,28 +100,32 @@ class _AnyTensor(dict[str, Any]):
         return torch.empty(0)
 
 
-def _take_own_parts(job: Job, state: dict[str, Any], step: int) -> None:
+def _take_own_parts(job: Job, state: dict[str, Any], step: int) -> str:
     """Into `state` (the survivor's), this rank's own per-rank objects, random generators and detector history
     from the newest snapshot its predecessor left in node memory (at most `step`): the survivors stood in for the
     missing rank while the job ran shrunk, so what the missing rank's own objects recorded until its failure
     (the samples it saw, its generators) goes on from there. Without one, the replacement keeps its own
     generators and takes the survivor's per-rank objects. A ResumableLoader is the survivor's either way: its
-    position is global."""
-    own = None
+    position is global. Returns where they came from (the `resumed` event's `own_parts`)."""
+    own, source = None, "none in node memory"
     memory = job._snapshots.memory
     if memory is not None:
         full = [s for s in memory.steps() if s <= step]
         light = [s for s in memory.steps(light=True) if s <= step]
         replicated = {n: v for n, v in state["objects"].items() if n in job._tracked.replicated}
-        with contextlib.suppress(Exception):
+        try:
             if light and (not full or light[0] > full[0]):
+                source = f"light snapshot of step {light[0]}"
                 _, content = memory.light(light[0])
                 own = memory.load_light(light[0], content, _AnyTensor(), replicated).state
             elif full:
+                source = f"full snapshot of step {full[0]}"
                 own = memory.load(full[0]).state
+        except Exception as exc:  # a torn or foreign image: the survivor's parts are still a whole state
+            source = f"{source} unreadable ({first_line(exc)})"
     if own is None:
         state["rng"] = capture_rng()
-        return
+        return f"the survivor's, with this process's own generators: {source}"
     objects = job._tracked.objects
     for name in state["objects"]:
         # A ResumableLoader's position is global: the survivor's is the job's.
@@ -130,3 +135,4 @@ def _take_own_parts(job: Job, state: dict[str, Any], step: int) -> None:
     state["rng"] = own["rng"]
     if "detectors" in own:
         state["detectors"] = own["detectors"]
+    return source

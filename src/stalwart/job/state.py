@@ -133,7 +133,8 @@ class TrackedState:
 
     def load(self, restored: Restored) -> None:
         """Load a restored state into the tracked objects and the RNG (at a new world size, the RNG stays)."""
-        objects = sharded.rebuild(restored.state["objects"], sharded.meshes_of(self.objects.values()), restored.source)
+        meshes = sharded.meshes_of(self.objects.values())
+        objects = sharded.rebuild(restored.state["objects"], meshes, restored.source, restored.shards)
         missing = sorted(set(self.objects) - set(objects))
         extra = sorted(set(objects) - set(self.objects))
         if missing or extra:

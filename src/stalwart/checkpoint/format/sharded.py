@@ -9,9 +9,12 @@ dimension equals a hash of the id modulo that dimension's size. That choice is a
 ask another, and different tensors spread over different replicas.
 
 Loading rebuilds a DTensor with `DTensor.from_local` on a device mesh of the running job that has the same rank
-list and shape, found on the tracked modules' parameters and the optimizers' parameter groups. There is no
-resharding: a checkpoint of another mesh is refused with one error naming the tensor, and `stalwart ckpt export`
-assembles full tensors for other tools.
+list and shape, found on the tracked modules' parameters and the optimizers' parameter groups. A checkpoint of
+another mesh (another world size, FSDP2 on 4 ranks loaded on 3) is resharded when the loader can read every
+rank's shards (`ShardSource`): the tensor keeps its placements on this job's mesh of as many dimensions, and each
+rank builds its new local shard from the saved shards that overlap it (`reshard`), so no rank materialises a
+full tensor. Without a source, or with no single mesh to put it on, it is refused with one error naming the
+tensor; `stalwart ckpt export` assembles full tensors for other tools.
 
 Only `Shard(dim)` and `Replicate()` placements are supported; a `Partial` (pending reduction) or strided shard is
 refused at save with the tensor's path.
@@ -19,10 +22,11 @@ refused at save with the tensor's path.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -152,17 +156,37 @@ def meshes_of(objects: Iterable[Any]) -> dict[tuple[tuple[int, ...], tuple[int, 
     return found
 
 
-def rebuild(value: Any, meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], Any], where: str) -> Any:
-    """`value` with every SavedShard turned back into a DTensor on the matching mesh of this job."""
+class ShardSource(Protocol):
+    """Every saved shard of a checkpoint, read on demand (checkpoint/load/shards.py): what resharding reads."""
+
+    def shard_ids(self, tensor: str) -> list[str]:
+        """The ids of the saved shards of `tensor` (`D/<object>/<key path>`), one per distinct shard."""
+        ...
+
+    def read(self, tid: str) -> torch.Tensor:
+        """Shard `tid`'s local tensor, verified."""
+        ...
+
+
+def rebuild(
+    value: Any,
+    meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], Any],
+    where: str,
+    source: ShardSource | None = None,
+) -> Any:
+    """`value` with every SavedShard turned back into a DTensor on the matching mesh of this job; with `source`,
+    one saved on another mesh is resharded onto this job's (see the module's docstring)."""
     if isinstance(value, SavedShard):
         info = value.info
         mesh = meshes.get((tuple(info["mesh"]), tuple(info["mesh_shape"])))
+        moved = mesh is None or [int(c) for c in mesh.get_coordinate()] != info["coord"]
+        if moved and source is not None:
+            return reshard(value, mesh if mesh is not None else _target(meshes, info, where), source, where)
         if mesh is None:
             raise CheckpointMismatchError(
-                f"checkpoint {where} holds {info['ref'].split('@')[0][2:]} sharded over ranks {info['mesh']} "
+                f"checkpoint {where} holds {_name(info)} sharded over ranks {info['mesh']} "
                 f"(mesh shape {tuple(info['mesh_shape'])}) and no tracked object of this job uses that device "
-                "mesh; resharding is not supported: load it at the same world size and mesh, or use "
-                "`stalwart ckpt export`"
+                "mesh; to reshard it, allow a world-size change (docs/checkpoints.md), or use `stalwart ckpt export`"
             )
         coord = [int(c) for c in mesh.get_coordinate()]
         if coord != info["coord"]:
@@ -170,19 +194,75 @@ def rebuild(value: Any, meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], An
                 f"checkpoint {where}: this rank sits at {coord} of the device mesh and loaded the shard of "
                 f"{info['coord']}; relaunch with the same rank order"
             )
-        return DTensor.from_local(
-            value.local.to(mesh.device_type),
-            mesh,
-            [_placement(p) for p in info["placements"]],
-            run_check=False,
-            shape=torch.Size(info["shape"]),
-            stride=tuple(info["stride"]),
-        )
+        return _dtensor(value.local, mesh, info)
     if isinstance(value, dict):
-        return type(value)((k, rebuild(v, meshes, where)) for k, v in value.items())
+        return type(value)((k, rebuild(v, meshes, where, source)) for k, v in value.items())
     if isinstance(value, list | tuple):
-        return type(value)(rebuild(v, meshes, where) for v in value)
+        return type(value)(rebuild(v, meshes, where, source) for v in value)
     return value
+
+
+def _name(info: dict[str, Any]) -> str:
+    return str(info["ref"]).split("@")[0][2:]
+
+
+def _dtensor(local: torch.Tensor, mesh: Any, info: dict[str, Any]) -> Any:
+    return DTensor.from_local(
+        local.to(mesh.device_type),
+        mesh,
+        [_placement(p) for p in info["placements"]],
+        run_check=False,
+        shape=torch.Size(info["shape"]),
+        stride=tuple(info["stride"]),
+    )
+
+
+def _target(meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], Any], info: dict[str, Any], where: str) -> Any:
+    """The one mesh of this job with as many dimensions as the saved one: where a resharded tensor goes."""
+    alike = [m for m in meshes.values() if m.mesh.dim() == len(info["mesh_shape"])]
+    if len(alike) != 1:
+        raise CheckpointMismatchError(
+            f"checkpoint {where} holds {_name(info)} sharded over a {len(info['mesh_shape'])}-dimensional device "
+            f"mesh of shape {tuple(info['mesh_shape'])}; this job's tracked objects use {len(alike)} meshes of "
+            "that many dimensions, so it cannot tell which to reshard it onto"
+        )
+    return alike[0]
+
+
+def _coord(tid: str, placements: list[str]) -> list[int]:
+    """A saved shard's mesh coordinate from its id (`...@1.*`): a replicated dimension's `*` reads as 0."""
+    parts = tid.rsplit("@", 1)[1].split(".")
+    if len(parts) != len(placements) or not all(p == "*" or p.isdigit() for p in parts):
+        raise CheckpointCorruptError(f"sharded tensor id {tid!r} is malformed")
+    return [0 if p == "*" else int(p) for p in parts]
+
+
+def reshard(saved: SavedShard, mesh: Any, source: ShardSource, where: str) -> Any:
+    """`saved` (a tensor saved on another mesh) as a DTensor on `mesh` with the same placements: this rank's new
+    local shard filled from the region of every saved shard that overlaps it, read through `source`."""
+    info = saved.info
+    shape, placements = [int(v) for v in info["shape"]], list(info["placements"])
+    size, offset = shard_extent(shape, [int(v) for v in mesh.mesh.shape], [int(c) for c in mesh.get_coordinate()],
+                                placements)  # fmt: skip
+    local = torch.empty(size, dtype=saved.local.dtype)
+    covered = 0
+    for tid in source.shard_ids(str(info["ref"]).split("@")[0]):
+        old_size, old_offset = shard_extent(shape, info["mesh_shape"], _coord(tid, placements), placements)
+        low = [max(a, b) for a, b in zip(offset, old_offset, strict=True)]
+        high = [min(a + n, b + m) for a, n, b, m in zip(offset, size, old_offset, old_size, strict=True)]
+        if any(lo >= hi for lo, hi in zip(low, high, strict=True)) or 0 in size:
+            continue
+        piece = source.read(tid).reshape(old_size)
+        region = tuple(slice(lo - b, hi - b) for lo, hi, b in zip(low, high, old_offset, strict=True))
+        into = tuple(slice(lo - a, hi - a) for lo, hi, a in zip(low, high, offset, strict=True))
+        local[into].copy_(piece[region])
+        covered += math.prod(hi - lo for lo, hi in zip(low, high, strict=True))
+    if covered != math.prod(size):
+        raise CheckpointCorruptError(
+            f"checkpoint {where}: the saved shards of {_name(info)} cover {covered} of the {math.prod(size)} "
+            "values this rank's new shard needs"
+        )
+    return _dtensor(local, mesh, info)
 
 
 def assemble(shards: list[SavedShard]) -> torch.Tensor:

@@ -16,6 +16,8 @@ import torch
 
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.format.serialize import dtype_from_name, load_skeleton, unflatten
+from stalwart.checkpoint.format.sharded import ShardSource
+from stalwart.checkpoint.load.shards import DurableShards
 from stalwart.checkpoint.load.verify import read_tensor, read_verified_meta, retrying
 from stalwart.checkpoint.storage import Storage, describe_error
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError
@@ -35,6 +37,9 @@ class Restored:
     tier: str = "durable"
     """Where it came from: "durable" (the checkpoint directory), "memory" (node shared memory), "peer" (a light
     snapshot in node memory and a survivor's live state) or "replica" (a snapshot kept by another node)."""
+    shards: ShardSource | None = None
+    """Every rank's saved shards, for a checkpoint of another world size: sharded tensors are resharded from them
+    onto this job's mesh (format/sharded.py)."""
 
 
 def try_load(
@@ -65,20 +70,28 @@ def try_load(
             ),
         )
     source = rank % manifest.world_size
+    files: dict[str, bytes] = {}
+    shards = DurableShards(storage, manifest, files) if manifest.world_size != world_size else None
     try:
-        state, nbytes = load_rank_state(storage, manifest, source)
+        state, nbytes = load_rank_state(storage, manifest, source, files=files)
     except CheckpointCorruptError as exc:
         return None, CORRUPT, str(exc)
     except Exception as exc:
         return None, UNREADABLE, f"checkpoint {where} cannot be read: {describe_error(exc)}"
-    return Restored(step, manifest.world_size, state, where, nbytes), VALID, None
+    return Restored(step, manifest.world_size, state, where, nbytes, shards=shards), VALID, None
 
 
 def load_rank_state(
-    storage: Storage, manifest: layout.Manifest, rank: int, *, tensors: bool = True
+    storage: Storage,
+    manifest: layout.Manifest,
+    rank: int,
+    *,
+    tensors: bool = True,
+    files: dict[str, bytes] | None = None,
 ) -> tuple[dict[str, Any], int]:
     """Rank `rank`'s state of a checkpoint, every byte verified: (state, bytes of tensors read). Without
-    `tensors`, only the meta file and skeleton are read and checked (tensors come back empty).
+    `tensors`, only the meta file and skeleton are read and checked (tensors come back empty). `files`: the data
+    files read so far, shared with a DurableShards of the same load.
 
     Raises CheckpointCorruptError on proof of damage (a checksum, a size, a missing file or tensor) and other
     exceptions for I/O errors (maybe passing)."""
@@ -89,7 +102,7 @@ def load_rank_state(
         skeleton = load_skeleton(skeleton_bytes)
     except Exception as exc:  # pickle and zip errors come in many types
         raise CheckpointCorruptError(f"the skeleton of rank {rank} in {step_dir} cannot be read safely: {exc}") from exc
-    files: dict[str, bytes] = {}
+    files = {} if files is None else files
     read = 0
 
     def fetch(tid: str) -> torch.Tensor:
