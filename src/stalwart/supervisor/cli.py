@@ -15,4 +15,6 @@ def say(message: str) -> None:
 
 def main(argv: list[str]) -> int:
     args = run_args.parse(argv)
+    if args.scheduler_note:
+        say(args.scheduler_note)
     return launcher.launch(args, say)

@@ -23,7 +23,7 @@ from stalwart.runtime.env import (
     SPARES_ENV,
     WAIT_FOR_REPLACEMENT_ENV,
 )
-from stalwart.supervisor import preflight_gate
+from stalwart.supervisor import preflight_gate, slurm
 from stalwart.supervisor.preempt_notice import check_source
 
 _OneLineParser = pointing_to("stalwart run")
@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[torch_parser],
         add_help=False,
         formatter_class=torch_parser.formatter_class,
+    )
+    parser.add_argument(
+        "--no-slurm",
+        action="store_true",
+        help="under Slurm, take nothing from its SLURM_* variables (by default the node count, rendezvous endpoint "
+        "and id, and GPUs per node come from the job step when not given; docs/schedulers.md)",
     )
     parser.add_argument(
         "--event-log",
@@ -127,6 +133,14 @@ _STATIC_ENV = ("PET_RDZV_BACKEND", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_NO
 
 def parse(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    args.scheduler_note = ""
+    step = slurm.SlurmStep.from_env(os.environ)
+    script_at = argv.index(args.training_script) if args.training_script in argv else len(argv)
+    if step is not None and slurm.applies(argv[:script_at]):
+        added = slurm.launch_defaults(step, slurm.given_options(argv[:script_at], os.environ))
+        argv = [*added, *argv]
+        args = build_parser().parse_args(argv)
+        args.scheduler_note = slurm.note(step, added)
     # torchrun defaults to the static backend on a fixed port (29500). stalwart uses c10d unless the user chose
     # a backend or gave torchrun's static flags (--master-addr/--master-port/--node-rank), which keep working.
     script_at = argv.index(args.training_script) if args.training_script in argv else len(argv)
