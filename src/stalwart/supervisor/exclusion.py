@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.errors import ConfigError
-from stalwart.runtime.env import EXCLUDE_FILE_ENV
+from stalwart.runtime.env import EXCLUDE_FILE_ENV, NODE_NAME_ENV
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,19 @@ def exclusion_file() -> Path:
 
 
 def this_host() -> str:
-    return socket.gethostname()
+    """This node's name: STALWART_NODE_NAME (a Kubernetes pod's node), else the host name."""
+    return os.environ.get(NODE_NAME_ENV) or socket.gethostname()
+
+
+def scheduler_commands(e: Exclusion) -> list[str]:
+    """What takes the node out of the scheduler's pool too, so that no new job lands on it: the suggestion the
+    list prints (stalwart changes nothing outside its own list)."""
+    reason = f"stalwart: {e.reason}"[:200].replace('"', "'")
+    return [
+        f'scontrol update NodeName={e.host} State=DRAIN Reason="{reason}"',
+        f"kubectl cordon {e.host}",
+        f"kubectl taint nodes {e.host} stalwart.dev/excluded={e.action}:NoSchedule",
+    ]
 
 
 def _read(path: Path) -> dict[str, Any]:

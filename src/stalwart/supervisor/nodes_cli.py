@@ -34,8 +34,10 @@ def main(argv: list[str]) -> int:
         print(f"no node is excluded ({path})")
     for e in nodes:
         print(f"{e.host}: {e.reason} ({e.action}, since {e.time})")
+        print("  to keep the scheduler off it too: " + "  or  ".join(exclusion.scheduler_commands(e)))
     return 0
 
 
-def _as_dict(e: exclusion.Exclusion) -> dict[str, str]:
-    return {"host": e.host, "reason": e.reason, "action": e.action, "time": e.time}
+def _as_dict(e: exclusion.Exclusion) -> dict[str, object]:
+    return {"host": e.host, "reason": e.reason, "action": e.action, "time": e.time,
+            "suggested": exclusion.scheduler_commands(e)}  # fmt: skip
