@@ -201,6 +201,9 @@ class _Shards:
         r = int(tid.rsplit("@", 1)[1])
         return self.values[2 * r : 2 * r + 2].clone()
 
+    def read_into(self, tid: str, out: torch.Tensor) -> None:
+        out.copy_(self.read(tid))
+
 
 def test_a_missing_shard_makes_the_reshard_fail_as_corrupt_not_zeros() -> None:
     from stalwart.checkpoint.format.sharded import SavedShard, reshard

@@ -184,7 +184,8 @@ def main() -> None:
         _dump(model, optim, job, Path(args.dump_dir) / f"resumed-{job.step}.pt")
     for step, (ids, x) in job.steps(loader, max_steps=args.steps):
         if args.dump_dir and step == args.dump_at:
-            _dump(model, optim, job, Path(args.dump_dir) / f"at-{step}.pt")
+            with job.busy():
+                _dump(model, optim, job, Path(args.dump_dir) / f"at-{step}.pt")
         if step == args.skip_batch:
             continue
         seen.ids.extend(ids.tolist())
@@ -216,7 +217,7 @@ def main() -> None:
     digest = hashlib.sha256()
     finite = True
     for name, t in model.state_dict().items():
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor under FSDP2
+        t = _gathered(t, job.world_size)  # a DTensor under FSDP2
         digest.update(name.encode() + t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         finite = finite and bool(torch.isfinite(t).all())
     env = {k: os.environ.get(k) for k in _ENV}
@@ -230,12 +231,27 @@ def main() -> None:
     (out / f"rank{job.rank}.json").write_text(json.dumps(result))
 
 
+def _gathered(t: torch.Tensor, world: int) -> torch.Tensor:
+    """`t` whole: an FSDP2 DTensor (Shard(0) over every rank) gathered with dist.all_gather, not with
+    DTensor.full_tensor: under stalwart run's re-formable group a functional collective's wait sometimes never
+    returns (3 and 4 ranks on the 2-core VM, 2026-11-27; docs/architecture.md)."""
+    if not hasattr(t, "to_local"):
+        return t.detach().cpu().clone()
+    local, rows = t.to_local().detach().cpu(), t.shape[0]
+    chunk = -(-rows // world)
+    padded = torch.zeros((chunk, *t.shape[1:]), dtype=local.dtype)
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    torch.distributed.all_gather(parts, padded)
+    return torch.cat(parts)[:rows].clone()
+
+
 def _dump(model: torch.nn.Module, optim: torch.optim.Optimizer, job: stalwart.Job, path: Path) -> None:
     """The full parameters and optimizer state (DTensors gathered: a collective, so every rank calls it); rank 0
     writes them."""
 
     def full(t: torch.Tensor) -> torch.Tensor:
-        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+        return _gathered(t, job.world_size)
 
     names = [name for name, _ in model.named_parameters()]
     state = {f"param/{name}": full(t) for name, t in model.state_dict().items()}

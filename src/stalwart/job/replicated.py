@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from stalwart.checkpoint.format.sharded import is_dtensor
+
 
 def replicated_names(objects: Mapping[str, Any], world_size: int) -> frozenset[str]:
     """The names of the tracked `objects` that DDP keeps equal on every rank (see the module docstring)."""
@@ -40,13 +42,21 @@ def replicated_names(objects: Mapping[str, Any], world_size: int) -> frozenset[s
     return frozenset(names)
 
 
+def _sharded(module: torch.nn.Module) -> bool:
+    """Whether `module` holds DTensor parameters (FSDP2, tensor parallel): never a DDP wrapper's module, so the
+    walk over every live object (a fifth of a second in a big process) is not needed for it."""
+    return any(is_dtensor(p) for p in module.parameters())
+
+
 def ddp_modules(objects: Mapping[str, Any], *, search: bool = True) -> dict[str, torch.nn.Module]:
     """The tracked objects that are DDP wrappers or the module of a live one, by name. Without `search` only
     the tracked wrappers count (one rank: nothing is replicated, and the walk is skipped)."""
     found: dict[str, torch.nn.Module] = {n: o for n, o in objects.items() if isinstance(o, DistributedDataParallel)}
     inner = {id(w.module) for w in found.values()}
     modules = {
-        id(o): n for n, o in objects.items() if isinstance(o, torch.nn.Module) and n not in found and id(o) not in inner
+        id(o): n
+        for n, o in objects.items()
+        if isinstance(o, torch.nn.Module) and n not in found and id(o) not in inner and not _sharded(o)
     }
     if not search or not modules:
         return found

@@ -167,6 +167,10 @@ class ShardSource(Protocol):
         """Shard `tid`'s local tensor, verified."""
         ...
 
+    def read_into(self, tid: str, out: torch.Tensor) -> None:
+        """Shard `tid` into `out` (its shape and dtype), verified: where the whole shard lands in a new one."""
+        ...
+
 
 def rebuild(
     value: Any,
@@ -252,10 +256,13 @@ def reshard(saved: SavedShard, mesh: Any, source: ShardSource, where: str) -> An
         high = [min(a + n, b + m) for a, n, b, m in zip(offset, size, old_offset, old_size, strict=True)]
         if any(lo >= hi for lo, hi in zip(low, high, strict=True)) or 0 in size:
             continue
-        piece = source.read(tid).reshape(old_size)
         region = tuple(slice(lo - b, hi - b) for lo, hi, b in zip(low, high, old_offset, strict=True))
         into = tuple(slice(lo - a, hi - a) for lo, hi, a in zip(low, high, offset, strict=True))
-        local[into].copy_(piece[region])
+        target = local[into]
+        if [hi - lo for lo, hi in zip(low, high, strict=True)] == old_size and target.is_contiguous():
+            source.read_into(tid, target)  # the whole saved shard lands in one block of the new one (a shrink)
+        else:
+            target.copy_(source.read(tid).reshape(old_size)[region])
         covered += math.prod(hi - lo for lo, hi in zip(low, high, strict=True))
     if covered != math.prod(size):
         raise CheckpointCorruptError(

@@ -70,10 +70,9 @@ def try_load(
             ),
         )
     source = rank % manifest.world_size
-    files: dict[str, bytes] = {}
-    shards = DurableShards(storage, manifest, files) if manifest.world_size != world_size else None
+    shards = DurableShards(storage, manifest) if manifest.world_size != world_size else None
     try:
-        state, nbytes = load_rank_state(storage, manifest, source, files=files)
+        state, nbytes = load_rank_state(storage, manifest, source, resharding=shards is not None)
     except CheckpointCorruptError as exc:
         return None, CORRUPT, str(exc)
     except Exception as exc:
@@ -87,11 +86,12 @@ def load_rank_state(
     rank: int,
     *,
     tensors: bool = True,
-    files: dict[str, bytes] | None = None,
+    resharding: bool = False,
 ) -> tuple[dict[str, Any], int]:
     """Rank `rank`'s state of a checkpoint, every byte verified: (state, bytes of tensors read). Without
-    `tensors`, only the meta file and skeleton are read and checked (tensors come back empty). `files`: the data
-    files read so far, shared with a DurableShards of the same load.
+    `tensors`, only the meta file and skeleton are read and checked (tensors come back empty). With `resharding`
+    (a load at another world size), each tensor's own bytes are read, not whole files, and sharded tensors come
+    back empty, of their dtype: a DurableShards reads the shards this rank needs.
 
     Raises CheckpointCorruptError on proof of damage (a checksum, a size, a missing file or tensor) and other
     exceptions for I/O errors (maybe passing)."""
@@ -102,7 +102,7 @@ def load_rank_state(
         skeleton = load_skeleton(skeleton_bytes)
     except Exception as exc:  # pickle and zip errors come in many types
         raise CheckpointCorruptError(f"the skeleton of rank {rank} in {step_dir} cannot be read safely: {exc}") from exc
-    files = {} if files is None else files
+    files: dict[str, bytes] | None = None if resharding else {}
     read = 0
 
     def fetch(tid: str) -> torch.Tensor:
@@ -112,6 +112,8 @@ def load_rank_state(
             raise CheckpointCorruptError(f"tensor {tid} of {step_dir} is not in its manifest")
         if not tensors:
             return torch.empty(0)
+        if resharding and tid.startswith("D/"):
+            return torch.empty(0, dtype=dtype_from_name(entry.dtype))
         raw = read_tensor(storage, entry, files)
         read += entry.nbytes
         t = torch.frombuffer(bytearray(raw), dtype=dtype_from_name(entry.dtype)) if raw else None

@@ -48,19 +48,25 @@ def read_verified_meta(storage: Storage, rel: str, entry: layout.RankEntry) -> d
     return meta
 
 
-def read_tensor(storage: Storage, entry: layout.TensorEntry, files: dict[str, bytes]) -> bytes:
+def read_tensor(storage: Storage, entry: layout.TensorEntry, files: dict[str, bytes] | None) -> bytes | memoryview:
     """The raw bytes of one tensor, decompressed and checked against its xxh3.
 
-    `files` caches whole data files: one read serves all the tensors a caller needs from a file."""
+    `files` caches whole data files: one read serves all the tensors a caller needs from a file. None: read only
+    this tensor's byte range (a rank that needs a few tensors of another rank's file)."""
     where = f"{storage.display(entry.file)} at byte {entry.offset}"
+    stored: bytes | memoryview
     try:
-        if entry.file not in files:
-            files[entry.file] = retrying(lambda: storage.read(entry.file))
-        stored = files[entry.file][entry.offset : entry.offset + entry.stored_bytes]
+        if files is None:
+            stored = retrying(lambda: storage.read_range(entry.file, entry.offset, entry.stored_bytes))
+        else:
+            if entry.file not in files:
+                files[entry.file] = retrying(lambda: storage.read(entry.file))
+            stored = memoryview(files[entry.file])[entry.offset : entry.offset + entry.stored_bytes]
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"data file {storage.display(entry.file)} is missing") from exc
     if len(stored) != entry.stored_bytes:
         raise CheckpointCorruptError(f"tensor {where} is truncated ({len(stored)} of {entry.stored_bytes} bytes)")
+    raw: bytes | memoryview
     if entry.codec == "zstd":
         import zstandard
 

@@ -30,6 +30,18 @@ class Storage:
     def read(self, rel: str) -> bytes:
         raise NotImplementedError
 
+    def read_range(self, rel: str, offset: int, length: int) -> bytes:
+        """`length` bytes of `rel` from `offset` (fewer at its end): what a rank reads of another rank's file when
+        it needs one tensor of it (resharding)."""
+        return self.read(rel)[offset : offset + length]
+
+    def read_range_into(self, rel: str, offset: int, into: memoryview) -> int:
+        """Fill `into` (writable bytes) from `rel` at `offset`; returns the bytes read (fewer at its end). A local
+        file reads straight into it: the bytes land where they are used, with no copy in between."""
+        data = self.read_range(rel, offset, len(into))
+        into[: len(data)] = data
+        return len(data)
+
     def size(self, rel: str) -> int:
         raise NotImplementedError
 

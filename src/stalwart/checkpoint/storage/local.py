@@ -118,6 +118,22 @@ class LocalStorage(Storage):
     def read(self, rel: str) -> bytes:
         return self._p(rel).read_bytes()
 
+    def read_range(self, rel: str, offset: int, length: int) -> bytes:
+        with open(self._p(rel), "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+    def read_range_into(self, rel: str, offset: int, into: memoryview) -> int:
+        done = 0
+        with open(self._p(rel), "rb", buffering=0) as f:
+            f.seek(offset)
+            while done < len(into):
+                got = f.readinto(into[done:])
+                if not got:
+                    break
+                done += got
+        return done
+
     def size(self, rel: str) -> int:
         return self._p(rel).stat().st_size
 

@@ -60,6 +60,9 @@ class FsspecStorage(Storage):
     def read(self, rel: str) -> bytes:
         return bytes(self.fs.cat_file(self._p(rel)))
 
+    def read_range(self, rel: str, offset: int, length: int) -> bytes:
+        return bytes(self.fs.cat_file(self._p(rel), start=offset, end=offset + length))
+
     def size(self, rel: str) -> int:
         return int(self.fs.size(self._p(rel)))
 

@@ -1,0 +1,142 @@
+"""`stalwart bench reshard`: what loading sharded state at another world size costs, against reading its bytes once.
+
+One run: `--from` ranks save `--size` of FSDP2-like state (parameters sharded Shard(0) over a 1-D mesh) with
+stalwart.Job; then, for each world size of `--to`, that many ranks (a) read the checkpoint's data files once with
+plain reads, each its share (the floor of any load of those bytes; the faster of a read before and one after
+(b)), and (b) resume from it with
+allow_world_size_change, which reshards: each rank reads the saved shards that overlap its new ones, checks them
+against their xxh3 and fills its new shards (bench/reshard_worker.py). The seconds are the slowest rank's. The
+files were just written, so both read the page cache: the floor is this machine's memory and page-cache
+bandwidth, not its disk. Every process is ended by the bench; the directory is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from stalwart.bench.common import GB, parse_size, positive_int
+from stalwart.bench.recovery_run import Progress
+from stalwart.bench.reshard_worker import TENSORS, WIDTH
+from stalwart.errors import BenchError
+from stalwart.runtime.process import spawn
+
+TIMEOUT_S = 900.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(phase: str, world: int, ckpt: Path, rows: int, out: Path) -> dict[str, Any]:
+    """Run `world` ranks of the worker's `phase`; (slowest rank's seconds, bytes over all ranks)."""
+    port = _free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    try:
+        for rank in range(world):
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
+            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")  # fmt: skip
+            log = out / f"{phase}-{world}-rank{rank}.log"
+            logs.append(log)
+            with open(log, "wb") as sink:
+                procs.append(spawn([sys.executable, "-m", "stalwart.bench.reshard_worker", "--phase", phase,
+                                    "--ckpt", str(ckpt), "--rows", str(rows), "--out", str(out / f"{phase}-{world}")],
+                                   stdout=sink, stderr=subprocess.STDOUT, env=env))  # fmt: skip
+        codes = [p.wait(TIMEOUT_S) for p in procs]
+    except subprocess.TimeoutExpired as exc:
+        raise BenchError(f"{phase} at {world} ranks did not finish in {TIMEOUT_S:.0f} s") from exc
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(codes):
+        tail = logs[codes.index(next(c for c in codes if c))].read_text()[-1500:]
+        raise BenchError(f"{phase} at {world} ranks failed:\n{tail}")
+    ranks = [json.loads((out / f"{phase}-{world}" / f"rank{r}.json").read_text()) for r in range(world)]
+    return {"seconds": max(r["seconds"] for r in ranks), "bytes": sum(r["bytes"] for r in ranks), "ranks": ranks}
+
+
+def run_bench(size: int, source: int, targets: list[int], parent: Path | None, progress: Progress) -> dict[str, Any]:
+    rows = max(1, size // (TENSORS * WIDTH * 4))
+    state = rows * TENSORS * WIDTH * 4
+    if parent is not None:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BenchError(f"--dir {parent} cannot be made: {exc.strerror or exc}") from exc
+    with tempfile.TemporaryDirectory(prefix="stalwart-bench-reshard-", dir=parent) as tmp:
+        root = Path(tmp)
+        ckpt = root / "ckpt"
+        progress(f"saving {state / GB:.2f} GB of sharded state from {source} ranks")
+        _launch("save", source, ckpt, rows, root)
+        rounds = []
+        for world in targets:
+            progress(f"{world} ranks: reading the checkpoint's files once (the floor)")
+            floor = _launch("floor", world, ckpt, rows, root)
+            progress(f"{world} ranks: resuming with resharding")
+            load = _launch("load", world, ckpt, rows, root)
+            again = _launch("floor", world, ckpt, rows, root)  # the faster of two: the page cache as warm as for it
+            floor = min(floor, again, key=lambda f: f["seconds"])
+            if load["bytes"] != state:
+                raise BenchError(f"the {world} ranks hold {load['bytes']} bytes after resharding, not {state}")
+            rounds.append({"to": world, "floor_s": floor["seconds"], "floor_bytes": floor["bytes"],
+                           "reshard_s": load["seconds"], "ratio": load["seconds"] / floor["seconds"]})  # fmt: skip
+            progress(f"{world} ranks: floor {floor['seconds']:.3f} s, reshard {load['seconds']:.3f} s")
+        return {"state_bytes": state, "from": source, "tensors": TENSORS, "rounds": rounds,
+                "machine": {"cpu_count": os.cpu_count()}}  # fmt: skip
+
+
+def add_parser(subparsers: Any) -> Any:
+    p = subparsers.add_parser(
+        "reshard",
+        help="load sharded state at another world size, against reading its bytes once",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--size", type=parse_size, default=GB, help="sharded state: 1GB (default), 250MB, ...")
+    p.add_argument("--from", dest="source", type=positive_int, default=4, help="ranks that save it (default 4)")
+    p.add_argument("--to", type=_worlds, default=[2, 3], help="world sizes that load it, comma-separated (default 2,3)")
+    p.add_argument("--dir", type=Path, help="where the runs write (default: a new temporary directory)")
+    p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of a table")
+    p.set_defaults(run=_run)
+    return p
+
+
+def _worlds(text: str) -> list[int]:
+    return [positive_int(part) for part in text.split(",")]
+
+
+def _run(args: Any) -> int:
+    err = Console(stderr=True)
+    try:
+        report = run_bench(args.size, args.source, args.to, args.dir, lambda line: err.print(f"bench: {line}"))
+    except BenchError as exc:
+        print(f"stalwart bench reshard: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    table = Table(title=f"reshard {report['state_bytes'] / GB:.2f} GB saved by {report['from']} ranks "
+                        f"({report['tensors']} parameters, Shard(0))")  # fmt: skip
+    for column in ("to", "floor: read once", "reshard", "reshard / floor", "GB/s"):
+        table.add_column(column, justify="right")
+    for r in report["rounds"]:
+        table.add_row(str(r["to"]), f"{r['floor_s']:.3f} s", f"{r['reshard_s']:.3f} s", f"{r['ratio']:.2f}x",
+                      f"{report['state_bytes'] / GB / r['reshard_s']:.2f}")  # fmt: skip
+    Console().print(table)
+    return 0
