@@ -56,8 +56,8 @@ def test_fsdp2_state_of_4_ranks_goes_on_at_2_then_at_3(launch: Any, tmp_path: Pa
     _same(_load(dumps / "2" / "resumed-8.pt"), _load(dumps / "4" / "at-8.pt"), "4 -> 2 ranks")
     _same(_load(dumps / "3" / "resumed-12.pt"), _load(dumps / "2" / "end-12.pt"), "2 -> 3 ranks")
     for job, old, new in ((two, 4, 2), (three, 2, 3)):
-        [changed] = [e for e in job.events("world_size_changed") if e.get("rank") == 0]
-        assert (changed["old"], changed["new"]) == (old, new)
+        [changed] = [e for e in job.events("world_resized") if e.get("rank") == 0]
+        assert (changed["from"], changed["to"], changed["tier"]) == (old, new, "durable"), changed
     ended, reference = _load(dumps / "3" / "end-16.pt"), _load(dumps / "4" / "end-16.pt")
     assert sorted(ended) == sorted(reference)
     for key, want in reference.items():

@@ -61,6 +61,8 @@ def test_shrink_then_grow_keeps_the_global_batch(launch: Any, reference: Any, sn
     grown = {e["rank"]: e for e in job.events("resumed") if "grew back" in e["source"]}
     assert set(grown) == {0, 1} and grown[0]["step"] == growing["step"]
     assert grown[1]["bytes"] > 0 and grown[0]["bytes"] == 0, "the survivor sends, the replacement receives"
+    resized = [(e["from"], e["to"], e["tier"]) for e in job.events("world_resized") if e["rank"] == 0]
+    assert resized == [(2, 1, "peer"), (1, 2, "peer")], "the world size changes at step boundaries, each said"
     failed_at = shrunk["failed_at"]
     [last] = [e for e in job.events("step_done") if e["rank"] == 1 and e["step"] == failed_at and e["restart"] == 0]
     kind = "full" if last.get("full_copy_step") == failed_at else "light"  # under "auto", a full copy may fall there

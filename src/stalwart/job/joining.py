@@ -87,6 +87,9 @@ def grow(job: Job) -> bool:
     job.events.emit("resumed", step=plan.step, source=f"rank {plan.source} (the job grew back)", tier="peer",
                     bytes=restored.bytes if restored is not None else 0, own_parts=own_parts,
                     seconds=time.monotonic() - started)  # fmt: skip
+    job.events.emit("world_resized", **{"from": job.world_size - len(plan.receivers), "to": job.world_size},
+                    why=f"rank(s) {list(plan.receivers)} joined", tier="peer", step=plan.step,
+                    seconds=round(time.monotonic() - started, 4))  # fmt: skip
     return True
 
 

@@ -117,8 +117,12 @@ def _train(
     loader.take_shares(plan.shares)
     iterator = iter(loader)
     first = job.step
+    seconds = round(time.monotonic() - started, 4)
     events.emit("shrunk", failed_at=failed_at, step=job.step, world_size=plan.size, full_world_size=plan.world_size,
-                shares=list(plan.shares), seconds=round(time.monotonic() - started, 4))  # fmt: skip
+                shares=list(plan.shares), seconds=seconds)  # fmt: skip
+    lost = sorted(set(range(plan.world_size)) - set(plan.kept))
+    events.emit("world_resized", **{"from": plan.world_size, "to": plan.size}, step=job.step, tier="peer",
+                why=f"rank(s) {lost} failed: training on while the replacement starts", seconds=seconds)  # fmt: skip
     try:
         while job.step + 1 < max_steps:
             ready, again = shrink.agree(plan, plan.shrunk_rank == 0 and shrink.replacements_ready(plan), asked.asked)

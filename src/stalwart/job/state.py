@@ -9,6 +9,7 @@ per-rank ones by every rank (job/replicated.py picks which are which).
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any, Protocol, runtime_checkable
 
@@ -133,6 +134,7 @@ class TrackedState:
 
     def load(self, restored: Restored) -> None:
         """Load a restored state into the tracked objects and the RNG (at a new world size, the RNG stays)."""
+        started = time.monotonic()
         meshes = sharded.meshes_of(self.objects.values())
         objects = sharded.rebuild(restored.state["objects"], meshes, restored.source, restored.shards)
         missing = sorted(set(self.objects) - set(objects))
@@ -157,7 +159,9 @@ class TrackedState:
             if self._detectors is not None and isinstance(detectors, dict):
                 self._detectors.load(detectors)
             return
-        self._events.emit("world_size_changed", old=restored.world_size, new=self.world_size, step=restored.step)
+        self._events.emit("world_resized", **{"from": restored.world_size, "to": self.world_size},
+                          why=f"resumed a checkpoint of {restored.world_size} ranks", tier=restored.tier,
+                          step=restored.step, seconds=round(time.monotonic() - started, 4))  # fmt: skip
         if self.rank == 0:
             per_rank = sorted(set(self.objects) - self.replicated)
             warnings.warn(
