@@ -4,18 +4,20 @@ arguments' types. One home, so that no bench command imports another's module fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import re
 import resource
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from stalwart.errors import ConfigError
+from stalwart.errors import BenchError, ConfigError
 
 MB, GB = 10**6, 10**9  # decimal units, as disk throughput is quoted
 MIN_SIZE = 1 * MB
@@ -77,6 +79,19 @@ def make_run_dir(parent: Path | None) -> tuple[Path, Path]:
             shutil.rmtree(missing, ignore_errors=True)
         raise ConfigError(f"--dir {parent} is not writable: {exc.strerror or exc}") from exc
     return run_dir, missing or run_dir
+
+
+@contextlib.contextmanager
+def scratch_dir(parent: Path | None, prefix: str) -> Iterator[Path]:
+    """A new directory for one run's processes, under `parent` when given (made if missing), removed afterwards
+    with everything in it; a `parent` that cannot be made is one line (BenchError)."""
+    if parent is not None:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BenchError(f"--dir {parent} cannot be made: {exc.strerror or exc}") from exc
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=parent) as tmp:
+        yield Path(tmp)
 
 
 def first_missing(path: Path) -> Path | None:

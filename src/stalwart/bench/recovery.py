@@ -30,11 +30,11 @@ import random
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from stalwart.bench.common import scratch_dir
 from stalwart.bench.recovery_goodput import (
     PacedGoodput,
     measure_goodput,
@@ -242,13 +242,7 @@ def run_bench(
     if not 0 <= kill_rank < NPROC:
         raise BenchError(f"--kill-rank must be 0 or 1 (the job has {NPROC} ranks), not {kill_rank}")
     rng = random.Random(seed)
-    if parent is not None:
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise BenchError(f"--dir {parent} cannot be made: {exc.strerror or exc}") from exc
-    with tempfile.TemporaryDirectory(prefix="stalwart-bench-recovery-", dir=parent) as tmp:
-        root = Path(tmp)
+    with scratch_dir(parent, "stalwart-bench-recovery-") as root:
         schedule = kill_schedule(kills, gap, rng)
         progress(f"fault-free reference run of {schedule[-1] + 60} steps (stalwart run, no spares)")
         ref = Run("stalwart", root / "reference", steps=schedule[-1] + 60, spares=0, setup_s=setup_s)

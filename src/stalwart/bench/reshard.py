@@ -18,14 +18,13 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.bench.common import GB, parse_size, positive_int
+from stalwart.bench.common import GB, parse_size, positive_int, scratch_dir
 from stalwart.bench.recovery_run import Progress
 from stalwart.bench.reshard_worker import TENSORS, WIDTH
 from stalwart.errors import BenchError
@@ -74,13 +73,7 @@ def _launch(phase: str, world: int, ckpt: Path, rows: int, out: Path) -> dict[st
 def run_bench(size: int, source: int, targets: list[int], parent: Path | None, progress: Progress) -> dict[str, Any]:
     rows = max(1, size // (TENSORS * WIDTH * 4))
     state = rows * TENSORS * WIDTH * 4
-    if parent is not None:
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise BenchError(f"--dir {parent} cannot be made: {exc.strerror or exc}") from exc
-    with tempfile.TemporaryDirectory(prefix="stalwart-bench-reshard-", dir=parent) as tmp:
-        root = Path(tmp)
+    with scratch_dir(parent, "stalwart-bench-reshard-") as root:
         ckpt = root / "ckpt"
         progress(f"saving {state / GB:.2f} GB of sharded state from {source} ranks")
         _launch("save", source, ckpt, rows, root)
