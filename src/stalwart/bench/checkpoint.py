@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ import torch
 from stalwart.bench.common import (
     GB,
     MB,
+    Progress,
     machine_info,
     make_run_dir,
     peak_rss_mb,
@@ -52,8 +52,6 @@ FLOOR = "floor"
 SYSTEMS = ("torch_save", "dcp_save", "dcp_async_save", "stalwart")
 BASELINE_STEPS = 10
 CHILD_TIMEOUT_S = 1800
-
-Progress = Callable[[str], None]
 
 
 # ---------------------------------------------------------------------------------------------- the workload

@@ -11,13 +11,16 @@ import re
 import resource
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from stalwart.errors import BenchError, ConfigError
+
+Progress = Callable[[str], None]
+"""Where a bench command reports what it is doing (stderr), one line at a time."""
 
 MB, GB = 10**6, 10**9  # decimal units, as disk throughput is quoted
 MIN_SIZE = 1 * MB

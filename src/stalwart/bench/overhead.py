@@ -21,11 +21,10 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stalwart.bench.common import machine_info, make_run_dir
+from stalwart.bench.common import Progress, machine_info, make_run_dir
 from stalwart.errors import BenchError
 from stalwart.runtime.process import spawn
 from stalwart.telemetry.events import read_events
@@ -51,8 +50,6 @@ in-job detectors (guard, stragglers, replica divergence): their cost is the diff
 LAUNCHER: dict[str, list[str]] = {"default_spares": ["--spares", "2"]}
 """`stalwart run` options beyond the defaults: two hot spares warming up (at idle priority) while the job trains."""
 RUN_TIMEOUT_S = 900
-
-Progress = Callable[[str], None]
 
 
 def run_bench(

@@ -16,12 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.bench.common import Progress as Progress
 from stalwart.errors import BenchError
 from stalwart.runtime.process import spawn
 from stalwart.telemetry.events import EventLog
-
-Progress = Callable[[str], None]
-
 
 FULL_EVERY_STEP = ["--snapshot-every", "1", "--replicated-snapshot-every", "1"]
 """The stalwart_full runs' job options: a full memory snapshot every step (the defaults before the budget)."""

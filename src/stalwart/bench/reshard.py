@@ -24,8 +24,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.bench.common import GB, parse_size, positive_int, scratch_dir
-from stalwart.bench.recovery_run import Progress
+from stalwart.bench.common import GB, Progress, parse_size, positive_int, scratch_dir
 from stalwart.bench.reshard_worker import TENSORS, WIDTH
 from stalwart.errors import BenchError
 from stalwart.runtime.process import spawn

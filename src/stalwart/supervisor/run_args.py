@@ -135,16 +135,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     args.scheduler_note = ""
     step = slurm.SlurmStep.from_env(os.environ)
-    script_at = argv.index(args.training_script) if args.training_script in argv else len(argv)
-    if step is not None and slurm.applies(argv[:script_at]):
-        added = slurm.launch_defaults(step, slurm.given_options(argv[:script_at], os.environ))
+    if step is not None and slurm.applies(_own(argv, args)):
+        added = slurm.launch_defaults(step, slurm.given_options(_own(argv, args), os.environ))
         argv = [*added, *argv]
         args = build_parser().parse_args(argv)
         args.scheduler_note = slurm.note(step, added)
     # torchrun defaults to the static backend on a fixed port (29500). stalwart uses c10d unless the user chose
     # a backend or gave torchrun's static flags (--master-addr/--master-port/--node-rank), which keep working.
-    script_at = argv.index(args.training_script) if args.training_script in argv else len(argv)
-    chose = any(a.split("=")[0] in _STATIC_FLAGS for a in argv[:script_at]) or any(e in os.environ for e in _STATIC_ENV)
+    chose = any(a.split("=")[0] in _STATIC_FLAGS for a in _own(argv, args)) or any(e in os.environ for e in _STATIC_ENV)
     if not chose:
         args.rdzv_backend = "c10d"
     elif args.rdzv_backend == "static" and str(args.nnodes) in ("1", "1:1"):
@@ -155,6 +153,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
         args.rdzv_endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port or 0}"
     _validate(args)
     return args
+
+
+def _own(argv: list[str], args: argparse.Namespace) -> list[str]:
+    """The arguments before the training script: stalwart run's own (those after it are the script's)."""
+    return argv[: argv.index(args.training_script) if args.training_script in argv else len(argv)]
 
 
 def _validate(args: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.format.serialize import dtype_from_name
-from stalwart.checkpoint.load.verify import read_tensor, retrying
+from stalwart.checkpoint.load.verify import read_tensor
 from stalwart.checkpoint.storage import Storage
 from stalwart.errors import CheckpointCorruptError
 
@@ -37,10 +37,14 @@ class DurableShards:
                 self._by_tensor.setdefault(tid.rsplit("@", 1)[0], []).append(tid)
         return self._by_tensor.get(tensor, [])
 
-    def read(self, tid: str) -> torch.Tensor:
+    def _entry(self, tid: str) -> layout.TensorEntry:
         entry = self._manifest.tensors.get(tid)
         if entry is None:
             raise CheckpointCorruptError(f"shard {tid} of step {self._manifest.step} is not in its manifest")
+        return entry
+
+    def read(self, tid: str) -> torch.Tensor:
+        entry = self._entry(tid)
         raw = read_tensor(self._storage, entry, None)
         self.bytes += entry.nbytes
         dtype = dtype_from_name(entry.dtype)
@@ -51,20 +55,10 @@ class DurableShards:
 
     def read_into(self, tid: str, out: torch.Tensor) -> None:
         """Shard `tid` straight into `out` (contiguous, its shape and dtype), verified there: no copy on the way."""
-        entry = self._manifest.tensors.get(tid)
-        if entry is None:
-            raise CheckpointCorruptError(f"shard {tid} of step {self._manifest.step} is not in its manifest")
+        entry = self._entry(tid)
         if entry.codec != "raw" or tuple(out.shape) != tuple(entry.shape) or not out.is_contiguous():
             out.copy_(self.read(tid))
             return
-        where = f"{self._storage.display(entry.file)} at byte {entry.offset}"
         target = out.view(-1).view(torch.uint8).numpy().data if out.numel() else memoryview(bytearray())
-        try:
-            got = retrying(lambda: self._storage.read_range_into(entry.file, entry.offset, target))
-        except FileNotFoundError as exc:
-            raise CheckpointCorruptError(f"data file {self._storage.display(entry.file)} is missing") from exc
-        if got != entry.nbytes or len(target) != entry.nbytes:
-            raise CheckpointCorruptError(f"tensor {where} is truncated ({got} of {entry.nbytes} bytes)")
-        if layout.xxh3(target) != entry.xxh3:
-            raise CheckpointCorruptError(f"tensor {where} fails its xxh3 check")
+        read_tensor(self._storage, entry, None, into=target)
         self.bytes += entry.nbytes

@@ -48,15 +48,21 @@ def read_verified_meta(storage: Storage, rel: str, entry: layout.RankEntry) -> d
     return meta
 
 
-def read_tensor(storage: Storage, entry: layout.TensorEntry, files: dict[str, bytes] | None) -> bytes | memoryview:
+def read_tensor(
+    storage: Storage, entry: layout.TensorEntry, files: dict[str, bytes] | None, into: memoryview | None = None
+) -> bytes | memoryview:
     """The raw bytes of one tensor, decompressed and checked against its xxh3.
 
     `files` caches whole data files: one read serves all the tensors a caller needs from a file. None: read only
-    this tensor's byte range (a rank that needs a few tensors of another rank's file)."""
+    this tensor's byte range (a rank that needs a few tensors of another rank's file), straight into `into` when
+    given (writable, the tensor's size; raw tensors only) and checked there."""
     where = f"{storage.display(entry.file)} at byte {entry.offset}"
     stored: bytes | memoryview
     try:
-        if files is None:
+        if files is None and into is not None and entry.codec == "raw":
+            target = into[: entry.stored_bytes]
+            stored = target[: retrying(lambda: storage.read_range_into(entry.file, entry.offset, target))]
+        elif files is None:
             stored = retrying(lambda: storage.read_range(entry.file, entry.offset, entry.stored_bytes))
         else:
             if entry.file not in files:
