@@ -114,3 +114,34 @@ def test_a_joining_rank_runs_no_collective_and_gathers_its_own_tensors() -> None
     b = torch.tensor([1.0])
     group.broadcast([b]).wait()
     assert b.tolist() == [1.0] and group.failed is None
+
+
+def test_functional_collectives_run_through_the_group_and_are_absorbed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The functional all-gather and reduce-scatter (DTensor's `full_tensor` and `redistribute` call these ops)
+    reach the group's Python methods, not gloo straight from C++: there they enqueued holding the GIL and
+    deadlocked with a gloo worker (runtime/group.py's `all_gather_single_coalesced`); and here they are absorbed
+    like any other collective."""
+    ops = torch.ops._c10d_functional
+    ran: list[str] = []
+    run = reformable.ReformableGroup._run
+    monkeypatch.setattr(
+        reformable.ReformableGroup, "_run", lambda self, name, *a: ran.append(name) or run(self, name, *a)
+    )
+    reformable.register()
+    dist.init_process_group(backend=reformable.BACKEND, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        assert isinstance(group, reformable.ReformableGroup)
+        t = torch.arange(4.0)
+        assert ops.wait_tensor(ops.all_gather_into_tensor(t, 1, group.group_name)).tolist() == t.tolist()
+        assert ops.wait_tensor(ops.reduce_scatter_tensor(t, "sum", 1, group.group_name)).tolist() == t.tolist()
+        assert ran == ["_allgather_base", "_reduce_scatter_base"]
+        outs = [torch.zeros(4), torch.zeros(4)]
+        group.all_gather_single_coalesced(outs, [t, t + 1]).wait()  # several tensors: one collective each
+        assert [o.tolist() for o in outs] == [t.tolist(), (t + 1).tolist()]
+        group.absorb_failures(True)
+        group.fail("a peer died")
+        ops.wait_tensor(ops.all_gather_into_tensor(t, 1, group.group_name))  # not run: completes without raising
+        assert ran[-1] == "_allgather_base" and len(ran) == 5 and group.failed is not None
+    finally:
+        dist.destroy_process_group()

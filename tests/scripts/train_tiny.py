@@ -217,7 +217,7 @@ def main() -> None:
     digest = hashlib.sha256()
     finite = True
     for name, t in model.state_dict().items():
-        t = _gathered(t, job.world_size)  # a DTensor under FSDP2
+        t = _gathered(t)  # a DTensor under FSDP2
         digest.update(name.encode() + t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         finite = finite and bool(torch.isfinite(t).all())
     env = {k: os.environ.get(k) for k in _ENV}
@@ -231,19 +231,12 @@ def main() -> None:
     (out / f"rank{job.rank}.json").write_text(json.dumps(result))
 
 
-def _gathered(t: torch.Tensor, world: int) -> torch.Tensor:
-    """`t` whole: an FSDP2 DTensor (Shard(0) over every rank) gathered with dist.all_gather, not with
-    DTensor.full_tensor: under stalwart run's re-formable group a functional collective's wait sometimes never
-    returns (3 and 4 ranks on the 2-core VM, 2026-11-27; docs/architecture.md)."""
-    if not hasattr(t, "to_local"):
-        return t.detach().cpu().clone()
-    local, rows = t.to_local().detach().cpu(), t.shape[0]
-    chunk = -(-rows // world)
-    padded = torch.zeros((chunk, *t.shape[1:]), dtype=local.dtype)
-    padded[: local.shape[0]] = local
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    torch.distributed.all_gather(parts, padded)
-    return torch.cat(parts)[:rows].clone()
+def _gathered(t: torch.Tensor) -> torch.Tensor:
+    """`t` whole: an FSDP2 DTensor gathered with `full_tensor` (a functional collective, on stalwart's re-formable
+    group under stalwart run)."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().cpu().clone()
 
 
 def _dump(model: torch.nn.Module, optim: torch.optim.Optimizer, job: stalwart.Job, path: Path) -> None:
@@ -251,7 +244,7 @@ def _dump(model: torch.nn.Module, optim: torch.optim.Optimizer, job: stalwart.Jo
     writes them."""
 
     def full(t: torch.Tensor) -> torch.Tensor:
-        return _gathered(t, job.world_size)
+        return _gathered(t)
 
     names = [name for name, _ in model.named_parameters()]
     state = {f"param/{name}": full(t) for name, t in model.state_dict().items()}

@@ -18,9 +18,10 @@ forwards every collective to a real backend (gloo for CPU tensors, NCCL for CUDA
   group, the user's DDP and FSDP2 modules (whichever object they hold) and stalwart's own groups all talk to the
   new round. A new object each time because torch's C++ group keeps the rank, size and backends it was made with.
 
-What it cannot absorb: a failure of a collective made on another group (the user's own `new_group`), of a
-functional collective (DTensor's redistribute, `full_tensor`: they reach the backends from C++), and a hang with no
-failure (the agent kills the hung rank, which turns it into a failure).
+DTensor's functional collectives (`redistribute`, `full_tensor`) on the default group come through this wrapper's
+Python methods too (`all_gather_single_coalesced` says why), so they are absorbed alike. What it cannot absorb: a
+failure of a collective made on another group (the user's own `new_group`), and a hang with no failure (the agent
+kills the hung rank, which turns it into a failure).
 """
 
 from __future__ import annotations
@@ -33,79 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
-from torch.futures import Future
+
+from stalwart.runtime.works import AbsorbingWork, AllOf, DoneWork
 
 BACKEND = "stalwart"
 """The name `init_process_group(backend=...)` knows this group by once `register()` ran."""
-
-
-class _DoneWork(dist.Work):
-    """A collective that was not run (the group has failed): done at once, its tensors left as they are."""
-
-    def __init__(self, result: Any) -> None:
-        super().__init__()
-        self._future: Future[Any] = Future()
-        self._future.set_result(result)
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        return True
-
-    def get_future(self) -> Future[Any]:
-        return self._future
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-
-class _AbsorbingWork(dist.Work):
-    """A collective of the real backend whose failure is recorded on the group instead of raised."""
-
-    def __init__(self, group: ReformableGroup, work: dist.Work, result: Any) -> None:
-        super().__init__()
-        self._group, self._work, self._result = group, work, result
-        self._future: Future[Any] = Future()
-        try:
-            inner = work.get_future()
-        except RuntimeError:  # gloo's reduce-scatter has none: completed by wait(), see get_future
-            return
-        inner.add_done_callback(self._settle)
-
-    def _settle(self, inner: Future[Any]) -> None:
-        try:
-            inner.value()
-        except Exception as exc:
-            self._group.absorb(exc)
-        self._complete()
-
-    def _complete(self) -> None:
-        if not self._future.done():  # once, by whichever of wait() and the callback is first
-            with contextlib.suppress(RuntimeError):
-                self._future.set_result(self._result)
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        try:
-            self._work.wait() if timeout is None else self._work.wait(timeout)
-        except Exception as exc:
-            self._group.absorb(exc)
-        self._complete()
-        return True
-
-    def get_future(self) -> Future[Any]:
-        if not self._future.done():
-            try:
-                self._work.get_future()
-            except RuntimeError:  # no future of its own: the caller gets a completed one, after the wait
-                self.wait()
-        return self._future
-
-    def is_completed(self) -> bool:
-        return bool(self._work.is_completed())
-
-    def is_success(self) -> bool:
-        return self._group.failed is None
 
 
 class ReformableGroup(dist.ProcessGroup):
@@ -141,9 +74,7 @@ class ReformableGroup(dist.ProcessGroup):
             return
         made = _make_backends(store, rank, size, timeout)
         self._backends = {device: backend for device, (_, backend) in made.items()}
-        # Registered on the C++ side too, for the collectives that reach the backends from C++ (functional
-        # collectives: DTensor's redistribute and `full_tensor`). Those are not absorbed: a failure in one raises
-        # and takes the fallback (the script run again, recovery/reform.py).
+        # Registered on the C++ side too, for C++ callers that ask the group for its backend by device.
         _register(self, made)
 
     def latest(self) -> ReformableGroup:
@@ -224,7 +155,7 @@ class ReformableGroup(dist.ProcessGroup):
         elif name == "_allgather_base":
             out, tensor = args[0], args[1]
             out.view(-1, tensor.numel()).copy_(tensor.reshape(1, -1))
-        return _DoneWork(result)
+        return DoneWork(result)
 
     def _run(self, name: str, tensors: list[torch.Tensor], result: Any, *args: Any) -> dist.Work:
         group = self.latest()
@@ -233,7 +164,7 @@ class ReformableGroup(dist.ProcessGroup):
         if group._failed is not None:
             if not group._absorbing:
                 raise RuntimeError(f"the process group failed: {group._failed}")
-            return _DoneWork(result)
+            return DoneWork(result)
         device = tensors[0].device.type if tensors else "cpu"
         if not group._absorbing:
             return getattr(group._backend(device), name)(*args)
@@ -241,8 +172,8 @@ class ReformableGroup(dist.ProcessGroup):
             work = getattr(group._backend(device), name)(*args)
         except Exception as exc:
             group.absorb(exc)
-            return _DoneWork(result)
-        return _AbsorbingWork(group, work, result)
+            return DoneWork(result)
+        return AbsorbingWork(group, work, result)
 
     # The collectives torch's Python API and DDP/FSDP call, forwarded by name (the backends' signatures).
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
@@ -276,6 +207,32 @@ class ReformableGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         """torch >= 2.13's name for `_reduce_scatter_base` (`dist.reduce_scatter_tensor`, FSDP2)."""
         return self._reduce_scatter_base(output, input, opts)
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        """Where functional collectives' all-gather (DTensor's `full_tensor` and `redistribute`) reaches a Python
+        group. Defined so that it runs here: torch's fallback enqueues on gloo from C++ while holding the GIL, and a
+        gloo worker dropping an earlier collective's last tensor needs the GIL under the lock that enqueue takes,
+        so the two deadlocked (one run in a few with FSDP2 on 3-4 ranks); from here the backend is called with
+        the GIL released, and the collective is absorbed like any other. One collective per tensor."""
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        return self._each("_allgather_base", outputs, inputs, opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # torch < 2.13's name for it
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        """Functional collectives' reduce-scatter: as `all_gather_single_coalesced`."""
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        return self._each("_reduce_scatter_base", outputs, inputs, opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # torch < 2.13's name for it
+
+    def _each(self, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> dist.Work:
+        works = [self._run(name, [i], [o], o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return works[0] if len(works) == 1 else AllOf(works, outputs)
 
     def all_to_all_single(
         self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int], opts: Any = None

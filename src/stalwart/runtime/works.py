@@ -1,0 +1,117 @@
+"""The `dist.Work` objects the re-formable group (runtime/group.py) hands back: one not run, one whose failure is
+recorded on the group instead of raised, and one made of several (a coalesced collective run one tensor at a time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch.distributed as dist
+from torch.futures import Future
+
+
+class Absorber(Protocol):
+    """What a work reports a failure to: the group (ReformableGroup)."""
+
+    @property
+    def failed(self) -> BaseException | None: ...
+
+    def absorb(self, exc: BaseException) -> None: ...
+
+
+class DoneWork(dist.Work):
+    """A collective that was not run (the group has failed): done at once, its tensors left as they are."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__()
+        self._future: Future[Any] = Future()
+        self._future.set_result(result)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def get_future(self) -> Future[Any]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+
+class AbsorbingWork(dist.Work):
+    """A collective of the real backend whose failure is recorded on the group instead of raised."""
+
+    def __init__(self, group: Absorber, work: dist.Work, result: Any) -> None:
+        super().__init__()
+        self._group, self._work, self._result = group, work, result
+        self._future: Future[Any] = Future()
+        try:
+            inner = work.get_future()
+        except RuntimeError:  # gloo's reduce-scatter has none: completed by wait(), see get_future
+            return
+        inner.add_done_callback(self._settle)
+
+    def _settle(self, inner: Future[Any]) -> None:
+        try:
+            inner.value()
+        except Exception as exc:
+            self._group.absorb(exc)
+        self._complete()
+
+    def _complete(self) -> None:
+        if not self._future.done():  # once, by whichever of wait() and the callback is first
+            with contextlib.suppress(RuntimeError):
+                self._future.set_result(self._result)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        try:
+            self._work.wait() if timeout is None else self._work.wait(timeout)
+        except Exception as exc:
+            self._group.absorb(exc)
+        self._complete()
+        return True
+
+    def get_future(self) -> Future[Any]:
+        if not self._future.done():
+            try:
+                self._work.get_future()
+            except RuntimeError:  # no future of its own: the caller gets a completed one, after the wait
+                self.wait()
+        return self._future
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def is_success(self) -> bool:
+        return self._group.failed is None
+
+
+class AllOf(dist.Work):
+    """Several works as one: done when all are (a coalesced collective run as one collective per tensor)."""
+
+    def __init__(self, works: list[dist.Work], result: Any) -> None:
+        super().__init__()
+        self._works, self._result = works, result
+        self._future: Future[Any] = Future()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout)
+        if not self._future.done():
+            with contextlib.suppress(RuntimeError):
+                self._future.set_result(self._result)
+        return True
+
+    def get_future(self) -> Future[Any]:
+        self.wait()
+        return self._future
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def is_success(self) -> bool:
+        return all(work.is_success() for work in self._works)
