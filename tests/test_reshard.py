@@ -4,6 +4,7 @@ the same parameters as a run of 4 ranks throughout, within floating-point order.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.fsdp
 
-from conftest import alive, child_env, tiny_args
+from conftest import TINY, alive, child_env, tiny_args
 
 fsdp2 = pytest.mark.skipif(
     not hasattr(torch.distributed.fsdp, "fully_shard"),
@@ -65,6 +66,56 @@ def test_fsdp2_state_of_4_ranks_goes_on_at_2_then_at_3(launch: Any, tmp_path: Pa
         assert diff <= TOLERANCE * max(float(want.abs().max()), 1e-12), f"{key}: {diff} from the 4-rank run"
     pids = {e["worker_pid"] for job in (four, two, three) for e in job.events("worker_spawned")}
     assert not [pid for pid in pids if alive(pid)], "no worker outlives its launcher"
+
+
+def _torchrun(workdir: Path, nproc: int, snapshots: Path, *args: str) -> list[dict[str, Any]]:
+    """The tiny job under torchrun (no agent of ours) whose memory tier is `snapshots`, kept across its runs the
+    way a restarted node's agent keeps it; its events. Every process is reaped, also on failure."""
+    import subprocess
+    import sys
+
+    from stalwart.runtime.process import spawn
+    from stalwart.telemetry.events import read_events
+
+    workdir.mkdir(parents=True)
+    env = child_env(STALWART_SNAPSHOT_DIR=str(snapshots), STALWART_EVENT_LOG=str(workdir / "events.jsonl"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(TINY), "--ckpt", str(workdir.parent / "ckpt"), "--out", str(workdir / "out"), *args]  # fmt: skip
+    with open(workdir / "output.log", "wb") as out:
+        proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+    try:
+        code = proc.wait(180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0, (workdir / "output.log").read_text()[-3000:]
+    return list(read_events(workdir / "events.jsonl"))
+
+
+@fsdp2
+def test_fsdp2_state_of_4_ranks_reshards_from_node_memory_at_2_then_at_3(tmp_path: Path) -> None:
+    """A restart at another world size takes the old ranks' full snapshots from node memory (newer than the
+    durable checkpoint), resharded: every parameter and AdamW moment bitwise what the old world held (training on
+    from there is the durable test's above, within 1e-5 of a 4-rank run)."""
+    snapshots = Path("/dev/shm") / f"stalwart-test-reshard-{os.getpid()}"
+    snapshots.mkdir()
+    dumps = tmp_path / "dumps"
+    try:
+        _torchrun(tmp_path / "four", 4, snapshots, "--steps", "10", *ARGS, "--dump-dir", str(dumps / "4"))
+        # The durable checkpoint of step 10 is gone: only node memory holds it (the durable one is of step 8).
+        shutil.rmtree(tmp_path / "ckpt" / "step_00000010")
+        resize = ("--allow-resize",)
+        two = _torchrun(tmp_path / "two", 2, snapshots, "--steps", "12", *ARGS, *resize, "--dump-dir", str(dumps / "2"))
+        three = _torchrun(tmp_path / "three", 3, snapshots, "--steps", "14", *ARGS, *resize,
+                          "--dump-dir", str(dumps / "3"))  # fmt: skip
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+    _same(_load(dumps / "2" / "resumed-10.pt"), _load(dumps / "4" / "end-10.pt"), "4 -> 2 ranks from memory")
+    _same(_load(dumps / "3" / "resumed-12.pt"), _load(dumps / "2" / "end-12.pt"), "2 -> 3 ranks from memory")
+    for events, old, new, step in ((two, 4, 2, 10), (three, 2, 3, 12)):
+        [changed] = [e for e in events if e["event"] == "world_resized" and e.get("rank") == 0]
+        assert (changed["from"], changed["to"], changed["tier"], changed["step"]) == (old, new, "memory", step)
 
 
 @pytest.mark.parametrize("url", ["local", "memory://reshard-ranges"])

@@ -5,7 +5,9 @@ In order of preference, as long as it is at least as new as the newest durable c
    failure kept (recovery/reform.py), broadcast by the lowest such rank (tier "peer", or "replica" when a
    lost node's ranks got their images back from another node first, L3);
 2. a full snapshot every rank holds in node memory (tier "memory", or "replica");
-3. the newest durable checkpoint that verifies on every rank (tier "durable", Checkpointer.load_latest).
+3. at another world size (allowed), the full snapshots the old world's ranks left in node memory, resharded
+   (tier "memory", checkpoint/tiers/memory_shards.py), where every rank's node holds every old rank's image;
+4. the newest durable checkpoint that verifies on every rank (tier "durable", Checkpointer.load_latest).
 Every step of the choice is agreed by all ranks; a rank that cannot use a tier vetoes it for everyone.
 """
 
@@ -24,6 +26,7 @@ from stalwart.checkpoint.format.serialize import load_skeleton
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.tiers.memory import MemoryTier
+from stalwart.checkpoint.tiers.memory_shards import MemoryImages, other_worlds
 from stalwart.checkpoint.tiers.replicas import PeerReplicas
 from stalwart.errors import CheckpointCorruptError
 from stalwart.recovery import reform
@@ -33,6 +36,7 @@ from stalwart.runtime.state_wire import recv_state, send_state
 from stalwart.telemetry.events import EventLog
 
 _SLOTS = 2  # a rank keeps two snapshots of each kind (double buffering), so it reports at most two steps
+_WORLDS = 4  # the most (old world size, step) pairs a rank reports for resharding from node memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,24 @@ class Holdings(IntMessage):
 
         n = _SLOTS
         return cls(steps(ints[:n]), steps(ints[n : 2 * n]), ints[2 * n], ints[2 * n + 1])
+
+
+@dataclass(frozen=True, slots=True)
+class OtherWorlds(IntMessage):
+    """What one rank's node can reshard from: the (old world size, step) pairs it holds a whole full image of for
+    every old rank, newest first, and rank 0's newest durable step."""
+
+    pairs: tuple[tuple[int, int], ...]
+    newest_durable: int
+
+    def to_ints(self) -> list[int]:
+        flat = [v for pair in self.pairs[:_WORLDS] for v in pair]
+        return flat + [-1] * (2 * _WORLDS - len(flat)) + [self.newest_durable]
+
+    @classmethod
+    def from_ints(cls, ints: list[int]) -> OtherWorlds:
+        pairs = tuple((ints[i], ints[i + 1]) for i in range(0, 2 * _WORLDS, 2) if ints[i] > 0)
+        return cls(pairs, ints[2 * _WORLDS])
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +116,11 @@ class Restorer:
 
     def restore(self, *, allow_world_size_change: bool) -> Restored | None:
         """The newest state the job can resume from; None when there is none (a fresh start)."""
-        return self._from_memory() or self._checkpointer.load_latest(allow_world_size_change=allow_world_size_change)
+        return (
+            self._from_memory()
+            or (self._resharded_from_memory() if allow_world_size_change else None)
+            or self._checkpointer.load_latest(allow_world_size_change=allow_world_size_change)
+        )
 
     def rollback(self, at_most: int, abandon: Callable[[], None]) -> Restored | None:
         """The newest state from at or before step `at_most` (an L0 rollback, recovery/rollback.py): a full snapshot
@@ -169,6 +195,35 @@ class Restorer:
         where = f"{'a peer replica in another node' if from_replica else 'node'}'s memory (step {step})"
         tier = "replica" if from_replica else "memory"
         return Restored(step, comm.world_size, snapshot.state, where, snapshot.bytes, tier=tier)
+
+    def _resharded_from_memory(self) -> Restored | None:
+        """The newest state of another world size that every rank's node holds whole in memory, if it is at least as
+        new as the newest durable checkpoint: this rank's part of it, sharded tensors to be resharded from the
+        old ranks' images (checkpoint/tiers/memory_shards.py). None otherwise. Collective."""
+        comm, memory = self._comm, self._memory
+        mine = OtherWorlds(
+            tuple(other_worlds(memory.directory, comm.world_size)[:_WORLDS]) if memory is not None else (),
+            self._checkpointer.newest_committed() if comm.rank == 0 else -1,
+        )
+        every = comm.gather(mine)
+        common = set.intersection(*[set(m.pairs) for m in every])
+        if not common:
+            return None
+        old_world, step = max(common, key=lambda pair: (pair[1], pair[0]))
+        if step < every[0].newest_durable:
+            return None
+        images, state, problem = None, None, ""
+        try:
+            assert memory is not None
+            images = MemoryImages(memory.directory, old_world, step)
+            state = images.state(comm.rank % old_world)
+        except CheckpointCorruptError as exc:
+            problem = str(exc)
+        if not self._all_agree(state is not None, step, problem):
+            return None
+        assert images is not None and state is not None
+        where = f"node memory (step {step} of {old_world} ranks)"
+        return Restored(step, old_world, state, where, images.bytes, tier="memory", shards=images)
 
     def _from_light(self, step: int, source: int) -> Restored | None:
         """Every rank's light snapshot of `step`, with the live tensors broadcast from rank `source`'s stash."""

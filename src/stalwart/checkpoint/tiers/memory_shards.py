@@ -1,0 +1,171 @@
+"""Resharding from node memory: a job restarted at another world size takes its state from the full snapshots
+the previous world's ranks left in this node's memory, instead of from the durable checkpoint.
+
+Why: when the world size changes (a node lost or back under `stalwart run --nnodes MIN:MAX`), the workers start
+again, but the node memory of the agents that stay (checkpoint/tiers/memory.py) still holds every old rank's
+newest snapshots: its own local ranks' slots, and the ward slots where peer replicas keep other nodes' ranks'
+images (checkpoint/tiers/replicas.py). These are newer than the durable checkpoint (up to `checkpoint_every`
+steps) and are read at memory speed instead of from storage.
+
+A node can reshard from memory at a step when it holds a whole full image of that step for every old rank (light
+images lack the replicated state: it came from a survivor's live state, and no survivor kept it across a
+restart). The restore (recovery/restore.py) takes the newest step every rank's node holds whole this way, if it is
+at least as new as the newest durable checkpoint. Each new rank then reads, like a durable resharding
+(checkpoint/load/shards.py): the skeleton and per-rank tensors of old rank (its rank mod the old world size), the
+replicated tensors from whichever image holds them, and of the sharded tensors only the byte ranges of the old
+shards that overlap its new shards (format/sharded.py `reshard`), each read straight from the slot file.
+
+A slot is written again only by the new world's snapshots, which come after every rank's restore (the first
+step's collectives wait for it) and go into the older of a local rank's two slots; every read still checks the
+slot's header afterwards, so an image overwritten meanwhile is reported as unusable, never loaded torn.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stalwart.checkpoint.format.serialize import dtype_from_name, unflatten
+from stalwart.checkpoint.tiers.slot import HEADER_BYTES, SlotHeader
+from stalwart.checkpoint.tiers.toc import parse_toc
+from stalwart.errors import CheckpointCorruptError
+
+
+def _full_slot_files(directory: Path) -> list[Path]:
+    """Every full snapshot's slot file of a node's memory directory: own slots (`local<L>.slot<i>`) and ward slots
+    (`local<L>.ward<k>.slot<i>`); light ones (`.light<i>`) are left out."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(directory / n for n in names if n.startswith("local") and n[-6:-1] == ".slot")
+
+
+def _header(path: Path) -> SlotHeader | None:
+    try:
+        with open(path, "rb") as f:
+            header = SlotHeader.unpack(f.read(HEADER_BYTES))
+    except OSError:
+        return None
+    return header if header is not None and header.valid == 1 else None
+
+
+def other_worlds(directory: Path, world_size: int) -> list[tuple[int, int]]:
+    """(old world size, step) of every step of another world size that this node holds a whole full image of for
+    every old rank, newest step first."""
+    held: dict[tuple[int, int], set[int]] = {}
+    for path in _full_slot_files(directory):
+        h = _header(path)
+        if h is not None and h.world_size != world_size and 0 <= h.rank < h.world_size:
+            held.setdefault((h.world_size, h.step), set()).add(h.rank)
+    whole = [key for key, ranks in held.items() if len(ranks) == key[0]]
+    return sorted(whole, key=lambda key: (key[1], key[0]), reverse=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Image:
+    path: Path
+    header: SlotHeader
+    skeleton: Any
+    table: dict[str, list[Any]]
+
+
+class MemoryImages:
+    """Every old rank's full image of one step in a node's memory (a `sharded.ShardSource`), and each old rank's
+    state from them."""
+
+    def __init__(self, directory: Path, world_size: int, step: int) -> None:
+        """`world_size`: the old world's. Raises CheckpointCorruptError if an old rank's image is not whole."""
+        self.step, self.world_size = step, world_size
+        self.bytes = 0
+        """Bytes of tensors read so far."""
+        self._images: dict[int, _Image] = {}
+        for path in _full_slot_files(directory):
+            h = _header(path)
+            if h is None or (h.world_size, h.step) != (world_size, step) or h.rank in self._images:
+                continue
+            with open(path, "rb") as f:
+                f.seek(HEADER_BYTES)
+                raw = f.read(h.toc_len)
+            try:
+                skeleton, table, _, _ = parse_toc(raw, step)
+            except Exception as exc:
+                raise CheckpointCorruptError(f"the memory snapshot of rank {h.rank} at step {step}: {exc}") from exc
+            self._images[h.rank] = _Image(path, h, skeleton, table)
+            self._check(self._images[h.rank])
+        missing = sorted(set(range(world_size)) - set(self._images))
+        if missing:
+            raise CheckpointCorruptError(f"node memory holds no whole snapshot of step {step} for ranks {missing}")
+        self._where: dict[str, int] = {}  # tensor id -> the old rank whose image holds it (shared ones: any)
+        for rank, image in sorted(self._images.items(), reverse=True):
+            self._where.update(dict.fromkeys(image.table, rank))
+        self._shards: dict[str, list[str]] | None = None
+
+    def shard_ids(self, tensor: str) -> list[str]:
+        if self._shards is None:  # once: a model has thousands of tensors, each asked for
+            self._shards = {}
+            for tid in sorted(t for t in self._where if t.startswith("D/")):
+                self._shards.setdefault(tid.rsplit("@", 1)[0], []).append(tid)
+        return self._shards.get(tensor, [])
+
+    def _locate(self, tid: str, rank: int | None = None) -> tuple[_Image, list[Any]]:
+        owner = rank if rank is not None else self._where.get(tid)
+        image = self._images.get(owner) if owner is not None else None
+        entry = image.table.get(tid) if image is not None else None
+        if image is None or entry is None:
+            raise CheckpointCorruptError(f"no memory snapshot of step {self.step} holds tensor {tid}")
+        return image, entry
+
+    def _read(self, tid: str, out: torch.Tensor | None, rank: int | None = None) -> torch.Tensor:
+        image, (offset, nbytes, dtype_text, shape) = self._locate(tid, rank)
+        dtype = dtype_from_name(dtype_text)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        if nbytes:
+            target = out.view(-1).view(torch.uint8).numpy().data
+            with open(image.path, "rb", buffering=0) as f:
+                f.seek(image.header.data_offset + offset)
+                got = f.readinto(target)
+            if got != nbytes:
+                raise CheckpointCorruptError(f"the memory snapshot of step {self.step} ends inside tensor {tid}")
+            self._check(image)
+        self.bytes += nbytes
+        return out
+
+    def _check(self, image: _Image) -> None:
+        again = _header(image.path)
+        if again is None or (again.step, again.rank, again.world_size) != (
+            image.header.step, image.header.rank, image.header.world_size,
+        ):  # fmt: skip
+            raise CheckpointCorruptError(f"the memory snapshot of rank {image.header.rank} changed while it was read")
+
+    def read(self, tid: str) -> torch.Tensor:
+        return self._read(tid, None)
+
+    def read_into(self, tid: str, out: torch.Tensor) -> None:
+        _, (_, nbytes, dtype_text, shape) = self._locate(tid)
+        fits = out.is_contiguous() and list(out.shape) == list(shape) and out.dtype == dtype_from_name(dtype_text)
+        if fits and out.numel() * out.element_size() == nbytes:
+            self._read(tid, out)
+        else:
+            out.copy_(self.read(tid))
+
+    def state(self, rank: int) -> dict[str, Any]:
+        """Old rank `rank`'s state: its own tensors from its image, replicated ones from whichever image holds
+        them, sharded ones empty (resharded afterwards from this source, format/sharded.py)."""
+        image = self._images[rank]
+
+        def fetch(tid: str) -> torch.Tensor:
+            if tid.startswith("D/"):
+                _, entry = self._locate(tid)
+                return torch.empty(0, dtype=dtype_from_name(entry[2]))
+            return self._read(tid, None, rank if tid in image.table else None)
+
+        state = unflatten(image.skeleton, fetch)
+        if not isinstance(state, dict) or "objects" not in state:
+            raise CheckpointCorruptError(f"the memory snapshot of step {self.step} is not a stalwart state")
+        return state
