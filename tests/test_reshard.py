@@ -132,8 +132,9 @@ def test_a_byte_range_reads_the_same_on_every_storage(tmp_path: Path, url: str) 
 
 
 def test_the_reshard_bench_loads_every_byte_at_another_world_size(tmp_path: Path) -> None:
-    """`stalwart bench reshard` end to end, small: 2 ranks save, 1 rank loads (its check: every byte of the state
-    is in the loaded shards), beside the floor; a --dir that cannot be made is one line."""
+    """`stalwart bench reshard` end to end, small: 2 ranks save, 1 rank loads from the checkpoint and from node
+    memory (its checks: every byte of the state is in the loaded shards, read from that tier), beside the floor; a
+    --dir that cannot be made is one line."""
     import json
     import subprocess
     import sys
@@ -143,11 +144,14 @@ def test_the_reshard_bench_loads_every_byte_at_another_world_size(tmp_path: Path
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
-    [round_] = report["rounds"]
-    assert round_["to"] == 1 and round_["reshard_s"] > 0 and round_["floor_s"] > 0
+    assert [(r["to"], r["tier"]) for r in report["rounds"]] == [(1, "durable"), (1, "memory")]
+    assert all(r["reshard_s"] > 0 and r["floor_s"] > 0 for r in report["rounds"])
     assert report["state_bytes"] == 8 * 1024 * 4 * (2 * 10**6 // (8 * 1024 * 4))
     assert list(tmp_path.iterdir()) == [], "its directory is removed"
     (tmp_path / "file").write_text("")
     bad = subprocess.run([sys.executable, "-m", "stalwart", "bench", "reshard", "--dir", str(tmp_path / "file" / "x")],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 1 and "cannot be made" in bad.stderr and "Traceback" not in bad.stderr
+    tier = subprocess.run([sys.executable, "-m", "stalwart", "bench", "reshard", "--tiers", "disk"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert tier.returncode == 2 and "--tiers takes durable,memory" in tier.stderr and "Traceback" not in tier.stderr

@@ -6,6 +6,9 @@ each rank's shards filled from its own generator (no rank ever holds a whole ten
 allow_world_size_change: the seconds of `job.resume()`, which reshards, go to `--out` as JSON.
 `--phase floor`: this rank reads its share of the checkpoint's data files once, with plain reads, and reports
 the seconds: the floor of any load of those bytes.
+With `--memory DIR` the memory tier lives in DIR (a directory in /dev/shm, as `stalwart run` gives it): the save
+also leaves every rank's full snapshot there, the load reshards from those (tier "memory") and the floor reads the
+snapshots' tensor bytes in DIR instead of the checkpoint's files.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import torch.distributed as dist
 
 import stalwart
 from stalwart.checkpoint.format.sharded import shard_extent
+from stalwart.checkpoint.tiers.slot import HEADER_BYTES, SlotHeader
+from stalwart.runtime.env import EVENT_LOG_ENV, SNAPSHOT_DIR_ENV
+from stalwart.telemetry.events import read_events
 
 TENSORS = 8
 WIDTH = 1024
@@ -42,19 +48,32 @@ def _module(rows: int, mesh: Any, world: int, rank: int, fill: bool) -> torch.nn
     return module
 
 
-def _floor(ckpt: Path, rank: int, world: int) -> dict[str, float]:
-    """Read bytes [rank/world, (rank+1)/world) of the step's data files, concatenated, once."""
-    files = sorted(ckpt.glob("step_*/rank*.data"))
-    total = sum(f.stat().st_size for f in files)
+def _regions(ckpt: Path, memory: Path | None) -> list[tuple[Path, int, int]]:
+    """(file, offset, length) of the saved tensor bytes: the checkpoint's data files, or the memory snapshots'
+    tensor data in `memory`'s slot files."""
+    if memory is None:
+        return [(f, 0, f.stat().st_size) for f in sorted(ckpt.glob("step_*/rank*.data"))]
+    found = []
+    for f in sorted(memory.glob("local*.slot[01]")):
+        with open(f, "rb") as handle:
+            header = SlotHeader.unpack(handle.read(HEADER_BYTES))
+        if header is not None and header.valid == 1:
+            found.append((f, header.data_offset, header.data_len))
+    return found
+
+
+def _floor(ckpt: Path, memory: Path | None, rank: int, world: int) -> dict[str, float]:
+    """Read bytes [rank/world, (rank+1)/world) of the saved tensor bytes, concatenated, once."""
+    regions = _regions(ckpt, memory)
+    total = sum(length for _, _, length in regions)
     start, end = total * rank // world, total * (rank + 1) // world
     dist.barrier()
     began, at, read = time.perf_counter(), 0, 0
-    for f in files:
-        size = f.stat().st_size
+    for f, offset, size in regions:
         low, high = max(start, at), min(end, at + size)
         if low < high:
             with open(f, "rb", buffering=0) as handle:
-                handle.seek(low - at)
+                handle.seek(offset + low - at)
                 left = high - low
                 while left:
                     chunk = handle.read(min(left, 64 << 20))
@@ -70,17 +89,23 @@ def main() -> None:
     p.add_argument("--ckpt", type=Path, required=True)
     p.add_argument("--rows", type=int, required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--memory", type=Path, help="the memory tier's directory (default: none, durable only)")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.memory is not None:
+        os.environ[SNAPSHOT_DIR_ENV] = str(args.memory)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / f"events-rank{rank}.jsonl"  # where the load's world_resized event says which tier it read
+    os.environ[EVENT_LOG_ENV] = str(log)
     if args.phase == "floor":
         dist.init_process_group("gloo")
-        result = _floor(args.ckpt, rank, world)
+        result: dict[str, Any] = _floor(args.ckpt, args.memory, rank, world)
         dist.destroy_process_group()
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
         job = stalwart.Job(args.ckpt, checkpoint_every=1, when_busy="wait", allow_world_size_change=True,
-                           snapshot_every=0)  # fmt: skip
+                           snapshot_every=1 if args.memory is not None else 0)  # fmt: skip
         mesh = init_device_mesh("cpu", (world,))
         module = _module(args.rows, mesh, world, rank, fill=args.phase == "save")
         job.track(model=module)
@@ -93,10 +118,10 @@ def main() -> None:
             began = time.perf_counter()
             step = job.resume()
             seconds = time.perf_counter() - began
+            resized = [e for e in read_events(log) if e["event"] == "world_resized"] or [{}]
             local = sum(p.to_local().numel() * 4 for p in module.parameters())  # type: ignore[attr-defined]
-            result = {"seconds": seconds, "bytes": local, "step": step}
+            result = {"seconds": seconds, "bytes": local, "step": step, "tier": resized[0].get("tier")}
         job.close()
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
 
 

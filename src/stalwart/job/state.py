@@ -136,7 +136,10 @@ class TrackedState:
         """Load a restored state into the tracked objects and the RNG (at a new world size, the RNG stays)."""
         started = time.monotonic()
         meshes = sharded.meshes_of(self.objects.values())
-        objects = sharded.rebuild(restored.state["objects"], meshes, restored.source, restored.shards)
+        into = None
+        if restored.shards is not None:  # resharded: written straight into the modules' own shards
+            into = {n: o.state_dict(keep_vars=True) for n, o in self.objects.items() if isinstance(o, torch.nn.Module)}
+        objects = sharded.rebuild(restored.state["objects"], meshes, restored.source, restored.shards, into)
         missing = sorted(set(self.objects) - set(objects))
         extra = sorted(set(objects) - set(self.objects))
         if missing or extra:

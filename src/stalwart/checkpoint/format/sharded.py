@@ -171,21 +171,30 @@ class ShardSource(Protocol):
         """Shard `tid` into `out` (its shape and dtype), verified: where the whole shard lands in a new one."""
         ...
 
+    def read_region(self, tid: str, shape: list[int], region: tuple[slice, ...], out: torch.Tensor) -> bool:
+        """The part `region` of shard `tid` (of `shape`) into `out` without reading the rest of the shard; False
+        where the source cannot (a durable shard is read whole to check its xxh3): the caller reads the whole."""
+        ...
+
 
 def rebuild(
     value: Any,
     meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], Any],
     where: str,
     source: ShardSource | None = None,
+    into: Any = None,
 ) -> Any:
     """`value` with every SavedShard turned back into a DTensor on the matching mesh of this job; with `source`,
-    one saved on another mesh is resharded onto this job's (see the module's docstring)."""
+    one saved on another mesh is resharded onto this job's (see the module's docstring). `into`: the object's
+    current state of the same structure (a module's `state_dict(keep_vars=True)`): a resharded tensor is written
+    straight into the CPU DTensor there that it will be loaded into, which is then returned, so the module's
+    `load_state_dict` copies nothing (it was a second pass over every byte)."""
     if isinstance(value, SavedShard):
         info = value.info
         mesh = meshes.get((tuple(info["mesh"]), tuple(info["mesh_shape"])))
         moved = mesh is None or [int(c) for c in mesh.get_coordinate()] != info["coord"]
         if moved and source is not None:
-            return reshard(value, mesh if mesh is not None else _target(meshes, info, where), source, where)
+            return reshard(value, mesh if mesh is not None else _target(meshes, info, where), source, where, into)
         if mesh is None:
             raise CheckpointMismatchError(
                 f"checkpoint {where} holds {_name(info)} sharded over ranks {info['mesh']} "
@@ -200,9 +209,11 @@ def rebuild(
             )
         return _dtensor(value.local, mesh, info)
     if isinstance(value, dict):
-        return type(value)((k, rebuild(v, meshes, where, source)) for k, v in value.items())
+        inside = into if isinstance(into, dict) else {}
+        return type(value)((k, rebuild(v, meshes, where, source, inside.get(k))) for k, v in value.items())
     if isinstance(value, list | tuple):
-        return type(value)(rebuild(v, meshes, where, source) for v in value)
+        inner = list(into) if isinstance(into, list | tuple) and len(into) == len(value) else [None] * len(value)
+        return type(value)(rebuild(v, meshes, where, source, i) for v, i in zip(value, inner, strict=True))
     return value
 
 
@@ -241,14 +252,16 @@ def _coord(tid: str, placements: list[str]) -> list[int]:
     return [0 if p == "*" else int(p) for p in parts]
 
 
-def reshard(saved: SavedShard, mesh: Any, source: ShardSource, where: str) -> Any:
+def reshard(saved: SavedShard, mesh: Any, source: ShardSource, where: str, into: Any = None) -> Any:
     """`saved` (a tensor saved on another mesh) as a DTensor on `mesh` with the same placements: this rank's new
-    local shard filled from the region of every saved shard that overlaps it, read through `source`."""
+    local shard filled from the region of every saved shard that overlaps it, read through `source`; into `into`'s
+    local shard when `into` is that same DTensor already (see `rebuild`)."""
     info = saved.info
     shape, placements = [int(v) for v in info["shape"]], list(info["placements"])
     size, offset = shard_extent(shape, [int(v) for v in mesh.mesh.shape], [int(c) for c in mesh.get_coordinate()],
                                 placements)  # fmt: skip
-    local = torch.empty(size, dtype=saved.local.dtype)
+    reuse = _fits(into, mesh, info, size, saved.local.dtype)
+    local = into.to_local().detach() if reuse else torch.empty(size, dtype=saved.local.dtype)
     covered = 0
     for tid in source.shard_ids(str(info["ref"]).split("@")[0]):
         old_size, old_offset = shard_extent(shape, info["mesh_shape"], _coord(tid, placements), placements)
@@ -257,11 +270,11 @@ def reshard(saved: SavedShard, mesh: Any, source: ShardSource, where: str) -> An
         if any(lo >= hi for lo, hi in zip(low, high, strict=True)) or 0 in size:
             continue
         region = tuple(slice(lo - b, hi - b) for lo, hi, b in zip(low, high, old_offset, strict=True))
-        into = tuple(slice(lo - a, hi - a) for lo, hi, a in zip(low, high, offset, strict=True))
-        target = local[into]
+        place = tuple(slice(lo - a, hi - a) for lo, hi, a in zip(low, high, offset, strict=True))
+        target = local[place]
         if [hi - lo for lo, hi in zip(low, high, strict=True)] == old_size and target.is_contiguous():
             source.read_into(tid, target)  # the whole saved shard lands in one block of the new one (a shrink)
-        else:
+        elif not source.read_region(tid, old_size, region, target):  # only the overlap, where the source can
             target.copy_(source.read(tid).reshape(old_size)[region])
         covered += math.prod(hi - lo for lo, hi in zip(low, high, strict=True))
     if covered != math.prod(size):
@@ -269,7 +282,22 @@ def reshard(saved: SavedShard, mesh: Any, source: ShardSource, where: str) -> An
             f"checkpoint {where}: the saved shards of {_name(info)} cover {covered} of the {math.prod(size)} "
             "values this rank's new shard needs"
         )
-    return _dtensor(local, mesh, info)
+    return into if reuse else _dtensor(local, mesh, info)
+
+
+def _fits(into: Any, mesh: Any, info: dict[str, Any], size: list[int], dtype: torch.dtype) -> bool:
+    """Whether `into` is a CPU DTensor on `mesh` exactly as the resharded tensor will be: its local shard can be
+    written in place."""
+    if not isinstance(into, DTensor) or into.device_mesh != mesh or into.dtype != dtype:
+        return False
+    local = into.to_local()
+    return (
+        local.device.type == "cpu"
+        and local.is_contiguous()
+        and list(local.shape) == size
+        and list(into.shape) == [int(v) for v in info["shape"]]
+        and list(into.placements) == [_placement(p) for p in info["placements"]]
+    )
 
 
 def assemble(shards: list[SavedShard]) -> torch.Tensor:

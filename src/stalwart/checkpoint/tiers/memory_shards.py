@@ -22,6 +22,7 @@ slot's header afterwards, so an image overwritten meanwhile is reported as unusa
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,20 +121,24 @@ class MemoryImages:
             raise CheckpointCorruptError(f"no memory snapshot of step {self.step} holds tensor {tid}")
         return image, entry
 
-    def _read(self, tid: str, out: torch.Tensor | None, rank: int | None = None) -> torch.Tensor:
+    def _read(
+        self, tid: str, out: torch.Tensor | None, rank: int | None = None, part: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Tensor `tid` (or the bytes `part` = (start, length) of it) into `out` (a new tensor if None)."""
         image, (offset, nbytes, dtype_text, shape) = self._locate(tid, rank)
         dtype = dtype_from_name(dtype_text)
         if out is None:
             out = torch.empty(shape, dtype=dtype)
-        if nbytes:
+        start, length = part if part is not None else (0, nbytes)
+        if length:
             target = out.view(-1).view(torch.uint8).numpy().data
             with open(image.path, "rb", buffering=0) as f:
-                f.seek(image.header.data_offset + offset)
+                f.seek(image.header.data_offset + offset + start)
                 got = f.readinto(target)
-            if got != nbytes:
+            if got != length:
                 raise CheckpointCorruptError(f"the memory snapshot of step {self.step} ends inside tensor {tid}")
             self._check(image)
-        self.bytes += nbytes
+        self.bytes += length
         return out
 
     def _check(self, image: _Image) -> None:
@@ -169,3 +174,24 @@ class MemoryImages:
         if not isinstance(state, dict) or "objects" not in state:
             raise CheckpointCorruptError(f"the memory snapshot of step {self.step} is not a stalwart state")
         return state
+
+    def read_region(self, tid: str, shape: list[int], region: tuple[slice, ...], out: torch.Tensor) -> bool:
+        """The part `region` of shard `tid` into `out`, read as one byte range, when it is one (whole rows of the
+        row-major shard, as where Shard(0) shards overlap): no byte of the shard outside it is read. False when it
+        is not; the caller then reads the whole shard."""
+        _, (_, nbytes, dtype_text, _) = self._locate(tid)
+        dtype = dtype_from_name(dtype_text)
+        if nbytes != math.prod(shape) * dtype.itemsize:
+            return False
+        lengths = [r.stop - r.start for r in region]
+        first = next((d for d, n in enumerate(lengths) if n != 1), len(lengths) - 1)  # the first dimension cut
+        if not shape or any(lengths[d] != shape[d] for d in range(first + 1, len(shape))):
+            return False
+        if not out.is_contiguous() or out.dtype != dtype or out.numel() != math.prod(lengths):
+            return False
+        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+        start = sum(r.start * stride for r, stride in zip(region, strides, strict=True)) * dtype.itemsize
+        if start + out.numel() * dtype.itemsize > nbytes:
+            raise CheckpointCorruptError(f"the memory snapshot of step {self.step} ends inside tensor {tid}")
+        self._read(tid, out, part=(start, out.numel() * dtype.itemsize))
+        return True
