@@ -40,6 +40,8 @@ def _one_error_line(stderr: str) -> str:
         (["run", "--nproc-per-node", "0", str(TINY)], "--nproc-per-node must be at least 1"),
         (["run", "--no-such-flag", str(TINY)], "unrecognized arguments"),
         (["run", "--max-restarts", "-1", str(TINY)], "--max-restarts must be >= 0"),
+        (["run", "--replace-wait-s", "-1", str(TINY)], "--replace-wait-s must be a number of seconds >= 0"),
+        (["run", "--replace-wait-s", "nan", str(TINY)], "--replace-wait-s must be a number of seconds >= 0"),
         (["run", "--nnodes", "2:1", str(TINY)], "--nnodes"),
         (["run", "--nnodes", "2", str(TINY)], "--rdzv-endpoint"),
         # 192.0.2.1 (TEST-NET-1) is no address of this host: as the store's host it cannot bind there.

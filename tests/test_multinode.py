@@ -121,6 +121,52 @@ def test_a_killed_node_is_replaced_and_the_job_ends_bitwise_identical(
     assert two_nodes["sha256"] == one_node["sha256"], "a replaced node ends where one clean node does"
 
 
+def test_a_lost_node_with_no_replacement_shrinks_the_sharded_job_in_place(launch: Any, tmp_path: Path) -> None:
+    """Under --nnodes 1:2 a node dies for good (its agent SIGKILLed): after --replace-wait-s with no replacement the
+    surviving node's ranks go on at 2 of 4 ranks in their own processes, running the script again in the round
+    (their FSDP2 modules are built on the old mesh) and resharding the state from node memory, where their own
+    snapshots and the peer replicas of the lost node's ranks are. Every sample of the epochs is seen exactly once,
+    as in a run of 4 ranks throughout."""
+    port = _free_port()
+    (tmp_path / "batches").mkdir()
+    fsdp = ["--fsdp", "--no-randomness", "--gbs", "12", "--hidden", "30", "--allow-resize"]
+    job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "30",
+                "--step-sleep", "0.1", "--every", "100", *fsdp, "--batch-log", str(tmp_path / "batches")]  # fmt: skip
+    common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--replace-wait-s", "2"]  # fmt: skip
+    first = launch([*common, *job_args], name="node0")
+    first.wait_for(lambda: first.events("launcher_started"), 60, "the first agent")
+    victim = launch([*common, *job_args], name="node1")
+    victim.wait_for(lambda: [e for e in victim.events("step_done") if e["step"] >= 10], 180, "step 10")
+    workers = victim.worker_pids(restart=0)
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait()
+    assert first.wait(180) == 0, first.output()
+    assert not [pid for pid in workers.values() if alive(pid)], "the dead node's workers died with its agent"
+    kept = {e["worker_pid"] for e in first.events("worker_spawned")}
+    assert len(kept) == 2, "the surviving node's ranks stayed the same two processes"
+    [resized] = [e for e in first.events("world_resized") if e.get("rank") == 0]
+    assert (resized["from"], resized["to"], resized["tier"]) == (4, 2, "memory"), resized
+    assert resized["step"] >= 10, "at most the step in flight is redone"
+    rerun = [e for e in first.events("worker_failed") if e.get("restart", 0) > 0]
+    assert not rerun, "the script ran again inside the round: no second round"
+    reference = launch(["--nproc-per-node", "4", *job_args[:1], "--ckpt", "ckpt", "--out", "out", "--steps", "30",
+                        *fsdp[:-1], "--batch-log", "."], name="reference")  # fmt: skip
+    assert reference.wait(180) == 0, reference.output()
+    assert _samples(tmp_path / "batches") == _samples(reference.workdir), "each step's samples, once each"
+
+
+def _samples(directory: Path) -> dict[int, list[int]]:
+    """step -> the samples of its global batch, from the tiny job's --batch-log: of the last round that ran the step
+    (a step in flight when a node was lost is redone in the next)."""
+    by_step: dict[int, dict[int, list[int]]] = {}
+    for log in directory.glob("pid*.jsonl"):
+        for line in log.read_text().splitlines():
+            entry = json.loads(line)
+            by_step.setdefault(entry["step"], {}).setdefault(entry["restart"], []).extend(entry["ids"])
+    return {step: sorted(rounds[max(rounds)]) for step, rounds in sorted(by_step.items())}
+
+
 @pytest.fixture
 def two_hosts() -> Iterator[list[tuple[str, str, str]]]:
     """Two network namespaces joined by a veth pair (chaos/netns.py): [(namespace, interface, address)] each."""

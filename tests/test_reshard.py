@@ -68,9 +68,10 @@ def test_fsdp2_state_of_4_ranks_goes_on_at_2_then_at_3(launch: Any, tmp_path: Pa
     assert not [pid for pid in pids if alive(pid)], "no worker outlives its launcher"
 
 
-def _torchrun(workdir: Path, nproc: int, snapshots: Path, *args: str) -> list[dict[str, Any]]:
+def _torchrun(workdir: Path, nproc: int, snapshots: Path, *args: str, code: int = 0) -> list[dict[str, Any]]:
     """The tiny job under torchrun (no agent of ours) whose memory tier is `snapshots`, kept across its runs the
-    way a restarted node's agent keeps it; its events. Every process is reaped, also on failure."""
+    way a restarted node's agent keeps it; its events. Every process is reaped, also on failure. `code`: the exit
+    status expected (torchrun's: 1 when a worker failed)."""
     import subprocess
     import sys
 
@@ -84,12 +85,12 @@ def _torchrun(workdir: Path, nproc: int, snapshots: Path, *args: str) -> list[di
     with open(workdir / "output.log", "wb") as out:
         proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
     try:
-        code = proc.wait(180)
+        ended = proc.wait(180)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert code == 0, (workdir / "output.log").read_text()[-3000:]
+    assert ended == code, (workdir / "output.log").read_text()[-3000:]
     return list(read_events(workdir / "events.jsonl"))
 
 
@@ -105,6 +106,9 @@ def test_fsdp2_state_of_4_ranks_reshards_from_node_memory_at_2_then_at_3(tmp_pat
         _torchrun(tmp_path / "four", 4, snapshots, "--steps", "10", *ARGS, "--dump-dir", str(dumps / "4"))
         # The durable checkpoint of step 10 is gone: only node memory holds it (the durable one is of step 8).
         shutil.rmtree(tmp_path / "ckpt" / "step_00000010")
+        _torchrun(tmp_path / "refused", 2, snapshots, "--steps", "12", *ARGS, code=1)
+        refused = (tmp_path / "refused" / "output.log").read_text()
+        assert "stalwart: error: node memory holds step 10 of a job of 4 ranks and this job has 2" in refused
         resize = ("--allow-resize",)
         two = _torchrun(tmp_path / "two", 2, snapshots, "--steps", "12", *ARGS, *resize, "--dump-dir", str(dumps / "2"))
         three = _torchrun(tmp_path / "three", 3, snapshots, "--steps", "14", *ARGS, *resize,

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from stalwart.checkpoint.format import sharded
 from stalwart.detect.heartbeat import PHASE_RESUME
 from stalwart.recovery import reform
-from stalwart.recovery.in_loop import InLoop, NothingToGoBackTo
+from stalwart.recovery.in_loop import InLoop, NewWorldForShards, NothingToGoBackTo
 from stalwart.runtime.dist import Placement, init_process_group
 
 Job = Any
@@ -125,7 +126,7 @@ def reform_in_loop(
         try:
             ddp_modules = _reform_once(job, in_loop, failure, objects, left=left)
             break
-        except NothingToGoBackTo:
+        except (NothingToGoBackTo, NewWorldForShards):
             raise
         except Exception as exc:
             if not reform.is_reformable(exc):
@@ -151,7 +152,12 @@ def _reform_once(job: Job, in_loop: InLoop, failure: Exception, objects: dict[st
     if not left:
         abandon(job)
         in_loop.leave(job.rank, reform.reason(failure))
-    job.placement = Placement.from_env()
+    old_world, job.placement = job.world_size, Placement.from_env()
+    if job.placement.world_size != old_world and sharded.meshes_of(objects.values()):
+        raise NewWorldForShards(
+            f"the job re-formed at {job.placement.world_size} ranks from {old_world} and holds sharded state; running "
+            "the script again so that its set-up builds the modules at the new size"
+        )
     timeout = timedelta(seconds=job.config.collective_timeout_s)
     job._owns_process_group = init_process_group(job.placement, timeout, reformable=True)
     job._set_up(job._given_hooks, staying=True)

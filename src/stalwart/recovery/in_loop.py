@@ -55,6 +55,15 @@ class NothingToGoBackTo(reform.ReformRequested):
     and re-form with it."""
 
 
+class NewWorldForShards(reform.RunAgainInRound):
+    """The job re-formed at another world size and holds sharded state (DTensors: FSDP2, tensor parallelism): its
+    modules are built on the old device mesh, which no library code can change under them, so the survivor leaves
+    its loop and its host runs the script again, whose set-up builds them at the new size; the restore then
+    reshards the state (from node memory where every old rank's snapshot is held, else from the durable
+    checkpoint). Every rank holds sharded state and sees the same new size, so all of them run it again, in the
+    round they were activated for (raised before any of them made its group)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Grow:
     """The job grows back after training on shrunk: the survivors are at `step`; `source`, the lowest of them,

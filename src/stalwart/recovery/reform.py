@@ -47,6 +47,12 @@ class ReformRequested(RuntimeError):
     """Raised in the main thread by REFORM_SIGNAL: a peer failed and this worker must re-form."""
 
 
+class RunAgainInRound(ReformRequested):
+    """A survivor that must run the script again in the round it has just been activated for, before it used the
+    round (no process group of it made yet): its host runs the script again at once, without re-arming, so no other
+    round of the rendezvous is needed (supervisor/worker_host.py)."""
+
+
 class Abandonable(Protocol):
     def abandon(self) -> None: ...
 

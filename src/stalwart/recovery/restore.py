@@ -28,7 +28,7 @@ from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.memory_shards import MemoryImages, other_worlds
 from stalwart.checkpoint.tiers.replicas import PeerReplicas
-from stalwart.errors import CheckpointCorruptError
+from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError
 from stalwart.recovery import reform
 from stalwart.runtime.dist import Comm, Flag, IntMessage
 from stalwart.runtime.process import first_line
@@ -118,7 +118,7 @@ class Restorer:
         """The newest state the job can resume from; None when there is none (a fresh start)."""
         return (
             self._from_memory()
-            or (self._resharded_from_memory() if allow_world_size_change else None)
+            or self._resharded_from_memory(allowed=allow_world_size_change)
             or self._checkpointer.load_latest(allow_world_size_change=allow_world_size_change)
         )
 
@@ -196,10 +196,12 @@ class Restorer:
         tier = "replica" if from_replica else "memory"
         return Restored(step, comm.world_size, snapshot.state, where, snapshot.bytes, tier=tier)
 
-    def _resharded_from_memory(self) -> Restored | None:
+    def _resharded_from_memory(self, *, allowed: bool) -> Restored | None:
         """The newest state of another world size that every rank's node holds whole in memory, if it is at least as
         new as the newest durable checkpoint: this rank's part of it, sharded tensors to be resharded from the
-        old ranks' images (checkpoint/tiers/memory_shards.py). None otherwise. Collective."""
+        old ranks' images (checkpoint/tiers/memory_shards.py). None otherwise. Not `allowed`: such a state stops
+        the job with CheckpointMismatchError, as a durable checkpoint of another world size does, instead of a
+        silent fresh start. Collective."""
         comm, memory = self._comm, self._memory
         mine = OtherWorlds(
             tuple(other_worlds(memory.directory, comm.world_size)[:_WORLDS]) if memory is not None else (),
@@ -212,6 +214,11 @@ class Restorer:
         old_world, step = max(common, key=lambda pair: (pair[1], pair[0]))
         if step < every[0].newest_durable:
             return None
+        if not allowed:
+            raise CheckpointMismatchError(
+                f"node memory holds step {step} of a job of {old_world} ranks and this job has {comm.world_size}; "
+                "allow a world-size change (docs/checkpoints.md) or relaunch with the same world size"
+            )
         images, state, problem = None, None, ""
         try:
             assert memory is not None

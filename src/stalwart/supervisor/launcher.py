@@ -66,7 +66,7 @@ from stalwart.supervisor.leftovers import (
     _remove_stale_shared_memory,
 )
 from stalwart.supervisor.preempt_notice import NoticeWatch
-from stalwart.supervisor.rendezvous import rendezvous_handler
+from stalwart.supervisor.rendezvous import KEEP_ALIVE, rendezvous_handler
 from stalwart.supervisor.run_args import parse_nnodes, reforms
 from stalwart.supervisor.zygote import Zygote
 from stalwart.telemetry.events import EventLog
@@ -292,6 +292,8 @@ def _run_agent(
     if args.preempt_grace_s > 0:  # SIGTERM stays with our handler, which asks the workers to save first
         handled = ",".join(sig for sig in handled.split(",") if sig.strip() != "SIGTERM")
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled
+    elastic = config.min_nodes < config.max_nodes
+    rdzv_configs = {**KEEP_ALIVE, **config.rdzv_configs} if elastic else config.rdzv_configs
     rdzv_parameters = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -299,7 +301,7 @@ def _run_agent(
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
         local_addr=config.local_addr,
-        **config.rdzv_configs,
+        **rdzv_configs,
     )
     master_addr, master_port = None, None
     if config.rdzv_backend == "static":
@@ -315,7 +317,7 @@ def _run_agent(
         max_restarts=config.max_restarts,
     )
     try:
-        rdzv_handler = rendezvous_handler(rdzv_parameters)
+        rdzv_handler = rendezvous_handler(rdzv_parameters, args.replace_wait_s if elastic else None)
     except (RendezvousError, ValueError) as exc:  # an address this host cannot bind or reach
         raise ConfigError(f"cannot start the rendezvous at {config.rdzv_endpoint}: {first_line(exc)}") from exc
     spec = WorkerSpec(

@@ -18,8 +18,16 @@ from stalwart.runtime.store import tcp_store
 DEFAULT_PORT = 29400  # torch's c10d rendezvous default
 
 
-def rendezvous_handler(params: Any) -> Any:
-    """The RendezvousHandler for `params` (torch's RendezvousParameters)."""
+KEEP_ALIVE = {"keep_alive_interval": 2, "keep_alive_max_attempt": 3}
+"""The c10d rendezvous's keep-alive under elastic membership (--nnodes MIN:MAX), unless --rdzv-conf sets it: a
+lost node leaves the rendezvous after 6 s of silence instead of torch's 15 (5 s x 3), so the job goes on without
+it that much sooner; each agent writes one small key to the store every 2 s."""
+
+
+def rendezvous_handler(params: Any, replace_wait_s: float | None = None) -> Any:
+    """The RendezvousHandler for `params` (torch's RendezvousParameters). `replace_wait_s`: after the first round,
+    how long a round below the maximum node count waits for more nodes once the minimum is there (torch's
+    `last_call_timeout`, which the first round keeps, for nodes that start late)."""
     from torch.distributed.elastic.rendezvous import registry
 
     if params.backend != "c10d" or params.get("store_type", "tcp").strip().lower() != "tcp":
@@ -48,6 +56,10 @@ def rendezvous_handler(params: Any) -> Any:
     backend = C10dRendezvousBackend(store, params.run_id)
     _cheap_event_names()
     handler = create_handler(store, backend, params)
+    if replace_wait_s is not None:
+        handler.next_rendezvous = functools.partial(  # type: ignore[method-assign]
+            _then_wait_for_replacements, handler.next_rendezvous, handler, timedelta(seconds=replace_wait_s)
+        )
     if params.max_nodes == 1:
         handler.next_rendezvous = functools.partial(_without_start_skew, handler.next_rendezvous)  # type: ignore[method-assign]
     if not _builds_master_at_local_addr():
@@ -55,6 +67,16 @@ def rendezvous_handler(params: Any) -> Any:
             _master_at_local_addr, handler.next_rendezvous, params.local_addr
         )
     return handler
+
+
+def _then_wait_for_replacements(next_rendezvous: Callable[[], Any], handler: Any, wait: timedelta) -> Any:
+    """`next_rendezvous()`, after which later rounds wait `wait` for more nodes (a private field of torch's
+    RendezvousTimeout, kept as it is if this torch has none)."""
+    info = next_rendezvous()
+    timeout = getattr(getattr(handler, "_settings", None), "timeout", None)
+    if timeout is not None and hasattr(timeout, "_last_call"):
+        timeout._last_call = wait
+    return info
 
 
 MASTER_ADDR_KEY = "stalwart/master_addr"

@@ -96,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
         "world size meanwhile with the global batch kept (the default on one node); the job then ends bitwise "
         "identical to a run without the failure (${ENV}=1 also does)".replace("${ENV}", WAIT_FOR_REPLACEMENT_ENV),
     )
+    parser.add_argument(
+        "--replace-wait-s",
+        type=float,
+        default=REPLACE_WAIT_S,
+        help="under --nnodes MIN:MAX, seconds the job waits for a lost node's replacement (or a waiting node) "
+        "before it goes on with the nodes it has; the first rendezvous keeps torch's wait for late starters "
+        f"(default {REPLACE_WAIT_S:g}; docs/schedulers.md)",
+    )
     preflight_gate.add_arguments(parser)
     parser.add_argument(
         "--metrics-port",
@@ -123,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
         parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
     return parser
 
+
+REPLACE_WAIT_S = 5.0
+"""The default of --replace-wait-s: a restarted process or a spare node on the wait list joins well within it, a
+node rebooting or rescheduled by Kubernetes or Slurm takes minutes, and the job then grows back when it joins."""
 
 _STATIC_FLAGS = ("--rdzv-backend", "--rdzv_backend", "--master-addr", "--master_addr", "--master-port",
                  "--master_port", "--node-rank", "--node_rank")  # fmt: skip
@@ -185,6 +197,8 @@ def _validate(args: argparse.Namespace) -> None:
                           "write to the launcher's own stdout and stderr and are not re-bound)")  # fmt: skip
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not 0 <= args.replace_wait_s < float("inf"):
+        raise ConfigError(f"--replace-wait-s must be a number of seconds >= 0, got {args.replace_wait_s}")
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     if not 0 < min_nodes <= max_nodes:
         raise ConfigError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {args.nnodes}")

@@ -162,24 +162,33 @@ def _serve(control: IO[str], status: int) -> None:
             baseline.restore()
         ran = True
         argv = _apply(Activation.decode(line))
-        lost: str | None = None
-        reform.offer_rearm((lambda: _rearm_in_loop(control, status)) if status >= 0 else None)
-        try:
-            with reform.interruptible():
-                _run_script(argv)
-        except SystemExit:
-            raise
-        except BaseException as exc:
-            if not (reform.enabled() and status >= 0 and reform.is_reformable(exc)):
-                sys.excepthook(type(exc), exc, exc.__traceback__)
-                sys.exit(1)
-            lost = reform.reason(exc)
-        if lost is None:
-            sys.exit(0)
-        # Outside the except block, so that the failed run's frames (model, optimizer, buckets) can be freed.
-        _say(f"stalwart: rank {os.environ.get('RANK', '?')}: {lost}; re-forming in place")
-        reform.abandon()
+        while _run_once(argv, control, status):  # the script again in this round (reform.RunAgainInRound)
+            baseline.restore()
         _report_rearmed(status)
+
+
+def _run_once(argv: list[str], control: IO[str], status: int) -> bool:
+    """One run of the script; exits the process unless it ended for a peer's failure. Returns whether to run it
+    again at once, in the same round."""
+    lost: str | None = None
+    again = False
+    reform.offer_rearm((lambda: _rearm_in_loop(control, status)) if status >= 0 else None)
+    try:
+        with reform.interruptible():
+            _run_script(argv)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        if not (reform.enabled() and status >= 0 and reform.is_reformable(exc)):
+            sys.excepthook(type(exc), exc, exc.__traceback__)
+            sys.exit(1)
+        lost, again = reform.reason(exc), isinstance(exc, reform.RunAgainInRound)
+    if lost is None:
+        sys.exit(0)
+    # Outside the except block, so that the failed run's frames (model, optimizer, buckets) can be freed.
+    _say(f"stalwart: rank {os.environ.get('RANK', '?')}: {lost}{'' if again else '; re-forming in place'}")
+    reform.abandon()
+    return again
 
 
 def _rearm_in_loop(control: IO[str], status: int) -> None:
