@@ -121,17 +121,19 @@ def test_a_killed_node_is_replaced_and_the_job_ends_bitwise_identical(
     assert two_nodes["sha256"] == one_node["sha256"], "a replaced node ends where one clean node does"
 
 
-def test_a_lost_node_with_no_replacement_shrinks_the_sharded_job_in_place(launch: Any, tmp_path: Path) -> None:
+def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_back(launch: Any, tmp_path: Path) -> None:
     """Under --nnodes 1:2 a node dies for good (its agent SIGKILLed): after --replace-wait-s with no replacement the
     surviving node's ranks go on at 2 of 4 ranks in their own processes, running the script again in the round
     (their FSDP2 modules are built on the old mesh) and resharding the state from node memory, where their own
-    snapshots and the peer replicas of the lost node's ranks are. Every sample of the epochs is seen exactly once,
-    as in a run of 4 ranks throughout."""
+    snapshots and the peer replicas of the lost node's ranks are. Then a new node joins: the job grows back to 4
+    ranks, the new node's state coming from the survivors' memory (moved between nodes, not read from storage),
+    the survivors still the same processes. Every step's samples are those of a run of 4 ranks throughout, once
+    each."""
     port = _free_port()
     (tmp_path / "batches").mkdir()
     fsdp = ["--fsdp", "--no-randomness", "--gbs", "12", "--hidden", "30", "--allow-resize"]
-    job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "30",
-                "--step-sleep", "0.1", "--every", "100", *fsdp, "--batch-log", str(tmp_path / "batches")]  # fmt: skip
+    job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "80",
+                "--step-sleep", "0.1", "--every", "1000", *fsdp, "--batch-log", str(tmp_path / "batches")]  # fmt: skip
     common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
               "--replace-wait-s", "2"]  # fmt: skip
     first = launch([*common, *job_args], name="node0")
@@ -141,30 +143,35 @@ def test_a_lost_node_with_no_replacement_shrinks_the_sharded_job_in_place(launch
     workers = victim.worker_pids(restart=0)
     os.kill(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait()
-    assert first.wait(180) == 0, first.output()
+    first.wait_for(lambda: first.events("world_resized"), 120, "the survivors to shrink")
+    joining = launch([*common, *job_args], name="node1-new")
+    for node in (first, joining):
+        assert node.wait(180) == 0, node.output()
     assert not [pid for pid in workers.values() if alive(pid)], "the dead node's workers died with its agent"
-    kept = {e["worker_pid"] for e in first.events("worker_spawned")}
-    assert len(kept) == 2, "the surviving node's ranks stayed the same two processes"
-    [resized] = [e for e in first.events("world_resized") if e.get("rank") == 0]
-    assert (resized["from"], resized["to"], resized["tier"]) == (4, 2, "memory"), resized
-    assert resized["step"] >= 10, "at most the step in flight is redone"
-    rerun = [e for e in first.events("worker_failed") if e.get("restart", 0) > 0]
-    assert not rerun, "the script ran again inside the round: no second round"
-    reference = launch(["--nproc-per-node", "4", *job_args[:1], "--ckpt", "ckpt", "--out", "out", "--steps", "30",
+    assert len({e["worker_pid"] for e in first.events("worker_spawned")}) == 2, "the survivors stayed two processes"
+    resized = [e for e in first.events("world_resized") if e.get("rank") == 0]
+    assert [(e["from"], e["to"], e["tier"]) for e in resized] == [(4, 2, "memory"), (2, 4, "memory")], resized
+    assert resized[0]["step"] >= 10, "at most the step in flight is redone"
+    [grown] = [e for e in joining.events("resumed") if e.get("rank") == 2]
+    assert grown["tier"] == "memory" and "moved between nodes" in grown["source"], grown
+    assert grown["step"] == resized[1]["step"]
+    reruns = [e for e in first.events("worker_failed") if e.get("restart", 0) > 0]
+    assert not reruns, "the script ran again inside the rounds: no round was failed"
+    reference = launch(["--nproc-per-node", "4", *job_args[:1], "--ckpt", "ckpt", "--out", "out", "--steps", "80",
                         *fsdp[:-1], "--batch-log", "."], name="reference")  # fmt: skip
     assert reference.wait(180) == 0, reference.output()
     assert _samples(tmp_path / "batches") == _samples(reference.workdir), "each step's samples, once each"
 
 
 def _samples(directory: Path) -> dict[int, list[int]]:
-    """step -> the samples of its global batch, from the tiny job's --batch-log: of the last round that ran the step
-    (a step in flight when a node was lost is redone in the next)."""
+    """step -> the samples of its global batch, from the tiny job's --batch-log: of the latest run that took the step
+    (the one resumed from the newest step; a step in flight at a change of world size is redone in the next)."""
     by_step: dict[int, dict[int, list[int]]] = {}
     for log in directory.glob("pid*.jsonl"):
         for line in log.read_text().splitlines():
             entry = json.loads(line)
-            by_step.setdefault(entry["step"], {}).setdefault(entry["restart"], []).extend(entry["ids"])
-    return {step: sorted(rounds[max(rounds)]) for step, rounds in sorted(by_step.items())}
+            by_step.setdefault(entry["step"], {}).setdefault(entry["since"], []).extend(entry["ids"])
+    return {step: sorted(runs[max(runs)]) for step, runs in sorted(by_step.items())}
 
 
 @pytest.fixture

@@ -102,7 +102,11 @@ def main() -> None:
         "resumed-<step>.pt after a resume, at-<step>.pt at --dump-at, end-<step>.pt at the end",
     )
     p.add_argument("--dump-at", type=int, default=-1, help="with --dump-dir: also dump before this step")
-    p.add_argument("--batch-log", default="", help="append each step's samples here (a directory): step, restart, ids")
+    p.add_argument(
+        "--batch-log",
+        default="",
+        help="append each step's samples here (a directory): step, the step this run resumed from, ids",
+    )
     p.add_argument("--setup-log", default="", help="append this process's pid here each time the set-up runs")
     p.add_argument("--die-at", default="", help="STEP:PHASE (forward, backward, before_optimizer): rank 1 of the "
                    "first round dies there, the user's code killing its own process")  # fmt: skip
@@ -192,8 +196,8 @@ def main() -> None:
         seen.ids.extend(ids.tolist())
         if args.batch_log:
             with open(Path(args.batch_log) / f"pid{os.getpid()}.jsonl", "a") as f:
-                restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-                f.write(json.dumps({"step": step, "restart": restart, "ids": ids.tolist()}) + "\n")
+                since = job.resumed_from if job.resumed_from is not None else -1
+                f.write(json.dumps({"step": step, "since": since, "ids": ids.tolist()}) + "\n")
         if args.compute_sleep:
             time.sleep(args.compute_sleep)  # a stand-in for compute (a GPU's kernels) that no other rank slows
         noise = torch.rand(len(x), 1) * (0.0 if args.no_randomness else 1.0)  # draws: RNG restore matters

@@ -26,17 +26,15 @@ from stalwart.checkpoint.format.serialize import load_skeleton
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.tiers.memory import MemoryTier
-from stalwart.checkpoint.tiers.memory_shards import MemoryImages, other_worlds
 from stalwart.checkpoint.tiers.replicas import PeerReplicas
-from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError
-from stalwart.recovery import reform
+from stalwart.errors import CheckpointCorruptError
+from stalwart.recovery import memory_reshard, reform
 from stalwart.runtime.dist import Comm, Flag, IntMessage
 from stalwart.runtime.process import first_line
 from stalwart.runtime.state_wire import recv_state, send_state
 from stalwart.telemetry.events import EventLog
 
 _SLOTS = 2  # a rank keeps two snapshots of each kind (double buffering), so it reports at most two steps
-_WORLDS = 4  # the most (old world size, step) pairs a rank reports for resharding from node memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,24 +63,6 @@ class Holdings(IntMessage):
 
         n = _SLOTS
         return cls(steps(ints[:n]), steps(ints[n : 2 * n]), ints[2 * n], ints[2 * n + 1])
-
-
-@dataclass(frozen=True, slots=True)
-class OtherWorlds(IntMessage):
-    """What one rank's node can reshard from: the (old world size, step) pairs it holds a whole full image of for
-    every old rank, newest first, and rank 0's newest durable step."""
-
-    pairs: tuple[tuple[int, int], ...]
-    newest_durable: int
-
-    def to_ints(self) -> list[int]:
-        flat = [v for pair in self.pairs[:_WORLDS] for v in pair]
-        return flat + [-1] * (2 * _WORLDS - len(flat)) + [self.newest_durable]
-
-    @classmethod
-    def from_ints(cls, ints: list[int]) -> OtherWorlds:
-        pairs = tuple((ints[i], ints[i + 1]) for i in range(0, 2 * _WORLDS, 2) if ints[i] > 0)
-        return cls(pairs, ints[2 * _WORLDS])
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,11 +96,16 @@ class Restorer:
 
     def restore(self, *, allow_world_size_change: bool) -> Restored | None:
         """The newest state the job can resume from; None when there is none (a fresh start)."""
-        return (
-            self._from_memory()
-            or self._resharded_from_memory(allowed=allow_world_size_change)
-            or self._checkpointer.load_latest(allow_world_size_change=allow_world_size_change)
-        )
+        memory, comm = self._memory, self._comm
+        directory = memory.directory if memory is not None else None
+        newest_durable = self._checkpointer.newest_committed() if comm.rank == 0 else -1
+        other = memory_reshard.survey(comm, directory, comm.world_size, newest_durable)
+        restored = self._from_memory(newer_than=other.step if other is not None else -1)
+        if restored is None and other is not None:
+            local_rank = memory.local_rank if memory is not None else 0
+            restored = memory_reshard.restore(comm, self._events, directory, local_rank, other,
+                                              allowed=allow_world_size_change)  # fmt: skip
+        return restored or self._checkpointer.load_latest(allow_world_size_change=allow_world_size_change)
 
     def rollback(self, at_most: int, abandon: Callable[[], None]) -> Restored | None:
         """The newest state from at or before step `at_most` (an L0 rollback, recovery/rollback.py): a full snapshot
@@ -154,9 +139,11 @@ class Restorer:
                 return Restored(step, comm.world_size, snapshot.state, where, snapshot.bytes, tier="memory")
         return self._checkpointer.load_latest(at_most=at_most)
 
-    def _from_memory(self) -> Restored | None:
+    def _from_memory(self, newer_than: int = -1) -> Restored | None:
         """The newest state the ranks can rebuild from memory if it is at least as new as the newest durable
-        checkpoint; None otherwise. Collective: every rank calls it, with or without a memory tier."""
+        checkpoint and newer than `newer_than` (a state of another world size in node memory: after a shrink and a
+        grow back, this world size's images are older); None otherwise. Collective: every rank calls it, with or
+        without a memory tier."""
         comm, memory = self._comm, self._memory
         from_replica = self._replicas.restore()  # a lost node's ranks get their images back first (L3)
         stash = reform.stashed()
@@ -174,7 +161,7 @@ class Restorer:
         by_live = max((s for s in common_light if s in holders), default=-1)
         by_full = max(common_full, default=-1)
         step = max(by_live, by_full)
-        if step < 0 or step < newest_durable:
+        if step < 0 or step < newest_durable or step <= newer_than:
             return None
         if by_live > by_full:
             restored = self._from_light(by_live, holders[by_live])
@@ -195,42 +182,6 @@ class Restorer:
         where = f"{'a peer replica in another node' if from_replica else 'node'}'s memory (step {step})"
         tier = "replica" if from_replica else "memory"
         return Restored(step, comm.world_size, snapshot.state, where, snapshot.bytes, tier=tier)
-
-    def _resharded_from_memory(self, *, allowed: bool) -> Restored | None:
-        """The newest state of another world size that every rank's node holds whole in memory, if it is at least as
-        new as the newest durable checkpoint: this rank's part of it, sharded tensors to be resharded from the
-        old ranks' images (checkpoint/tiers/memory_shards.py). None otherwise. Not `allowed`: such a state stops
-        the job with CheckpointMismatchError, as a durable checkpoint of another world size does, instead of a
-        silent fresh start. Collective."""
-        comm, memory = self._comm, self._memory
-        mine = OtherWorlds(
-            tuple(other_worlds(memory.directory, comm.world_size)[:_WORLDS]) if memory is not None else (),
-            self._checkpointer.newest_committed() if comm.rank == 0 else -1,
-        )
-        every = comm.gather(mine)
-        common = set.intersection(*[set(m.pairs) for m in every])
-        if not common:
-            return None
-        old_world, step = max(common, key=lambda pair: (pair[1], pair[0]))
-        if step < every[0].newest_durable:
-            return None
-        if not allowed:
-            raise CheckpointMismatchError(
-                f"node memory holds step {step} of a job of {old_world} ranks and this job has {comm.world_size}; "
-                "allow a world-size change (docs/checkpoints.md) or relaunch with the same world size"
-            )
-        images, state, problem = None, None, ""
-        try:
-            assert memory is not None
-            images = MemoryImages(memory.directory, old_world, step)
-            state = images.state(comm.rank % old_world)
-        except CheckpointCorruptError as exc:
-            problem = str(exc)
-        if not self._all_agree(state is not None, step, problem):
-            return None
-        assert images is not None and state is not None
-        where = f"node memory (step {step} of {old_world} ranks)"
-        return Restored(step, old_world, state, where, images.bytes, tier="memory", shards=images)
 
     def _from_light(self, step: int, source: int) -> Restored | None:
         """Every rank's light snapshot of `step`, with the live tensors broadcast from rank `source`'s stash."""

@@ -11,6 +11,9 @@ from typing import Any, Protocol
 import torch.distributed as dist
 from torch.futures import Future
 
+POLL = timedelta(milliseconds=100)
+"""How long an absorbing wait blocks before it looks whether the group has failed meanwhile."""
+
 
 class Absorber(Protocol):
     """What a work reports a failure to: the group (ReformableGroup)."""
@@ -69,11 +72,27 @@ class AbsorbingWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         try:
-            self._work.wait() if timeout is None else self._work.wait(timeout)
+            self._work.wait(timeout) if timeout is not None else self._wait_unless_failed()
         except Exception as exc:
             self._group.absorb(exc)
         self._complete()
         return True
+
+    def _wait_unless_failed(self) -> None:
+        """Wait in slices of POLL, and give up once the group has failed. Why: a peer on this node that met the
+        failure first leaves the collective, and gloo's wait for its part would block until the collective timeout
+        (it is alive: nothing errors); the agent's request to re-form, a signal whose handler marks the group failed
+        (recovery/in_loop.py), runs only between bytecodes, never inside that wait. Given up, the collective's
+        tensors stay as they are and the step's update is dropped, as for any absorbed failure."""
+        while True:
+            try:
+                self._work.wait(POLL)
+                return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc):
+                    raise
+            if self._group.failed is not None:
+                return
 
     def get_future(self) -> Future[Any]:
         if not self._future.done():

@@ -151,16 +151,19 @@ class StalwartAgent(LocalElasticAgent):
         nodes, node, store = worker_group.group_world_size, worker_group.group_rank, worker_group.store
         if nodes is None or node is None or store is None or nodes < 2:
             return
+        root = store
+        while hasattr(root, "underlying_store"):  # each round's store is a prefix of the run's store
+            root = root.underlying_store
         with contextlib.suppress(Exception):
-            if store.check([f"{peer_check.KEY}/done"]):
-                return  # a node that joins a running job: the others are past their first start
+            if root.check([f"{peer_check.KEY}/done"]):
+                return  # a node that joins a running job (a later round): the others are past their first start
         started = time.monotonic()
         inbound = peer_check.measure(store, node, nodes, check.address, check.payload_mb)
+        with contextlib.suppress(Exception):
+            root.set(f"{peer_check.KEY}/done", "1")  # measured or not: a node joining later does not wait for it
         if inbound is None:
             self._events.emit("peer_check_skipped", reason="a peer did not answer in time")
             return
-        with contextlib.suppress(Exception):
-            store.set(f"{peer_check.KEY}/done", "1")
         verdict = peer_check.judge(inbound, check.min_gbps)
         measured = {str(k): round(v, 3) for k, v in inbound.items()}
         self._events.emit("peer_bandwidth", node=node, address=check.address, inbound_gbps=measured,

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.format.serialize import dtype_from_name, unflatten
-from stalwart.checkpoint.tiers.slot import HEADER_BYTES, SlotHeader
+from stalwart.checkpoint.tiers.slot import HEADER_BYTES, Slot, SlotHeader, read_image, whole_image, write_image
 from stalwart.checkpoint.tiers.toc import parse_toc
 from stalwart.errors import CheckpointCorruptError
 
@@ -55,16 +55,37 @@ def _header(path: Path) -> SlotHeader | None:
     return header if header is not None and header.valid == 1 else None
 
 
-def other_worlds(directory: Path, world_size: int) -> list[tuple[int, int]]:
-    """(old world size, step) of every step of another world size that this node holds a whole full image of for
-    every old rank, newest step first."""
-    held: dict[tuple[int, int], set[int]] = {}
+def holdings(directory: Path, world_size: int) -> dict[tuple[int, int], dict[int, Path]]:
+    """(old world size, step) -> {old rank: its slot file} of every whole full image of another world size that
+    this node's memory holds (its own slots, ward slots, images imported from another node)."""
+    held: dict[tuple[int, int], dict[int, Path]] = {}
     for path in _full_slot_files(directory):
         h = _header(path)
         if h is not None and h.world_size != world_size and 0 <= h.rank < h.world_size:
-            held.setdefault((h.world_size, h.step), set()).add(h.rank)
-    whole = [key for key, ranks in held.items() if len(ranks) == key[0]]
-    return sorted(whole, key=lambda key: (key[1], key[0]), reverse=True)
+            held.setdefault((h.world_size, h.step), {}).setdefault(h.rank, path)
+    return held
+
+
+def image_of(directory: Path, world_size: int, step: int, rank: int) -> bytes:
+    """Old rank `rank`'s whole image of `step` (header, table of contents, data) from this node's memory, to send to
+    a node that lacks it; empty if it is no longer whole."""
+    path = holdings(directory, -1).get((world_size, step), {}).get(rank)
+    h = _header(path) if path is not None else None
+    return read_image(path, h) if path is not None and h is not None else b""
+
+
+def import_image(directory: Path, local_rank: int, image: bytes) -> bool:
+    """Keep an old rank's image received from another node in this node's memory, where `holdings` and MemoryImages
+    find it (`local<L>.import<rank>.slot0`); False (nothing written) if it is not a whole image."""
+    h = SlotHeader.unpack(image)
+    if h is None or not whole_image(image, h.world_size):
+        return False
+    slot = Slot(directory / f"local{local_rank:05d}.import{h.rank:05d}.slot0")
+    try:
+        write_image(slot, image)
+    finally:
+        slot.close()
+    return True
 
 
 @dataclass(frozen=True, slots=True)
