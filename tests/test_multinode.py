@@ -121,30 +121,43 @@ def test_a_killed_node_is_replaced_and_the_job_ends_bitwise_identical(
     assert two_nodes["sha256"] == one_node["sha256"], "a replaced node ends where one clean node does"
 
 
-def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_back(launch: Any, tmp_path: Path) -> None:
+def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_back(
+    launch: Any, tmp_path: Path, hosts_or_loopback: list[tuple[str, str, str]] | None
+) -> None:
     """Under --nnodes 1:2 a node dies for good (its agent SIGKILLed): after --replace-wait-s with no replacement the
     surviving node's ranks go on at 2 of 4 ranks in their own processes, running the script again in the round
     (their FSDP2 modules are built on the old mesh) and resharding the state from node memory, where their own
     snapshots and the peer replicas of the lost node's ranks are. Then a new node joins: the job grows back to 4
     ranks, the new node's state coming from the survivors' memory (moved between nodes, not read from storage),
     the survivors still the same processes. Every step's samples are those of a run of 4 ranks throughout, once
-    each."""
+    each. The nodes are hosts with their own addresses in network namespaces (two agents on loopback where
+    namespaces cannot be made)."""
     port = _free_port()
     (tmp_path / "batches").mkdir()
     fsdp = ["--fsdp", "--no-randomness", "--gbs", "12", "--hidden", "30", "--allow-resize"]
     job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "80",
                 "--step-sleep", "0.1", "--every", "1000", *fsdp, "--batch-log", str(tmp_path / "batches")]  # fmt: skip
-    common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-              "--replace-wait-s", "2"]  # fmt: skip
-    first = launch([*common, *job_args], name="node0")
+    common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--replace-wait-s", "2"]
+    two = hosts_or_loopback
+
+    def node(i: int, name: str) -> Any:
+        if two is None:
+            return launch([*common, "--rdzv-endpoint", f"127.0.0.1:{port}", *job_args], name=name)
+        namespace, device, address = two[i]
+        where = ["--rdzv-endpoint", f"{two[0][2]}:{port}", "--rdzv-conf", f"is_host={int(i == 0)}",
+                 "--local-addr", address]  # fmt: skip
+        return launch([*common, *where, *job_args], name=name, env=child_env(GLOO_SOCKET_IFNAME=device),
+                      prefix=("ip", "netns", "exec", namespace))  # fmt: skip
+
+    first = node(0, "node0")
     first.wait_for(lambda: first.events("launcher_started"), 60, "the first agent")
-    victim = launch([*common, *job_args], name="node1")
+    victim = node(1, "node1")
     victim.wait_for(lambda: [e for e in victim.events("step_done") if e["step"] >= 10], 180, "step 10")
     workers = victim.worker_pids(restart=0)
     os.kill(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait()
     first.wait_for(lambda: first.events("world_resized"), 120, "the survivors to shrink")
-    joining = launch([*common, *job_args], name="node1-new")
+    joining = node(1, "node1-new")
     for node in (first, joining):
         assert node.wait(180) == 0, node.output()
     assert not [pid for pid in workers.values() if alive(pid)], "the dead node's workers died with its agent"
@@ -172,6 +185,21 @@ def _samples(directory: Path) -> dict[int, list[int]]:
             entry = json.loads(line)
             by_step.setdefault(entry["step"], {}).setdefault(entry["since"], []).extend(entry["ids"])
     return {step: sorted(runs[max(runs)]) for step, runs in sorted(by_step.items())}
+
+
+@pytest.fixture
+def hosts_or_loopback() -> Iterator[list[tuple[str, str, str]] | None]:
+    """Two hosts in network namespaces as `two_hosts`, or None where they cannot be made (then: loopback)."""
+    hosts = netns.Hosts()
+    try:
+        hosts.__enter__()
+    except ConfigError:
+        yield None
+        return
+    try:
+        yield [(h.namespace, h.device, h.address) for h in hosts]
+    finally:
+        hosts.close()
 
 
 @pytest.fixture
