@@ -27,6 +27,24 @@ def test_global_order_is_independent_of_world_size(world_size: int) -> None:
     assert rebuilt == reference
 
 
+def test_a_loader_rebound_to_another_world_size_goes_on_with_its_new_slice() -> None:
+    """What a survivor's loader does when the job re-formed in its loop at another world size (job/endings.py):
+    the next global batches are cut among the new world, from the same global position."""
+    data = torch.arange(48)
+    reference = _take(ResumableLoader(data, global_batch_size=12, seed=2, rank=0, world_size=1), 6)
+    loaders = [ResumableLoader(data, global_batch_size=12, seed=2, rank=r, world_size=4) for r in range(4)]
+    taken = [_take(ld, 2) for ld in loaders]  # 2 steps at 4 ranks
+    head = [sum((t[s] for t in taken), []) for s in range(2)]
+    survivors = loaders[:2]  # 4 -> 2 ranks; the survivors' positions are the job's
+    for rank, loader in enumerate(survivors):
+        loader.rebind(rank, 2)
+    taken = [_take(ld, 4) for ld in survivors]
+    tail = [sum((t[s] for t in taken), []) for s in range(4)]
+    assert head + tail == reference, "every sample once, in the global order"
+    with pytest.raises(ConfigError, match="does not divide among 5 ranks"):
+        survivors[0].rebind(0, 5)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_continues_at_the_next_unseen_batch(num_workers: int) -> None:
     data = torch.arange(40)

@@ -143,6 +143,13 @@ class ResumableLoader:
             raise ConfigError(f"shares {ranks} are not ranks of {self.world_size}")
         self._ranks = ranks
 
+    def rebind(self, rank: int, world_size: int) -> None:
+        """This process's place after the job re-formed at another world size in its loop (job/endings.py): its
+        slice of each global batch from the next iterator on. The position is global, so no sample is lost or
+        seen twice; ConfigError if the global batch does not divide among the new world."""
+        order.check_sizes(self.num_samples, self.global_batch_size, world_size)
+        self.rank, self.world_size, self._ranks = rank, world_size, (rank,)
+
     def __iter__(self) -> Iterator[Any]:
         start = (self.epoch, self.batch)
         ranks = self._ranks

@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from stalwart.checkpoint.format import sharded
+from stalwart.data.loader import ResumableLoader
 from stalwart.detect.heartbeat import PHASE_RESUME
 from stalwart.recovery import reform
 from stalwart.recovery.in_loop import InLoop, NewWorldForShards, NothingToGoBackTo
@@ -152,12 +153,16 @@ def _reform_once(job: Job, in_loop: InLoop, failure: Exception, objects: dict[st
     if not left:
         abandon(job)
         in_loop.leave(job.rank, reform.reason(failure))
-    old_world, job.placement = job.world_size, Placement.from_env()
+    old_world, old_rank, job.placement = job.world_size, job.rank, Placement.from_env()
     if job.placement.world_size != old_world and sharded.meshes_of(objects.values()):
         raise NewWorldForShards(
             f"the job re-formed at {job.placement.world_size} ranks from {old_world} and holds sharded state; running "
             "the script again so that its set-up builds the modules at the new size"
         )
+    if (job.placement.world_size, job.placement.rank) != (old_world, old_rank):  # a loader's slice follows its rank
+        for obj in objects.values():
+            if isinstance(obj, ResumableLoader):
+                obj.rebind(job.placement.rank, job.placement.world_size)
     timeout = timedelta(seconds=job.config.collective_timeout_s)
     job._owns_process_group = init_process_group(job.placement, timeout, reformable=True)
     job._set_up(job._given_hooks, staying=True)
