@@ -143,3 +143,43 @@ def test_datasets_read_in_batches_keep_their_batched_path(num_workers: int) -> N
     assert sorted(sum(batches, [])) == sorted(set(sum(batches, []))) and len(sum(batches, [])) == 12
     if num_workers == 0:
         assert _BatchedOnly.calls == 3, "one batched read per batch"
+
+
+def test_a_global_batch_that_scales_with_the_world_goes_on_at_the_next_unseen_sample() -> None:
+    """batch_size_per_rank: the global batch is that times the world size, so it changes with the world; the
+    position counts samples, and every sample of an epoch is handed out once across 4 -> 2 -> 3 ranks."""
+    data = torch.arange(60)
+    order_ = ResumableLoader(data, batch_size_per_rank=60, seed=4, rank=0, world_size=1)
+    perm = _take(order_, 1)[0]  # the epoch's permutation, whole
+    loaders = [ResumableLoader(data, batch_size_per_rank=3, seed=4, rank=r, world_size=4) for r in range(4)]
+    assert loaders[0].global_batch_size == 12
+    taken = [_take(ld, 2) for ld in loaders]
+    seen = [i for s in range(2) for t in taken for i in t[s]]  # 24 samples
+    two = loaders[:2]
+    for rank, loader in enumerate(two):
+        loader.rebind(rank, 2)
+    taken = [_take(ld, 3) for ld in two]
+    seen += [i for s in range(3) for t in taken for i in t[s]]  # 3 x 6 samples
+    state = two[0].state_dict()
+    assert state["batch"] == 42 and "batch_size_per_rank" in state and "global_batch_size" not in state
+    three = [ResumableLoader(data, batch_size_per_rank=3, seed=4, rank=r, world_size=3) for r in range(3)]
+    for loader in three:
+        loader.load_state_dict(state)
+    taken = [_take(ld, 3) for ld in three]
+    seen += [i for s in range(2) for t in taken for i in t[s]]  # 2 x 9 = 60: the epoch
+    assert seen == perm, "the epoch's samples in its order, each once"
+    assert three[0].state_dict()["epoch"] == 1
+
+
+def test_the_batch_mode_is_one_of_two_and_checked_on_load() -> None:
+    data = torch.arange(24)
+    with pytest.raises(ConfigError, match="either global_batch_size"):
+        ResumableLoader(data, global_batch_size=4, batch_size_per_rank=2, rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="either global_batch_size"):
+        ResumableLoader(data, rank=0, world_size=2)
+    fixed = ResumableLoader(data, global_batch_size=4, rank=0, world_size=2)
+    scaled = ResumableLoader(data, batch_size_per_rank=2, rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="saved with global_batch_size and this loader has batch_size_per_rank"):
+        scaled.load_state_dict(fixed.state_dict())
+    with pytest.raises(ConfigError, match="saved with batch_size_per_rank and this loader has global_batch_size"):
+        fixed.load_state_dict(scaled.state_dict())

@@ -41,11 +41,18 @@ class _LocalBatches(Sampler[list[tuple[int, int]]]):
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         ld = self._loader
         epoch, batch = self._start
+        size = ld.global_batch_size
         while ld.max_epochs is None or epoch < ld.max_epochs:
             perm = order.epoch_permutation(ld.num_samples, ld.seed, epoch, shuffle=ld.shuffle)
-            for b in range(batch, ld.batches_per_epoch):
-                g = perm[b * ld.global_batch_size : (b + 1) * ld.global_batch_size]
-                seed = order.batch_seed(ld.seed, epoch, b)
+            # Fixed global batch: `batch` counts global batches; scaled with the world: samples of the epoch.
+            at = batch if ld.batch_size_per_rank is None else batch // size
+            start = 0 if ld.batch_size_per_rank is None else batch % size  # 0 unless resumed at another size
+            for b in range(at, ld.batches_per_epoch):
+                first = start + b * size
+                if first + size > ld.num_samples:
+                    break
+                g = perm[first : first + size]
+                seed = order.batch_seed(ld.seed, epoch, b if ld.batch_size_per_rank is None else first)
                 for rank in self._ranks:
                     yield [(seed, i) for i in order.local_slice(g, rank, ld.world_size).tolist()]
             epoch, batch = epoch + 1, 0
@@ -94,7 +101,8 @@ class ResumableLoader:
         self,
         dataset: Dataset[Any] | Sequence[Any],
         *,
-        global_batch_size: int,
+        global_batch_size: int | None = None,
+        batch_size_per_rank: int | None = None,
         seed: int = 0,
         shuffle: bool = True,
         num_workers: int = 0,
@@ -109,20 +117,35 @@ class ResumableLoader:
         self.world_size = placement.world_size if world_size is None else world_size
         self.dataset = dataset
         self.num_samples = len(dataset)  # type: ignore[arg-type]
-        order.check_sizes(self.num_samples, global_batch_size, self.world_size)
+        if (global_batch_size is None) == (batch_size_per_rank is None):
+            raise ConfigError("give the ResumableLoader either global_batch_size (kept when the world size changes) "
+                              "or batch_size_per_rank (the global batch scales with the world), not both")  # fmt: skip
+        self.batch_size_per_rank = batch_size_per_rank
+        """None: the global batch is fixed (the default); else each rank's batch, the global one that times the
+        world size (a change of world size then scales the learning rate, JobConfig.lr_scaling)."""
+        self._fixed = global_batch_size
+        order.check_sizes(self.num_samples, self.global_batch_size, self.world_size)
         if num_workers < 0:
             raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
-        self.global_batch_size = global_batch_size
         self.seed = seed
         self.shuffle = shuffle
         self.max_epochs = max_epochs
-        self.batches_per_epoch = order.batches_per_epoch(self.num_samples, global_batch_size)
         self._num_workers = num_workers
         self._collate_fn = collate_fn
         self._pin_memory = pin_memory
         self.epoch = 0
         self.batch = 0  # next global batch within the epoch
         self._ranks: tuple[int, ...] = (self.rank,)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples of one step over all ranks: fixed, or `batch_size_per_rank` times the world size."""
+        per_rank = self.batch_size_per_rank
+        return per_rank * self.world_size if per_rank is not None else int(self._fixed or 0)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return order.batches_per_epoch(self.num_samples, self.global_batch_size)
 
     @property
     def local_batch_size(self) -> int:
@@ -145,10 +168,18 @@ class ResumableLoader:
 
     def rebind(self, rank: int, world_size: int) -> None:
         """This process's place after the job re-formed at another world size in its loop (job/endings.py): its
-        slice of each global batch from the next iterator on. The position is global, so no sample is lost or
-        seen twice; ConfigError if the global batch does not divide among the new world."""
-        order.check_sizes(self.num_samples, self.global_batch_size, world_size)
+        slice of each global batch from the next iterator on (a global batch that scales with the world grows or
+        shrinks with it). The position is global, so no sample is lost or seen twice; ConfigError if the global
+        batch does not divide among the new world."""
+        per_rank = self.batch_size_per_rank
+        order.check_sizes(self.num_samples, per_rank * world_size if per_rank else self.global_batch_size, world_size)
         self.rank, self.world_size, self._ranks = rank, world_size, (rank,)
+        self._next_epoch_if_full()
+
+    def _next_epoch_if_full(self) -> None:
+        """A global batch that scales with the world: at a new size, the rest of the epoch may hold no whole one."""
+        if self.batch_size_per_rank is not None and self.batch + self.global_batch_size > self.num_samples:
+            self.epoch, self.batch = self.epoch + 1, 0
 
     def __iter__(self) -> Iterator[Any]:
         start = (self.epoch, self.batch)
@@ -170,27 +201,40 @@ class ResumableLoader:
             if n % len(ranks):  # more shares of this global batch to come: the position moves after the last
                 yield item
                 continue
-            self.batch += 1
-            if self.batch == self.batches_per_epoch:
-                self.epoch, self.batch = self.epoch + 1, 0
+            self._advance()
             start = (self.epoch, self.batch)
             yield item
 
+    def _advance(self) -> None:
+        """One global batch handed out: the next position (an epoch ends where a whole global batch no longer fits)."""
+        if self.batch_size_per_rank is None:
+            self.batch += 1
+            if self.batch == self.batches_per_epoch:
+                self.epoch, self.batch = self.epoch + 1, 0
+            return
+        self.batch += self.global_batch_size
+        self._next_epoch_if_full()
+
     def state_dict(self) -> dict[str, int]:
-        return {
-            "epoch": self.epoch,
-            "batch": self.batch,
-            "seed": self.seed,
-            "num_samples": self.num_samples,
-            "global_batch_size": self.global_batch_size,
-            "shuffle": int(self.shuffle),
-        }
+        """The global position: `batch` counts global batches of the epoch, or its samples when the global batch
+        scales with the world (then `batch_size_per_rank` replaces `global_batch_size`)."""
+        size = ("batch_size_per_rank", self.batch_size_per_rank) if self.batch_size_per_rank is not None else (
+            "global_batch_size", self.global_batch_size)  # fmt: skip
+        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed, "num_samples": self.num_samples,
+                size[0]: int(size[1]), "shuffle": int(self.shuffle)}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        mode = "batch_size_per_rank" if self.batch_size_per_rank is not None else "global_batch_size"
+        if mode not in state:
+            other = "global_batch_size" if mode == "batch_size_per_rank" else "batch_size_per_rank"
+            raise ConfigError(
+                f"the checkpoint's data order was saved with {other} and this loader has {mode}; resuming would "
+                "repeat or skip samples, so keep the loader's settings"
+            )
         for key, mine in (
             ("seed", self.seed),
             ("num_samples", self.num_samples),
-            ("global_batch_size", self.global_batch_size),
+            (mode, self.batch_size_per_rank if self.batch_size_per_rank is not None else self.global_batch_size),
             ("shuffle", int(self.shuffle)),
         ):
             if state[key] != mine:
@@ -199,3 +243,4 @@ class ResumableLoader:
                     "resuming would repeat or skip samples, so keep the loader's settings"
                 )
         self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+        self._next_epoch_if_full()

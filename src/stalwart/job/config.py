@@ -260,14 +260,25 @@ class RecoveryOptions:
     objects of rank r from rank r mod the old world size (right only if they are equal on every rank); the data
     position is global, so no sample is lost or repeated. None (the default) allows it when launched
     elastically (`stalwart run --nnodes MIN:MAX` with MIN < MAX)."""
+    lr_scaling: str = "linear"
+    """When the world size changes and the global batch scales with it (a ResumableLoader with
+    `batch_size_per_rank`), multiply the tracked optimizers' learning rates (and their LR schedulers' base rates)
+    by new/old world size ("linear": Goyal et al.'s rule for SGD), by its square root ("sqrt": the rule usually
+    taken for Adam) or not at all ("none"). A fixed global batch (the default loader) changes no learning rate."""
 
     def __post_init__(self) -> None:
+        if self.lr_scaling not in LR_RULES:
+            raise ConfigError(f"lr_scaling must be one of {', '.join(LR_RULES)}, got {self.lr_scaling!r}")
         if not _is_int(self.max_rollbacks) or self.max_rollbacks < 0:
             raise ConfigError(f"max_rollbacks must be an integer >= 0, got {self.max_rollbacks!r}")
         if self.replicated is not None and (
             isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated)
         ):
             raise ConfigError(f"replicated must be a tuple of tracked names, got {self.replicated!r}")
+
+
+LR_RULES = {"linear": 1.0, "sqrt": 0.5, "none": 0.0}
+"""RecoveryOptions.lr_scaling -> the power of new/old world size the learning rates are multiplied by."""
 
 
 FLAT: dict[str, tuple[str, str]] = {
@@ -299,6 +310,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "max_rollbacks": ("recovery", "max_rollbacks"),
     "replicated": ("recovery", "replicated"),
     "allow_world_size_change": ("recovery", "allow_world_size_change"),
+    "lr_scaling": ("recovery", "lr_scaling"),
     "log_every": ("", "log_every"),
     "collective_timeout_s": ("", "collective_timeout_s"),
 }

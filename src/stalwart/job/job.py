@@ -98,12 +98,11 @@ class Job:
             self._in_loop.join_if_peers_stayed(self.comm, staying=staying, grown_at=grown_at)
         self._heartbeat = Heartbeat.from_env(placement.local_rank)
         self._hang = hang_timer(config.detect.hang_timeout_s)
-        local_world = placement.local_world_size
-        memory = None
-        if config.snapshot.every != 0:
-            memory = MemoryTier.from_env(placement.rank, placement.world_size, placement.local_rank, local_world)
+        memory = MemoryTier.from_env(placement.rank, placement.world_size, placement.local_rank,
+                                     placement.local_world_size) if config.snapshot.every != 0 else None  # fmt: skip
         self._detectors = Detectors(config, self.comm, self.events, self._heartbeat)
-        self._tracked = TrackedState(self.rank, self.world_size, self.events, self._detectors.loss_watch)
+        self._tracked = TrackedState(self.rank, self.world_size, self.events, self._detectors.loss_watch,
+                                     lr_scaling=config.recovery.lr_scaling)  # fmt: skip
         ck = config.checkpoint
         self.checkpointer = Checkpointer(
             ck.dir, self.comm, self.events, keep_last=ck.keep_last, token=token, full_every=ck.full_every,
@@ -112,7 +111,7 @@ class Job:
         )  # fmt: skip
         self._snapshots = Snapshots(
             config.snapshot, memory, self._tracked, self.checkpointer, self.comm, self.events, self._hooks,
-            token=token, barrier_timeout_s=config.collective_timeout_s, local_world_size=local_world,
+            token=token, barrier_timeout_s=config.collective_timeout_s, local_world_size=placement.local_world_size,
             absorb=self._in_loop.lose if self._in_loop is not None else None,
         )  # fmt: skip
         self._restorer = Restorer(self.comm, self.events, self.checkpointer, memory, self._snapshots.replicas)

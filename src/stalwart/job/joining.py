@@ -40,7 +40,8 @@ def set_up_placeholder(job: Job, created: Any) -> None:
     JobState) and step."""
     placement = job.placement
     job.events = EventLog.from_env(rank=placement.rank, restart=placement.restart_count)
-    job._tracked = TrackedState(placement.rank, placement.world_size, job.events, None)
+    job._tracked = TrackedState(placement.rank, placement.world_size, job.events, None,
+                                lr_scaling=job.config.recovery.lr_scaling)  # fmt: skip
     job._in_loop = None
     job.state = created
     job.step = 0

@@ -20,6 +20,7 @@ from stalwart.checkpoint.format.serialize import check_loadable
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.manager import Checkpointer
 from stalwart.errors import CheckpointError, CheckpointMismatchError, ConfigError, PeerError
+from stalwart.job.batch_scaling import scale_learning_rates
 from stalwart.job.replicated import replicated_names
 from stalwart.job.rng import capture_rng, restore_rng
 from stalwart.recovery.rollback import read_skips
@@ -44,9 +45,13 @@ class DetectorState(Protocol):
 class TrackedState:
     """The tracked objects and how this rank's state is assembled from them and loaded back into them."""
 
-    def __init__(self, rank: int, world_size: int, events: EventLog, detectors: DetectorState | None) -> None:
+    def __init__(
+        self, rank: int, world_size: int, events: EventLog, detectors: DetectorState | None, lr_scaling: str = "linear"
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.lr_scaling = lr_scaling
+        """The learning-rate rule at a change of world size (RecoveryOptions.lr_scaling, job/batch_scaling.py)."""
         self._events = events
         self._detectors = detectors
         self.objects: dict[str, Stateful] = {}
@@ -162,9 +167,11 @@ class TrackedState:
             if self._detectors is not None and isinstance(detectors, dict):
                 self._detectors.load(detectors)
             return
+        factor = scale_learning_rates(self.objects.values(), restored.world_size, self.world_size, self.lr_scaling)
         self._events.emit("world_resized", **{"from": restored.world_size, "to": self.world_size},
                           why=f"resumed a checkpoint of {restored.world_size} ranks", tier=restored.tier,
-                          step=restored.step, seconds=round(time.monotonic() - started, 4))  # fmt: skip
+                          step=restored.step, seconds=round(time.monotonic() - started, 4),
+                          lr_factor=round(factor, 6))  # fmt: skip
         if self.rank == 0:
             per_rank = sorted(set(self.objects) - self.replicated)
             warnings.warn(

@@ -30,7 +30,7 @@ _PAIRS = 4
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class ReshardPlan:
     """The old world's state to reshard from: its size and step, and the images each node must first receive,
     as (receiving rank, sending rank, old rank), the same list on every rank."""
 
@@ -50,7 +50,7 @@ def _gather(comm: Comm, values: list[int]) -> list[list[int]]:
     return comm.all_gather_ints(values + [0] * (longest - len(values)))
 
 
-def survey(comm: Comm, directory: Path | None, world_size: int, newest_durable: int) -> Plan | None:
+def survey(comm: Comm, directory: Path | None, world_size: int, newest_durable: int) -> ReshardPlan | None:
     """The newest (old world, step) whose every old rank's full image some node holds, if at least as new as
     `newest_durable` (rank 0's, -1 elsewhere: agreed here), and the transfers that give every node all of them.
     None when there is none. Collective: every rank calls it, with or without a memory tier (`directory`)."""
@@ -79,7 +79,7 @@ def survey(comm: Comm, directory: Path | None, world_size: int, newest_durable: 
         for ranks in sorted(nodes.values()):
             has = set(reports[ranks[0]][2].get((old_world, step), ()))
             transfers += [(ranks[0], holders[old], old) for old in range(old_world) if old not in has]
-        return Plan(old_world, step, tuple(transfers))
+        return ReshardPlan(old_world, step, tuple(transfers))
     return None
 
 
@@ -94,7 +94,7 @@ def _parse(row: list[int]) -> tuple[int, int, dict[tuple[int, int], tuple[int, .
 
 
 def restore(
-    comm: Comm, events: EventLog, directory: Path | None, local_rank: int, plan: Plan, *, allowed: bool
+    comm: Comm, events: EventLog, directory: Path | None, local_rank: int, plan: ReshardPlan, *, allowed: bool
 ) -> Restored | None:
     """This rank's part of `plan`'s state: moves the images nodes lack, then reads its node's memory (sharded
     tensors to be resharded from there, format/sharded.py). Not `allowed`: CheckpointMismatchError, as for a
