@@ -40,10 +40,15 @@ def quick_suite(say: Any = None) -> list[Scenario]:
 
     why = netns.available()
     if why is not None and say is not None:
-        say(f"partition: left out ({why})")
+        say(f"partition, shrink_and_grow: left out ({why})")
     partition = [] if why is not None else [Scenario(
         "partition", (FaultSpec("partition", step=30, options={"host": 1, "duration_s": 3.0}),), nproc_per_node=1,
         hosts=2, timeout_s=240,
+    ), Scenario(  # host 1 lost for good: the job goes on at 1 of 2 ranks, then grows back when it is launched again
+        "shrink_and_grow", (FaultSpec("lose_node", step=20, options={"host": 1}),
+                            FaultSpec("add_node", step=30, options={"host": 1})),
+        nproc_per_node=2, hosts=2, timeout_s=240, expect="completes", require_events=("world_resized",),
+        job_args=("--steps", "300"),
     )]  # fmt: skip
     return [
         s("kill", FaultSpec("kill", rank=1, step=20)),
@@ -157,9 +162,10 @@ def main(argv: list[str]) -> int:
 
 
 def run_scenario(scenario: Scenario, job: list[str], workdir: Path, say: Any) -> Outcome:
-    result = harness.run_job(scenario, job, workdir / scenario.name, say, timeout_s=scenario.timeout_s,
-                             nproc=scenario.nproc_per_node, max_restarts=scenario.max_restarts,
-                             launcher_args=scenario.launcher_args, hosts=scenario.hosts)  # fmt: skip
+    result = harness.run_job(scenario, [*job, *scenario.job_args], workdir / scenario.name, say,
+                             timeout_s=scenario.timeout_s, nproc=scenario.nproc_per_node,
+                             max_restarts=scenario.max_restarts, launcher_args=scenario.launcher_args,
+                             hosts=scenario.hosts)  # fmt: skip
     problems: list[str] = []
     if result.exit_code is None:
         problems.append(f"did not finish within {scenario.timeout_s:g} s")

@@ -75,6 +75,8 @@ class _Node:
     name: str
     launch: _Launch | None = None
     code: int | None = None
+    lost: bool = False
+    """Killed for good by a `lose_node` fault: its exit does not count until an `add_node` launches it again."""
 
     def start(self, directory: Path) -> None:
         self.launch, self.code = _Launch(self.cmd, directory, self.env, self.name), None
@@ -115,8 +117,9 @@ def _run(
         nodes = [_Node([*cmd, *job], env, "output")]
     else:  # host 0 holds the rendezvous store; a new namespace has every port free
         port = random.randrange(20000, 60000)
+        elastic = ["--nnodes", "1:2", "--replace-wait-s", "2"] if scenario and scenario.elastic else ["--nnodes", "2"]
         nodes = [
-            _Node([*host.prefix(), *cmd, "--nnodes", "2", "--rdzv-endpoint", f"{net[0].address}:{port}",
+            _Node([*host.prefix(), *cmd, *elastic, "--rdzv-endpoint", f"{net[0].address}:{port}",
                    "--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", host.address, *job],
                   {**env, "GLOO_SOCKET_IFNAME": host.device}, f"output-host{i}")
             for i, host in enumerate(net)
@@ -163,9 +166,23 @@ def _run(
                     progress(f"{spec.label}: host {spec.host} cut off")
                     continue
                 node = nodes[spec.host if net is not None else 0]
+                if spec.kind == "add_node":
+                    if node.lost:
+                        chaos_log.emit("fault_injected", fault="add_node", host=spec.host, by="harness")
+                        node.lost = False
+                        node.env.pop(FAULTS_ENV, None)
+                        node.start(directory)
+                        result.launches += 1
+                        result.sent.append(f"launched host {spec.host} again")
+                        progress(f"{spec.label}: host {spec.host} launched again")
+                    continue
                 if node.launch is None or node.code is not None:
                     continue  # that node has exited already
-                if _send(spec, workers, node.launch, directory, scenario, chaos_log, result, progress):
+                relaunch = _send(spec, workers, node.launch, directory, scenario, chaos_log, result, progress)
+                if spec.kind == "lose_node":
+                    node.lost, relaunch = True, False
+                    workers.clear()
+                if relaunch:
                     node.env.pop(FAULTS_ENV, None)
                     node.start(directory)
                     result.launches += 1
@@ -173,8 +190,9 @@ def _run(
             for node in nodes:
                 if node.code is None and node.launch is not None:
                     node.code = node.launch.proc.poll()
-            if all(node.code is not None for node in nodes):
-                result.exit_code = next((n.code for n in nodes if n.code != 0), 0)
+            counted = [node for node in nodes if not node.lost]
+            if all(node.code is not None for node in counted):
+                result.exit_code = next((n.code for n in counted if n.code != 0), 0)
                 break
     finally:
         for node in nodes:
@@ -272,14 +290,26 @@ def _send(
         assert scenario is not None
         damaged = _corrupt_newest(directory / scenario.checkpoint_dir)
         result.sent.append(f"corrupted {damaged}" if damaged else "no committed checkpoint to corrupt")
-    log.emit("fault_injected", fault="kill_node", by="harness")
+    lost = spec.kind == "lose_node"
+    log.emit("fault_injected", fault=spec.kind, by="harness")
+    mine = [pid for pid in workers.values() if not lost or _same_host(pid, launch.proc.pid)]
     launch.kill()
-    for pid in workers.values():
+    for pid in mine:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    result.sent.append("killed the node (launcher and workers); launched it again")
-    progress(f"{spec.label}: node killed, launching it again")
-    return True
+    again = "" if lost else "; launched it again"
+    result.sent.append(f"killed the node (launcher and workers){again}")
+    progress(f"{spec.label}: node killed{', not launched again' if lost else ', launching it again'}")
+    return not lost
+
+
+def _same_host(pid: int, launcher: int) -> bool:
+    """Whether worker `pid` runs on the host of `launcher` (the same network namespace): a node lost for good takes
+    its own workers only, the other host's train on."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net") == os.readlink(f"/proc/{launcher}/ns/net")
+    except OSError:
+        return False
 
 
 def _corrupt_newest(root: Path) -> str | None:

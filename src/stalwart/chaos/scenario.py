@@ -9,6 +9,7 @@
     timeout_s = 600           # a run that takes longer fails the scenario
     seed = 0                  # the Poisson faults' draws
     require_events = []       # events the run must write, e.g. ["risk_checkpoint"]
+    job_args = []             # appended to the job's command line, e.g. ["--steps", "300"]
     hosts = 1                 # 2: two hosts in network namespaces (root), nproc_per_node workers each
 
     [[faults]]
@@ -34,15 +35,18 @@ from stalwart.errors import ConfigError
 
 STEP_KINDS = ("kill", "hang", "slow", "nan", "spike", "flip", "storage_error", "kill_in_save", "stop")
 """Faults the job's injector fires at a step (`stop` is a hang by SIGSTOP)."""
-TIME_KINDS = ("kill", "stop", "kill_node", "corrupt_checkpoint", "preempt", "partition")
+TIME_KINDS = ("kill", "stop", "kill_node", "corrupt_checkpoint", "preempt", "partition", "lose_node", "add_node")
 """Faults the harness sends at a time or as a Poisson process: SIGKILL or SIGSTOP to a rank's worker, SIGKILL to
 the launcher and every worker (a node lost; the harness launches it again, as a scheduler would), and damage to
 the newest committed checkpoint followed by a node loss (the restart must fall back to the one before), and
 a preemption: SIGTERM to the launcher, which must end with a last checkpoint; the harness launches it again; and a
 network partition: on a run over two hosts (`hosts = 2`), host `host`'s link taken down for `duration_s` seconds.
 On two hosts the node-level faults hit host `host` (default 1: host 0 holds the rendezvous store, and a job
-outlives the loss of any node but that one, as under torchrun)."""
-HARNESS_KINDS = ("kill_node", "corrupt_checkpoint", "preempt", "partition")
+outlives the loss of any node but that one, as under torchrun). `lose_node` kills host `host` for good (no new
+launch: the job must go on shrunk, `stalwart run --nnodes 1:2`), `add_node` launches it again later (the job
+grows back); a scenario with either runs the hosts elastically, with `--replace-wait-s 2`."""
+HARNESS_KINDS = ("kill_node", "corrupt_checkpoint", "preempt", "partition", "lose_node", "add_node")
+ELASTIC_KINDS = ("lose_node", "add_node")
 GPU_KINDS = ("gpu_warning", "gpu_xid")
 """Scripted GPU telemetry at `at_s` after the launcher starts (detect/gpu.py's scripted provider): a thermal
 slowdown on GPU `gpu` (a warning sign: the job must take a risk checkpoint), or XID `xid` on it (the playbook's
@@ -96,6 +100,8 @@ class Scenario:
     timeout_s: float = 600.0
     seed: int = 0
     launcher_args: tuple[str, ...] = ()
+    job_args: tuple[str, ...] = ()
+    """Appended to the job's command line for this scenario (a longer run of the built-in job, `--steps 300`)."""
     """More `stalwart run` flags, e.g. ("--spares", "1")."""
     require_events: tuple[str, ...] = ()
     """Events the faulty run must have written (e.g. "risk_checkpoint" after a GPU warning)."""
@@ -109,6 +115,11 @@ class Scenario:
     @property
     def world_size(self) -> int:
         return self.hosts * self.nproc_per_node
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job may change its node count (a node lost for good, or one added)."""
+        return any(f.kind in ELASTIC_KINDS for f in self.faults)
 
     def step_faults(self) -> str:
         """The STALWART_FAULTS value for the faults fired by the job at a step."""
@@ -139,8 +150,8 @@ def parse(raw: dict[str, Any], name: str) -> Scenario:
     unknown = sorted(set(raw) - {"run", "faults"})
     if unknown or not isinstance(run, dict):
         raise ConfigError(f"scenario {name}: unknown sections {unknown} (known: run, faults)")
-    known = {"nproc_per_node", "max_restarts", "checkpoint_dir", "timeout_s", "seed", "launcher_args", "expect",
-             "require_events", "hosts"}  # fmt: skip
+    known = {"nproc_per_node", "max_restarts", "checkpoint_dir", "timeout_s", "seed", "launcher_args", "job_args",
+             "expect", "require_events", "hosts"}  # fmt: skip
     if set(run) - known:
         raise ConfigError(f"scenario {name}: unknown [run] keys {sorted(set(run) - known)}")
     faults = tuple(_fault(f, name, i) for i, f in enumerate(raw.get("faults", []), 1))
@@ -156,6 +167,7 @@ def parse(raw: dict[str, Any], name: str) -> Scenario:
             timeout_s=float(run.get("timeout_s", 600)),
             seed=int(run.get("seed", 0)),
             launcher_args=tuple(str(a) for a in run.get("launcher_args", ())),
+            job_args=tuple(str(a) for a in run.get("job_args", ())),
             expect=str(run.get("expect", "identical")),
             require_events=tuple(str(e) for e in run.get("require_events", ())),
             hosts=int(run.get("hosts", 1)),
@@ -173,6 +185,9 @@ def parse(raw: dict[str, Any], name: str) -> Scenario:
             raise ConfigError(f"scenario {name}: {f.label} names a rank outside {scenario.world_size} ranks")
         if f.kind == "partition" and scenario.hosts != 2:
             raise ConfigError(f"scenario {name}: a partition needs a run over two hosts ([run] hosts = 2)")
+        if f.kind in ELASTIC_KINDS and (scenario.hosts != 2 or f.host == 0):
+            raise ConfigError(f"scenario {name}: {f.kind} needs a run over two hosts ([run] hosts = 2) and host 1 "
+                              "(host 0 holds the rendezvous store)")  # fmt: skip
         if f.kind in HARNESS_KINDS and not 0 <= f.host < scenario.hosts and "host" in f.options:
             raise ConfigError(f"scenario {name}: {f.label} names a host outside {scenario.hosts}")
         if f.kind == "preempt" and scenario.hosts == 2:
