@@ -9,8 +9,9 @@ steps) and are read at memory speed instead of from storage.
 
 A node can reshard from memory at a step when it holds a whole full image of that step for every old rank (light
 images lack the replicated state: it came from a survivor's live state, and no survivor kept it across a
-restart). The restore (recovery/restore.py) takes the newest step every rank's node holds whole this way, if it is
-at least as new as the newest durable checkpoint. Each new rank then reads, like a durable resharding
+restart); a node that lacks some receives them from one that has them first (recovery/memory_reshard.py, which
+chooses the step: the newest the nodes hold together, if at least as new as the newest durable checkpoint).
+Each new rank then reads, like a durable resharding
 (checkpoint/load/shards.py): the skeleton and per-rank tensors of old rank (its rank mod the old world size), the
 replicated tensors from whichever image holds them, and of the sharded tensors only the byte ranges of the old
 shards that overlap its new shards (format/sharded.py `reshard`), each read straight from the slot file.
