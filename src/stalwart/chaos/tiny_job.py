@@ -43,7 +43,7 @@ def main() -> None:
                        divergence_every=args.divergence_every, loss_spike=args.loss_spike)  # fmt: skip
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
-    ddp = DistributedDataParallel(model) if job.world_size > 1 else model
+    ddp = DistributedDataParallel(model)  # at one rank too: its state keeps the same keys when the world shrinks to one
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=20, gamma=0.5)
     loader = stalwart.ResumableLoader(_Samples(240), global_batch_size=8, seed=3)
