@@ -53,6 +53,30 @@ def test_two_nodes_recover_from_a_killed_worker(launch: Any, tmp_path: Path) -> 
     assert two_nodes["sha256"] == one_node["sha256"], "two nodes with a failure end where one clean node does"
 
 
+def _placed(two: list[tuple[str, str, str]] | None, i: int, port: int, env: dict[str, str] | None = None) -> Any:
+    """Node i's (stalwart run arguments, environment, command prefix): on loopback (`two` None), or on host i of two
+    in network namespaces, the rendezvous store on host 0."""
+    env = env if env is not None else child_env()
+    if two is None:
+        return ["--rdzv-endpoint", f"127.0.0.1:{port}"], env, ()
+    namespace, device, address = two[i]
+    args = ["--rdzv-endpoint", f"{two[0][2]}:{port}", "--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", address]
+    return args, {**env, "GLOO_SOCKET_IFNAME": device}, ("ip", "netns", "exec", namespace)
+
+
+def _lose_node1(node: Any) -> tuple[Any, dict[int, int]]:
+    """Start node 0 (it hosts the rendezvous store) and node 1, and SIGKILL node 1's agent once step 10 is done:
+    (node 0, node 1's workers of its first start)."""
+    first = node(0, "node0")
+    first.wait_for(lambda: first.events("launcher_started"), 60, "the first agent")
+    victim = node(1, "node1")
+    victim.wait_for(lambda: [e for e in victim.events("step_done") if e["step"] >= 10], 180, "step 10")
+    workers = victim.worker_pids(restart=0)
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait()
+    return first, workers
+
+
 # Full copies on loopback are taken as on a GPU (overlapped): the same replica images, pushed a step later and
 # restored the same way. Full copies pushed to the peer at once, as on a CPU, run every step of
 # test_two_nodes_recover_from_a_killed_worker (one case less keeps the suite within CI's time).
@@ -73,29 +97,14 @@ def test_a_killed_node_is_replaced_and_the_job_ends_bitwise_identical(
     if snapshots == "light":
         job_args += ["--replicated-snapshot-every", "20"]
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "3"]
-    per_node: list[tuple[list[str], dict[str, str], tuple[str, ...]]] = []
-    if hosts == "netns":
-        two: list[tuple[str, str, str]] = request.getfixturevalue("two_hosts")
-        for i, (ns, dev, addr) in enumerate(two):
-            args = ["--rdzv-endpoint", f"{two[0][2]}:{port}", "--rdzv-conf", f"is_host={int(i == 0)}"]
-            per_node.append(
-                ([*args, "--local-addr", addr], child_env(GLOO_SOCKET_IFNAME=dev), ("ip", "netns", "exec", ns))
-            )
-    else:
-        fake = {FAKE_ENV: "1"} if snapshots == "overlapped" else {}
-        per_node = [(["--rdzv-endpoint", f"127.0.0.1:{port}"], child_env(**fake), ())] * 2
+    two = request.getfixturevalue("two_hosts") if hosts == "netns" else None
+    env = child_env(**({FAKE_ENV: "1"} if snapshots == "overlapped" and two is None else {}))
 
     def node(i: int, name: str) -> Any:
-        args, env, prefix = per_node[i]
-        return launch([*common, *args, *job_args], name=name, env=env, prefix=prefix)
+        args, node_env, prefix = _placed(two, i, port, env)
+        return launch([*common, *args, *job_args], name=name, env=node_env, prefix=prefix)
 
-    first = node(0, "node0")  # first, so that it hosts the rendezvous store
-    first.wait_for(lambda: first.events("launcher_started"), 60, "the first agent")
-    victim = node(1, "node1")
-    victim.wait_for(lambda: [e for e in victim.events("step_done") if e["step"] >= 10], 180, "step 10")
-    worker = victim.worker_pids(restart=0)
-    os.kill(victim.proc.pid, signal.SIGKILL)
-    victim.proc.wait()
+    first, worker = _lose_node1(node)
     for pid in worker.values():
         for _ in range(100):
             if not alive(pid):
@@ -138,24 +147,12 @@ def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_bac
     job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "80",
                 "--step-sleep", "0.1", "--every", "1000", *fsdp, "--batch-log", str(tmp_path / "batches")]  # fmt: skip
     common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--replace-wait-s", "2"]
-    two = hosts_or_loopback
 
     def node(i: int, name: str) -> Any:
-        if two is None:
-            return launch([*common, "--rdzv-endpoint", f"127.0.0.1:{port}", *job_args], name=name)
-        namespace, device, address = two[i]
-        where = ["--rdzv-endpoint", f"{two[0][2]}:{port}", "--rdzv-conf", f"is_host={int(i == 0)}",
-                 "--local-addr", address]  # fmt: skip
-        return launch([*common, *where, *job_args], name=name, env=child_env(GLOO_SOCKET_IFNAME=device),
-                      prefix=("ip", "netns", "exec", namespace))  # fmt: skip
+        args, env, prefix = _placed(hosts_or_loopback, i, port)
+        return launch([*common, *args, *job_args], name=name, env=env, prefix=prefix)
 
-    first = node(0, "node0")
-    first.wait_for(lambda: first.events("launcher_started"), 60, "the first agent")
-    victim = node(1, "node1")
-    victim.wait_for(lambda: [e for e in victim.events("step_done") if e["step"] >= 10], 180, "step 10")
-    workers = victim.worker_pids(restart=0)
-    os.kill(victim.proc.pid, signal.SIGKILL)
-    victim.proc.wait()
+    first, workers = _lose_node1(node)
     first.wait_for(lambda: first.events("world_resized"), 120, "the survivors to shrink")
     joining = node(1, "node1-new")
     for node in (first, joining):

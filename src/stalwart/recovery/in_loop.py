@@ -20,8 +20,8 @@ Under `stalwart run` a worker's default group is stalwart's re-formable one (run
 The script runs again (the fallback of recovery/reform.py) only when the failure cannot be absorbed: it surfaced
 outside `job.steps()` (during the user's set-up, or after the loop), in a collective on another group (the user's
 `dist.new_group`, a 2-D DeviceMesh's dimensions, or a group made before `stalwart.Job()`, which then never becomes
-the re-formable one), or in the user's
-loop body as something else than a collective (an exception the job cannot see past).
+the re-formable one), or in the user's loop body as something else than a collective (an exception the job
+cannot see past).
 """
 
 from __future__ import annotations

@@ -106,13 +106,11 @@ def restore(
             f"{comm.world_size}; allow a world-size change (docs/checkpoints.md) or relaunch with the same world size"
         )
     problem = ""
-    for receiver, sender, old in plan.transfers:
+    for receiver, sender, old in plan.transfers:  # a receiver's node lacks the image its sender's holds
         if comm.rank == sender:
-            image = image_of(directory, plan.world_size, plan.step, old) if directory is not None else b""
-            if receiver != sender:
-                comm.send_bytes(image, receiver)
-        if comm.rank == receiver:
-            image = image if receiver == sender else comm.recv_bytes(sender)
+            comm.send_bytes(image_of(directory, plan.world_size, plan.step, old) if directory else b"", receiver)
+        elif comm.rank == receiver:
+            image = comm.recv_bytes(sender)
             if not image or directory is None or not import_image(directory, local_rank, image):
                 problem = f"the memory snapshot of rank {old} at step {plan.step} did not arrive whole"
     if plan.transfers:

@@ -100,7 +100,7 @@ class Restorer:
         directory = memory.directory if memory is not None else None
         newest_durable = self._checkpointer.newest_committed() if comm.rank == 0 else -1
         other = memory_reshard.survey(comm, directory, comm.world_size, newest_durable)
-        restored = self._from_memory(newer_than=other.step if other is not None else -1)
+        restored = self._from_memory(newest_durable, newer_than=other.step if other is not None else -1)
         if restored is None and other is not None:
             local_rank = memory.local_rank if memory is not None else 0
             restored = memory_reshard.restore(comm, self._events, directory, local_rank, other,
@@ -139,11 +139,12 @@ class Restorer:
                 return Restored(step, comm.world_size, snapshot.state, where, snapshot.bytes, tier="memory")
         return self._checkpointer.load_latest(at_most=at_most)
 
-    def _from_memory(self, newer_than: int = -1) -> Restored | None:
+    def _from_memory(self, newest_durable: int, newer_than: int = -1) -> Restored | None:
         """The newest state the ranks can rebuild from memory if it is at least as new as the newest durable
         checkpoint and newer than `newer_than` (a state of another world size in node memory: after a shrink and a
-        grow back, this world size's images are older); None otherwise. Collective: every rank calls it, with or
-        without a memory tier."""
+        grow back, this world size's images are older); None otherwise. `newest_durable`: rank 0's newest committed
+        checkpoint (-1 on the others), read once per restore. Collective: every rank calls it, with or without a
+        memory tier."""
         comm, memory = self._comm, self._memory
         from_replica = self._replicas.restore()  # a lost node's ranks get their images back first (L3)
         stash = reform.stashed()
@@ -151,7 +152,7 @@ class Restorer:
             full=tuple(memory.steps()) if memory is not None else (),
             light=tuple(memory.steps(light=True)) if memory is not None else (),
             live=stash.step if stash is not None and stash.world_size == comm.world_size else -1,
-            newest_durable=self._checkpointer.newest_committed() if comm.rank == 0 else -1,
+            newest_durable=newest_durable,
         )
         every = comm.gather(mine)
         newest_durable = every[0].newest_durable

@@ -57,8 +57,9 @@ def _header(path: Path) -> SlotHeader | None:
 
 
 def holdings(directory: Path, world_size: int) -> dict[tuple[int, int], dict[int, Path]]:
-    """(old world size, step) -> {old rank: its slot file} of every whole full image of another world size that
-    this node's memory holds (its own slots, ward slots, images imported from another node)."""
+    """(old world size, step) -> {old rank: its slot file} of every whole full image of another world size than
+    `world_size` (-1: of any) that this node's memory holds (its own slots, ward slots, images imported from another
+    node)."""
     held: dict[tuple[int, int], dict[int, Path]] = {}
     for path in _full_slot_files(directory):
         h = _header(path)
