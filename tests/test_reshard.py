@@ -159,3 +159,46 @@ def test_the_reshard_bench_loads_every_byte_at_another_world_size(tmp_path: Path
     tier = subprocess.run([sys.executable, "-m", "stalwart", "bench", "reshard", "--tiers", "disk"],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert tier.returncode == 2 and "--tiers takes durable,memory" in tier.stderr and "Traceback" not in tier.stderr
+
+
+def test_a_durable_shard_is_read_and_checked_only_in_the_blocks_that_overlap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 4-rank checkpoint loaded on 3 ranks needs part of a saved shard: with per-block checksums only the blocks
+    holding that part are read (not 1.5x the state's bytes); damage in another block does not matter, in one of
+    them it is found; a shard without blocks (a small one, a compressed delta) is read whole, as before."""
+    from stalwart.checkpoint.format import layout
+    from stalwart.checkpoint.format.serialize import dtype_name
+    from stalwart.checkpoint.load.shards import DurableShards
+    from stalwart.checkpoint.load.verify import read_tensor
+    from stalwart.checkpoint.storage import open_storage
+    from stalwart.errors import CheckpointCorruptError
+
+    monkeypatch.setattr(layout, "BLOCK_BYTES", 64)
+    storage = open_storage(tmp_path)
+    shard = torch.arange(40 * 8, dtype=torch.float32).reshape(40, 8)  # 32 bytes a row: 20 blocks
+    raw = shard.numpy().tobytes()
+    rel, tid = "step_00000001/rank00000.t.data", "D/model/w@0"
+    (tmp_path / "step_00000001").mkdir()
+    storage.write_bytes(rel, b"x" * 16 + raw)
+    entry = layout.TensorEntry(rel, 16, len(raw), len(raw), dtype_name(torch.float32), (40, 8), layout.xxh3(raw),
+                               blocks=layout.block_digests(tid, raw))  # fmt: skip
+    assert len(entry.blocks) == 20 and layout.TensorEntry.from_json(entry.to_json()) == entry
+    shards = DurableShards(storage, layout.Manifest(1, 1, "t", [], {tid: entry}, 0.0))
+    out = torch.empty(10, 8)
+    assert shards.read_region(tid, [40, 8], (slice(13, 23), slice(0, 8)), out)
+    assert torch.equal(out, shard[13:23]) and shards.bytes == 6 * 64, "rows 13-22: bytes 416-735, blocks 6-11"
+    assert not shards.read_region(tid, [40, 8], (slice(0, 40), slice(0, 4)), torch.empty(40, 4)), "not one range"
+    with open(tmp_path / rel, "r+b") as f:  # a bit flipped in row 30
+        f.seek(16 + 30 * 32)
+        byte = f.read(1)[0]
+        f.seek(16 + 30 * 32)
+        f.write(bytes([byte ^ 1]))
+    assert shards.read_region(tid, [40, 8], (slice(13, 23), slice(0, 8)), out) and torch.equal(out, shard[13:23])
+    with pytest.raises(CheckpointCorruptError, match="block 15"):
+        shards.read_region(tid, [40, 8], (slice(28, 32), slice(0, 8)), torch.empty(4, 8))
+    with pytest.raises(CheckpointCorruptError, match="xxh3"):
+        read_tensor(storage, entry, None)
+    whole = layout.TensorEntry(rel, 16, len(raw), len(raw), entry.dtype, entry.shape, entry.xxh3)
+    shards = DurableShards(storage, layout.Manifest(1, 1, "t", [], {tid: whole}, 0.0))
+    assert not shards.read_region(tid, [40, 8], (slice(13, 23), slice(0, 8)), out) and shards.bytes == 0

@@ -5,9 +5,11 @@ In order of preference, as long as it is at least as new as the newest durable c
    failure kept (recovery/reform.py), broadcast by the lowest such rank (tier "peer", or "replica" when a
    lost node's ranks got their images back from another node first, L3);
 2. a full snapshot every rank holds in node memory (tier "memory", or "replica");
-3. at another world size (allowed), the full snapshots the old world's ranks left in node memory, resharded
+3. at another world size (allowed: a shrink across nodes), a light snapshot of the old world's rank (its rank mod
+   the old world size) in node memory plus a survivor's live replicated tensors, as in 1 (tier "peer");
+4. at another world size (allowed), the full snapshots the old world's ranks left in node memory, resharded
    (tier "memory", checkpoint/tiers/memory_shards.py), where every rank's node holds every old rank's image;
-4. the newest durable checkpoint that verifies on every rank (tier "durable", Checkpointer.load_latest).
+5. the newest durable checkpoint that verifies on every rank (tier "durable", Checkpointer.load_latest).
 Every step of the choice is agreed by all ranks; a rank that cannot use a tier vetoes it for everyone.
 """
 
@@ -25,6 +27,7 @@ import torch
 from stalwart.checkpoint.format.serialize import load_skeleton
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.manager import Checkpointer
+from stalwart.checkpoint.tiers import memory_shards
 from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import PeerReplicas
 from stalwart.errors import CheckpointCorruptError
@@ -77,6 +80,16 @@ class LightReady(IntMessage):
     """The source's replicated objects' non-tensor state, pickled; 0 elsewhere."""
 
 
+@dataclass(frozen=True, slots=True)
+class LiveElsewhere(IntMessage):
+    """The live replicated state a survivor kept from a world of another size (a shrink across nodes), or -1s."""
+
+    step: int
+    world_size: int
+    newest_durable: int
+    """Rank 0 only: the newest committed durable checkpoint, or -1."""
+
+
 class Restorer:
     """Chooses the tier and loads from it. Collective: every rank calls `restore()` together."""
 
@@ -100,7 +113,13 @@ class Restorer:
         directory = memory.directory if memory is not None else None
         newest_durable = self._checkpointer.newest_committed() if comm.rank == 0 else -1
         other = memory_reshard.survey(comm, directory, comm.world_size, newest_durable)
-        restored = self._from_memory(newest_durable, newer_than=other.step if other is not None else -1)
+        resized = self._live_elsewhere(newest_durable) if allow_world_size_change else None
+        if resized is not None and other is not None and resized[0] < other.step:
+            resized = None  # full images of the old world are newer: resharded from those (4. below)
+        newer_than = max(other.step if other is not None else -1, resized[0] if resized is not None else -1)
+        restored = self._from_memory(newest_durable, newer_than=newer_than)
+        if restored is None and resized is not None:
+            restored = self._from_light(*resized)
         if restored is None and other is not None:
             local_rank = memory.local_rank if memory is not None else 0
             restored = memory_reshard.restore(comm, self._events, directory, local_rank, other,
@@ -184,14 +203,37 @@ class Restorer:
         tier = "replica" if from_replica else "memory"
         return Restored(step, comm.world_size, snapshot.state, where, snapshot.bytes, tier=tier)
 
-    def _from_light(self, step: int, source: int) -> Restored | None:
-        """Every rank's light snapshot of `step`, with the live tensors broadcast from rank `source`'s stash."""
-        comm = self._comm
-        assert self._memory is not None
+    def _live_elsewhere(self, newest_durable: int) -> tuple[int, int, int] | None:
+        """After a shrink across nodes (the world size changed under survivors that stayed in their loop): the step
+        of the survivors' live replicated state, the lowest rank keeping it and the old world size, if at least as
+        new as the newest durable checkpoint (`newest_durable`: rank 0's, -1 elsewhere; agreed here); None
+        otherwise. Collective."""
+        comm, stash = self._comm, reform.stashed()
+        mine = LiveElsewhere(-1, -1, newest_durable)
+        if stash is not None and stash.world_size != comm.world_size:
+            mine = LiveElsewhere(stash.step, stash.world_size, newest_durable)
+        every = comm.gather(mine)
+        held = [(m.step, -rank, m.world_size) for rank, m in enumerate(every) if m.step >= 0]
+        if not held or max(held)[0] < every[0].newest_durable:
+            return None
+        step, lowest, old_world = max(held)  # the newest step, then the lowest rank keeping it
+        return step, -lowest, old_world
+
+    def _from_light(self, step: int, source: int, old_world: int | None = None) -> Restored | None:
+        """Every rank's light snapshot of `step`, with the live tensors broadcast from rank `source`'s stash.
+        `old_world`: the snapshots are of that other world size (a shrink): each rank takes the one of old rank (its
+        rank mod `old_world`) from its node's memory (own or ward slots), as a durable resize takes per-rank
+        objects (docs/checkpoints.md)."""
+        comm, memory = self._comm, self._memory
         wanted: dict[str, tuple[torch.dtype, list[int]]] = {}
         content, problem = None, ""
         try:
-            wanted, content = self._memory.light(step)
+            if memory is None:
+                raise CheckpointCorruptError("this rank has no memory tier")
+            if old_world is None:
+                wanted, content = memory.light(step)
+            else:
+                wanted, content = memory_shards.light_of(memory.directory, old_world, step, comm.rank % old_world)
         except CheckpointCorruptError as exc:
             problem = str(exc)
         stash = reform.stashed()
@@ -236,14 +278,18 @@ class Restorer:
             replicated = None
             if skeleton_len:
                 replicated = load_skeleton(buf[total:].numpy().tobytes())
-            snapshot = self._memory.load_light(step, content, live, replicated)
+            assert memory is not None
+            snapshot = memory.load_light(step, content, live, replicated)
         except Exception as exc:  # a skeleton naming tensors nobody holds, an unreadable one: agreed below
             problem = first_line(exc)
         if not self._all_agree(snapshot is not None, step, problem):
             return None
         assert snapshot is not None
         where = f"node memory (step {step}) and rank {source}'s live state"
-        return Restored(step, comm.world_size, snapshot.state, where, snapshot.bytes + total, tier="peer")
+        if old_world is not None:
+            where += f" of {old_world} ranks"
+        world = old_world if old_world is not None else comm.world_size
+        return Restored(step, world, snapshot.state, where, snapshot.bytes + total, tier="peer")
 
     def hand_over(
         self, step: int, source: int, receivers: tuple[int, ...], state: Callable[[], Any]

@@ -177,6 +177,23 @@ class ShardSource(Protocol):
         ...
 
 
+def row_range(
+    shape: list[int], region: tuple[slice, ...], dtype: torch.dtype, out: torch.Tensor
+) -> tuple[int, int] | None:
+    """(first byte, bytes) of the part `region` of a row-major tensor of `shape` and `dtype`, when that part is one
+    byte range (whole rows from the first dimension cut on, as where Shard(0) shards overlap) and `out` can take it
+    as it is (contiguous, its dtype and size); None otherwise: a source then reads the whole shard."""
+    lengths = [r.stop - r.start for r in region]
+    first = next((d for d, n in enumerate(lengths) if n != 1), len(lengths) - 1)  # the first dimension cut
+    if not shape or any(lengths[d] != shape[d] for d in range(first + 1, len(shape))):
+        return None
+    if not out.is_contiguous() or out.dtype != dtype or out.numel() != math.prod(lengths):
+        return None
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    start = sum(r.start * stride for r, stride in zip(region, strides, strict=True)) * dtype.itemsize
+    return start, out.numel() * dtype.itemsize
+
+
 def rebuild(
     value: Any,
     meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], Any],

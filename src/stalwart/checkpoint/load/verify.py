@@ -84,6 +84,30 @@ def read_tensor(
         raw = stored
     if len(raw) != entry.nbytes:
         raise CheckpointCorruptError(f"tensor {where} has {len(raw)} bytes, its manifest says {entry.nbytes}")
-    if layout.xxh3(raw) != entry.xxh3:
+    if layout.xxh3(raw) != entry.xxh3 or (entry.blocks and layout.blocks_of(raw) != entry.blocks):
         raise CheckpointCorruptError(f"tensor {where} fails its xxh3 check")
     return raw
+
+
+def read_tensor_part(
+    storage: Storage, entry: layout.TensorEntry, start: int, length: int
+) -> tuple[memoryview, int] | None:
+    """Bytes [start, start + length) of a tensor's raw bytes, reading and checking only the blocks that hold them
+    (`TensorEntry.blocks`), and the bytes read; None when the entry has no blocks (the caller reads the whole
+    tensor)."""
+    if not entry.blocks or entry.codec != "raw" or start < 0 or length <= 0 or start + length > entry.nbytes:
+        return None
+    first, last = start // layout.BLOCK_BYTES, (start + length - 1) // layout.BLOCK_BYTES
+    low, high = first * layout.BLOCK_BYTES, min((last + 1) * layout.BLOCK_BYTES, entry.nbytes)
+    where = f"{storage.display(entry.file)} at byte {entry.offset + low}"
+    try:
+        data = memoryview(retrying(lambda: storage.read_range(entry.file, entry.offset + low, high - low)))
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"data file {storage.display(entry.file)} is missing") from exc
+    if len(data) != high - low:
+        raise CheckpointCorruptError(f"tensor {where} is truncated ({len(data)} of {high - low} bytes)")
+    for block in range(first, last + 1):
+        at = (block - first) * layout.BLOCK_BYTES
+        if layout.xxh3(data[at : at + layout.BLOCK_BYTES]) != entry.blocks[block]:
+            raise CheckpointCorruptError(f"tensor {where} fails its xxh3 check (block {block})")
+    return data[start - low : start - low + length], high - low

@@ -153,18 +153,13 @@ class Persister:
 
         writer = threading.Thread(target=write, name="image-writer")
         writer.start()
-        entries = {
-            t["id"]: layout.TensorEntry(
-                data_rel,
-                int(t["offset"]),
-                int(t["nbytes"]),
-                int(t["nbytes"]),
-                t["dtype"],
-                tuple(int(d) for d in t["shape"]),
-                layout.xxh3(view[int(t["offset"]) : int(t["offset"]) + int(t["nbytes"])]),
-            )
-            for t in tensors
-        }
+        entries = {}
+        for t in tensors:
+            raw = view[int(t["offset"]) : int(t["offset"]) + int(t["nbytes"])]
+            entries[t["id"]] = layout.TensorEntry(
+                data_rel, int(t["offset"]), len(raw), len(raw), t["dtype"], tuple(int(d) for d in t["shape"]),
+                layout.xxh3(raw), blocks=layout.block_digests(t["id"], raw),
+            )  # fmt: skip
         writer.join()
         if failure:
             raise failure[0]
@@ -212,9 +207,11 @@ class Persister:
                 payload = memoryview(compressor.compress(raw)) if compressor is not None else raw
                 for start in range(0, len(payload), WRITE_CHUNK):
                     f.write(payload[start : start + WRITE_CHUNK])
+                blocks = layout.block_digests(t["id"], raw) if compressor is None else ()
                 entries[t["id"]] = layout.TensorEntry(
-                    data_rel, offset, len(payload), len(raw), t["dtype"], shape, digest, "zstd" if compressor else "raw"
-                )
+                    data_rel, offset, len(payload), len(raw), t["dtype"], shape, digest,
+                    "zstd" if compressor else "raw", blocks,
+                )  # fmt: skip
                 offset += len(payload)
                 done += len(raw)
                 if on_half is not None and done >= half:

@@ -30,7 +30,6 @@ from stalwart.checkpoint.format.serialize import (
     FlattenCache,
     TensorItem,
     assign_owners,
-    dtype_from_name,
     dtype_name,
     flatten,
     is_frozen,
@@ -48,6 +47,7 @@ from stalwart.checkpoint.tiers.slot import (
     Slot,
     SlotContent,
     SlotHeader,
+    live_shapes,
     read_slot,
     tensor_at,
     whole_image,
@@ -361,7 +361,7 @@ class MemoryTier(SlotFiles):
             if self._own(h, step):
                 assert h is not None
                 content = read_slot(slot.path, h, step)
-                return {k: (dtype_from_name(v[0]), list(v[1])) for k, v in content.live.items()}, content
+                return live_shapes(content), content
         raise CheckpointCorruptError(f"no light memory slot holds step {step}")
 
     def load_light(

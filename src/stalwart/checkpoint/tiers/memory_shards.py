@@ -32,7 +32,18 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.format.serialize import dtype_from_name, unflatten
-from stalwart.checkpoint.tiers.slot import HEADER_BYTES, Slot, SlotHeader, read_image, whole_image, write_image
+from stalwart.checkpoint.format.sharded import row_range
+from stalwart.checkpoint.tiers.slot import (
+    HEADER_BYTES,
+    Slot,
+    SlotContent,
+    SlotHeader,
+    live_shapes,
+    read_image,
+    read_slot,
+    whole_image,
+    write_image,
+)
 from stalwart.checkpoint.tiers.toc import parse_toc
 from stalwart.errors import CheckpointCorruptError
 
@@ -66,6 +77,29 @@ def holdings(directory: Path, world_size: int) -> dict[tuple[int, int], dict[int
         if h is not None and h.world_size != world_size and 0 <= h.rank < h.world_size:
             held.setdefault((h.world_size, h.step), {}).setdefault(h.rank, path)
     return held
+
+
+def light_of(
+    directory: Path, world_size: int, step: int, rank: int
+) -> tuple[dict[str, tuple[torch.dtype, list[int]]], SlotContent]:
+    """Old rank `rank`'s light snapshot of `step` at `world_size` from this node's memory (its own light slots, or
+    the ward light slots where peer replicas keep another node's ranks' images): the per-rank part a survivor of a
+    shrink takes, the replicated part coming from a survivor's live state (recovery/restore.py). As
+    MemoryTier.light: the tensors left to the live state, and the content. CheckpointCorruptError if the node holds
+    none whole."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        names = []
+    for name in names:
+        if not (name.startswith("local") and name[-7:-1] == ".light"):
+            continue
+        path = directory / name
+        h = _header(path)
+        if h is not None and (h.world_size, h.step, h.rank) == (world_size, step, rank):
+            content = read_slot(path, h, step)
+            return live_shapes(content), content
+    raise CheckpointCorruptError(f"node memory holds no light snapshot of step {step} for rank {rank} of {world_size}")
 
 
 def image_of(directory: Path, world_size: int, step: int, rank: int) -> bytes:
@@ -203,18 +237,10 @@ class MemoryImages:
         row-major shard, as where Shard(0) shards overlap): no byte of the shard outside it is read. False when it
         is not; the caller then reads the whole shard."""
         _, (_, nbytes, dtype_text, _) = self._locate(tid)
-        dtype = dtype_from_name(dtype_text)
-        if nbytes != math.prod(shape) * dtype.itemsize:
+        part = row_range(shape, region, dtype_from_name(dtype_text), out)
+        if part is None or nbytes != math.prod(shape) * out.element_size():
             return False
-        lengths = [r.stop - r.start for r in region]
-        first = next((d for d, n in enumerate(lengths) if n != 1), len(lengths) - 1)  # the first dimension cut
-        if not shape or any(lengths[d] != shape[d] for d in range(first + 1, len(shape))):
-            return False
-        if not out.is_contiguous() or out.dtype != dtype or out.numel() != math.prod(lengths):
-            return False
-        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-        start = sum(r.start * stride for r, stride in zip(region, strides, strict=True)) * dtype.itemsize
-        if start + out.numel() * dtype.itemsize > nbytes:
+        if part[0] + part[1] > nbytes:
             raise CheckpointCorruptError(f"the memory snapshot of step {self.step} ends inside tensor {tid}")
-        self._read(tid, out, part=(start, out.numel() * dtype.itemsize))
+        self._read(tid, out, part=part)
         return True

@@ -248,6 +248,11 @@ class SlotContent:
     """The replicated objects whose skeletons must come from the survivor (snapshot_light's reused part)."""
 
 
+def live_shapes(content: SlotContent) -> dict[str, tuple[torch.dtype, list[int]]]:
+    """The tensors a light snapshot left to the survivors' live state: id -> (dtype, shape)."""
+    return {k: (dtype_from_name(v[0]), list(v[1])) for k, v in content.live.items()}
+
+
 def tensor_at(entry: list[Any], data: bytearray | memoryview) -> torch.Tensor:
     offset, nbytes, dtype_text, shape = entry
     dtype = dtype_from_name(dtype_text)
