@@ -13,7 +13,9 @@ fi
 echo "== ruff"; .venv/bin/ruff check src tests
 echo "== ruff format"; .venv/bin/ruff format --check src tests
 echo "== mypy"; .venv/bin/mypy
-# Two tests at a time (pytest-xdist): each is a few processes that spend much of their time waiting; on two cores
-# more workers gained little (792-813 s against 895 s before the zygote) and made timing-sensitive tests flaky.
-# worksteal: an idle worker takes queued tests from the busy one, so no long test is left to run alone at the end.
-echo "== pytest"; .venv/bin/python -m pytest -n 2 --dist worksteal --durations=15 "${quick[@]}" "$@"
+# Three tests at a time (pytest-xdist): each is a few processes that spend much of their time waiting. On the 2-core
+# VM (2026-11-27, the same tree) two workers took 755 s; three took 646 s with the CPUs 3% idle (vmstat), every
+# test passing. (Before the zygote and the absorbing waits, more workers gained little and made
+# timing-sensitive tests flaky.) worksteal: an idle worker takes queued tests from a busy one, so no long test is
+# left to run alone at the end.
+echo "== pytest"; .venv/bin/python -m pytest -n 3 --dist worksteal --durations=15 "${quick[@]}" "$@"

@@ -115,8 +115,10 @@ def test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical(launch:
     assert detected and {e["step"] for e in detected} == {12}
     if how == "sigstop":  # a stopped process is the cause for certain: only it is killed
         assert [(e["rank"], e["cause"]) for e in detected] == [(1, "stopped by a signal")]
-    else:  # a deadlock looks like waiting in a collective from outside: every overdue rank goes
-        assert 1 in {e["rank"] for e in detected}
+    else:  # a sleep in C code or a deadlock looks like waiting in a collective from outside: the ranks seen overdue
+        # go, either one first (rank 0 waits for rank 1 in the step's all-reduce, both silent since the step began;
+        # once in a loaded suite rank 0's deadline passed first and the group restarted before rank 1 was judged)
+        assert {e["rank"] for e in detected} <= {0, 1}
     # A stopped rank is killed as soon as it is seen stopped; any other only after its deadline.
     assert all(e["silent_s"] >= e["timeout_s"] for e in detected if e["cause"] == "no progress")
     assert "hung at step 12" in job.output()

@@ -37,10 +37,12 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.02, help="seconds per step, a stand-in for compute")
     p.add_argument("--divergence-every", type=int, default=10)
     p.add_argument("--loss-spike", default="rollback")
+    p.add_argument("--light-budget", type=float, default=0.02, help="light_snapshot_budget (stalwart.Job's)")
     args = p.parse_args()
     torch.use_deterministic_algorithms(True)
     job = stalwart.Job(args.ckpt, checkpoint_every=args.every, log_every=1, when_busy="wait",
-                       divergence_every=args.divergence_every, loss_spike=args.loss_spike)  # fmt: skip
+                       divergence_every=args.divergence_every, loss_spike=args.loss_spike,
+                       light_snapshot_budget=args.light_budget)  # fmt: skip
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
     ddp = DistributedDataParallel(model)  # at one rank too: its state keeps the same keys when the world shrinks to one

@@ -221,19 +221,22 @@ class Restorer:
 
     def _from_light(self, step: int, source: int, old_world: int | None = None) -> Restored | None:
         """Every rank's light snapshot of `step`, with the live tensors broadcast from rank `source`'s stash.
-        `old_world`: the snapshots are of that other world size (a shrink): each rank takes the one of old rank (its
-        rank mod `old_world`) from its node's memory (own or ward slots), as a durable resize takes per-rank
-        objects (docs/checkpoints.md)."""
+        `old_world`: the snapshots are of that other world size (a shrink, a grow): each rank takes the one of old
+        rank (its rank mod `old_world`), as a durable resize takes per-rank objects (docs/checkpoints.md), from its
+        node's memory (own or ward slots) or from a rank holding it (`_old_light`)."""
         comm, memory = self._comm, self._memory
         wanted: dict[str, tuple[torch.dtype, list[int]]] = {}
         content, problem = None, ""
+        image = self._old_light(step, old_world) if old_world is not None else b""  # every rank takes part
         try:
+            if old_world is not None and not image:
+                raise CheckpointCorruptError(f"no rank holds old rank {comm.rank % old_world}'s light snapshot")
             if memory is None:
                 raise CheckpointCorruptError("this rank has no memory tier")
             if old_world is None:
                 wanted, content = memory.light(step)
             else:
-                wanted, content = memory_shards.light_of(memory.directory, old_world, step, comm.rank % old_world)
+                wanted, content = memory_shards.light_content(image, step)
         except CheckpointCorruptError as exc:
             problem = str(exc)
         stash = reform.stashed()
@@ -290,6 +293,25 @@ class Restorer:
             where += f" of {old_world} ranks"
         world = old_world if old_world is not None else comm.world_size
         return Restored(step, world, snapshot.state, where, snapshot.bytes + total, tier="peer")
+
+    def _old_light(self, step: int, old_world: int) -> bytes:
+        """The image of old rank (this rank mod `old_world`)'s light snapshot of `step`: from this node's memory, or,
+        where the node lacks it (a node that joined), sent by the lowest rank that holds that old rank's (a light
+        image is the per-rank part only: kilobytes). Empty where none holds it. Collective."""
+        comm, memory = self._comm, self._memory
+        image = b""
+        if memory is not None:
+            image = memory_shards.light_image_of(memory.directory, old_world, step, comm.rank % old_world)
+        held = [f.value for f in comm.gather(Flag(int(bool(image))))]
+        for receiver, has in enumerate(held):
+            senders = [r for r, h in enumerate(held) if h and r % old_world == receiver % old_world]
+            if has or not senders:
+                continue
+            if comm.rank == senders[0]:
+                comm.send_bytes(image, receiver)
+            elif comm.rank == receiver:
+                image = comm.recv_bytes(senders[0])
+        return image
 
     def hand_over(
         self, step: int, source: int, receivers: tuple[int, ...], state: Callable[[], Any]

@@ -40,7 +40,6 @@ from stalwart.checkpoint.tiers.slot import (
     SlotHeader,
     live_shapes,
     read_image,
-    read_slot,
     whole_image,
     write_image,
 )
@@ -79,14 +78,11 @@ def holdings(directory: Path, world_size: int) -> dict[tuple[int, int], dict[int
     return held
 
 
-def light_of(
-    directory: Path, world_size: int, step: int, rank: int
-) -> tuple[dict[str, tuple[torch.dtype, list[int]]], SlotContent]:
-    """Old rank `rank`'s light snapshot of `step` at `world_size` from this node's memory (its own light slots, or
-    the ward light slots where peer replicas keep another node's ranks' images): the per-rank part a survivor of a
-    shrink takes, the replicated part coming from a survivor's live state (recovery/restore.py). As
-    MemoryTier.light: the tensors left to the live state, and the content. CheckpointCorruptError if the node holds
-    none whole."""
+def light_image_of(directory: Path, world_size: int, step: int, rank: int) -> bytes:
+    """Old rank `rank`'s light snapshot of `step` at `world_size` as a slot image, from this node's memory (its own
+    light slots, the ward light slots where peer replicas keep another node's ranks' images): the per-rank part a
+    rank takes after a change of world size, the replicated part coming from a survivor's live state
+    (recovery/restore.py). Empty if the node holds none whole."""
     try:
         names = sorted(os.listdir(directory))
     except OSError:
@@ -97,9 +93,24 @@ def light_of(
         path = directory / name
         h = _header(path)
         if h is not None and (h.world_size, h.step, h.rank) == (world_size, step, rank):
-            content = read_slot(path, h, step)
-            return live_shapes(content), content
-    raise CheckpointCorruptError(f"node memory holds no light snapshot of step {step} for rank {rank} of {world_size}")
+            image = read_image(path, h)
+            if image:
+                return image
+    return b""
+
+
+def light_content(image: bytes, step: int) -> tuple[dict[str, tuple[torch.dtype, list[int]]], SlotContent]:
+    """A light snapshot's image (`light_image_of`, here or from another node) as MemoryTier.light gives its own: the
+    tensors left to the live state, and the content for `load_light`. CheckpointCorruptError if not whole."""
+    h = SlotHeader.unpack(image)
+    if h is None or h.step != step or not whole_image(image, h.world_size):
+        raise CheckpointCorruptError(f"the light memory snapshot of step {step} is not whole")
+    try:
+        skeleton, table, live, survivor = parse_toc(image[HEADER_BYTES : HEADER_BYTES + h.toc_len], step)
+    except Exception as exc:
+        raise CheckpointCorruptError(f"the light memory snapshot of step {step} cannot be read: {exc}") from exc
+    content = SlotContent(skeleton, table, bytearray(image[h.data_offset : h.image_len]), live, survivor)
+    return live_shapes(content), content
 
 
 def image_of(directory: Path, world_size: int, step: int, rank: int) -> bytes:
