@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, run on a lent device machine (docs/benchmarks.md records what they printed).
 # Usage, from the repository root there: bash scripts/gpu_checks.sh [what...]; results go to $OUT (default ./gpu-out).
-# what: info nvml preflight run overhead checkpoint overlap first_save sync group restore live (default: all). Wheels missing there travel in .whl/.
+# what: info nvml preflight run overhead checkpoint overlap first_save sync group restore live reshard (default: all). Wheels missing there travel in .whl/.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -10,7 +10,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1
 PY=python3
-what=${*:-info nvml preflight run overhead checkpoint overlap first_save sync group restore live}
+what=${*:-info nvml preflight run overhead checkpoint overlap first_save sync group restore live reshard}
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
 for w in $what; do
 case $w in
@@ -83,5 +83,8 @@ restore)
 live)
     step "the survivor's live state with CUDA tensors: 2 ranks on GPU 0, DDP, a kill; expect tier peer, bitwise"
     PY=$PY timeout 400 bash tests/scripts/gpu_live.sh | tee "$OUT/live.json"; echo "exit $?" ;;
+reshard)
+    step "FSDP2 state of 2 CPU ranks resumed by 1 rank on GPU 0 (CUDA DTensors), from the checkpoint and from memory"
+    PY=$PY timeout 300 bash tests/scripts/gpu_reshard.sh | tee "$OUT/reshard.json"; echo "exit $?" ;;
 esac
 done
