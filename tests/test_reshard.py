@@ -98,20 +98,23 @@ def _torchrun(workdir: Path, nproc: int, snapshots: Path, *args: str, code: int 
 def test_fsdp2_state_of_4_ranks_reshards_from_node_memory_at_2_then_at_3(tmp_path: Path) -> None:
     """A restart at another world size takes the old ranks' full snapshots from node memory (newer than the
     durable checkpoint), resharded: every parameter and AdamW moment bitwise what the old world held (training on
-    from there is the durable test's above, within 1e-5 of a 4-rank run)."""
+    from there is the durable test's above, within 1e-5 of a 4-rank run). The ranks' memory is that of two nodes:
+    at 4 ranks two ranks each, at 2 ranks one each, at 3 ranks two and one; each time a node lacks some old ranks'
+    images and gets them from the other node's memory (recovery/memory_reshard.py)."""
     snapshots = Path("/dev/shm") / f"stalwart-test-reshard-{os.getpid()}"
     snapshots.mkdir()
     dumps = tmp_path / "dumps"
+    args, one = (*ARGS, "--ranks-per-node", "2"), (*ARGS, "--ranks-per-node", "1")
     try:
-        _torchrun(tmp_path / "four", 4, snapshots, "--steps", "10", *ARGS, "--dump-dir", str(dumps / "4"))
+        _torchrun(tmp_path / "four", 4, snapshots, "--steps", "10", *args, "--dump-dir", str(dumps / "4"))
         # The durable checkpoint of step 10 is gone: only node memory holds it (the durable one is of step 8).
         shutil.rmtree(tmp_path / "ckpt" / "step_00000010")
-        _torchrun(tmp_path / "refused", 2, snapshots, "--steps", "12", *ARGS, code=1)
+        _torchrun(tmp_path / "refused", 2, snapshots, "--steps", "12", *one, code=1)
         refused = (tmp_path / "refused" / "output.log").read_text()
         assert "stalwart: error: node memory holds step 10 of a job of 4 ranks and this job has 2" in refused
         resize = ("--allow-resize",)
-        two = _torchrun(tmp_path / "two", 2, snapshots, "--steps", "12", *ARGS, *resize, "--dump-dir", str(dumps / "2"))
-        three = _torchrun(tmp_path / "three", 3, snapshots, "--steps", "14", *ARGS, *resize,
+        two = _torchrun(tmp_path / "two", 2, snapshots, "--steps", "12", *one, *resize, "--dump-dir", str(dumps / "2"))
+        three = _torchrun(tmp_path / "three", 3, snapshots, "--steps", "14", *args, *resize,
                           "--dump-dir", str(dumps / "3"))  # fmt: skip
     finally:
         shutil.rmtree(snapshots, ignore_errors=True)
@@ -120,6 +123,9 @@ def test_fsdp2_state_of_4_ranks_reshards_from_node_memory_at_2_then_at_3(tmp_pat
     for events, old, new, step in ((two, 4, 2, 10), (three, 2, 3, 12)):
         [changed] = [e for e in events if e["event"] == "world_resized" and e.get("rank") == 0]
         assert (changed["from"], changed["to"], changed["tier"], changed["step"]) == (old, new, "memory", step)
+    for events, moved in ((two, 4), (three, 2)):  # each node got the old images it lacked from the other
+        sources = {e["source"] for e in events if e["event"] == "resumed"}
+        assert sources and all(f"{moved} images moved between nodes" in s for s in sources), sources
 
 
 @pytest.mark.parametrize("url", ["local", "memory://reshard-ranges"])

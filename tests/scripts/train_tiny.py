@@ -18,6 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import stalwart
+from stalwart.runtime.env import SNAPSHOT_DIR_ENV
 
 
 class Samples(torch.utils.data.Dataset):
@@ -110,7 +111,13 @@ def main() -> None:
     p.add_argument("--setup-log", default="", help="append this process's pid here each time the set-up runs")
     p.add_argument("--die-at", default="", help="STEP:PHASE (forward, backward, before_optimizer): rank 1 of the "
                    "first round dies there, the user's code killing its own process")  # fmt: skip
+    p.add_argument("--ranks-per-node", type=int, default=0, help="rank r's node memory is $STALWART_SNAPSHOT_DIR/"
+                   "node<r // K>: several nodes' memory tiers on one machine (torchrun)")  # fmt: skip
     args = p.parse_args()
+    if args.ranks_per_node and os.environ.get(SNAPSHOT_DIR_ENV):
+        memory = Path(os.environ[SNAPSHOT_DIR_ENV]) / f"node{int(os.environ['RANK']) // args.ranks_per_node}"
+        memory.mkdir(exist_ok=True)
+        os.environ[SNAPSHOT_DIR_ENV] = str(memory)
     if args.ckpt_per_rank:
         args.ckpt = f"{args.ckpt}-rank{os.environ.get('RANK', '0')}"
 
