@@ -5,6 +5,7 @@ the same parameters as a run of 4 ranks throughout, within floating-point order.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -123,9 +124,13 @@ def test_fsdp2_state_of_4_ranks_reshards_from_node_memory_at_2_then_at_3(tmp_pat
     for events, old, new, step in ((two, 4, 2, 10), (three, 2, 3, 12)):
         [changed] = [e for e in events if e["event"] == "world_resized" and e.get("rank") == 0]
         assert (changed["from"], changed["to"], changed["tier"], changed["step"]) == (old, new, "memory", step)
-    for events, moved in ((two, 4), (three, 2)):  # each node got the old images it lacked from the other
-        sources = {e["source"] for e in events if e["event"] == "resumed"}
-        assert sources and all(f"{moved} images moved between nodes" in s for s in sources), sources
+    for events, moved in ((two, 4), (three, 2)):  # each node lacked old images; a rank fetched only what it reads
+        sources = {e["rank"]: e["source"] for e in events if e["event"] == "resumed"}
+        fetched = {r: int(re.search(rf"(\d+) bytes of {moved} images moved between nodes", s)[1])
+                   for r, s in sources.items()}  # fmt: skip
+        # Rank 0's new shards and its old rank's state lie in its own node's images (at 2 ranks: old ranks 0 and 1,
+        # at 3: old rank 0 of 2); a whole-image move would have sent its node the others' all the same.
+        assert fetched[0] == 0 and all(fetched[r] > 0 for r in fetched if r), sources
 
 
 @pytest.mark.parametrize("url", ["local", "memory://reshard-ranges"])

@@ -161,12 +161,12 @@ class Job:
         started = time.monotonic()
         self._tracked.check_loadable()
         self.checkpointer.replicated = self._tracked.choose_replicated(self.config.recovery.replicated)
-        allow = self.config.recovery.allow_world_size_change
-        if allow is None:
-            allow = os.environ.get(lifecycle.ELASTIC_ENV) == "1"
+        allow = lifecycle.world_size_change_allowed(self.config.recovery.allow_world_size_change)
         self._rollback.skips = read_skip_record(self.comm, self.checkpointer)
         grown = joining.grow(self)  # after training on shrunk (job/shrunk.py)
-        restored = None if grown else self._restorer.restore(allow_world_size_change=allow)
+        restored = (
+            None if grown else self._restorer.restore(allow_world_size_change=allow, meshes=self._tracked.meshes())
+        )
         self.state = JobState.RUNNING
         if self._in_loop is not None:
             self._in_loop.joined()  # a replacement has its state: its collectives run for real from now on

@@ -64,3 +64,9 @@ def _die_with_agent(agent_pid: int) -> None:
     if os.getppid() != agent_pid:
         return  # started through a wrapper (--no-python, a shell): its parent is not the agent
     die_with_parent(parent=agent_pid)
+
+
+def world_size_change_allowed(asked: bool | None) -> bool:
+    """`allow_world_size_change` as given, or by default whether the job runs elastically (`stalwart run --nnodes
+    MIN:MAX` with MIN < MAX sets ELASTIC_ENV)."""
+    return asked if asked is not None else os.environ.get(ELASTIC_ENV) == "1"

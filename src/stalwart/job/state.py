@@ -137,6 +137,10 @@ class TrackedState:
             walk(list(obj.parameters()) if isinstance(obj, torch.nn.Module) else obj.state_dict())
         return found
 
+    def meshes(self) -> dict[tuple[tuple[int, ...], tuple[int, ...]], Any]:
+        """The device meshes of the tracked objects' DTensors (what sharded state is rebuilt on)."""
+        return sharded.meshes_of(self.objects.values())
+
     def load(self, restored: Restored) -> None:
         """Load a restored state into the tracked objects and the RNG (at a new world size, the RNG stays)."""
         started = time.monotonic()

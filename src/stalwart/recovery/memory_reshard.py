@@ -1,15 +1,15 @@
 """A restart at another world size from the old world's memory snapshots, where the nodes of the new world hold them
-(checkpoint/tiers/memory_shards.py reads them; this module decides and moves them).
+(checkpoint/tiers/memory_shards.py reads them; this module decides and moves what a node lacks).
 
 Why here and not in each node alone: after a shrink every surviving node may hold every old rank's full image (its
 own ranks' slots, and the lost node's ranks' images in the ward slots of peer replicas), but after a grow the
 joining node holds none: its state must come from the live nodes' memory, not from the durable checkpoint, which
 is older (up to `checkpoint_every` steps). So every rank reports which old images its node holds (`survey`), all
-agree on the newest step whose images the nodes hold together, and a node that lacks some receives them from a
-node that has them (one rank of each node writes them into its memory directory, `memory_shards.import_image`)
-before every rank reshards from its own node's memory. What moves is whole images: a joining node receives every
-old rank's snapshot it lacks, its share of the state plus the rest (reading only the overlapping byte ranges from
-another node would move less; not built).
+agree on the newest step whose images the nodes hold together, and every rank of a node that lacks some gets their
+heads (header and table of contents) from a node that holds them, works out which parts of them its restore will
+read (a dry run of it: the old rank's state, and the resharding onto its tracked objects' meshes on meta tensors),
+and fetches only those (`_fetch`): of the sharded tensors, the byte ranges of the old shards that overlap its new
+ones, as each rank reads from its own node's memory; nothing is written to the node's memory directory.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import socket
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from stalwart.checkpoint.format import sharded
 from stalwart.checkpoint.load.rank_state import Restored
-from stalwart.checkpoint.tiers.memory_shards import MemoryImages, holdings, image_of, import_image
+from stalwart.checkpoint.tiers.memory_shards import MemoryImages, Part, head_of, holdings
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError
 from stalwart.runtime.dist import Comm
 from stalwart.telemetry.events import EventLog
@@ -31,12 +33,14 @@ _PAIRS = 4
 
 @dataclass(frozen=True, slots=True)
 class ReshardPlan:
-    """The old world's state to reshard from: its size and step, and the images each node must first receive,
-    as (receiving rank, sending rank, old rank), the same list on every rank."""
+    """The old world's state to reshard from: its size and step, and the parts of images each rank of a node that
+    lacks them must first receive, as (receiving rank, sending rank, old rank), the same list on every rank."""
 
     world_size: int
     step: int
     transfers: tuple[tuple[int, int, int], ...]
+    moved: int = 0
+    """Old images some node lacks (each received in part by every rank of that node)."""
 
 
 def _node_key(directory: Path | None) -> int:
@@ -75,11 +79,13 @@ def survey(comm: Comm, directory: Path | None, world_size: int, newest_durable: 
                 holders.setdefault(old, rank)
         if set(holders) != set(range(old_world)):
             continue
-        transfers = []
+        transfers, moved = [], 0
         for ranks in sorted(nodes.values()):
             has = set(reports[ranks[0]][2].get((old_world, step), ()))
-            transfers += [(ranks[0], holders[old], old) for old in range(old_world) if old not in has]
-        return ReshardPlan(old_world, step, tuple(transfers))
+            lacking = [old for old in range(old_world) if old not in has]
+            moved += len(lacking)
+            transfers += [(rank, holders[old], old) for rank in ranks for old in lacking]
+        return ReshardPlan(old_world, step, tuple(transfers), moved)
     return None
 
 
@@ -94,32 +100,38 @@ def _parse(row: list[int]) -> tuple[int, int, dict[tuple[int, int], tuple[int, .
 
 
 def restore(
-    comm: Comm, events: EventLog, directory: Path | None, local_rank: int, plan: ReshardPlan, *, allowed: bool
-) -> Restored | None:
-    """This rank's part of `plan`'s state: moves the images nodes lack, then reads its node's memory (sharded
-    tensors to be resharded from there, format/sharded.py). Not `allowed`: CheckpointMismatchError, as for a
-    durable checkpoint of another world size, instead of a silent fresh start. Collective. None (on every rank)
-    when an image cannot be read whole; the caller goes on to the durable checkpoint."""
+    comm: Comm, events: EventLog, directory: Path | None, plan: ReshardPlan, meshes: dict[Any, Any] | None, *,
+    allowed: bool,
+) -> Restored | None:  # fmt: skip
+    """This rank's part of `plan`'s state: from its node's memory, and where its node lacks old images, from their
+    heads and only the parts of them this rank will read, fetched from a node that holds them (`_fetch`); sharded
+    tensors are then resharded from those (format/sharded.py) onto `meshes` (the tracked objects' device meshes).
+    Not `allowed`: CheckpointMismatchError, as for a durable checkpoint of another world size, instead of a silent
+    fresh start. Collective. None (on every rank) when an image cannot be read whole; the caller goes on to the
+    durable checkpoint."""
     if not allowed:
         raise CheckpointMismatchError(
             f"node memory holds step {plan.step} of a job of {plan.world_size} ranks and this job has "
             f"{comm.world_size}; allow a world-size change (docs/checkpoints.md) or relaunch with the same world size"
         )
-    problem = ""
-    for receiver, sender, old in plan.transfers:  # a receiver's node lacks the image its sender's holds
+    problem, remote = "", {}
+    for receiver, sender, old in plan.transfers:  # the heads of the images a receiver's node lacks
         if comm.rank == sender:
-            comm.send_bytes(image_of(directory, plan.world_size, plan.step, old) if directory else b"", receiver)
+            comm.send_bytes(head_of(directory, plan.world_size, plan.step, old) if directory else b"", receiver)
         elif comm.rank == receiver:
-            image = comm.recv_bytes(sender)
-            if not image or directory is None or not import_image(directory, local_rank, image):
-                problem = f"the memory snapshot of rank {old} at step {plan.step} did not arrive whole"
-    if plan.transfers:
-        comm.barrier()  # every node's imports written before any rank of it reads them
-    images, state = None, None
+            remote[old] = comm.recv_bytes(sender)
+    images, state, fetched = None, None, 0
     try:
-        if problem or directory is None:
+        if directory is None:
+            raise CheckpointCorruptError("this rank has no memory tier")
+        images = MemoryImages(directory, plan.world_size, plan.step, remote)
+    except CheckpointCorruptError as exc:
+        problem = str(exc)
+    if plan.transfers:
+        problem, fetched = _fetch(comm, plan, images, meshes, problem)
+    try:
+        if problem or images is None:
             raise CheckpointCorruptError(problem or "this rank has no memory tier")
-        images = MemoryImages(directory, plan.world_size, plan.step)
         state = images.state(comm.rank % plan.world_size)
     except CheckpointCorruptError as exc:
         problem = str(exc)
@@ -127,6 +139,56 @@ def restore(
         events.emit("memory_snapshot_unusable", step=plan.step, error=problem or "another rank's is not whole")
         return None
     assert images is not None and state is not None
-    moved = f", {len(plan.transfers)} images moved between nodes" if plan.transfers else ""
+    moved = f", {fetched} bytes of {plan.moved} images moved between nodes" if plan.transfers else ""
     where = f"node memory (step {plan.step} of {plan.world_size} ranks{moved})"
     return Restored(plan.step, plan.world_size, state, where, images.bytes, tier="memory", shards=images)
+
+
+def _fetch(
+    comm: Comm, plan: ReshardPlan, images: MemoryImages | None, meshes: dict[Any, Any] | None, problem: str
+) -> tuple[str, int]:
+    """Every rank of a node lacking old images gets the parts of them it will read, not whole images: a dry run of
+    its restore (the old rank's state, and the resharding onto `meshes` on meta tensors) lists them, every rank
+    learns every rank's list, and each holder sends each rank what it asked of it, in one global order (deadlock
+    free: each pair's send and receive are the same step of it). A part left out of the list is never read as
+    zeros: reading it raises, and the ranks go on to the durable checkpoint. Collective. Returns (problem, bytes
+    received)."""
+    wanted: list[Part] = []
+    if images is not None and not problem:
+        images.recording = wanted
+        try:
+            state = images.state(comm.rank % plan.world_size)
+            if meshes is not None:
+                sharded.rebuild(state["objects"], meshes, "node memory", images)
+        except Exception as exc:  # a mismatch is met again by the real load, which reports it
+            problem = problem or f"planning the parts to fetch: {exc}"
+        images.recording, images.bytes = None, 0
+    asked = _gather(comm, [v for part in sorted(set(wanted)) for v in part])
+    holder = {(r, old): sender for r, sender, old in plan.transfers}
+    pairs: dict[tuple[int, int], list[Part]] = {}  # (asking rank, holder) -> parts, in one order on every rank
+    for rank, row in enumerate(asked):
+        for i in range(0, len(row) - 2, 3):
+            part = (row[i], row[i + 1], row[i + 2])
+            if part[2] > 0 and (rank, part[0]) in holder:
+                pairs.setdefault((rank, holder[(rank, part[0])]), []).append(part)
+    received = 0
+    for (rank, sender), parts in sorted(pairs.items()):
+        if comm.rank == sender:
+            data = b""
+            try:
+                assert images is not None
+                data = b"".join(images.local_part(p) for p in parts)
+            except (AssertionError, CheckpointCorruptError):
+                pass  # an empty answer: the asking rank reports it
+            comm.send_bytes(data, rank)
+        elif comm.rank == rank:
+            data = comm.recv_bytes(sender)
+            if len(data) != sum(p[2] for p in parts) or images is None:
+                problem = problem or f"the parts of rank {parts[0][0]}'s memory snapshot did not arrive whole"
+                continue
+            at = 0
+            for p in parts:
+                images.fetched[p] = data[at : at + p[2]]
+                at += p[2]
+            received += len(data)
+    return problem, received

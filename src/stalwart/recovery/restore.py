@@ -107,8 +107,9 @@ class Restorer:
         self._memory = memory
         self._replicas = replicas
 
-    def restore(self, *, allow_world_size_change: bool) -> Restored | None:
-        """The newest state the job can resume from; None when there is none (a fresh start)."""
+    def restore(self, *, allow_world_size_change: bool, meshes: dict[Any, Any] | None = None) -> Restored | None:
+        """The newest state the job can resume from; None when there is none (a fresh start). `meshes`: the tracked
+        objects' device meshes (format/sharded.py `meshes_of`), which a reshard from node memory plans for."""
         memory, comm = self._memory, self._comm
         directory = memory.directory if memory is not None else None
         newest_durable = self._checkpointer.newest_committed() if comm.rank == 0 else -1
@@ -121,8 +122,7 @@ class Restorer:
         if restored is None and resized is not None:
             restored = self._from_light(*resized)
         if restored is None and other is not None:
-            local_rank = memory.local_rank if memory is not None else 0
-            restored = memory_reshard.restore(comm, self._events, directory, local_rank, other,
+            restored = memory_reshard.restore(comm, self._events, directory, other, meshes,
                                               allowed=allow_world_size_change)  # fmt: skip
         return restored or self._checkpointer.load_latest(allow_world_size_change=allow_world_size_change)
 

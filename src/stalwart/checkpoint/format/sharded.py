@@ -277,8 +277,10 @@ def reshard(saved: SavedShard, mesh: Any, source: ShardSource, where: str, into:
     shape, placements = [int(v) for v in info["shape"]], list(info["placements"])
     size, offset = shard_extent(shape, [int(v) for v in mesh.mesh.shape], [int(c) for c in mesh.get_coordinate()],
                                 placements)  # fmt: skip
-    reuse = _fits(into, mesh, info, size, saved.local.dtype)
-    local = into.to_local().detach() if reuse else torch.empty(size, dtype=saved.local.dtype)
+    planning = getattr(source, "recording", None) is not None  # a dry run: which parts to fetch (memory_reshard)
+    reuse = not planning and _fits(into, mesh, info, size, saved.local.dtype)
+    device = "meta" if planning else "cpu"
+    local = into.to_local().detach() if reuse else torch.empty(size, dtype=saved.local.dtype, device=device)
     covered = 0
     for tid in source.shard_ids(str(info["ref"]).split("@")[0]):
         old_size, old_offset = shard_extent(shape, info["mesh_shape"], _coord(tid, placements), placements)
@@ -299,6 +301,8 @@ def reshard(saved: SavedShard, mesh: Any, source: ShardSource, where: str, into:
             f"checkpoint {where}: the saved shards of {_name(info)} cover {covered} of the {math.prod(size)} "
             "values this rank's new shard needs"
         )
+    if planning:
+        return local
     return into if reuse else _dtensor(local, mesh, info)
 
 

@@ -9,8 +9,9 @@ steps) and are read at memory speed instead of from storage.
 
 A node can reshard from memory at a step when it holds a whole full image of that step for every old rank (light
 images lack the replicated state: it came from a survivor's live state, and no survivor kept it across a
-restart); a node that lacks some receives them from one that has them first (recovery/memory_reshard.py, which
-chooses the step: the newest the nodes hold together, if at least as new as the newest durable checkpoint).
+restart); a rank whose node lacks some reads them from their heads and the parts of them it fetched from a node
+that has them (recovery/memory_reshard.py, which chooses the step: the newest the nodes hold together, if at least
+as new as the newest durable checkpoint).
 Each new rank then reads, like a durable resharding
 (checkpoint/load/shards.py): the skeleton and per-rank tensors of old rank (its rank mod the old world size), the
 replicated tensors from whichever image holds them, and of the sharded tensors only the byte ranges of the old
@@ -29,19 +30,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from stalwart.checkpoint.format.serialize import dtype_from_name, unflatten
 from stalwart.checkpoint.format.sharded import row_range
 from stalwart.checkpoint.tiers.slot import (
     HEADER_BYTES,
-    Slot,
     SlotContent,
     SlotHeader,
     live_shapes,
     read_image,
     whole_image,
-    write_image,
 )
 from stalwart.checkpoint.tiers.toc import parse_toc
 from stalwart.errors import CheckpointCorruptError
@@ -113,46 +113,51 @@ def light_content(image: bytes, step: int) -> tuple[dict[str, tuple[torch.dtype,
     return live_shapes(content), content
 
 
-def image_of(directory: Path, world_size: int, step: int, rank: int) -> bytes:
-    """Old rank `rank`'s whole image of `step` (header, table of contents, data) from this node's memory, to send to
-    a node that lacks it; empty if it is no longer whole."""
-    path = holdings(directory, -1).get((world_size, step), {}).get(rank)
-    h = _header(path) if path is not None else None
-    return read_image(path, h) if path is not None and h is not None else b""
-
-
-def import_image(directory: Path, local_rank: int, image: bytes) -> bool:
-    """Keep an old rank's image received from another node in this node's memory, where `holdings` and MemoryImages
-    find it (`local<L>.import<rank>.slot0`); False (nothing written) if it is not a whole image."""
-    h = SlotHeader.unpack(image)
-    if h is None or not whole_image(image, h.world_size):
-        return False
-    slot = Slot(directory / f"local{local_rank:05d}.import{h.rank:05d}.slot0")
-    try:
-        write_image(slot, image)
-    finally:
-        slot.close()
-    return True
-
-
 @dataclass(frozen=True, slots=True)
 class _Image:
-    path: Path
+    path: Path | None
+    """None: an image held by another node, of which this rank has the head (`head_of`) and the parts it fetched."""
     header: SlotHeader
     skeleton: Any
     table: dict[str, list[Any]]
 
 
-class MemoryImages:
-    """Every old rank's full image of one step in a node's memory (a `sharded.ShardSource`), and each old rank's
-    state from them."""
+Part = tuple[int, int, int]
+"""(old rank, first byte in its image's data, bytes): a part of an image another node holds."""
 
-    def __init__(self, directory: Path, world_size: int, step: int) -> None:
-        """`world_size`: the old world's. Raises CheckpointCorruptError if an old rank's image is not whole."""
+
+def head_of(directory: Path, world_size: int, step: int, rank: int) -> bytes:
+    """The head of old rank `rank`'s full image of `step` (its header and table of contents, no data): what a node
+    lacking the image needs to know which parts of it to fetch; empty if this node holds it no longer."""
+    path = holdings(directory, -1).get((world_size, step), {}).get(rank)
+    h = _header(path) if path is not None else None
+    if path is None or h is None:
+        return b""
+    with open(path, "rb") as f:
+        head = f.read(HEADER_BYTES + h.toc_len)
+    return head if _header(path) == h and len(head) == HEADER_BYTES + h.toc_len else b""
+
+
+class MemoryImages:
+    """Every old rank's full image of one step (a `sharded.ShardSource`), and each old rank's state from them: from
+    this node's memory, and for images only another node holds, from their heads and the parts of their data this
+    rank fetched (recovery/memory_reshard.py). With `recording` set (a list), a read of such a part is only noted
+    there (what to fetch) and leaves its tensor as it is."""
+
+    def __init__(self, directory: Path, world_size: int, step: int, remote: dict[int, bytes] | None = None) -> None:
+        """`world_size`: the old world's; `remote`: old rank -> the head of its image, for images this node lacks.
+        Raises CheckpointCorruptError if an old rank's image is not whole."""
         self.step, self.world_size = step, world_size
         self.bytes = 0
         """Bytes of tensors read so far."""
+        self.recording: list[Part] | None = None
+        self.fetched: dict[Part, bytes] = {}
         self._images: dict[int, _Image] = {}
+        for rank, head in (remote or {}).items():
+            h = SlotHeader.unpack(head)
+            if h is None or (h.valid, h.world_size, h.step, h.rank) != (1, world_size, step, rank):
+                raise CheckpointCorruptError(f"the memory snapshot of rank {rank} at step {step} did not arrive whole")
+            self._images[rank] = self._parsed(None, h, head[HEADER_BYTES : HEADER_BYTES + h.toc_len])
         for path in _full_slot_files(directory):
             h = _header(path)
             if h is None or (h.world_size, h.step) != (world_size, step) or h.rank in self._images:
@@ -160,19 +165,37 @@ class MemoryImages:
             with open(path, "rb") as f:
                 f.seek(HEADER_BYTES)
                 raw = f.read(h.toc_len)
-            try:
-                skeleton, table, _, _ = parse_toc(raw, step)
-            except Exception as exc:
-                raise CheckpointCorruptError(f"the memory snapshot of rank {h.rank} at step {step}: {exc}") from exc
-            self._images[h.rank] = _Image(path, h, skeleton, table)
+            self._images[h.rank] = self._parsed(path, h, raw)
             self._check(self._images[h.rank])
         missing = sorted(set(range(world_size)) - set(self._images))
         if missing:
             raise CheckpointCorruptError(f"node memory holds no whole snapshot of step {step} for ranks {missing}")
-        self._where: dict[str, int] = {}  # tensor id -> the old rank whose image holds it (shared ones: any)
-        for rank, image in sorted(self._images.items(), reverse=True):
+        self._where: dict[str, int] = {}  # tensor id -> the old rank whose image holds it (shared ones: a local one)
+        for rank, image in sorted(self._images.items(), key=lambda item: (item[1].path is not None, -item[0])):
             self._where.update(dict.fromkeys(image.table, rank))
         self._shards: dict[str, list[str]] | None = None
+
+    def _parsed(self, path: Path | None, h: SlotHeader, toc: bytes) -> _Image:
+        try:
+            skeleton, table, _, _ = parse_toc(toc, self.step)
+        except Exception as exc:
+            raise CheckpointCorruptError(f"the memory snapshot of rank {h.rank} at step {self.step}: {exc}") from exc
+        return _Image(path, h, skeleton, table)
+
+    def local_part(self, part: Part) -> bytes:
+        """A part of an image this node holds, for a rank of another node that lacks it; CheckpointCorruptError if
+        the image changed meanwhile or ends before it."""
+        rank, start, length = part
+        image = self._images.get(rank)
+        if image is None or image.path is None or start < 0 or start + length > image.header.data_len:
+            raise CheckpointCorruptError(f"node memory holds no part {part} of rank {rank}'s snapshot")
+        with open(image.path, "rb", buffering=0) as f:
+            f.seek(image.header.data_offset + start)
+            data = f.read(length)
+        self._check(image)
+        if len(data) != length:
+            raise CheckpointCorruptError(f"the memory snapshot of rank {rank} ends inside part {part}")
+        return data
 
     def shard_ids(self, tensor: str) -> list[str]:
         if self._shards is None:  # once: a model has thousands of tensors, each asked for
@@ -198,18 +221,31 @@ class MemoryImages:
         if out is None:
             out = torch.empty(shape, dtype=dtype)
         start, length = part if part is not None else (0, nbytes)
-        if length:
+        key = (image.header.rank, offset + start, length)
+        if self.recording is not None:  # a dry run: nothing is read, another node's parts are noted
+            if length and image.path is None:
+                self.recording.append(key)
+            return out
+        if length and image.path is None:  # another node's image: the part this rank fetched
+            got = self.fetched.get(key)
+            if got is None or len(got) != length:
+                raise CheckpointCorruptError(f"the memory snapshot of step {self.step}: part {key} was not fetched")
+            out.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(got, dtype=np.uint8)
+        elif length:
+            assert image.path is not None
             target = out.view(-1).view(torch.uint8).numpy().data
             with open(image.path, "rb", buffering=0) as f:
                 f.seek(image.header.data_offset + offset + start)
-                got = f.readinto(target)
-            if got != length:
+                read = f.readinto(target)
+            if read != length:
                 raise CheckpointCorruptError(f"the memory snapshot of step {self.step} ends inside tensor {tid}")
             self._check(image)
         self.bytes += length
         return out
 
     def _check(self, image: _Image) -> None:
+        if image.path is None:
+            return
         again = _header(image.path)
         if again is None or (again.step, again.rank, again.world_size) != (
             image.header.step, image.header.rank, image.header.world_size,
