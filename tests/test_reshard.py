@@ -192,9 +192,11 @@ def test_a_durable_shard_is_read_and_checked_only_in_the_blocks_that_overlap(
     rel, tid = "step_00000001/rank00000.t.data", "D/model/w@0"
     (tmp_path / "step_00000001").mkdir()
     storage.write_bytes(rel, b"x" * 16 + raw)
+    blocks, size = layout.block_digests(tid, raw)
     entry = layout.TensorEntry(rel, 16, len(raw), len(raw), dtype_name(torch.float32), (40, 8), layout.xxh3(raw),
-                               blocks=layout.block_digests(tid, raw))  # fmt: skip
+                               blocks=blocks, block_bytes=size)  # fmt: skip
     assert len(entry.blocks) == 20 and layout.TensorEntry.from_json(entry.to_json()) == entry
+    monkeypatch.setattr(layout, "BLOCK_BYTES", 128)  # a later version's block size reads the entry as written
     shards = DurableShards(storage, layout.Manifest(1, 1, "t", [], {tid: entry}, 0.0))
     out = torch.empty(10, 8)
     assert shards.read_region(tid, [40, 8], (slice(13, 23), slice(0, 8)), out)

@@ -173,7 +173,8 @@ class TrackedState:
             return
         factor = scale_learning_rates(self.objects.values(), restored.world_size, self.world_size, self.lr_scaling)
         self._events.emit("world_resized", **{"from": restored.world_size, "to": self.world_size},
-                          why=f"resumed a checkpoint of {restored.world_size} ranks", tier=restored.tier,
+                          why=f"resumed {_FROM.get(restored.tier, restored.tier)} of {restored.world_size} ranks",
+                          tier=restored.tier,
                           step=restored.step, seconds=round(time.monotonic() - started, 4),
                           lr_factor=round(factor, 6))  # fmt: skip
         if self.rank == 0:
@@ -184,6 +185,11 @@ class TrackedState:
                 f"{restored.world_size}, which is right only if they are the same on every rank",
                 stacklevel=4,
             )
+
+
+_FROM = {"durable": "a checkpoint", "memory": "node memory", "replica": "a peer replica",
+         "peer": "a survivor's live state and node memory"}  # fmt: skip
+"""What a `world_resized` event's `why` says the state came from, by tier."""
 
 
 def read_skip_record(comm: Comm, checkpointer: Checkpointer) -> set[int]:

@@ -53,14 +53,17 @@ rank resharding at another world size reads and checks only the blocks of a save
 hundred digests per GB of shards in the manifest, at most two blocks read beyond an overlap."""
 
 
-def block_digests(tid: str, raw: memoryview | bytes) -> tuple[str, ...]:
-    """The per-block checksums a tensor's entry carries: for sharded tensors (`D/...`) over one block, else none."""
-    return blocks_of(raw) if tid.startswith("D/") and len(raw) > BLOCK_BYTES else ()
+def block_digests(tid: str, raw: memoryview | bytes) -> tuple[tuple[str, ...], int]:
+    """The per-block checksums and block size a tensor's entry carries (`blocks`, `block_bytes`): for sharded
+    tensors (`D/...`) over one block, else ((), 0)."""
+    if not tid.startswith("D/") or len(raw) <= BLOCK_BYTES:
+        return (), 0
+    return blocks_of(raw, BLOCK_BYTES), BLOCK_BYTES
 
 
-def blocks_of(raw: memoryview | bytes) -> tuple[str, ...]:
+def blocks_of(raw: memoryview | bytes, size: int) -> tuple[str, ...]:
     view = memoryview(raw)
-    return tuple(xxh3(view[i : i + BLOCK_BYTES]) for i in range(0, len(view), BLOCK_BYTES))
+    return tuple(xxh3(view[i : i + size]) for i in range(0, len(view), size))
 
 
 def step_dir_name(step: int) -> str:
@@ -101,7 +104,9 @@ class TensorEntry:
     xxh3: str
     codec: str = "raw"
     blocks: tuple[str, ...] = ()
-    """The xxh3 of each BLOCK_BYTES of a raw sharded tensor over one block (`block_digests`), else empty."""
+    """The xxh3 of each `block_bytes` of a raw sharded tensor over one block (`block_digests`), else empty."""
+    block_bytes: int = 0
+    """The block size of `blocks` (BLOCK_BYTES when written; kept, so that another size later reads the same)."""
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -115,6 +120,7 @@ class TensorEntry:
             "codec": self.codec,
         }
         if self.blocks:
+            out["block_bytes"] = self.block_bytes
             out["blocks"] = list(self.blocks)
         return out
 
@@ -130,10 +136,12 @@ class TensorEntry:
             str(raw["xxh3"]),
             str(raw.get("codec", "raw")),
             tuple(str(b) for b in raw.get("blocks", ())),
+            int(raw.get("block_bytes", 0)),
         )
         if not _DATA_FILE.match(entry.file) or entry.codec not in CODECS or min(entry.offset, entry.nbytes) < 0:
             raise ValueError(f"bad tensor entry {raw!r}")
-        if entry.blocks and (entry.codec != "raw" or len(entry.blocks) != -(-entry.nbytes // BLOCK_BYTES)):
+        if entry.blocks and (entry.codec != "raw" or entry.block_bytes <= 0
+                             or len(entry.blocks) != -(-entry.nbytes // entry.block_bytes)):  # fmt: skip
             raise ValueError(f"bad tensor entry {raw!r}: its blocks do not cover its bytes")
         return entry
 

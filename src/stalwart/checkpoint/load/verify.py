@@ -84,7 +84,7 @@ def read_tensor(
         raw = stored
     if len(raw) != entry.nbytes:
         raise CheckpointCorruptError(f"tensor {where} has {len(raw)} bytes, its manifest says {entry.nbytes}")
-    if layout.xxh3(raw) != entry.xxh3 or (entry.blocks and layout.blocks_of(raw) != entry.blocks):
+    if layout.xxh3(raw) != entry.xxh3 or (entry.blocks and layout.blocks_of(raw, entry.block_bytes) != entry.blocks):
         raise CheckpointCorruptError(f"tensor {where} fails its xxh3 check")
     return raw
 
@@ -97,8 +97,9 @@ def read_tensor_part(
     tensor)."""
     if not entry.blocks or entry.codec != "raw" or start < 0 or length <= 0 or start + length > entry.nbytes:
         return None
-    first, last = start // layout.BLOCK_BYTES, (start + length - 1) // layout.BLOCK_BYTES
-    low, high = first * layout.BLOCK_BYTES, min((last + 1) * layout.BLOCK_BYTES, entry.nbytes)
+    size = entry.block_bytes
+    first, last = start // size, (start + length - 1) // size
+    low, high = first * size, min((last + 1) * size, entry.nbytes)
     where = f"{storage.display(entry.file)} at byte {entry.offset + low}"
     try:
         data = memoryview(retrying(lambda: storage.read_range(entry.file, entry.offset + low, high - low)))
@@ -107,7 +108,7 @@ def read_tensor_part(
     if len(data) != high - low:
         raise CheckpointCorruptError(f"tensor {where} is truncated ({len(data)} of {high - low} bytes)")
     for block in range(first, last + 1):
-        at = (block - first) * layout.BLOCK_BYTES
-        if layout.xxh3(data[at : at + layout.BLOCK_BYTES]) != entry.blocks[block]:
+        at = (block - first) * size
+        if layout.xxh3(data[at : at + size]) != entry.blocks[block]:
             raise CheckpointCorruptError(f"tensor {where} fails its xxh3 check (block {block})")
     return data[start - low : start - low + length], high - low

@@ -158,7 +158,7 @@ class Persister:
             raw = view[int(t["offset"]) : int(t["offset"]) + int(t["nbytes"])]
             entries[t["id"]] = layout.TensorEntry(
                 data_rel, int(t["offset"]), len(raw), len(raw), t["dtype"], tuple(int(d) for d in t["shape"]),
-                layout.xxh3(raw), blocks=layout.block_digests(t["id"], raw),
+                layout.xxh3(raw), "raw", *layout.block_digests(t["id"], raw),
             )  # fmt: skip
         writer.join()
         if failure:
@@ -207,10 +207,10 @@ class Persister:
                 payload = memoryview(compressor.compress(raw)) if compressor is not None else raw
                 for start in range(0, len(payload), WRITE_CHUNK):
                     f.write(payload[start : start + WRITE_CHUNK])
-                blocks = layout.block_digests(t["id"], raw) if compressor is None else ()
+                blocks = layout.block_digests(t["id"], raw) if compressor is None else ((), 0)  # a part of zstd: no
                 entries[t["id"]] = layout.TensorEntry(
                     data_rel, offset, len(payload), len(raw), t["dtype"], shape, digest,
-                    "zstd" if compressor else "raw", blocks,
+                    "zstd" if compressor else "raw", *blocks,
                 )  # fmt: skip
                 offset += len(payload)
                 done += len(raw)
