@@ -151,8 +151,9 @@ def _fetch(
     its restore (the old rank's state, and the resharding onto `meshes` on meta tensors) lists them, every rank
     learns every rank's list, and each holder sends each rank what it asked of it, in one global order (deadlock
     free: each pair's send and receive are the same step of it). A part left out of the list is never read as
-    zeros: reading it raises, and the ranks go on to the durable checkpoint. Collective. Returns (problem, bytes
-    received)."""
+    zeros: reading it raises CheckpointCorruptError, which stops the load; a dry run that fails, or parts that do not
+    arrive whole, are agreed on (`problem`) and the ranks go on to the durable checkpoint. Collective. Returns
+    (problem, bytes received)."""
     wanted: list[Part] = []
     if images is not None and not problem:
         images.recording = wanted
@@ -178,7 +179,7 @@ def _fetch(
             try:
                 assert images is not None
                 data = b"".join(images.local_part(p) for p in parts)
-            except (AssertionError, CheckpointCorruptError):
+            except (AssertionError, CheckpointCorruptError, OSError):
                 pass  # an empty answer: the asking rank reports it
             comm.send_bytes(data, rank)
         elif comm.rank == rank:

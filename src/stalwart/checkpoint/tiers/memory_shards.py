@@ -218,8 +218,8 @@ class MemoryImages:
         """Tensor `tid` (or the bytes `part` = (start, length) of it) into `out` (a new tensor if None)."""
         image, (offset, nbytes, dtype_text, shape) = self._locate(tid, rank)
         dtype = dtype_from_name(dtype_text)
-        if out is None:
-            out = torch.empty(shape, dtype=dtype)
+        if out is None:  # in a dry run, no memory: the state it makes is only walked
+            out = torch.empty(shape, dtype=dtype, device="meta" if self.recording is not None else "cpu")
         start, length = part if part is not None else (0, nbytes)
         key = (image.header.rank, offset + start, length)
         if self.recording is not None:  # a dry run: nothing is read, another node's parts are noted
