@@ -118,7 +118,7 @@ def test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical(launch:
     else:  # a sleep in C code or a deadlock looks like waiting in a collective from outside: the ranks seen overdue
         # go, either one first (rank 0 waits for rank 1 in the step's all-reduce, both silent since the step began;
         # once in a loaded suite rank 0's deadline passed first and the group restarted before rank 1 was judged)
-        assert {e["rank"] for e in detected} <= {0, 1}
+        assert {e["cause"] for e in detected} == {"no progress"}, detected
     # A stopped rank is killed as soon as it is seen stopped; any other only after its deadline.
     assert all(e["silent_s"] >= e["timeout_s"] for e in detected if e["cause"] == "no progress")
     assert "hung at step 12" in job.output()

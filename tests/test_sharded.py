@@ -193,6 +193,7 @@ class _Shards:
     def __init__(self, lost: tuple[int, ...] = ()) -> None:
         self.values = torch.arange(8, dtype=torch.float32)
         self.lost = lost
+        self.recording = None  # not a dry run (sharded.ShardSource)
 
     def shard_ids(self, tensor: str) -> list[str]:
         return [f"{tensor}@{r}" for r in range(4) if r not in self.lost]

@@ -159,6 +159,10 @@ def meshes_of(objects: Iterable[Any]) -> dict[tuple[tuple[int, ...], tuple[int, 
 class ShardSource(Protocol):
     """Every saved shard of a checkpoint, read on demand (checkpoint/load/shards.py): what resharding reads."""
 
+    recording: list[Any] | None
+    """Not None: a dry run that only notes what it would read (tiers/memory_shards.py, for the parts of another
+    node's images to fetch); `reshard` then builds on the meta device and returns the local shards."""
+
     def shard_ids(self, tensor: str) -> list[str]:
         """The ids of the saved shards of `tensor` (`D/<object>/<key path>`), one per distinct shard."""
         ...
@@ -277,7 +281,7 @@ def reshard(saved: SavedShard, mesh: Any, source: ShardSource, where: str, into:
     shape, placements = [int(v) for v in info["shape"]], list(info["placements"])
     size, offset = shard_extent(shape, [int(v) for v in mesh.mesh.shape], [int(c) for c in mesh.get_coordinate()],
                                 placements)  # fmt: skip
-    planning = getattr(source, "recording", None) is not None  # a dry run: which parts to fetch (memory_reshard)
+    planning = source.recording is not None  # a dry run: which parts to fetch (ShardSource.recording)
     reuse = not planning and _fits(into, mesh, info, size, saved.local.dtype)
     device = "meta" if planning else "cpu"
     local = into.to_local().detach() if reuse else torch.empty(size, dtype=saved.local.dtype, device=device)

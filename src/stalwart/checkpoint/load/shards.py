@@ -10,6 +10,7 @@ again on the way: the new shard's regions are copied from a read-only view of th
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ class DurableShards:
         self.bytes = 0
         """Bytes of shards read so far."""
         self._by_tensor: dict[str, list[str]] | None = None
+        self.recording: list[Any] | None = None  # never a dry run (sharded.ShardSource)
 
     def shard_ids(self, tensor: str) -> list[str]:
         if self._by_tensor is None:  # once: a model has thousands of tensors, each asked for

@@ -47,14 +47,15 @@ from stalwart.checkpoint.tiers.toc import parse_toc
 from stalwart.errors import CheckpointCorruptError
 
 
-def _full_slot_files(directory: Path) -> list[Path]:
-    """Every full snapshot's slot file of a node's memory directory: own slots (`local<L>.slot<i>`) and ward slots
-    (`local<L>.ward<k>.slot<i>`); light ones (`.light<i>`) are left out."""
+def _slot_files(directory: Path, kind: str = "slot") -> list[Path]:
+    """Every slot file of one kind in a node's memory directory: full snapshots (`slot`: own slots
+    `local<L>.slot<i>` and ward slots `local<L>.ward<k>.slot<i>`) or light ones (`light`: `...light<i>`)."""
     try:
         names = os.listdir(directory)
     except OSError:
         return []
-    return sorted(directory / n for n in names if n.startswith("local") and n[-6:-1] == ".slot")
+    suffix = f".{kind}"
+    return sorted(directory / n for n in names if n.startswith("local") and n[-len(suffix) - 1 : -1] == suffix)
 
 
 def _header(path: Path) -> SlotHeader | None:
@@ -68,10 +69,9 @@ def _header(path: Path) -> SlotHeader | None:
 
 def holdings(directory: Path, world_size: int) -> dict[tuple[int, int], dict[int, Path]]:
     """(old world size, step) -> {old rank: its slot file} of every whole full image of another world size than
-    `world_size` (-1: of any) that this node's memory holds (its own slots, ward slots, images imported from another
-    node)."""
+    `world_size` (-1: of any) that this node's memory holds (its own slots and ward slots)."""
     held: dict[tuple[int, int], dict[int, Path]] = {}
-    for path in _full_slot_files(directory):
+    for path in _slot_files(directory):
         h = _header(path)
         if h is not None and h.world_size != world_size and 0 <= h.rank < h.world_size:
             held.setdefault((h.world_size, h.step), {}).setdefault(h.rank, path)
@@ -83,14 +83,7 @@ def light_image_of(directory: Path, world_size: int, step: int, rank: int) -> by
     light slots, the ward light slots where peer replicas keep another node's ranks' images): the per-rank part a
     rank takes after a change of world size, the replicated part coming from a survivor's live state
     (recovery/restore.py). Empty if the node holds none whole."""
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        names = []
-    for name in names:
-        if not (name.startswith("local") and name[-7:-1] == ".light"):
-            continue
-        path = directory / name
+    for path in _slot_files(directory, "light"):
         h = _header(path)
         if h is not None and (h.world_size, h.step, h.rank) == (world_size, step, rank):
             image = read_image(path, h)
@@ -150,7 +143,7 @@ class MemoryImages:
         self.step, self.world_size = step, world_size
         self.bytes = 0
         """Bytes of tensors read so far."""
-        self.recording: list[Part] | None = None
+        self.recording: list[Any] | None = None  # of Part
         self.fetched: dict[Part, bytes] = {}
         self._images: dict[int, _Image] = {}
         for rank, head in (remote or {}).items():
@@ -158,7 +151,7 @@ class MemoryImages:
             if h is None or (h.valid, h.world_size, h.step, h.rank) != (1, world_size, step, rank):
                 raise CheckpointCorruptError(f"the memory snapshot of rank {rank} at step {step} did not arrive whole")
             self._images[rank] = self._parsed(None, h, head[HEADER_BYTES : HEADER_BYTES + h.toc_len])
-        for path in _full_slot_files(directory):
+        for path in _slot_files(directory):
             h = _header(path)
             if h is None or (h.world_size, h.step) != (world_size, step) or h.rank in self._images:
                 continue
