@@ -6,7 +6,8 @@ for step, batch in job.steps(loader, max_steps=10_000):
     ...
 
 The training API is imported on first use, so torch-free parts (the checkpoint persister process, the event
-log) start without paying for `import torch`.
+log) start without paying for `import torch`. Fault injection (chaos/) is imported only where it is asked for
+(runtime/seams.py), so a production process loads none of it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from stalwart.chaos import install as _chaos
 from stalwart.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -22,6 +22,7 @@ from stalwart.errors import (
     ConfigError,
     StalwartError,
 )
+from stalwart.runtime import seams as _seams
 
 if TYPE_CHECKING:
     from stalwart import data
@@ -31,9 +32,19 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# The composition root: fault injection plugs into the product's seams here, so that no product module imports
-# chaos/ and every process that imports stalwart (a worker, its persister, the pre-flight check) has it.
-_chaos.install()
+
+def _install_chaos() -> None:
+    """Plug chaos/'s fault injectors into the product's seams. Imported here, in the composition root, so that no
+    product module imports chaos/; and only when runtime/seams.py finds fault injection asked for (a fault variable,
+    or a save request that carries faults), so that a process without faults loads no module of chaos/."""
+    from stalwart.chaos import install
+
+    install.install()
+
+
+# Run now where a fault variable is set, so that every process a faulty run starts (a worker, its persister, the
+# pre-flight check) has the injectors from `import stalwart` on; else held until something asks.
+_seams.offer(_install_chaos)
 
 _LAZY = {
     "Job": "stalwart.job",

@@ -85,3 +85,10 @@ PREEMPT_NOTICE_ENV = "STALWART_PREEMPT_NOTICE"
 """The default of `stalwart run --preempt-notice` (a metadata URL or file:PATH)."""
 PREEMPT_POLL_ENV = "STALWART_PREEMPT_POLL_S"
 """Seconds between two polls of the preemption notice (supervisor/preempt_notice.py)."""
+
+# -- the ones that ask for fault injection -------------------------------------------------------------------------
+FAULT_ENVS = (FAULTS_ENV, NODE_FAULTS_ENV, THREADED_SIDE_COPY_ENV)
+"""Any of these set (not empty) asks for fault injection in this process and, as its environment is inherited, in
+the processes it starts: runtime/seams.py then has chaos/'s injectors installed. With none of them, `import
+stalwart` imports no module of chaos/ and installs nothing (a save request that carries faults still asks for
+them, see seams.installed)."""
