@@ -14,11 +14,13 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from stalwart.data.loader import ResumableLoader
 from stalwart.job.rng import capture_rng
 from stalwart.job.state import TrackedState
-from stalwart.recovery import reform, shrink
+from stalwart.recovery import reform, script_group, shrink
+from stalwart.runtime import group as reformable
 from stalwart.runtime.dist import Placement, init_process_group
 from stalwart.runtime.process import first_line
 from stalwart.telemetry.events import EventLog
@@ -29,9 +31,17 @@ Job = Any
 
 def join_group(placement: Placement, timeout: timedelta) -> tuple[bool, bool]:
     """`Job()` joins the default group: (whether it defers joining for real, whether it made the group). A
-    replacement whose survivors may train on shrunk defers it to its loop's start (`join_late`)."""
+    replacement whose survivors may train on shrunk defers it to its loop's start (`join_late`). A group the script
+    made first is kept: under `stalwart run` its call made the re-formable group, a placeholder where this Job
+    defers (recovery/script_group.py); any other group the script made is never swapped, whatever the mode."""
+    if dist.is_initialized():
+        current = reformable.current()
+        if current is not None and dist.group.WORLD is current:
+            return current.placeholder, False
+        script_group.notice_if_plain()
+        return False, False
     in_loop = reform.in_loop()
-    deferred = in_loop and shrink.defers_joining(placement.world_size)
+    deferred = script_group.placeholder_wanted(placement.world_size)
     return deferred, init_process_group(placement, timeout, reformable=in_loop, placeholder=deferred)
 
 
@@ -60,7 +70,10 @@ def join_late(job: Job) -> None:
     job.events.close()
     reform.abort_process_groups()  # the placeholder
     job._owns_process_group = init_process_group(
-        job.placement, timedelta(seconds=job.config.collective_timeout_s), reformable=True
+        job.placement,
+        timedelta(seconds=job.config.collective_timeout_s),
+        reformable=True,
+        store=script_group.given_store(),  # the script's store holds the round's port on rank 0
     )
     job._set_up(job._given_hooks)
     job._tracked.track(**objects)

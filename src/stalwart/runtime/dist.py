@@ -239,13 +239,19 @@ def _wait_all(works: list[Any]) -> None:
 
 
 def init_process_group(
-    placement: Placement, timeout: timedelta, *, reformable: bool = False, placeholder: bool = False
+    placement: Placement,
+    timeout: timedelta,
+    *,
+    reformable: bool = False,
+    placeholder: bool = False,
+    store: dist.Store | None = None,
 ) -> bool:
     """Join the default process group when launched with several ranks; returns whether this call did it.
 
     The backend is NCCL when CUDA is available and gloo otherwise; a group the user created first is kept.
     `reformable`: the group is stalwart's re-formable one (runtime/group.py) over those backends. `placeholder`
-    (with `reformable`): a group that joins nobody yet, its collectives local (recovery/shrink.py).
+    (with `reformable`): a group that joins nobody yet, its collectives local (recovery/shrink.py). `store`: the
+    group's rendezvous store instead of one on MASTER_ADDR:MASTER_PORT (the script's own, recovery/script_group.py).
     """
     if placement.world_size == 1 or dist.is_initialized():
         return False
@@ -266,7 +272,8 @@ def init_process_group(
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=placement.rank,
                                     world_size=placement.world_size, timeout=timeout)  # fmt: skip
             return True
-    store = _bootstrap_store(placement, timeout)
+    if store is None:
+        store = _bootstrap_store(placement, timeout)
     if store is None:
         dist.init_process_group(backend=backend, timeout=timeout)
     else:

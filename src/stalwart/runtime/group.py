@@ -69,6 +69,8 @@ class ReformableGroup(dist.ProcessGroup):
         self._next: ReformableGroup | None = None
         self.generation = generation
         """Which formation of this process made the group: 1 for the first."""
+        self.placeholder = not connect
+        """A replacement's group that joins nobody until its loop starts (recovery/shrink.py)."""
         if not connect:  # a replacement whose survivors train on shrunk meanwhile (recovery/shrink.py)
             self._backends: dict[str, Any] = {}
             return

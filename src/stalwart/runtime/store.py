@@ -21,6 +21,10 @@ import torch.distributed as dist
 
 from stalwart.runtime.versions import torch_older_than
 
+_TCPStore = dist.TCPStore
+"""torch's class, as it was at import: under `stalwart run` the script's `dist.TCPStore` may be another
+(recovery/script_group.py), which stalwart's own stores never go through."""
+
 
 def bound_listener(host: str, port: int) -> socket.socket:
     """A listening TCP socket on `host`'s address (port 0: one the OS picks). OSError if it cannot bind."""
@@ -61,7 +65,7 @@ def tcp_store(
         # torch's own connect gets what is left of the wait (all of it once the port listens); the store keeps the
         # whole timeout for what follows.
         wait = timeout if left is None else timedelta(seconds=max(left, PROBE_CONNECT_S))
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=wait, multi_tenant=True)
+        store = _TCPStore(host, port, world_size, is_master=False, timeout=wait, multi_tenant=True)
         store.set_timeout(timeout)
         return store
     sock = bound_listener(host, port)
@@ -87,13 +91,13 @@ def serve_on(
     if not _libuv_takes_fd:
         serve["use_libuv"] = False
     try:
-        store = dist.TCPStore(host, sock.getsockname()[1], world_size, **serve)  # type: ignore[arg-type]
+        store = _TCPStore(host, sock.getsockname()[1], world_size, **serve)  # type: ignore[arg-type]
     except NotImplementedError:
         if not _libuv_takes_fd:
             raise
         _libuv_takes_fd = False  # torch 2.4's default (libuv) server cannot take a listening socket
         serve["use_libuv"] = False
-        store = dist.TCPStore(host, sock.getsockname()[1], world_size, **serve)  # type: ignore[arg-type]
+        store = _TCPStore(host, sock.getsockname()[1], world_size, **serve)  # type: ignore[arg-type]
     sock.detach()  # the store's server owns the descriptor now
     return store
 

@@ -31,7 +31,7 @@ import sys
 import threading
 from typing import IO, Any
 
-from stalwart.recovery import reform
+from stalwart.recovery import reform, script_group
 from stalwart.runtime.env import HOST_STATUS_FD_ENV as STATUS_FD_ENV
 from stalwart.runtime.env import HOST_WARM_ENV as WARM_ENV
 from stalwart.runtime.process import die_with_parent
@@ -173,6 +173,8 @@ def _run_once(argv: list[str], control: IO[str], status: int) -> bool:
     lost: str | None = None
     again = False
     reform.offer_rearm((lambda: _rearm_in_loop(control, status)) if status >= 0 else None)
+    if reform.in_loop():  # the script's own init_process_group makes the re-formable group
+        script_group.adopt()
     try:
         with reform.interruptible():
             _run_script(argv)
