@@ -132,8 +132,11 @@ def test_the_quick_suite_recovers_from_every_fault_type_bitwise(tmp_path: Path) 
         assert r["kind"] == "partition" and r["detection_s"] is not None, r
         grown = outcomes["shrink_and_grow"]  # host 1 lost for good, then launched again: 4 -> 2 -> 4 ranks
         assert grown["sent"] == ["killed the node (launcher and workers)", "launched host 1 again"], grown
-        assert [r["kind"] for r in grown["recoveries"]][:1] == ["lose_node"], grown
-        assert {r["tier"] for r in grown["recoveries"]} == {"peer"}, "shrink and grow from the survivors' live state"
+        # Both from the survivors' live state, no step lost, whatever the load: the job waits for the grow at a
+        # fixed step, while its light snapshots are on (chaos/cli.py's quick_suite says why they are).
+        shrink, grow = grown["recoveries"]
+        assert shrink["kind"] == "lose_node", grown
+        assert all(r["tier"] == "peer" and r["steps_lost"] == 0 for r in (shrink, grow)), grown
     else:
         assert "partition" not in outcomes and "shrink_and_grow" not in outcomes
         assert report["notes"] == [f"partition, shrink_and_grow: left out ({netns.available()})"]

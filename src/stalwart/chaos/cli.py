@@ -44,13 +44,20 @@ def quick_suite(say: Any = None) -> list[Scenario]:
     partition = [] if why is not None else [Scenario(
         "partition", (FaultSpec("partition", step=30, options={"host": 1, "duration_s": 3.0}),), nproc_per_node=1,
         hosts=2, timeout_s=240,
-    ), Scenario(  # host 1 lost for good: the job goes on at 1 of 2 ranks, then grows back when it is launched again
+    ), Scenario(  # host 1 lost for good: the job goes on at 2 of 4 ranks, then grows back when it is launched again
         "shrink_and_grow", (FaultSpec("lose_node", step=20, options={"host": 1}),
                             FaultSpec("add_node", step=30, options={"host": 1})),
         nproc_per_node=2, hosts=2, timeout_s=240, expect="completes", require_events=("world_resized",),
-        # at 4 ranks a rank's loss is of 2 samples: noisy. Light snapshots kept (on this 25 ms step of a tiny model
-        # they cost about their 2% budget, and the grow then takes a full snapshot instead of the live state)
-        job_args=("--steps", "300", "--loss-spike", "warn", "--light-budget", "0.2"),
+        # Both recoveries must take the survivors' live state, which needs light snapshots on when they happen.
+        # Fixed so, whatever the load: after 10 steps at 2 ranks the job waits for the grow (tiny_job --grow-to;
+        # add_node's step, 30, must not come after that wait's, at least 20 + 10), before its first judgment of
+        # their cost at 2 ranks (after policy/snapshot.LIGHT_SAMPLES of them). Without the wait, a host slow to
+        # start left the job at 2 ranks for 120 steps, time enough for a judgment under load to turn them off,
+        # and the grow took the durable checkpoint. Their budget of 0.5 keeps them at 4 ranks too, where the
+        # commit point's barrier crosses the hosts' link, should the loss come after their first judgment there.
+        # At 4 ranks a rank's loss is of 2 samples: noisy.
+        job_args=("--steps", "100", "--loss-spike", "warn", "--light-budget", "0.5", "--grow-to", "4",
+                  "--grow-wait-after", "10"),
     )]  # fmt: skip
     return [
         s("kill", FaultSpec("kill", rank=1, step=20)),

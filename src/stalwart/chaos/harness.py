@@ -127,7 +127,7 @@ def _run(
     schedule = _schedule(scenario, timeout_s) if scenario is not None else []
     at_steps = sorted(((f.step, f) for f in scenario.faults if f.kind in HARNESS_KINDS and f.step is not None),
                       key=lambda x: x[0]) if scenario is not None else []  # fmt: skip
-    progress_of: dict[str, int] = {"step": 0}
+    progress_of: dict[str, int] = {"step": 0, "shrunk": 0}
     started = time.monotonic()
     for node in nodes:
         node.start(directory)
@@ -145,8 +145,9 @@ def _run(
             due = []
             while schedule and schedule[0][0] <= now:
                 due.append(schedule.pop(0)[1])
-            while at_steps and at_steps[0][0] <= progress_of["step"]:
-                due.append(at_steps.pop(0)[1])
+            for at in [a for a in at_steps if _reached(a[1], a[0], progress_of)]:
+                at_steps.remove(at)
+                due.append(at[1])
             for when, host in [m for m in mends if m[0] <= now]:
                 mends.remove((when, host))
                 assert net is not None
@@ -241,8 +242,16 @@ def _gpu_script(scenario: Scenario, directory: Path, devices: int) -> Path:
     return path
 
 
+def _reached(spec: FaultSpec, step: int, progress: dict[str, int]) -> bool:
+    """Whether a harness fault at `step` is due: rank 0 has logged that step, and, for an `add_node`, the job has
+    gone on at fewer ranks first (launched before the survivors re-formed without it, the host would be their
+    replacement, not a new node the job grows back to)."""
+    return progress["step"] >= step and (spec.kind != "add_node" or bool(progress["shrunk"]))
+
+
 def _read_pids(log: Path, offset: int, workers: dict[int, int], progress: dict[str, int]) -> int:
-    """Newest worker pid per rank, and rank 0's newest completed step, from the log past `offset`."""
+    """Newest worker pid per rank, rank 0's newest completed step, and whether its newest change of world size
+    shrank the job, from the log past `offset`."""
     try:
         with open(log, "rb") as f:
             f.seek(offset)
@@ -257,6 +266,8 @@ def _read_pids(log: Path, offset: int, workers: dict[int, int], progress: dict[s
                 workers[int(e["rank"])] = int(e["pid"])
             elif e.get("event") == "step_done" and e.get("rank") == 0:
                 progress["step"] = max(progress["step"], int(e["step"]))
+            elif e.get("event") == "world_resized" and e.get("rank") == 0:
+                progress["shrunk"] = int(int(e["to"]) < int(e["from"]))
     return offset + end
 
 

@@ -44,7 +44,8 @@ network partition: on a run over two hosts (`hosts = 2`), host `host`'s link tak
 On two hosts the node-level faults hit host `host` (default 1: host 0 holds the rendezvous store, and a job
 outlives the loss of any node but that one, as under torchrun). `lose_node` kills host `host` for good (no new
 launch: the job must go on shrunk, `stalwart run --nnodes 1:2`), `add_node` launches it again later (the job
-grows back); a scenario with either runs the hosts elastically, with `--replace-wait-s 2`."""
+grows back; at a step, once rank 0 has logged it at fewer ranks); a scenario with either runs the hosts
+elastically, with `--replace-wait-s 2`."""
 HARNESS_KINDS = ("kill_node", "corrupt_checkpoint", "preempt", "partition", "lose_node", "add_node")
 ELASTIC_KINDS = ("lose_node", "add_node")
 GPU_KINDS = ("gpu_warning", "gpu_xid")
