@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.errors import PeerGone, is_peer_failure
+from stalwart.errors import PeerGone
 from stalwart.runtime.local_barrier import LocalBarrier
+from stalwart.runtime.torch_compat import is_peer_failure
 
 
 def _peer(directory: str, rounds: int, stamps: str, stall_at: int) -> None:

@@ -20,8 +20,6 @@ and the launcher stops instead of burning its restarts on the same mistake.
 
 from __future__ import annotations
 
-import re
-
 EXIT_USER_ERROR = 78
 """Exit status of a worker or command that failed on bad input (sysexits' EX_CONFIG)."""
 
@@ -108,21 +106,3 @@ def is_user_error(exc: BaseException) -> bool:
         | NumericError
         | ReplicaDivergenceError,
     )
-
-
-# What a collective raises when the other side of a connection is gone or silent: gloo's pair errors, NCCL's
-# remote errors and aborts, store timeouts. A user's bug (mismatched sizes, bad arguments) matches none of these
-# and keeps its full traceback.
-_PEER_LOST = re.compile(
-    r"Connection (reset|closed) by peer|Connection refused|Broken pipe|Socket Timeout|Timed out waiting|"
-    r"timed out after|remote process exited|NCCL communicator was aborted|ncclRemoteError|failed to recv|"
-    r"failed to send",
-    re.IGNORECASE,
-)
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """True for what a collective or the store raises when a peer is gone; False for a bug in this rank's code."""
-    if isinstance(exc, PeerGone) or type(exc).__name__ in ("DistNetworkError", "DistStoreError"):
-        return True  # the latter two: torch.distributed's own, torch >= 2.2
-    return isinstance(exc, RuntimeError) and bool(_PEER_LOST.search(str(exc)))

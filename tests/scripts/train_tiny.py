@@ -111,6 +111,9 @@ def main() -> None:
     p.add_argument("--setup-log", default="", help="append this process's pid here each time the set-up runs")
     p.add_argument("--die-at", default="", help="STEP:PHASE (forward, backward, before_optimizer): rank 1 of the "
                    "first round dies there, the user's code killing its own process")  # fmt: skip
+    p.add_argument("--fork-holder", default="", choices=("", "group", "session"),
+                   help="rank 1 of the first round forks a child that holds its connections open (sleeping) and "
+                   "writes its pid to holder.pid: in the rank's process group, or in a session of its own")  # fmt: skip
     p.add_argument("--ranks-per-node", type=int, default=0, help="rank r's node memory is $STALWART_SNAPSHOT_DIR/"
                    "node<r // K>: several nodes' memory tiers on one machine (torchrun)")  # fmt: skip
     args = p.parse_args()
@@ -174,6 +177,8 @@ def main() -> None:
         if job.rank == args.byzantine_rank:  # its gradients, before they are sent: large and pointing the wrong way
             for param in model.parameters():
                 param.register_hook(lambda g: g * -50.0 + 3.0)
+    if args.fork_holder and job.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        _fork_holder(args.fork_holder == "session")
     die_step, die_phase = _die_at(args.die_at, job)
     if die_phase == "forward":
         model.register_forward_pre_hook(lambda m, a: _die() if _at(job, die_step) else None)
@@ -282,6 +287,19 @@ def _die_at(spec: str, job: stalwart.Job) -> tuple[int, str]:
 
 def _at(job: stalwart.Job, step: int) -> bool:
     return job.step == step
+
+
+def _fork_holder(own_session: bool) -> None:
+    """A child that inherits this rank's sockets (its process group's connections) and sleeps: after the rank's
+    death they stay open, as a DataLoader worker's do until its watchdog notices, or as a peer cut off by the
+    network would leave them. In a session of its own, the agent's end of the rank's process group misses it."""
+    pid = os.fork()
+    if pid == 0:
+        if own_session:
+            os.setsid()
+        time.sleep(600)
+        os._exit(0)
+    Path("holder.pid").write_text(str(pid))
 
 
 def _die() -> None:

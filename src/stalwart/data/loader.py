@@ -13,6 +13,7 @@ the main process's RNGs, which the checkpoint restores.
 from __future__ import annotations
 
 import random
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ except ImportError:  # numpy is optional
 from stalwart.data import order
 from stalwart.errors import ConfigError
 from stalwart.runtime.dist import Placement
+from stalwart.runtime.process import die_with_parent
 
 
 class _LocalBatches(Sampler[list[tuple[int, int]]]):
@@ -89,6 +91,14 @@ class _SeededFetch(Dataset[Any]):
             random.seed(seed)
             if np is not None:
                 np.random.seed(seed)
+
+
+def _die_with_rank(worker_id: int) -> None:
+    """In each DataLoader worker process: end with the rank that started it. A worker inherits the rank's
+    connections (its process group's sockets) and would hold them open after the rank died, until torch's own
+    watchdog in the worker notices, about 5 s later; meanwhile the rank's peers, blocked in a collective with it,
+    see no connection error. Under `stalwart run` the agent also ends a dead worker's process group."""
+    die_with_parent(signal.SIGKILL)
 
 
 class ResumableLoader:
@@ -193,6 +203,7 @@ class ResumableLoader:
             collate_fn=self._collate_fn,
             generator=g,
             pin_memory=self._pin_memory,
+            worker_init_fn=_die_with_rank if self._num_workers else None,
         )
         for n, item in enumerate(dl, 1):
             if (self.epoch, self.batch) != start:

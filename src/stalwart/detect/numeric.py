@@ -47,6 +47,7 @@ from stalwart.checkpoint.format import sharded
 from stalwart.checkpoint.format.serialize import frozen
 from stalwart.detect.host_reads import HostReads
 from stalwart.errors import NumericError
+from stalwart.runtime.torch_compat import foreach_norm
 from stalwart.telemetry.events import EventLog
 
 NONFINITE_POLICIES = ("skip", "off")
@@ -234,15 +235,7 @@ def _norms(grads: list[torch.Tensor], sample: int | None = None) -> tuple[torch.
     purpose: each costs tens of microseconds of dispatch on a slow CPU, whatever the tensor's size."""
     grads, scales = _sampled(grads, sample)
     wide = None if grads[0].dtype in (torch.float32, torch.float64) else torch.float32
-    norms: list[torch.Tensor] | tuple[torch.Tensor, ...]
-    if wide is None:
-        norms = torch._foreach_norm(grads)
-    else:
-        try:
-            norms = torch._foreach_norm(grads, 2, dtype=wide)
-        except (TypeError, RuntimeError):  # an older torch without the dtype argument
-            norms = [torch.linalg.vector_norm(g, dtype=wide) for g in grads]
-    return torch.stack(norms), scales
+    return torch.stack(list(foreach_norm(grads, wide))), scales
 
 
 def _gradients(optimizers: Iterable[torch.optim.Optimizer]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

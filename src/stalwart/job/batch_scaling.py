@@ -19,6 +19,7 @@ import torch
 
 from stalwart.data.loader import ResumableLoader
 from stalwart.job.config import LR_RULES
+from stalwart.runtime.torch_compat import scale_last_lr
 
 
 def scale_learning_rates(objects: Iterable[Any], old_world: int, new_world: int, rule: str) -> float:
@@ -38,7 +39,5 @@ def scale_learning_rates(objects: Iterable[Any], old_world: int, new_world: int,
                         group[key] = group[key] * factor
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
             obj.base_lrs = [lr * factor for lr in obj.base_lrs]
-            last = getattr(obj, "_last_lr", None)
-            if isinstance(last, list):
-                obj._last_lr = [lr * factor for lr in last]
+            scale_last_lr(obj, factor)
     return factor

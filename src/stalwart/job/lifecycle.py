@@ -14,10 +14,11 @@ import os
 import sys
 from types import TracebackType
 
-from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, PeerError, is_peer_failure, is_user_error
+from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, PeerError, is_user_error
 from stalwart.runtime.env import AGENT_PID_ENV as AGENT_PID_ENV
 from stalwart.runtime.env import ELASTIC_ENV as ELASTIC_ENV
 from stalwart.runtime.process import die_with_parent, first_line
+from stalwart.runtime.torch_compat import is_peer_failure
 
 _installed = False
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.format.serialize import PLAIN_VALUES, FlattenCache
+from stalwart.runtime.torch_compat import module_state_dict_extended, optimizer_state_dict_hooked, tensor_versions
 
 
 class LiveState:
@@ -72,7 +73,7 @@ class LiveState:
             ptrs = tuple(t.data_ptr() for t in self._tensors)
             if ptrs != self._ptrs:
                 self._ptrs, self.key = ptrs, frozenset(ptrs)
-        self._counts = [t._version for t in self._tensors]
+        self._counts = tensor_versions(self._tensors)
         self.void = None
 
     def forbid(self, why: str) -> None:
@@ -87,7 +88,8 @@ class LiveState:
         """Whether the live tensors, walked afresh, are still those of the last read, at the same versions."""
         if not self.held:
             return False
-        versions = {t.data_ptr(): t._version for t in live_tensors(objects, replicated)}
+        tensors = live_tensors(objects, replicated)
+        versions = dict(zip((t.data_ptr() for t in tensors), tensor_versions(tensors), strict=True))
         return versions == self.versions
 
     def remember(self, step: int, objects: Mapping[str, Any], replicated: frozenset[str]) -> None:
@@ -136,8 +138,7 @@ class _OptimizerSkeleton:
     def of(cls, opt: torch.optim.Optimizer, state: Any, skeleton: Any, key: frozenset[int]) -> _OptimizerSkeleton:
         eligible = (
             type(opt).state_dict is torch.optim.Optimizer.state_dict
-            and not opt._optimizer_state_dict_pre_hooks
-            and not opt._optimizer_state_dict_post_hooks
+            and not optimizer_state_dict_hooked(opt)
             and all(type(t) in (torch.Tensor, torch.nn.Parameter) for st in opt.state.values() for t in st.values())
             and type(skeleton) is dict
             and list(skeleton) == ["state", "param_groups"]
@@ -216,7 +217,7 @@ def plain_module(module: torch.nn.Module) -> bool:
     """Whether `module.state_dict()` can hold nothing but its parameters: no buffers, no extra state and no
     state-dict hooks in any submodule. Its skeleton then changes only when its parameters do."""
     for sub in module.modules():
-        if sub._buffers or getattr(sub, "_state_dict_hooks", None) or getattr(sub, "_state_dict_pre_hooks", None):
+        if module_state_dict_extended(sub):
             return False
         if type(sub).get_extra_state is not torch.nn.Module.get_extra_state:
             return False

@@ -14,7 +14,6 @@ script built since.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.checkpoint.format.sharded import is_dtensor
+from stalwart.runtime.torch_compat import live_ddp_modules
 
 
 def replicated_names(objects: Mapping[str, Any], world_size: int) -> frozenset[str]:
@@ -60,8 +60,7 @@ def ddp_modules(objects: Mapping[str, Any], *, search: bool = True) -> dict[str,
     }
     if not search or not modules:
         return found
-    for obj in gc.get_objects():
-        # type(), not isinstance(): isinstance asks a weakref proxy for its __class__, which a dead one raises on.
-        if issubclass(type(obj), DistributedDataParallel) and id(obj.module) in modules:
-            found[modules[id(obj.module)]] = obj.module
+    for wrapper in live_ddp_modules():
+        if id(wrapper.module) in modules:
+            found[modules[id(wrapper.module)]] = wrapper.module
     return found

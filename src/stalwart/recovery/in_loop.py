@@ -26,14 +26,12 @@ cannot see past).
 
 from __future__ import annotations
 
-import gc
 import signal
 import sys
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +39,8 @@ import torch.distributed as dist
 from stalwart.recovery import reform
 from stalwart.runtime import group as reformable
 from stalwart.runtime.dist import Comm
+from stalwart.runtime.signal_watch import SignalWatch
+from stalwart.runtime.torch_compat import live_ddp_modules, register_first_step_pre_hook
 
 
 class GroupFailed(reform.ReformRequested):
@@ -82,6 +82,7 @@ class InLoop:
         self._group = group
         self._handles: list[Any] = []
         self._decided: bool | None = None  # this step's update: None (no optimizer step yet), True (kept), False
+        self._watch = SignalWatch(reform.REFORM_SIGNAL, self._fail_on_request)
 
     @property
     def group(self) -> reformable.ReformableGroup:
@@ -101,18 +102,22 @@ class InLoop:
         turn the agent's request to re-form into a failed group."""
         self.close()
         for opt in optimizers:
-            handle = opt.register_step_pre_hook(self._before_optimizer_step)
-            hooks = cast("OrderedDict[int, Any]", opt._optimizer_step_pre_hooks)
-            hooks.move_to_end(handle.id, last=False)  # torch runs them in their order
-            self._handles.append(handle)
+            self._handles.append(register_first_step_pre_hook(opt, self._before_optimizer_step))
         signal.signal(reform.REFORM_SIGNAL, self._asked)
+        # The same request, seen by a thread while the main thread waits in C++ (DDP's reducer), where the
+        # handler above cannot run: the group fails and its pending collectives complete (runtime/signal_watch.py).
+        self._watch.start()
         self.group.absorb_failures(True)
 
     def stop(self) -> None:
         """The training loop is over: failed collectives raise again (the user's code after the loop)."""
+        self._watch.close()
         self.group.absorb_failures(False)
 
     def _asked(self, signum: int, frame: FrameType | None) -> None:
+        self._fail_on_request()
+
+    def _fail_on_request(self) -> None:
         self.group.fail("the agent asked this worker to re-form: a peer failed")
 
     def arm(self) -> None:
@@ -178,14 +183,14 @@ class InLoop:
         many. They are found among all live objects, not among the tracked ones: a job tracks the module DDP
         wraps as often as the wrapper (its state_dict has no "module." prefix), and a replacement's new DDP
         must meet every survivor's DDP in the same state."""
-        from torch.nn.parallel import DistributedDataParallel
-
         group = self.group
-        found = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
-        ours = [m for m in found if isinstance(getattr(m, "process_group", None), reformable.ReformableGroup)]
+        ours = [
+            m for m in live_ddp_modules() if isinstance(getattr(m, "process_group", None), reformable.ReformableGroup)
+        ]
         return sum(reformable.reset_ddp(m, group) for m in ours if m.process_group.latest() is group)  # type: ignore[attr-defined]
 
     def close(self) -> None:
+        self._watch.close()
         for handle in self._handles:
             handle.remove()
         self._handles = []

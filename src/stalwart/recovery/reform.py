@@ -125,7 +125,7 @@ def rearm() -> None:
 
 def is_reformable(exc: BaseException) -> bool:
     """True when `exc` (or what caused it) says a peer or the group is gone, not that this rank's code is wrong."""
-    from stalwart.errors import is_peer_failure
+    from stalwart.runtime.torch_compat import is_peer_failure
 
     seen: set[int] = set()
     current: BaseException | None = exc
@@ -221,12 +221,10 @@ def abort_process_groups() -> None:
 
     if not dist.is_available() or not dist.is_initialized():
         return
-    from torch.distributed import distributed_c10d as c10d
+    from stalwart.runtime.torch_compat import abort_process_group
 
-    abort = getattr(c10d, "_abort_process_group", None)  # torch >= 2.5; NCCL needs it to unblock
-    if abort is not None:
-        with contextlib.suppress(Exception):
-            abort()
+    with contextlib.suppress(Exception):
+        if abort_process_group():  # NCCL needs it to unblock
             return
     with contextlib.suppress(Exception):
         dist.destroy_process_group()

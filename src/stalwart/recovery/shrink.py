@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from stalwart.recovery import reform
 from stalwart.runtime.env import KEPT_RANKS_ENV, RESTART_COUNT_ENV, SNAPSHOT_DIR_ENV, WAIT_FOR_REPLACEMENT_ENV
+from stalwart.runtime.torch_compat import carry_scheduler_mark
 
 
 class ShrunkFailed(reform.ReformRequested):
@@ -254,8 +255,7 @@ class MicroSteps:
             self._stepped = True
             return real(*args, **kwargs) if last else None
 
-        if hasattr(real, "_wrapped_by_lr_sched"):  # what torch's schedulers check the optimizer's step for
-            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        carry_scheduler_mark(real, step)
         return step
 
     def _zero_grad(self, opt: torch.optim.Optimizer, first: bool, last: bool) -> Any:

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as c10d
 
+from stalwart.runtime.torch_compat import AllgatherOptions, nccl_options, rebuild_ddp_reducer, register_backends
 from stalwart.runtime.works import AbsorbingWork, AllOf, DoneWork
 
 BACKEND = "stalwart"
@@ -64,6 +65,7 @@ class ReformableGroup(dist.ProcessGroup):
         self._rank, self._size, self._store = rank, size, store
         self._lock = threading.Lock()
         self._failed: BaseException | None = None
+        self._pending: weakref.WeakSet[AbsorbingWork] = weakref.WeakSet()
         self._joining = not connect
         self._absorbing = False
         self._next: ReformableGroup | None = None
@@ -77,7 +79,7 @@ class ReformableGroup(dist.ProcessGroup):
         made = _make_backends(store, rank, size, timeout)
         self._backends = {device: backend for device, (_, backend) in made.items()}
         # Registered on the C++ side too, for C++ callers that ask the group for its backend by device.
-        _register(self, made)
+        register_backends(self, made)
 
     def latest(self) -> ReformableGroup:
         """The newest formation's group (this one until the group is re-formed)."""
@@ -128,11 +130,27 @@ class ReformableGroup(dist.ProcessGroup):
         self.abort_backends()
 
     def absorb(self, exc: BaseException) -> None:
-        """Record a failure on the newest formation; the first one is kept (the others follow from it)."""
+        """Record a failure on the newest formation; the first one is kept (the others follow from it). At the
+        first, the collectives still pending complete at once (`AbsorbingWork.release`): a waiter in C++ (DDP's
+        reducer, inside `loss.backward()`) is not woken by a Python exception or signal handler, and would
+        otherwise wait for a peer that left without a connection error until the collective timeout."""
         group = self.latest()
         with group._lock:
-            if group._failed is None:
+            first = group._failed is None
+            if first:
                 group._failed = exc
+            pending, group._pending = list(group._pending), weakref.WeakSet()
+        if first:
+            for work in pending:
+                work.release()
+
+    def pending(self, work: AbsorbingWork) -> None:
+        """`work` waits on a backend: released when the group fails (`absorb`); a failed group releases at once."""
+        with self._lock:
+            if self._failed is None:
+                self._pending.add(work)
+                return
+        work.release()
 
     def fail(self, why: str) -> None:
         """Treat the group as failed from now on (the agent asked this rank to re-form)."""
@@ -181,25 +199,25 @@ class ReformableGroup(dist.ProcessGroup):
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        opts = opts if opts is not None else c10d.AllreduceOptions()
+        opts = opts if opts is not None else dist.AllreduceOptions()
         return self._run("allreduce", tensors, tensors, tensors, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         return self._run("allreduce_coalesced", tensors, tensors, tensors, opts)
 
     def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        opts = opts if opts is not None else c10d.BroadcastOptions()
+        opts = opts if opts is not None else dist.BroadcastOptions()
         return self._run("broadcast", tensors, tensors, tensors, opts)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
-        opts = opts if opts is not None else c10d.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         return self._run("allgather", inputs, outputs, outputs, inputs, opts)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
-        opts = opts if opts is not None else c10d.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         return self._run("_allgather_base", [input], [output], output, input, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
@@ -218,7 +236,7 @@ class ReformableGroup(dist.ProcessGroup):
         gloo worker dropping an earlier collective's last tensor needs the GIL under the lock that enqueue takes,
         so the two deadlocked (one run in a few with FSDP2 on 3-4 ranks); from here the backend is called with
         the GIL released, and the collective is absorbed like any other. One collective per tensor."""
-        opts = opts if opts is not None else c10d.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         return self._each("_allgather_base", outputs, inputs, opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # torch < 2.13's name for it
@@ -227,7 +245,7 @@ class ReformableGroup(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
         """Functional collectives' reduce-scatter: as `all_gather_single_coalesced`."""
-        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._each("_reduce_scatter_base", outputs, inputs, opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # torch < 2.13's name for it
@@ -245,29 +263,29 @@ class ReformableGroup(dist.ProcessGroup):
     def reduce_scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> dist.Work:
-        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._run("reduce_scatter", outputs, outputs, outputs, inputs, opts)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
-        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._run("_reduce_scatter_base", [input], [output], output, input, opts)
 
     def alltoall_base(
         self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int], opts: Any = None
     ) -> dist.Work:
-        opts = opts if opts is not None else c10d.AllToAllOptions()
+        opts = opts if opts is not None else dist.AllToAllOptions()
         return self._run("alltoall_base", [input], [output], output, input, out_splits, in_splits, opts)
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
-        opts = opts if opts is not None else c10d.GatherOptions()
+        opts = opts if opts is not None else dist.GatherOptions()
         return self._run("gather", inputs, outputs, outputs, inputs, opts)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> dist.Work:  # type: ignore[override]
-        opts = opts if opts is not None else c10d.ScatterOptions()
+        opts = opts if opts is not None else dist.ScatterOptions()
         return self._run("scatter", outputs, outputs, outputs, inputs, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
-        opts = opts if opts is not None else c10d.ReduceOptions()
+        opts = opts if opts is not None else dist.ReduceOptions()
         return self._run("reduce", tensors, tensors, tensors, opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
@@ -277,7 +295,7 @@ class ReformableGroup(dist.ProcessGroup):
         return self._run("recv", tensors, tensors, tensors, src, tag)
 
     def barrier(self, opts: Any = None) -> dist.Work:
-        opts = opts if opts is not None else c10d.BarrierOptions()
+        opts = opts if opts is not None else dist.BarrierOptions()
         return self._run("barrier", [], [], opts)
 
     def rank(self) -> int:
@@ -346,7 +364,7 @@ def _create(options: Any, backend_options: Any) -> dist.ProcessGroup:
 
 def _plain(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
     group = dist.ProcessGroup(store, rank, size)
-    _register(group, _make_backends(store, rank, size, timeout))
+    register_backends(group, _make_backends(store, rank, size, timeout))
     return group
 
 
@@ -361,21 +379,14 @@ def _make_backends(store: dist.Store, rank: int, size: int, timeout: timedelta) 
         if ReformableGroup.cuda_backend == "gloo":
             made["cuda"] = (kinds.GLOO, gloo)
         else:
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            made["cuda"] = (kinds.NCCL, dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options))
+            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, nccl_options(timeout))
+            made["cuda"] = (kinds.NCCL, nccl)
     return made
-
-
-def _register(group: dist.ProcessGroup, made: dict[str, tuple[Any, Any]]) -> None:
-    for device, (kind, backend) in made.items():
-        group._register_backend(torch.device(device), kind, backend)
-    group._set_default_backend(made["cpu"][0])
 
 
 def register() -> None:
     """Make BACKEND known to `dist.init_process_group` (once per process)."""
-    if BACKEND.upper() not in dist.Backend._plugins:
+    if BACKEND not in dist.Backend.backend_list:  # where register_backend lists what it registered
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
@@ -393,17 +404,5 @@ def reset_ddp(module: torch.nn.Module, group: dist.ProcessGroup) -> bool:
 
     if not isinstance(module, DistributedDataParallel):
         return False
-    module.reducer._remove_autograd_hooks()
-    module.process_group = group
-    params, sparse = module._build_params_for_reducer()
-    names = module._build_debug_param_to_name_mapping(params)
-    module._ddp_init_helper(params, sparse, names, module.static_graph)
-    if module.static_graph:
-        module.reducer._set_static_graph()
-        if module.logger is not None:
-            module.logger._set_static_graph()
-    for hook, state in module._comm_hooks:
-        dist._register_comm_hook(module.reducer, state, hook)
-    module._has_rebuilt_buckets = False
-    module._static_graph_delay_allreduce_enqueued = False
+    rebuild_ddp_reducer(module, group)  # through DDP's private members: runtime/torch_compat.py
     return True

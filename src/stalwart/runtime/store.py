@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from stalwart.runtime.versions import torch_older_than
+from stalwart.runtime.torch_compat import LIBUV_TAKES_LISTEN_FD
 
 _TCPStore = dist.TCPStore
 """torch's class, as it was at import: under `stalwart run` the script's `dist.TCPStore` may be another
@@ -102,10 +102,9 @@ def serve_on(
     return store
 
 
-_libuv_takes_fd = not torch_older_than("2.5")
-"""Whether torch's default store server (libuv since torch 2.4) accepts a listening socket. torch 2.4's does not:
-it logs an error and raises NotImplementedError, so there the legacy server is used from the start; any other
-torch that refused would be found out the same way, once per process."""
+_libuv_takes_fd = LIBUV_TAKES_LISTEN_FD
+"""Whether torch's default store server accepts a listening socket: as LIBUV_TAKES_LISTEN_FD says at first (not on
+torch 2.4), then False once one refused with NotImplementedError (found out once per process)."""
 
 
 PROBE_FIRST_S = 0.001

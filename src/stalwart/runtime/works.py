@@ -11,6 +11,8 @@ from typing import Any, Protocol
 import torch.distributed as dist
 from torch.futures import Future
 
+from stalwart.runtime.torch_compat import is_wait_timeout
+
 POLL = timedelta(milliseconds=100)
 """How long an absorbing wait blocks before it looks whether the group has failed meanwhile."""
 
@@ -22,6 +24,8 @@ class Absorber(Protocol):
     def failed(self) -> BaseException | None: ...
 
     def absorb(self, exc: BaseException) -> None: ...
+
+    def pending(self, work: AbsorbingWork) -> None: ...
 
 
 class DoneWork(dist.Work):
@@ -57,6 +61,13 @@ class AbsorbingWork(dist.Work):
         except RuntimeError:  # gloo's reduce-scatter has none: completed by wait(), see get_future
             return
         inner.add_done_callback(self._settle)
+        if not self._future.done():
+            group.pending(self)  # completed by the group if it fails first: a C++ waiter (DDP's reducer) is woken
+
+    def release(self) -> None:
+        """The group has failed: complete the future now, its tensors as they are, without waiting for the backend
+        (which may wait for a peer that left until the collective timeout). The step's update is dropped."""
+        self._complete()
 
     def _settle(self, inner: Future[Any]) -> None:
         try:
@@ -89,7 +100,7 @@ class AbsorbingWork(dist.Work):
                 self._work.wait(POLL)
                 return
             except RuntimeError as exc:
-                if "timed out" not in str(exc):
+                if not is_wait_timeout(exc):
                     raise
             if self._group.failed is not None:
                 return

@@ -126,6 +126,16 @@ class Host:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(self.proc.pid, REFORM_SIGNAL)
 
+    def end_descendants(self) -> None:
+        """The host has ended: end what it started that is still running, at once. Why: a dead worker's DataLoader
+        worker processes (stalwart's or the script's own) inherited its gloo connections and hold them open until
+        their own watchdog notices the parent is gone, about 5 s later; meanwhile a survivor blocked in the
+        collective with the dead rank sees no connection error. They share the host's process group (the host
+        is its session's leader), which outlives its leader while any member runs; its persister ends with it
+        anyway (checkpoint/save/persister.py)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
     def kill(self) -> None:
         if self._status >= 0:
             os.close(self._status)
@@ -198,6 +208,7 @@ class HostContext:
         self.entrypoint = entrypoint
         self._reform = reform
         self._bad_input_since: float | None = None
+        self._ended: set[int] = set()  # ranks whose host was seen ended and its descendants ended
 
     def pids(self) -> dict[int, int]:
         return {rank: host.pid for rank, host in self._workers.items()}
@@ -219,6 +230,10 @@ class HostContext:
         from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
         codes = {rank: host.proc.poll() for rank, host in self._workers.items()}
+        for rank, code in codes.items():
+            if code not in (None, 0) and rank not in self._ended:  # one that finished may leave a save to end
+                self._ended.add(rank)
+                self._workers[rank].end_descendants()
         if any(codes[rank] is None and host.ended_unreported() for rank, host in self._workers.items()):
             # A worker that ended first must be reported with its own exit code (bad input, say), not left out
             # while a survivor that re-armed because of it is reported alone: wait for the zygote's report.

@@ -56,6 +56,7 @@ from stalwart.runtime.env import (
     WAIT_FOR_REPLACEMENT_ENV,
 )
 from stalwart.runtime.process import first_line
+from stalwart.runtime.torch_compat import static_master
 from stalwart.supervisor import exclusion, preflight_gate
 from stalwart.supervisor.gpu_watch import GpuWatch
 from stalwart.supervisor.host_pool import SparePool
@@ -305,9 +306,7 @@ def _run_agent(
     )
     master_addr, master_port = None, None
     if config.rdzv_backend == "static":
-        from torch.distributed.launcher.api import _get_addr_and_port
-
-        master_addr, master_port = _get_addr_and_port(rdzv_parameters)
+        master_addr, master_port = static_master(rdzv_parameters)
     events.emit(
         "launcher_started",
         argv=sys.argv,

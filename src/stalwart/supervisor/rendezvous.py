@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from stalwart.runtime.store import tcp_store
+from stalwart.runtime.torch_compat import matches_machine_hostname, rendezvous_gives_local_addr, set_last_call
 
 DEFAULT_PORT = 29400  # torch's c10d rendezvous default
 
@@ -35,11 +36,11 @@ def rendezvous_handler(params: Any, replace_wait_s: float | None = None) -> Any:
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
     configured = params.get_as_bool("is_host")
-    is_host = configured if configured is not None else _matches_machine_hostname(host)
+    is_host = configured if configured is not None else matches_machine_hostname(host)
     read_timeout = int(params.get_as_int("read_timeout", 60))
     if read_timeout <= 0:
         raise ValueError("The read timeout must be a positive integer.")
@@ -62,7 +63,7 @@ def rendezvous_handler(params: Any, replace_wait_s: float | None = None) -> Any:
         )
     if params.max_nodes == 1:
         handler.next_rendezvous = functools.partial(_without_start_skew, handler.next_rendezvous)  # type: ignore[method-assign]
-    if not _builds_master_at_local_addr():
+    if not rendezvous_gives_local_addr():
         handler.next_rendezvous = functools.partial(  # type: ignore[method-assign]
             _master_at_local_addr, handler.next_rendezvous, params.local_addr
         )
@@ -70,27 +71,16 @@ def rendezvous_handler(params: Any, replace_wait_s: float | None = None) -> Any:
 
 
 def _then_wait_for_replacements(next_rendezvous: Callable[[], Any], handler: Any, wait: timedelta) -> Any:
-    """`next_rendezvous()`, after which later rounds wait `wait` for more nodes (a private field of torch's
-    RendezvousTimeout, kept as it is if this torch has none)."""
+    """`next_rendezvous()`, after which later rounds wait `wait` for more nodes (kept as it is on a torch that has
+    no such setting: runtime/torch_compat.set_last_call)."""
     info = next_rendezvous()
-    timeout = getattr(getattr(handler, "_settings", None), "timeout", None)
-    if timeout is not None and hasattr(timeout, "_last_call"):
-        timeout._last_call = wait
+    set_last_call(handler, wait)
     return info
 
 
 MASTER_ADDR_KEY = "stalwart/master_addr"
-"""Where rank 0's agent publishes the workers' MASTER_ADDR in a round's store (torch 2.4 only)."""
-
-
-def _builds_master_at_local_addr() -> bool:
-    """Whether torch's rendezvous gives the workers rank 0's `--local-addr` as MASTER_ADDR (torch 2.4's names its
-    host by `socket.getfqdn()` whatever --local-addr says)."""
-    import inspect
-
-    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
-
-    return "local_addr" in inspect.signature(RendezvousStoreInfo.build).parameters
+"""Where rank 0's agent publishes the workers' MASTER_ADDR in a round's store (a torch whose rendezvous does not:
+runtime/torch_compat.rendezvous_gives_local_addr)."""
 
 
 def _master_at_local_addr(next_rendezvous: Callable[[], Any], local_addr: str | None) -> Any:

@@ -4,8 +4,9 @@ A host is normally forked from the zygote (supervisor/zygote.py, then `run_forke
 training side once; without a zygote, `python -m stalwart.supervisor.worker_host` is started by the agent
 (supervisor/host_pool.py). Either way it starts in one of two ways:
 - as a hot spare (STALWART_HOST_WARM=1): at the lowest CPU priority, so that it slows no training, it imports
-  torch and stalwart's training-side modules, builds and steps a throwaway optimizer (torch 2.13 imports
-  torch._dynamo on the first optimizer step) and reports READY on its status pipe (host_protocol.py);
+  torch and stalwart's training-side modules, builds and steps a throwaway optimizer (torch imports more at the
+  first optimizer step: runtime/torch_compat.FIRST_STEP_IMPORTS) and reports READY on its status pipe
+  (host_protocol.py);
 - cold, for a worker that must start now and has no spare: it goes straight to its activation.
 
 An activation is one JSON line on stdin: the worker's argv (torchrun's `python -u script ...` or
@@ -40,13 +41,18 @@ from stalwart.supervisor.host_protocol import Activation, HostStatus
 
 def import_training_side() -> None:
     """Import what a training script imports first (the zygote does this once for every host it forks)."""
+    import importlib
+
     import torch
-    import torch._dynamo  # torch 2.13 imports it at the first optimizer step, a large part of that step
     import torch.distributed
     import torch.nn.parallel  # noqa: F401
 
     import stalwart
     import stalwart.job.job  # noqa: F401
+    from stalwart.runtime.torch_compat import FIRST_STEP_IMPORTS
+
+    for name in FIRST_STEP_IMPORTS:  # a large part of the first optimizer step otherwise
+        importlib.import_module(name)
 
 
 def _warm_up() -> None:

@@ -1,10 +1,10 @@
 """The zygote: a fork of the launcher that has imported torch once and forks every worker host from then on.
 
-A worker host started as a new interpreter spends 2-4 s importing torch, torch.distributed, torch._dynamo (which
-torch 2.13 imports at the first optimizer step) and stalwart's training side before it can run a line of the
-script: on every start, and on the critical path of every recovery that needs a new process. The launcher has
-imported torch already, so at its start, while it still has a single Python thread, it forks once. That child,
-the zygote, imports the rest and then only forks: a host forked from it starts in milliseconds, shares the
+A worker host started as a new interpreter spends 2-4 s importing torch, torch.distributed, what torch imports at
+the first optimizer step (runtime/torch_compat.FIRST_STEP_IMPORTS) and stalwart's training side before it can run a
+line of the script: on every start, and on the critical path of every recovery that needs a new process. The
+launcher has imported torch already, so at its start, while it still has a single Python thread, it forks once. That
+child, the zygote, imports the rest and then only forks: a host forked from it starts in milliseconds, shares the
 imported pages with its siblings and runs the script as a fresh interpreter would (supervisor/worker_host.py).
 
 Why a separate process and not forks of the launcher itself: the launcher soon runs threads (the rendezvous

@@ -26,7 +26,7 @@ import torch
 
 from stalwart.checkpoint.format import sharded
 from stalwart.errors import CheckpointCorruptError, UnsavableStateError
-from stalwart.runtime.versions import torch_older_than
+from stalwart.runtime.torch_compat import WEIGHTS_ONLY_REFUSES_BYTES
 
 # Exact types: weights_only loading rebuilds these and nothing else. isinstance would let subclasses through
 # (numpy.float64 is a float, defaultdict is a dict) that save fine and then can never be loaded.
@@ -71,11 +71,8 @@ def load_skeleton(data: bytes) -> Any:
 
 def _allow_bytes() -> None:
     """On torch 2.4 only: later releases allow it themselves, and the list of safe globals is the user's too."""
-    if _BYTES_REFUSED and _codecs.encode not in torch.serialization.get_safe_globals():
+    if WEIGHTS_ONLY_REFUSES_BYTES and _codecs.encode not in torch.serialization.get_safe_globals():
         torch.serialization.add_safe_globals([_codecs.encode])
-
-
-_BYTES_REFUSED = torch_older_than("2.5")
 
 
 REF_KEY = "__stalwart_tensor__"

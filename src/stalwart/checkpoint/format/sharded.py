@@ -31,11 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, UnsavableStateError
-
-try:  # public since torch 2.5; torch 2.4 has the same classes under a private name
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # pragma: no cover - torch 2.4
-    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef,unused-ignore]
+from stalwart.runtime.torch_compat import DTensor, Replicate, Shard  # where this torch has them
 
 KEY = "__stalwart_dtensor__"
 """The skeleton key of a sharded tensor's description."""

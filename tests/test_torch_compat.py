@@ -1,0 +1,523 @@
+"""Torch's internals in one place (runtime/torch_compat.py): each private member or message text stalwart relies on
+still behaves as described on the installed torch, every overridden or patched one still exists with the
+parameters the override expects, and no other module reaches into torch's internals itself."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import re
+import subprocess
+import sys
+import threading
+import warnings
+import weakref
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import stalwart
+from conftest import child_env
+from stalwart.runtime import env, store, torch_compat
+from stalwart.runtime.process import spawn
+from stalwart.runtime.torch_compat import CONTRACTS, Contract
+
+SRC = Path(stalwart.__file__).parent
+CHILD = Path(__file__).parent / "scripts" / "torch_compat_child.py"
+pytestmark = pytest.mark.timeout(120)
+
+
+# ---- Messages
+
+
+def _gloo_pair() -> tuple[Any, Any]:
+    """Two ranks of a gloo group in this process (threads as ranks), over a TCPStore on a free port."""
+    server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    made: dict[int, Any] = {}
+
+    def rank1() -> None:
+        client = dist.TCPStore("127.0.0.1", server.port, 2, is_master=False, timeout=timedelta(seconds=30))
+        made[1] = dist.ProcessGroupGloo(client, 1, 2, timedelta(seconds=30))
+
+    thread = threading.Thread(target=rank1)
+    thread.start()
+    made[0] = dist.ProcessGroupGloo(server, 0, 2, timedelta(seconds=30))
+    thread.join(30)
+    return made[0], made[1]
+
+
+def test_a_gloo_wait_that_times_out_is_told_apart_from_a_failure() -> None:
+    """Rank 1 has not joined the all-reduce: rank 0's wait(timeout) raises, and that is a timeout, not a failure
+    (the collective completes once rank 1 joins). torch raises no typed exception for it: should it ever, the
+    type is what torch_compat.is_wait_timeout must check."""
+    zero, one = _gloo_pair()
+    mine = torch.ones(3)
+    work = zero.allreduce([mine])
+    with pytest.raises(RuntimeError) as raised:
+        work.wait(timedelta(milliseconds=100))
+    assert type(raised.value) is RuntimeError, "torch now types this timeout: check the type instead of the text"
+    assert torch_compat.WAIT_TIMED_OUT in str(raised.value)
+    assert torch_compat.is_wait_timeout(raised.value)
+    assert not torch_compat.is_peer_failure(raised.value)
+    one.allreduce([torch.ones(3)]).wait()
+    assert work.wait() and mine.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_killed_peer_is_a_peer_failure_and_a_bug_is_not() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    peer = spawn(
+        [sys.executable, str(CHILD), "peer", str(server.port)], stdout=subprocess.PIPE, env=child_env(), text=True
+    )
+    try:
+        group = dist.ProcessGroupGloo(server, 0, 2, timedelta(seconds=30))
+        group.allreduce([torch.ones(1)]).wait()
+        assert peer.stdout is not None and peer.stdout.readline().strip() == "ready"
+        peer.kill()
+        peer.wait(30)
+        with pytest.raises(RuntimeError) as raised:
+            group.allreduce([torch.ones(1 << 16)]).wait(timedelta(seconds=20))
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+        if peer.stdout is not None:
+            peer.stdout.close()
+    assert torch_compat.is_peer_failure(raised.value), f"not recognised: {raised.value}"
+    assert not torch_compat.is_wait_timeout(raised.value)
+    with pytest.raises(dist.DistStoreError) as store_timeout:
+        server.wait(["never-set"], timedelta(milliseconds=50))
+    assert torch_compat.is_peer_failure(store_timeout.value)
+    bug = RuntimeError("The size of tensor a (3) must match the size of tensor b (4) at non-singleton dimension 0")
+    assert not torch_compat.is_peer_failure(bug) and not torch_compat.is_wait_timeout(bug)
+
+
+# ---- Process groups and DDP
+
+
+def _one_rank_group() -> dist.ProcessGroup:
+    """A 1-rank group made in Python, its gloo backend given by torch_compat.register_backends."""
+    hashed = dist.HashStore()
+    group = dist.ProcessGroup(hashed, 0, 1)
+    gloo = dist.ProcessGroupGloo(hashed, 0, 1, timedelta(seconds=10))
+    torch_compat.register_backends(group, {"cpu": (dist.ProcessGroup.BackendType.GLOO, gloo)})
+    return group
+
+
+def test_register_backends_gives_a_python_group_its_backend() -> None:
+    group = _one_rank_group()
+    assert group._get_backend(torch.device("cpu")).size() == 1
+    t = torch.tensor([3.0])
+    group.allreduce([t]).wait()
+    assert t.tolist() == [3.0]
+
+
+def test_a_rebuilt_ddp_reducer_trains_on_the_new_group_with_its_comm_hook() -> None:
+    """DDP trains on group `a`, is rebuilt on `b` (its bucket rebuild forgotten, its comm hook kept), `a` is shut
+    down, and it trains on: bitwise as the same model trained without DDP (one rank)."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model.load_state_dict(plain.state_dict())
+    a, b = _one_rank_group(), _one_rank_group()
+    ddp = DistributedDataParallel(model, process_group=a)
+    calls = {"n": 0}
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses a string annotation on `bucket`
+        state["n"] += 1
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    ddp.register_comm_hook(calls, hook)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, ddp)]
+    data = [torch.randn(5, 4) for _ in range(6)]
+
+    def step(x: torch.Tensor) -> None:
+        for module, opt in zip((plain, ddp), opts, strict=True):
+            opt.zero_grad()
+            module(x).pow(2).sum().backward()
+            opt.step()
+
+    for x in data[:3]:
+        step(x)
+    assert ddp._has_rebuilt_buckets
+    seen = calls["n"]
+    torch_compat.rebuild_ddp_reducer(ddp, b)
+    a._get_backend(torch.device("cpu")).abort()  # what the reducer must no longer use
+    assert ddp.process_group is b and not ddp._has_rebuilt_buckets
+    for x in data[3:]:
+        step(x)
+    assert calls["n"] > seen, "the comm hook did not carry over"
+    for mine, theirs in zip(plain.parameters(), ddp.module.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_nccl_options_carry_the_timeout() -> None:
+    assert "_timeout" in dir(torch._C._distributed_c10d.Backend.Options)
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        pytest.skip("this torch has no NCCL")
+    assert torch_compat.nccl_options(timedelta(seconds=7))._timeout == timedelta(seconds=7)
+
+
+def test_allgather_options_are_what_a_group_s_all_gather_takes() -> None:
+    assert not hasattr(dist, "AllgatherOptions"), "now public: take it from torch.distributed"
+    out, mine = [torch.zeros(2)], torch.tensor([1.0, 2.0])
+    _one_rank_group().allgather([out], [mine], torch_compat.AllgatherOptions()).wait()
+    assert out[0].tolist() == [1.0, 2.0]
+
+
+def test_every_live_ddp_wrapper_is_found_and_a_dead_proxy_is_passed_over() -> None:
+    class Held:
+        pass
+
+    held = Held()
+    proxy = weakref.proxy(held)
+    del held  # a dead proxy among the objects: isinstance() on it would raise
+    ddp = DistributedDataParallel(torch.nn.Linear(2, 2), process_group=_one_rank_group())
+    assert any(found is ddp for found in torch_compat.live_ddp_modules())
+    assert proxy is not None
+
+
+@pytest.fixture(scope="module")
+def fresh() -> dict[str, Any]:
+    """What a fresh interpreter saw (tests/scripts/torch_compat_child.py)."""
+    out = subprocess.run(
+        [sys.executable, str(CHILD), "fresh"], capture_output=True, text=True, env=child_env(), timeout=100
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_abort_process_group_aborts_the_default_group(fresh: dict[str, Any]) -> None:
+    assert fresh["aborted"] is True and fresh["left"] is False
+
+
+def test_the_first_optimizer_step_imports_what_a_warm_host_imports_before(fresh: dict[str, Any]) -> None:
+    assert fresh["before"] == [], "imported with torch already: no need to import it before the first step"
+    assert fresh["imported"] == list(torch_compat.FIRST_STEP_IMPORTS)
+
+
+# ---- Tensors, modules, optimizers and schedulers
+
+
+def test_tensor_versions_count_in_place_writes() -> None:
+    t, u = torch.zeros(3), torch.zeros(3)
+    before = torch_compat.tensor_versions([t, u])
+    t.add_(1)
+    t[0] = 5
+    after = torch_compat.tensor_versions([t, u])
+    assert after[0] == before[0] + 2 and after[1] == before[1]
+
+
+def test_what_may_extend_a_module_s_state_dict() -> None:
+    assert not torch_compat.module_state_dict_extended(torch.nn.Linear(2, 2))
+    norm = torch.nn.BatchNorm1d(2)
+    assert torch_compat.module_state_dict_extended(norm)
+    empty = torch.nn.Linear(2, 2)
+    empty.register_buffer("later", None)
+    assert torch_compat.module_state_dict_extended(empty) and not list(empty.buffers())
+    hooked = torch.nn.Linear(2, 2)
+    hooked.register_state_dict_post_hook(lambda module, state, prefix, local: None)
+    assert torch_compat.module_state_dict_extended(hooked)
+    pre = torch.nn.Linear(2, 2)
+    pre.register_state_dict_pre_hook(lambda module, prefix, keep_vars: None)
+    assert torch_compat.module_state_dict_extended(pre)
+
+
+def test_an_optimizer_s_state_dict_hooks_are_seen() -> None:
+    def make() -> torch.optim.Optimizer:
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    plain, pre, post = make(), make(), make()
+    pre.register_state_dict_pre_hook(lambda opt: None)
+    post.register_state_dict_post_hook(lambda opt, state: state)
+    assert not torch_compat.optimizer_state_dict_hooked(plain)
+    assert torch_compat.optimizer_state_dict_hooked(pre) and torch_compat.optimizer_state_dict_hooked(post)
+
+
+def test_the_first_step_pre_hook_runs_before_the_earlier_ones() -> None:
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=0.1)
+    ran: list[str] = []
+    opt.register_step_pre_hook(lambda *a: ran.append("earlier"))
+    handle = torch_compat.register_first_step_pre_hook(opt, lambda *a: ran.append("first"))
+    param.grad = torch.ones(1)
+    opt.step()
+    assert ran == ["first", "earlier"]
+    handle.remove()
+    opt.step()
+    assert ran == ["first", "earlier", "earlier"]
+
+
+def test_a_scaled_last_lr_is_what_the_scheduler_reports() -> None:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.4)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    torch_compat.scale_last_lr(scheduler, 0.5)
+    assert scheduler.get_last_lr() == [0.2]
+
+
+def test_a_stand_in_step_carries_the_scheduler_s_mark() -> None:
+    """Without the mark torch's scheduler warns that the optimizer's step was replaced (the reason for it)."""
+    for carry in (False, True):
+        param = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([param], lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+        real = opt.step
+
+        def step(*args: Any, real: Any = real, **kwargs: Any) -> Any:
+            return real(*args, **kwargs)
+
+        if carry:
+            torch_compat.carry_scheduler_mark(real, step)
+        opt.step = step  # type: ignore[method-assign]
+        param.grad = torch.ones(1)
+        opt.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scheduler.step()
+        overridden = [w for w in caught if "overridden" in str(w.message)]
+        assert bool(overridden) is not carry
+
+
+def test_foreach_norm_is_each_tensor_s_norm_in_the_dtype_asked() -> None:
+    tensors = [torch.randn(5), torch.randn(3, 2)]
+    wanted = [torch.linalg.vector_norm(t) for t in tensors]
+    assert all(torch.equal(a, b) for a, b in zip(torch_compat.foreach_norm(tensors), wanted, strict=True))
+    half = [t.to(torch.bfloat16) for t in tensors]
+    torch._foreach_norm(half, 2, dtype=torch.float32)  # the fused form with a dtype: the fallback is not needed
+    norms = torch_compat.foreach_norm(half, torch.float32)
+    assert [n.dtype for n in norms] == [torch.float32, torch.float32]
+    wide = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in half]
+    assert all(torch.allclose(a, b) for a, b in zip(norms, wide, strict=True))
+
+
+# ---- Checkpoints and stores
+
+
+def test_weights_only_loading_of_bytes_is_as_the_condition_says(tmp_path: Path) -> None:
+    import _codecs
+
+    if _codecs.encode in torch.serialization.get_safe_globals():
+        pytest.skip("allowed in this process already")
+    torch.save({"b": b"raw"}, tmp_path / "s.pt")
+    if torch_compat.WEIGHTS_ONLY_REFUSES_BYTES:
+        with pytest.raises(Exception, match="encode"):
+            torch.load(tmp_path / "s.pt", weights_only=True)
+    else:
+        assert torch.load(tmp_path / "s.pt", weights_only=True) == {"b": b"raw"}
+
+
+def test_the_default_store_server_takes_a_listening_socket_as_the_condition_says() -> None:
+    sock = store.bound_listener("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    serve: dict[str, Any] = {"is_master": True, "wait_for_workers": False, "master_listen_fd": sock.fileno()}
+    if not torch_compat.LIBUV_TAKES_LISTEN_FD:
+        with pytest.raises(NotImplementedError):
+            dist.TCPStore("127.0.0.1", port, 1, use_libuv=True, **serve)
+        sock.close()
+        return
+    server = dist.TCPStore("127.0.0.1", port, 1, use_libuv=True, **serve)
+    sock.detach()
+    assert server.libuvBackend
+    server.set("k", "v")
+    assert server.get("k") == b"v"
+
+
+def test_dtensor_classes_are_the_public_module_s() -> None:
+    public = importlib.import_module("torch.distributed.tensor")
+    assert torch_compat.DTensor is public.DTensor
+    assert (torch_compat.Replicate, torch_compat.Shard) == (public.Replicate, public.Shard)
+    with pytest.raises(AttributeError):
+        torch_compat.NotThere  # noqa: B018
+
+
+# ---- torch elastic
+
+
+def test_rendezvous_and_launcher_helpers() -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    assert torch_compat.matches_machine_hostname("localhost")
+    assert torch_compat.matches_machine_hostname("127.0.0.1")
+    assert not torch_compat.matches_machine_hostname("192.0.2.1")
+    static = RendezvousParameters(backend="static", endpoint="10.1.2.3:29511", run_id="r", min_nodes=1, max_nodes=1)
+    assert torch_compat.static_master(static) == ("10.1.2.3", 29511)
+    params = RendezvousParameters(backend="c10d", endpoint="localhost:0", run_id="r", min_nodes=1, max_nodes=2)
+    hashed = dist.HashStore()
+    handler = create_handler(hashed, C10dRendezvousBackend(hashed, "r"), params)
+    assert torch_compat.set_last_call(handler, timedelta(seconds=3))
+    assert handler.settings.timeout.last_call == timedelta(seconds=3)
+    assert torch_compat.rendezvous_gives_local_addr()
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    assert RendezvousStoreInfo.build(0, hashed, local_addr="10.9.8.7").master_addr == "10.9.8.7"
+
+
+def test_torch_reads_the_environment_variable_that_unshares_the_rendezvous_store() -> None:
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    assert env.SHARE_STORE_ENV in inspect.getsource(dynamic_rendezvous)
+
+
+# ---- Contracts: what is overridden or patched in place
+
+
+def _owner(contract: Contract) -> Any:
+    module, _, cls = contract.owner.partition(":")
+    found: Any = importlib.import_module(module)
+    return getattr(found, cls) if cls else found
+
+
+def _pybind_params(member: Any) -> list[str]:
+    """Parameter names from a pybind11 docstring's first line, `name(self: T, arg0: str, ...) -> R`."""
+    first = (member.__doc__ or "").splitlines()[0]
+    inside = first[first.index("(") + 1 : first.rindex(")")]
+    names, depth, current = [], 0, ""
+    for char in inside + ",":
+        if char == "," and depth == 0:
+            names.append(current.split(":")[0].strip())
+            current = ""
+            continue
+        depth += char in "[(<"
+        depth -= char in "])>"
+        current += char
+    return [n for n in names if n]
+
+
+def _params(member: Any) -> list[str]:
+    try:
+        return list(inspect.signature(member).parameters)
+    except ValueError:
+        return _pybind_params(member)
+
+
+@pytest.mark.parametrize("contract", CONTRACTS, ids=lambda c: f"{c.owner.rpartition('.')[2]}.{c.name}")
+def test_a_contract_still_holds(contract: Contract) -> None:
+    owner = _owner(contract)
+    if contract.params is None:
+        if inspect.isclass(owner):
+            assigned = inspect.unwrap(owner.__init__).__code__.co_names
+            assert contract.name in assigned, f"{contract.owner}.__init__ no longer sets {contract.name}"
+        else:
+            assert hasattr(owner, contract.name)
+    else:
+        assert hasattr(owner, contract.name), f"{contract.owner} has no {contract.name}"
+        params = _params(getattr(owner, contract.name))
+        wanted = list(contract.params)
+        if wanted[-1] == "...":
+            wanted = wanted[:-1]
+            params = params[: len(wanted)]
+        assert params == wanted, f"{contract.owner}.{contract.name} now takes {params}"
+    relying = importlib.import_module(contract.where)
+    assert contract.name in inspect.getsource(relying), f"{contract.where} no longer uses {contract.name}: drop it"
+
+
+def test_the_agent_still_starts_workers_through_the_patched_name() -> None:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    assert "start_processes" in inspect.unwrap(LocalElasticAgent._start_workers).__code__.co_names
+
+
+def test_the_group_s_own_private_names_shadow_nothing_of_torch_s() -> None:
+    """runtime/group.ReformableGroup subclasses torch's ProcessGroup: its own `_x` attributes and methods must not
+    replace one of torch's, except the overrides listed as contracts."""
+    from stalwart.runtime.group import ReformableGroup
+
+    tree = ast.parse(inspect.getsource(ReformableGroup))
+    own = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+    own |= {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    private = {n for n in own if n.startswith("_") and not n.startswith("__")}
+    overrides = {c.name for c in CONTRACTS if c.where == "stalwart.runtime.group"}
+    assert not {n for n in private - overrides if hasattr(dist.ProcessGroup, n)}
+
+
+# ---- The house: nothing else reaches into torch's internals
+
+WRAPPED = frozenset(
+    {
+        "_register_backend",
+        "_set_default_backend",
+        "_plugins",
+        "_timeout",
+        "_abort_process_group",
+        "_remove_autograd_hooks",
+        "_build_params_for_reducer",
+        "_build_debug_param_to_name_mapping",
+        "_ddp_init_helper",
+        "_comm_hooks",
+        "_has_rebuilt_buckets",
+        "_static_graph_delay_allreduce_enqueued",
+        "_register_comm_hook",
+        "_version",
+        "_buffers",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_optimizer_state_dict_pre_hooks",
+        "_optimizer_state_dict_post_hooks",
+        "_optimizer_step_pre_hooks",
+        "_last_lr",
+        "_wrapped_by_lr_sched",
+        "_foreach_norm",
+        "_last_call",
+        "_settings",
+        "_matches_machine_hostname",
+        "_get_addr_and_port",
+    }
+)
+"""The private torch names torch_compat wraps: no other module may name them."""
+
+
+def _reaches_in(name: str, tree: ast.AST) -> list[str]:
+    torch_names = set()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            module = (node.module or "") if isinstance(node, ast.ImportFrom) else ""
+            for alias in node.names:
+                full = f"{module}.{alias.name}" if module else alias.name
+                if full.split(".")[0] == "torch":
+                    torch_names.add(alias.asname or alias.name.split(".")[0])
+                    if any(p.startswith("_") and not p.startswith("__") for p in full.split(".")):
+                        found.append(f"imports {full}")
+    contracts = {c.name: c.where for c in CONTRACTS if c.name.startswith("_")}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            attr, owner = node.attr, getattr(node.value, "id", "")
+            if contracts.get(attr) == name:
+                continue  # a contract of this module: overridden or patched here
+            if owner in torch_names and re.match(r"_[a-z]", attr):
+                found.append(f"{owner}.{attr}")
+            elif attr in WRAPPED and owner not in ("self", "cls"):
+                found.append(f".{attr}")
+            elif (
+                attr in contracts and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "super"
+            ):
+                found.append(f"super().{attr} (a contract of {contracts[attr]})")
+            if attr == "get_objects" and owner == "gc":
+                found.append("gc.get_objects")
+        elif isinstance(node, ast.Constant) and node.value in WRAPPED:
+            found.append(repr(node.value))
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and isinstance(node.left.value, str):
+            right = node.comparators[0]
+            if isinstance(right, ast.Call) and getattr(right.func, "id", "") == "str":
+                found.append(f"{node.left.value!r} in str(...): a message text")
+    return found
+
+
+def test_no_module_but_torch_compat_reaches_into_torch_s_internals() -> None:
+    strays = []
+    for path in sorted(SRC.rglob("*.py")):
+        name = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
+        if name == "stalwart.runtime.torch_compat":
+            continue
+        strays += [f"{name}: {what}" for what in _reaches_in(name, ast.parse(path.read_text()))]
+    assert not strays, "through runtime/torch_compat.py instead:\n" + "\n".join(strays)
