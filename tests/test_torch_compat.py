@@ -159,6 +159,26 @@ def test_a_rebuilt_ddp_reducer_trains_on_the_new_group_with_its_comm_hook() -> N
         assert torch.equal(mine, theirs)
 
 
+def test_a_ddp_reducer_rebuilt_with_a_given_layout_keeps_it() -> None:
+    """The layout a DDP rebuilt after its first iteration is read, and a fresh reducer made with it has it, taken
+    as rebuilt (no second rebuild): what a replacement takes from a survivor (recovery/ddp_layout.py). A model
+    of several buckets."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(3)), torch.nn.Linear(512, 1))
+    ddp = DistributedDataParallel(model, process_group=_one_rank_group(), bucket_cap_mb=1)
+    assert torch_compat.ddp_bucket_layout(ddp) is None
+    for _ in range(2):  # DDP rebuilds at the second iteration's forward, from the first one's order
+        ddp(torch.randn(3, 512)).sum().backward()
+    layout = torch_compat.ddp_bucket_layout(ddp)
+    assert layout is not None and len(layout) > 1
+    assert sorted(i for bucket in layout for i in bucket) == list(range(8))
+    other = DistributedDataParallel(model, process_group=_one_rank_group(), bucket_cap_mb=1)
+    torch_compat.rebuild_ddp_reducer(other, other.process_group, layout)
+    assert other._has_rebuilt_buckets and torch_compat.ddp_bucket_layout(other) == layout
+    other(torch.randn(3, 512)).sum().backward()
+    assert torch_compat.ddp_bucket_layout(other) == layout
+
+
 def test_nccl_options_carry_the_timeout() -> None:
     assert "_timeout" in dir(torch._C._distributed_c10d.Backend.Options)
     if not hasattr(dist, "ProcessGroupNCCL"):

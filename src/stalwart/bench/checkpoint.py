@@ -170,8 +170,9 @@ def run_bench(
         machine = machine_info(run_dir)
         machine["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
         where = f"on {machine['device']}" if device == "cuda" else "on the CPU"
-        progress(f"{size_bytes / MB:,.0f} MB of model + AdamW state {where}, {saves} timed saves per system, "
-                 f"in {run_dir}")  # fmt: skip
+        progress(
+            f"{size_bytes / MB:,.0f} MB of model + AdamW state {where}, {saves} timed saves per system, in {run_dir}"
+        )
         results = {
             name: run_child(name, size_bytes, saves, run_dir / name, progress, device) for name in (FLOOR, *SYSTEMS)
         }

@@ -67,9 +67,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(default: a new directory under $TMPDIR or /tmp; if that is a tmpfs it measures memory, not a disk)",
     )
     p.add_argument(
-        "--device", choices=("cpu", "cuda"), default="cpu",
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
         help="where the model and its state live (default cpu); on cuda the floor is a pinned device-to-host copy",
-    )  # fmt: skip
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of tables")
     p.set_defaults(run=run)
     return p
@@ -124,17 +126,27 @@ def _systems_table(report: dict[str, Any]) -> Table:
     raw_write_s = report["state_bytes"] / floor["write_gbps"] / GB
     table.add_row(
         "floor (pinned copy, write)" if report["machine"].get("device", "cpu") != "cpu" else "floor (memcpy, write)",
-        seconds_text(floor["memcpy_s"]), seconds_text(raw_write_s),
-        f"{floor['write_gbps']:.2f}", f"{floor['peak_rss_mb']:,.0f} MB", "1.0×", "1.0×", "",
-    )  # fmt: skip
+        seconds_text(floor["memcpy_s"]),
+        seconds_text(raw_write_s),
+        f"{floor['write_gbps']:.2f}",
+        f"{floor['peak_rss_mb']:,.0f} MB",
+        "1.0×",
+        "1.0×",
+        "",
+    )
     for name in SYSTEMS:
         s = systems[name]
         slowdown = s.get("background_slowdown")
         table.add_row(
-            LABELS[name], seconds_text(s["stall_s"]), seconds_text(s["durable_s"]), f"{s['write_gbps']:.2f}",
-            f"{s['peak_rss_mb']:,.0f} MB", f"{ratios['stall_vs_memcpy'][name]:,.1f}×",
-            f"{ratios['write_vs_floor'][name]:.2f}×", f"{slowdown:.2f}×" if slowdown is not None else "",
-        )  # fmt: skip
+            LABELS[name],
+            seconds_text(s["stall_s"]),
+            seconds_text(s["durable_s"]),
+            f"{s['write_gbps']:.2f}",
+            f"{s['peak_rss_mb']:,.0f} MB",
+            f"{ratios['stall_vs_memcpy'][name]:,.1f}×",
+            f"{ratios['write_vs_floor'][name]:.2f}×",
+            f"{slowdown:.2f}×" if slowdown is not None else "",
+        )
     return table
 
 

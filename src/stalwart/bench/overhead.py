@@ -99,21 +99,60 @@ def _run(
 ) -> dict[str, Any]:
     workdir.mkdir(parents=True)
     result = workdir / "result.json"
-    args = ["-m", "stalwart.bench.overhead_job", "--result", str(result), "--params", str(job["params"]),
-            "--batch", str(job["batch"]), "--steps", str(job["steps"]), "--warmup", str(job["warmup"]),
-            "--device", job["device"]]  # fmt: skip
+    args = [
+        "-m",
+        "stalwart.bench.overhead_job",
+        "--result",
+        str(result),
+        "--params",
+        str(job["params"]),
+        "--batch",
+        str(job["batch"]),
+        "--steps",
+        str(job["steps"]),
+        "--warmup",
+        str(job["warmup"]),
+        "--device",
+        job["device"],
+    ]
     log = workdir / "events.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
     nproc = str(job["nproc"])
     if config is None and nproc == "1":
         cmd = [sys.executable, *args, "--mode", "plain"]
     elif config is None:  # torchrun's own defaults (it sets OMP_NUM_THREADS=1 for several ranks, as stalwart run)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc,
-               "--log-dir", str(workdir / "torchrun-logs"), *args, "--mode", "plain"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            nproc,
+            "--log-dir",
+            str(workdir / "torchrun-logs"),
+            *args,
+            "--mode",
+            "plain",
+        ]
     else:
-        cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", nproc, "--event-log", str(log),
-               *launcher, *args, "--mode", "stalwart", "--ckpt", str(workdir / "ckpt"),
-               "--config", json.dumps(config)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "stalwart",
+            "run",
+            "--nproc-per-node",
+            nproc,
+            "--event-log",
+            str(log),
+            *launcher,
+            *args,
+            "--mode",
+            "stalwart",
+            "--ckpt",
+            str(workdir / "ckpt"),
+            "--config",
+            json.dumps(config),
+        ]
     progress(f"{label}: started")
     clock = time.perf_counter()
     with open(workdir / "output.log", "wb") as out:

@@ -71,8 +71,9 @@ def _configs(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown configuration {unknown[0] if unknown else text!r}; "
-                                         f"choose from {', '.join(CONFIGS)}")  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"unknown configuration {unknown[0] if unknown else text!r}; choose from {', '.join(CONFIGS)}"
+        )
     return names
 
 
@@ -125,22 +126,43 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
         f"{report['steps']} steps, the first {report['warmup']} left out"
     )
     table = Table(title="step time under stalwart ÷ plain")
-    columns = ("configuration", "median step", "ratio", "mean step", "mean ratio", "inline", "optimizer step",
-               "detectors", "snapshot every")  # fmt: skip
+    columns = (
+        "configuration",
+        "median step",
+        "ratio",
+        "mean step",
+        "mean ratio",
+        "inline",
+        "optimizer step",
+        "detectors",
+        "snapshot every",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "configuration" else "right", no_wrap=True)
-    table.add_row("plain (no stalwart)", f"{report['plain_step_s'] * 1e3:.2f} ms", "1.00×",
-                  f"{report['plain_mean_step_s'] * 1e3:.2f} ms", "1.00×", "",
-                  f"{report['plain_optimizer_step_s'] * 1e3:.2f} ms", "", "")  # fmt: skip
+    table.add_row(
+        "plain (no stalwart)",
+        f"{report['plain_step_s'] * 1e3:.2f} ms",
+        "1.00×",
+        f"{report['plain_mean_step_s'] * 1e3:.2f} ms",
+        "1.00×",
+        "",
+        f"{report['plain_optimizer_step_s'] * 1e3:.2f} ms",
+        "",
+        "",
+    )
     for name, c in report["configs"].items():
         every = c["snapshot_every"]
         table.add_row(
-            name, f"{c['step_s'] * 1e3:.2f} ms", f"{c['ratio']:.3f}×", f"{c['mean_step_s'] * 1e3:.2f} ms",
-            f"{c['mean_ratio']:.3f}×", f"{100 * c['inline_overhead']:+.2f}%",
+            name,
+            f"{c['step_s'] * 1e3:.2f} ms",
+            f"{c['ratio']:.3f}×",
+            f"{c['mean_step_s'] * 1e3:.2f} ms",
+            f"{c['mean_ratio']:.3f}×",
+            f"{100 * c['inline_overhead']:+.2f}%",
             f"{c['optimizer_step_s'] * 1e3:.2f} ms",
             "" if c.get("detector_s") is None else f"{c['detector_s'] * 1e3:.3f} ms ({100 * c['detector_share']:.2f}%)",
             ("never" if not every else f"{every} steps") + _light(c.get("light") or []),
-        )  # fmt: skip
+        )
     console.print(table)
     floor = report["floor"]
     console.print(

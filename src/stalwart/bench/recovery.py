@@ -161,8 +161,11 @@ def measure_hang(
             run.poll_events()
             found = [e["mono"] for e in run.events if e["event"] == "hang_detected" and e["mono"] > mono]
             # torchft reports nothing; it has moved on once the survivor commits a step without the hung replica.
-            found += [e["mono"] for e in run.events if system == "torchft" and e["event"] == "step_done"
-                      and e["mono"] > mono and e.get("participants") == 1]  # fmt: skip
+            found += [
+                e["mono"]
+                for e in run.events
+                if system == "torchft" and e["event"] == "step_done" and e["mono"] > mono and e.get("participants") == 1
+            ]
             if found:
                 return min(found) - mono
             time.sleep(0.05)
@@ -356,7 +359,14 @@ def _reference_run(system: str, workdir: Path, steps: int, progress: Progress, s
 
 
 def _torchft_entry() -> dict[str, Any]:
-    keys = ("kill_to_step_s_median", "kill_to_step_s_max", "steps_lost_max", "survivor_stall_s_median",
-            "hang_detect_s", "goodput", "goodput_own_pace")  # fmt: skip
+    keys = (
+        "kill_to_step_s_median",
+        "kill_to_step_s_max",
+        "steps_lost_max",
+        "survivor_stall_s_median",
+        "hang_detect_s",
+        "goodput",
+        "goodput_own_pace",
+    )
     note = "torchft is not installed in this environment (pip install 'stalwart[bench]' or torchft); not measured"
     return {**dict.fromkeys(keys), "note": note}

@@ -49,8 +49,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--spares", type=int, default=2, help="stalwart run --spares for stalwart's runs (default 2)")
     p.add_argument("--no-full", action="store_true", help="skip the stalwart_full runs (a full snapshot every step)")
-    p.add_argument("--setup-s", type=seconds, default=0.0, help="seconds the job's script spends before its loop, as "
-                   "a real job's dataset indexing and model building do (default 0)")  # fmt: skip
+    p.add_argument(
+        "--setup-s",
+        type=seconds,
+        default=0.0,
+        help="seconds the job's script spends before its loop, as "
+        "a real job's dataset indexing and model building do (default 0)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the kill steps (default 0)")
     p.add_argument("--dir", type=Path, help="where the runs write (default: a new temporary directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of tables")
@@ -97,8 +102,17 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     setup = f", {report['setup_s']:g} s of set-up before the loop" if report.get("setup_s") else ""
     title = f"recovery, {report['kills']} kills of rank {killed} per system ({report['job']['model']}{setup})"
     table = Table(title=title)
-    for column in ("system", "kill→step median", "max", "steps lost max", "survivor stall", "hang detect",
-                   "goodput (own pace, long run)", "bitwise identical", "median step"):  # fmt: skip
+    for column in (
+        "system",
+        "kill→step median",
+        "max",
+        "steps lost max",
+        "survivor stall",
+        "hang detect",
+        "goodput (own pace, long run)",
+        "bitwise identical",
+        "median step",
+    ):
         table.add_column(column, justify="left" if column == "system" else "right")
     for name, s in report["systems"].items():
         goodput = "n/a" if s.get("goodput") is None else f"{100 * s['goodput']:.1f}%"
@@ -108,10 +122,16 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
             goodput += f" ({100 * s['goodput_own_pace']:.1f}%{tail})"
         identical = {True: "yes", False: "NO", None: "n/a"}[s.get("bitwise_identical")]
         table.add_row(
-            name, _s(s["kill_to_step_s_median"]), _s(s["kill_to_step_s_max"]),
-            "n/a" if s["steps_lost_max"] is None else str(s["steps_lost_max"]), _s(s["survivor_stall_s_median"]),
-            _s(s["hang_detect_s"]), goodput, identical, _s(s.get("step_s_median")),
-        )  # fmt: skip
+            name,
+            _s(s["kill_to_step_s_median"]),
+            _s(s["kill_to_step_s_max"]),
+            "n/a" if s["steps_lost_max"] is None else str(s["steps_lost_max"]),
+            _s(s["survivor_stall_s_median"]),
+            _s(s["hang_detect_s"]),
+            goodput,
+            identical,
+            _s(s.get("step_s_median")),
+        )
     console.print(table)
     for name, s in report["systems"].items():
         if s.get("note"):
@@ -122,13 +142,16 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
         if firsts:
             median, cut = statistics.median(firsts), len(every) - len(firsts)
             early = f"; {cut} replacement(s) killed before their first step" if cut else ""
-            console.print(f"{name}: the replacement's first step, after the kill: median {median:.2f} s, "
-                          f"max {max(firsts):.2f} s (its set-up included){early}")  # fmt: skip
+            console.print(
+                f"{name}: the replacement's first step, after the kill: median {median:.2f} s, "
+                f"max {max(firsts):.2f} s (its set-up included){early}"
+            )
     for name, s in report["systems"].items():
         if s.get("badput_s"):
             bad = s["badput_s"]
-            parts = ", ".join(f"{part.replace('_', ' ')} {v:.1f} s" for part, v in bad.items()
-                              if part not in ("wall", "productive"))  # fmt: skip
+            parts = ", ".join(
+                f"{part.replace('_', ' ')} {v:.1f} s" for part, v in bad.items() if part not in ("wall", "productive")
+            )
             console.print(
                 f"{name}, goodput run of {bad['wall']:.0f} s: productive {bad['productive']:.1f} s; {parts} "
                 f"(telemetry/goodput.py's categories); charged only for failures {100 * s['goodput_fault_only']:.1f}%"

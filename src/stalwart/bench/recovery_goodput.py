@@ -47,8 +47,11 @@ class PacedGoodput:
     def of(cls, events: list[dict[str, Any]], started: float, end: float, step_s: float) -> PacedGoodput:
         """From a goodput run's events over [started, end] (monotonic), `step_s` the reference's median step."""
         good = account(events, window=(started, end))
-        done = sorted((e["mono"], e["step"]) for e in events
-                      if e["event"] == "step_done" and e.get("rank") == 0 and e["mono"] <= end)  # fmt: skip
+        done = sorted(
+            (e["mono"], e["step"])
+            for e in events
+            if e["event"] == "step_done" and e.get("rank") == 0 and e["mono"] <= end
+        )
         kills = [e["mono"] for e in events if e["event"] == "fault_injected" and e["mono"] <= end]
         steps = steady_steps(done, kills, started)
         steady = statistics.median(steps) if steps else None
@@ -112,9 +115,10 @@ def steady_steps(done: list[tuple[float, int]], kills: list[float], started: flo
     steps = [
         after - before
         for (before, s0), (after, s1) in itertools.pairwise(done)
-        if s1 == s0 + 1 and before - max(m for m in marks if m <= before) > SETTLE_S
+        if s1 == s0 + 1
+        and before - max(m for m in marks if m <= before) > SETTLE_S
         and not any(before < k <= after for k in kills)
-    ]  # fmt: skip
+    ]
     return steps if len(steps) >= 20 else []
 
 

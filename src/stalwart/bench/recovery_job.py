@@ -49,8 +49,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--snapshot-every", type=_every, default="auto", help="as JobConfig's")
     p.add_argument("--replicated-snapshot-every", type=_every, default="auto", help="as JobConfig's")
-    p.add_argument("--setup-s", type=float, default=0.0, help="seconds of set-up before the loop (a real job's "
-                   "dataset indexing, model building, compilation)")  # fmt: skip
+    p.add_argument(
+        "--setup-s",
+        type=float,
+        default=0.0,
+        help="seconds of set-up before the loop (a real job's dataset indexing, model building, compilation)",
+    )
     p.add_argument("--until", type=float, help="stop (exit 0, no result) at this time.time(): a bound on long runs")
     args = p.parse_args()
     die_with_parent()  # under torchrun too: a launcher killed with SIGKILL leaves no worker behind

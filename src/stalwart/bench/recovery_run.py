@@ -62,24 +62,63 @@ class Run:
         env.update(STALWART_EVENT_LOG=str(self.log), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         until = [] if self.seconds is None else ["--until", f"{time.time() + self.seconds:.0f}"]
         setup = ["--setup-s", str(self.setup_s)] if self.setup_s else []
-        job = ["-m", "stalwart.bench.recovery_job", "--out", str(self.workdir), "--steps", str(self.steps), *until,
-               *setup]  # fmt: skip
+        job = [
+            "-m",
+            "stalwart.bench.recovery_job",
+            "--out",
+            str(self.workdir),
+            "--steps",
+            str(self.steps),
+            *until,
+            *setup,
+        ]
         if self.system == "stalwart_full":
             job += FULL_EVERY_STEP
         if self.system == "torchrun":
             job += ["--checkpoint-every", str(RESTART_CHECKPOINT_EVERY)]
         if self.system == "torchft":
-            cmd = [sys.executable, "-m", "stalwart.bench.torchft_driver", "--out", str(self.workdir), "--steps",
-                   str(self.steps), *until, *setup]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "stalwart.bench.torchft_driver",
+                "--out",
+                str(self.workdir),
+                "--steps",
+                str(self.steps),
+                *until,
+                *setup,
+            ]
         elif self.system == "torchrun":
             if not self.stock:
                 env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             # Its log directory in the run's (torch elastic's default, a new one in /tmp, outlives a SIGKILL).
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
-                   "--max-restarts=100", "--log-dir", str(self.workdir / "torchrun-logs"), *job]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={NPROC}",
+                "--max-restarts=100",
+                "--log-dir",
+                str(self.workdir / "torchrun-logs"),
+                *job,
+            ]
         else:
-            cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", str(NPROC), "--max-restarts", "100",
-                   "--spares", str(self.spares), "--event-log", str(self.log), *job]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "stalwart",
+                "run",
+                "--nproc-per-node",
+                str(NPROC),
+                "--max-restarts",
+                "100",
+                "--spares",
+                str(self.spares),
+                "--event-log",
+                str(self.log),
+                *job,
+            ]
         out = open(self.workdir / "output.log", "wb")  # noqa: SIM115 - closed with the process in stop()
         self.started = time.monotonic()
         # Its own session (the bench signals the whole group), and SIGTERM to the launcher if the bench dies.
@@ -161,8 +200,10 @@ def _wait(run: Run, until: Callable[[], bool], timeout: float, what: str) -> Non
             run.poll_events()
             if until():
                 return
-            raise BenchError(f"{run.system}: the job exited ({run.proc.returncode if run.proc else '?'}) while "
-                             f"waiting for {what}; see {run.workdir / 'output.log'}")  # fmt: skip
+            raise BenchError(
+                f"{run.system}: the job exited ({run.proc.returncode if run.proc else '?'}) while "
+                f"waiting for {what}; see {run.workdir / 'output.log'}"
+            )
         if time.monotonic() > deadline:
             raise BenchError(f"{run.system}: timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.02)
@@ -175,8 +216,11 @@ def _stepped_in_round(run: Run, restart: int) -> Callable[[], bool]:
 
 
 def _first_step_after(events: list[dict[str, Any]], mono: float, rank: int | None = None) -> float | None:
-    times = [e["mono"] for e in events if e["event"] == "step_done" and e["mono"] > mono
-             and (rank is None or e.get("rank") == rank)]  # fmt: skip
+    times = [
+        e["mono"]
+        for e in events
+        if e["event"] == "step_done" and e["mono"] > mono and (rank is None or e.get("rank") == rank)
+    ]
     return min(times) if times else None
 
 

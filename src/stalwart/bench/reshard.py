@@ -54,15 +54,40 @@ def _launch(phase: str, world: int, ckpt: Path, rows: int, root: Path, memory: P
     try:
         for rank in range(world):
             env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
-            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")  # fmt: skip
+            env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+            )
             log = root / f"{name}-rank{rank}.log"
             logs.append(log)
             tier = ["--memory", str(memory)] if memory is not None else []
             with open(log, "wb") as sink:
-                procs.append(spawn([sys.executable, "-m", "stalwart.bench.reshard_worker", "--phase", phase,
-                                    "--ckpt", str(ckpt), "--rows", str(rows), "--out", str(out), *tier],
-                                   stdout=sink, stderr=subprocess.STDOUT, env=env))  # fmt: skip
+                procs.append(
+                    spawn(
+                        [
+                            sys.executable,
+                            "-m",
+                            "stalwart.bench.reshard_worker",
+                            "--phase",
+                            phase,
+                            "--ckpt",
+                            str(ckpt),
+                            "--rows",
+                            str(rows),
+                            "--out",
+                            str(out),
+                            *tier,
+                        ],
+                        stdout=sink,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                    )
+                )
         codes = [p.wait(TIMEOUT_S) for p in procs]
     except subprocess.TimeoutExpired as exc:
         raise BenchError(f"{phase} at {world} ranks did not finish in {TIMEOUT_S:.0f} s") from exc
@@ -90,12 +115,20 @@ def run_bench(
             ckpt = root / "ckpt"
             progress(f"saving {state / GB:.2f} GB of sharded state from {source} ranks (checkpoint and node memory)")
             _launch("save", source, ckpt, rows, root, memory)
-            rounds = [_round(world, tier, ckpt, rows, root, memory if tier == "memory" else None, state, progress)
-                      for world in targets for tier in tiers]  # fmt: skip
+            rounds = [
+                _round(world, tier, ckpt, rows, root, memory if tier == "memory" else None, state, progress)
+                for world in targets
+                for tier in tiers
+            ]
         finally:
             shutil.rmtree(memory, ignore_errors=True)
-        return {"state_bytes": state, "from": source, "tensors": TENSORS, "rounds": rounds,
-                "machine": {"cpu_count": os.cpu_count()}}  # fmt: skip
+        return {
+            "state_bytes": state,
+            "from": source,
+            "tensors": TENSORS,
+            "rounds": rounds,
+            "machine": {"cpu_count": os.cpu_count()},
+        }
 
 
 def _round(
@@ -114,8 +147,14 @@ def _round(
     if read_from != {tier}:
         raise BenchError(f"the {world} ranks resumed from {sorted(map(str, read_from))}, not from {tier}")
     progress(f"{world} ranks, {tier}: floor {floor['seconds']:.3f} s, reshard {load['seconds']:.3f} s")
-    return {"to": world, "tier": tier, "floor_s": floor["seconds"], "floor_bytes": floor["bytes"],
-            "reshard_s": load["seconds"], "ratio": load["seconds"] / floor["seconds"]}  # fmt: skip
+    return {
+        "to": world,
+        "tier": tier,
+        "floor_s": floor["seconds"],
+        "floor_bytes": floor["bytes"],
+        "reshard_s": load["seconds"],
+        "ratio": load["seconds"] / floor["seconds"],
+    }
 
 
 def add_parser(subparsers: Any) -> Any:
@@ -158,12 +197,20 @@ def _run(args: Any) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    table = Table(title=f"reshard {report['state_bytes'] / GB:.2f} GB saved by {report['from']} ranks "
-                        f"({report['tensors']} parameters, Shard(0))")  # fmt: skip
+    table = Table(
+        title=f"reshard {report['state_bytes'] / GB:.2f} GB saved by {report['from']} ranks "
+        f"({report['tensors']} parameters, Shard(0))"
+    )
     for column in ("to", "from", "floor: read once", "reshard", "reshard / floor", "GB/s"):
         table.add_column(column, justify="right")
     for r in report["rounds"]:
-        table.add_row(str(r["to"]), r["tier"], f"{r['floor_s']:.3f} s", f"{r['reshard_s']:.3f} s", f"{r['ratio']:.2f}x",
-                      f"{report['state_bytes'] / GB / r['reshard_s']:.2f}")  # fmt: skip
+        table.add_row(
+            str(r["to"]),
+            r["tier"],
+            f"{r['floor_s']:.3f} s",
+            f"{r['reshard_s']:.3f} s",
+            f"{r['ratio']:.2f}x",
+            f"{report['state_bytes'] / GB / r['reshard_s']:.2f}",
+        )
     Console().print(table)
     return 0

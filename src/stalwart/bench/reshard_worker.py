@@ -42,8 +42,9 @@ def _module(rows: int, mesh: Any, world: int, rank: int, fill: bool) -> torch.nn
     for i in range(TENSORS):
         size, _ = shard_extent([rows, WIDTH], [world], [rank], ["S0"])
         local = torch.randn(size, generator=generator) if fill else torch.empty(size)
-        dtensor = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([rows, WIDTH]),
-                                     stride=(WIDTH, 1))  # fmt: skip
+        dtensor = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=torch.Size([rows, WIDTH]), stride=(WIDTH, 1)
+        )
         module.register_parameter(f"w{i}", torch.nn.Parameter(dtensor, requires_grad=False))
     return module
 
@@ -104,8 +105,13 @@ def main() -> None:
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
-        job = stalwart.Job(args.ckpt, checkpoint_every=1, when_busy="wait", allow_world_size_change=True,
-                           snapshot_every=1 if args.memory is not None else 0)  # fmt: skip
+        job = stalwart.Job(
+            args.ckpt,
+            checkpoint_every=1,
+            when_busy="wait",
+            allow_world_size_change=True,
+            snapshot_every=1 if args.memory is not None else 0,
+        )
         mesh = init_device_mesh("cpu", (world,))
         module = _module(args.rows, mesh, world, rank, fill=args.phase == "save")
         job.track(model=module)

@@ -108,8 +108,10 @@ def main() -> None:
             "recovered": sum(1 for r in results if r["recovered"]),
             "kill_to_step_s_median": statistics.median(times) if times else None,
         }
-        print(f"{name}: recovered {summary[name]['recovered']}/{len(results)}, median kill->step "
-              f"{summary[name]['kill_to_step_s_median']}")  # fmt: skip
+        print(
+            f"{name}: recovered {summary[name]['recovered']}/{len(results)}, median kill->step "
+            f"{summary[name]['kill_to_step_s_median']}"
+        )
     if args.json:
         print(json.dumps(summary))
 

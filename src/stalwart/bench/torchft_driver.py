@@ -37,9 +37,21 @@ def main() -> None:
     restarts = [0] * REPLICAS
 
     def start(replica: int) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "stalwart.bench.torchft_job", "--out", str(args.out), "--steps",
-               str(args.steps), "--replica", str(replica), "--restart", str(restarts[replica]),
-               "--setup-s", str(args.setup_s)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "stalwart.bench.torchft_job",
+            "--out",
+            str(args.out),
+            "--steps",
+            str(args.steps),
+            "--replica",
+            str(replica),
+            "--restart",
+            str(restarts[replica]),
+            "--setup-s",
+            str(args.setup_s),
+        ]
         return spawn(cmd, env=env, death_signal=signal.SIGKILL)  # replicas die with this driver
 
     procs = [start(r) for r in range(REPLICAS)]

@@ -41,24 +41,44 @@ def quick_suite(say: Any = None) -> list[Scenario]:
     why = netns.available()
     if why is not None and say is not None:
         say(f"partition, shrink_and_grow: left out ({why})")
-    partition = [] if why is not None else [Scenario(
-        "partition", (FaultSpec("partition", step=30, options={"host": 1, "duration_s": 3.0}),), nproc_per_node=1,
-        hosts=2, timeout_s=240,
-    ), Scenario(  # host 1 lost for good: the job goes on at 2 of 4 ranks, then grows back when it is launched again
-        "shrink_and_grow", (FaultSpec("lose_node", step=20, options={"host": 1}),
-                            FaultSpec("add_node", step=30, options={"host": 1})),
-        nproc_per_node=2, hosts=2, timeout_s=240, expect="completes", require_events=("world_resized",),
-        # Both recoveries must take the survivors' live state, which needs light snapshots on when they happen.
-        # Fixed so, whatever the load: after 10 steps at 2 ranks the job waits for the grow (tiny_job --grow-to;
-        # add_node's step, 30, must not come after that wait's, at least 20 + 10), before its first judgment of
-        # their cost at 2 ranks (after policy/snapshot.LIGHT_SAMPLES of them). Without the wait, a host slow to
-        # start left the job at 2 ranks for 120 steps, time enough for a judgment under load to turn them off,
-        # and the grow took the durable checkpoint. Their budget of 0.5 keeps them at 4 ranks too, where the
+    partition: list[Scenario] = []
+    if why is None:
+        partition.append(
+            Scenario(
+                "partition",
+                (FaultSpec("partition", step=30, options={"host": 1, "duration_s": 3.0}),),
+                nproc_per_node=1,
+                hosts=2,
+                timeout_s=240,
+            )
+        )
+        # shrink_and_grow: host 1 lost for good, the job goes on at 2 of 4 ranks, then grows back when it is launched
+        # again. Both recoveries must take the survivors' live state, which needs light snapshots on when they
+        # happen. Fixed so, whatever the load: after 10 steps at 2 ranks the job waits for the grow (tiny_job
+        # --grow-to; add_node's step, 30, must not come after that wait's, at least 20 + 10), before its first
+        # judgment of their cost at 2 ranks (after policy/snapshot.LIGHT_SAMPLES of them). Without the wait, a host
+        # slow to start left the job at 2 ranks for 120 steps, time enough for a judgment under load to turn them
+        # off, and the grow took the durable checkpoint. Their budget of 0.5 keeps them at 4 ranks too, where the
         # commit point's barrier crosses the hosts' link, should the loss come after their first judgment there.
         # At 4 ranks a rank's loss is of 2 samples: noisy.
-        job_args=("--steps", "100", "--loss-spike", "warn", "--light-budget", "0.5", "--grow-to", "4",
-                  "--grow-wait-after", "10"),
-    )]  # fmt: skip
+        lose_and_add = (
+            FaultSpec("lose_node", step=20, options={"host": 1}),
+            FaultSpec("add_node", step=30, options={"host": 1}),
+        )
+        grow_args = ("--grow-to", "4", "--grow-wait-after", "10")
+        job_args = ("--steps", "100", "--loss-spike", "warn", "--light-budget", "0.5", *grow_args)
+        partition.append(
+            Scenario(
+                "shrink_and_grow",
+                lose_and_add,
+                nproc_per_node=2,
+                hosts=2,
+                timeout_s=240,
+                expect="completes",
+                require_events=("world_resized",),
+                job_args=job_args,
+            )
+        )
     return [
         s("kill", FaultSpec("kill", rank=1, step=20)),
         s("hang", FaultSpec("stop", rank=0, step=20)),
@@ -92,8 +112,12 @@ def soak_suite(minutes: float) -> tuple[list[Scenario], list[str]]:
     """Poisson faults on the built-in job for about `minutes` (kills of either rank, a hang, a lost node; one fault
     every 36 s on average), with the job sized to run that long without faults; and that job."""
     steps = max(100, int(minutes * 60 / STEP_S))
-    faults = (FaultSpec("kill", rank=1, mtbf_s=90), FaultSpec("kill", rank=0, mtbf_s=120),
-              FaultSpec("stop", rank=1, mtbf_s=180), FaultSpec("kill_node", mtbf_s=360))  # fmt: skip
+    faults = (
+        FaultSpec("kill", rank=1, mtbf_s=90),
+        FaultSpec("kill", rank=0, mtbf_s=120),
+        FaultSpec("stop", rank=1, mtbf_s=180),
+        FaultSpec("kill_node", mtbf_s=360),
+    )
     scenario = Scenario("soak", faults, timeout_s=minutes * 60 * 4 + 300, seed=int(minutes * 1000) % 997)
     return [scenario], ["-m", "stalwart.chaos.tiny_job", "--ckpt", "ckpt", "--steps", str(steps)]
 
@@ -148,33 +172,54 @@ def main(argv: list[str]) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="stalwart-chaos-"))
     first = scenarios[0]
     say(f"reference run (no faults) in {workdir / 'reference'}")
-    reference = harness.run_job(None, job, workdir / "reference", say, timeout_s=first.timeout_s,
-                                nproc=first.world_size, max_restarts=first.max_restarts,
-                                launcher_args=first.launcher_args)  # fmt: skip
+    reference = harness.run_job(
+        None,
+        job,
+        workdir / "reference",
+        say,
+        timeout_s=first.timeout_s,
+        nproc=first.world_size,
+        max_restarts=first.max_restarts,
+        launcher_args=first.launcher_args,
+    )
     if reference.exit_code != 0:
-        raise ConfigError(f"the reference run (no faults) failed with status {reference.exit_code}; see "
-                          f"{reference.directory / 'output.log'}")  # fmt: skip
+        raise ConfigError(
+            f"the reference run (no faults) failed with status {reference.exit_code}; see "
+            f"{reference.directory / 'output.log'}"
+        )
     outcomes = []
     for scenario in scenarios:
         say(f"{scenario.name}: {'; '.join(f.label for f in scenario.faults)}")
         outcome = run_scenario(scenario, job, workdir, say)
         outcomes.append(outcome)
-        say(f"{scenario.name}: {'passed' if outcome.passed else 'FAILED: ' + '; '.join(outcome.problems)} "
-            f"({outcome.seconds:.1f} s)")  # fmt: skip
+        say(
+            f"{scenario.name}: {'passed' if outcome.passed else 'FAILED: ' + '; '.join(outcome.problems)} "
+            f"({outcome.seconds:.1f} s)"
+        )
     passed = all(o.passed for o in outcomes)
     if args.json:
-        print(json.dumps({"workdir": str(workdir), "passed": passed, "notes": notes,
-                          "scenarios": [asdict(o) for o in outcomes]}))  # fmt: skip
+        print(
+            json.dumps(
+                {"workdir": str(workdir), "passed": passed, "notes": notes, "scenarios": [asdict(o) for o in outcomes]}
+            )
+        )
     else:
         _print(outcomes, workdir)
     return 0 if passed else 1
 
 
 def run_scenario(scenario: Scenario, job: list[str], workdir: Path, say: Any) -> Outcome:
-    result = harness.run_job(scenario, [*job, *scenario.job_args], workdir / scenario.name, say,
-                             timeout_s=scenario.timeout_s, nproc=scenario.nproc_per_node,
-                             max_restarts=scenario.max_restarts, launcher_args=scenario.launcher_args,
-                             hosts=scenario.hosts)  # fmt: skip
+    result = harness.run_job(
+        scenario,
+        [*job, *scenario.job_args],
+        workdir / scenario.name,
+        say,
+        timeout_s=scenario.timeout_s,
+        nproc=scenario.nproc_per_node,
+        max_restarts=scenario.max_restarts,
+        launcher_args=scenario.launcher_args,
+        hosts=scenario.hosts,
+    )
     problems: list[str] = []
     if result.exit_code is None:
         problems.append(f"did not finish within {scenario.timeout_s:g} s")
@@ -193,16 +238,31 @@ def run_scenario(scenario: Scenario, job: list[str], workdir: Path, say: Any) ->
     problems += [f"no {name} event" for name in scenario.require_events if name not in seen]
     g = account(events)
     return Outcome(
-        scenario.name, [f.label for f in scenario.faults], not problems, result.exit_code, round(result.seconds, 2),
-        not bad, identical, problems, round(g.ratio, 4), [asdict(r) for r in g.recoveries], result.sent,
-    )  # fmt: skip
+        scenario.name,
+        [f.label for f in scenario.faults],
+        not problems,
+        result.exit_code,
+        round(result.seconds, 2),
+        not bad,
+        identical,
+        problems,
+        round(g.ratio, 4),
+        [asdict(r) for r in g.recoveries],
+        result.sent,
+    )
 
 
 def _print(outcomes: list[Outcome], workdir: Path) -> None:
     out = console()
     table = Table(title=f"chaos: {sum(o.passed for o in outcomes)} of {len(outcomes)} scenarios passed")
-    for column in ("scenario", "faults", "result", "bitwise", "goodput", "recoveries: detection / to next step / "
-                   "steps lost / state from"):  # fmt: skip
+    for column in (
+        "scenario",
+        "faults",
+        "result",
+        "bitwise",
+        "goodput",
+        "recoveries: detection / to next step / steps lost / state from",
+    ):
         wraps = column.startswith(("faults", "recoveries"))  # long ones fold; the short ones keep their width
         table.add_column(column, no_wrap=not wraps, min_width=None if wraps else len(column))
     for o in outcomes:
@@ -214,8 +274,14 @@ def _print(outcomes: list[Outcome], workdir: Path) -> None:
             or "none"
         )
         bitwise = "yes" if o.identical else "-" if o.identical is None else "NO"
-        table.add_row(o.scenario, "; ".join(o.faults), "passed" if o.passed else "FAILED", bitwise,
-                      f"{100 * o.goodput:.0f}%", recoveries)  # fmt: skip
+        table.add_row(
+            o.scenario,
+            "; ".join(o.faults),
+            "passed" if o.passed else "FAILED",
+            bitwise,
+            f"{100 * o.goodput:.0f}%",
+            recoveries,
+        )
     out.print(table)
     for o in outcomes:
         for problem in o.problems:

@@ -83,9 +83,17 @@ class _Node:
 
 
 def run_job(
-    scenario: Scenario | None, job: list[str], directory: Path, progress: Progress, *, timeout_s: float = 600.0,
-    nproc: int = 2, max_restarts: int = 20, launcher_args: tuple[str, ...] = (), hosts: int = 1,
-) -> RunResult:  # fmt: skip
+    scenario: Scenario | None,
+    job: list[str],
+    directory: Path,
+    progress: Progress,
+    *,
+    timeout_s: float = 600.0,
+    nproc: int = 2,
+    max_restarts: int = 20,
+    launcher_args: tuple[str, ...] = (),
+    hosts: int = 1,
+) -> RunResult:
     """Run `job` (a script and its arguments) under `stalwart run` in `directory`, with the scenario's faults (None:
     the fault-free reference); on `hosts` = 2, as two nodes of `nproc` ranks each in network namespaces."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -96,13 +104,23 @@ def run_job(
 
 
 def _run(
-    scenario: Scenario | None, job: list[str], directory: Path, progress: Progress, timeout_s: float, nproc: int,
-    max_restarts: int, launcher_args: tuple[str, ...], net: netns.Hosts | None,
-) -> RunResult:  # fmt: skip
+    scenario: Scenario | None,
+    job: list[str],
+    directory: Path,
+    progress: Progress,
+    timeout_s: float,
+    nproc: int,
+    max_restarts: int,
+    launcher_args: tuple[str, ...],
+    net: netns.Hosts | None,
+) -> RunResult:
     log = directory / "events.jsonl"
     chaos_log = EventLog(log, role="chaos")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TORCHELASTIC_", "PET_")) and k not in (FAULTS_ENV, EVENT_LOG_ENV)}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TORCHELASTIC_", "PET_")) and k not in (FAULTS_ENV, EVENT_LOG_ENV)
+    }
     env.update({EVENT_LOG_ENV: str(log), "PYTHONUNBUFFERED": "1"})
     if scenario is not None and scenario.step_faults():
         env[FAULTS_ENV] = scenario.step_faults()
@@ -111,22 +129,52 @@ def _run(
         env[GPU_TELEMETRY_ENV] = str(_gpu_script(scenario, directory, nproc))
         env[GPU_POLL_ENV] = "0.2"
     # The proof is bitwise: survivors wait for the replacement instead of training on shrunk (recovery/shrink.py).
-    cmd = [sys.executable, "-m", "stalwart", "run", "--nproc-per-node", str(nproc), "--max-restarts",
-           str(max_restarts), "--event-log", str(log), "--wait-for-replacement", *launcher_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "stalwart",
+        "run",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "--event-log",
+        str(log),
+        "--wait-for-replacement",
+        *launcher_args,
+    ]
     if net is None:
         nodes = [_Node([*cmd, *job], env, "output")]
     else:  # host 0 holds the rendezvous store; a new namespace has every port free
         port = random.randrange(20000, 60000)
         elastic = ["--nnodes", "1:2", "--replace-wait-s", "2"] if scenario and scenario.elastic else ["--nnodes", "2"]
         nodes = [
-            _Node([*host.prefix(), *cmd, *elastic, "--rdzv-endpoint", f"{net[0].address}:{port}",
-                   "--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", host.address, *job],
-                  {**env, "GLOO_SOCKET_IFNAME": host.device}, f"output-host{i}")
+            _Node(
+                [
+                    *host.prefix(),
+                    *cmd,
+                    *elastic,
+                    "--rdzv-endpoint",
+                    f"{net[0].address}:{port}",
+                    "--rdzv-conf",
+                    f"is_host={int(i == 0)}",
+                    "--local-addr",
+                    host.address,
+                    *job,
+                ],
+                {**env, "GLOO_SOCKET_IFNAME": host.device},
+                f"output-host{i}",
+            )
             for i, host in enumerate(net)
-        ]  # fmt: skip
+        ]
     schedule = _schedule(scenario, timeout_s) if scenario is not None else []
-    at_steps = sorted(((f.step, f) for f in scenario.faults if f.kind in HARNESS_KINDS and f.step is not None),
-                      key=lambda x: x[0]) if scenario is not None else []  # fmt: skip
+    at_steps = (
+        sorted(
+            ((f.step, f) for f in scenario.faults if f.kind in HARNESS_KINDS and f.step is not None), key=lambda x: x[0]
+        )
+        if scenario is not None
+        else []
+    )
     progress_of: dict[str, int] = {"step": 0, "shrunk": 0}
     started = time.monotonic()
     for node in nodes:
@@ -159,8 +207,9 @@ def _run(
                     assert net is not None
                     if any(h == spec.host for _, h in mends):
                         continue  # already cut off
-                    chaos_log.emit("fault_injected", fault="partition", host=spec.host, duration_s=spec.duration_s,
-                                   by="harness")  # fmt: skip
+                    chaos_log.emit(
+                        "fault_injected", fault="partition", host=spec.host, duration_s=spec.duration_s, by="harness"
+                    )
                     net.cut(spec.host)
                     mends.append((now + spec.duration_s, spec.host))
                     result.sent.append(f"cut host {spec.host} off for {spec.duration_s:g} s")
@@ -226,15 +275,16 @@ def _schedule(scenario: Scenario, horizon_s: float) -> list[tuple[float, FaultSp
 
 
 def _gpu_script(scenario: Scenario, directory: Path, devices: int) -> Path:
-    """The scripted GPU telemetry the agent replays (detect/gpu.ScriptedProvider): healthy devices, then the
-    scenario's warnings and XIDs at their times."""
+    """The scripted GPU telemetry the agent replays (detect/gpu_providers.ScriptedProvider): healthy devices, then
+    the scenario's warnings and XIDs at their times."""
     samples: list[dict[str, Any]] = [{"at": 0.0, "index": i, "temperature_c": 60} for i in range(devices)]
     xids = []
     for f in scenario.faults:
         gpu = int(f.options.get("gpu", 0))
         if f.kind == "gpu_warning":
-            samples.append({"at": f.at_s, "index": gpu, "temperature_c": 92,
-                            "throttle_reasons": ["hw_thermal_slowdown"]})  # fmt: skip
+            samples.append(
+                {"at": f.at_s, "index": gpu, "temperature_c": 92, "throttle_reasons": ["hw_thermal_slowdown"]}
+            )
         elif f.kind == "gpu_xid":
             xids.append({"at": f.at_s, "index": gpu, "xid": int(f.options["xid"])})
     path = directory / "gpu-script.json"
@@ -272,9 +322,15 @@ def _read_pids(log: Path, offset: int, workers: dict[int, int], progress: dict[s
 
 
 def _send(
-    spec: FaultSpec, workers: dict[int, int], launch: _Launch, directory: Path, scenario: Scenario | None,
-    log: EventLog, result: RunResult, progress: Progress,
-) -> bool:  # fmt: skip
+    spec: FaultSpec,
+    workers: dict[int, int],
+    launch: _Launch,
+    directory: Path,
+    scenario: Scenario | None,
+    log: EventLog,
+    result: RunResult,
+    progress: Progress,
+) -> bool:
     """Send one time fault; whether the node must be launched again."""
     if spec.kind in ("kill", "stop"):
         pid = workers.get(spec.rank)

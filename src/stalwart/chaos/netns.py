@@ -126,9 +126,30 @@ class Hosts:
             other = self._hosts[1 - index]
             ends = [(host.namespace, host.device), (other.namespace, other.device)]
         for namespace, device in ends:
-            subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
-                            "rate", f"{mbit}mbit", "burst", "64kb", "latency", "200ms"],
-                           check=True, capture_output=True, timeout=30)  # fmt: skip
+            subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    namespace,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    device,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{mbit}mbit",
+                    "burst",
+                    "64kb",
+                    "latency",
+                    "200ms",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=30,
+            )
 
     def close(self) -> None:
         """Delete the namespaces (the veth pair goes with them). Processes still inside keep theirs until they end;

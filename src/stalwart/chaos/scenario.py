@@ -49,9 +49,9 @@ elastically, with `--replace-wait-s 2`."""
 HARNESS_KINDS = ("kill_node", "corrupt_checkpoint", "preempt", "partition", "lose_node", "add_node")
 ELASTIC_KINDS = ("lose_node", "add_node")
 GPU_KINDS = ("gpu_warning", "gpu_xid")
-"""Scripted GPU telemetry at `at_s` after the launcher starts (detect/gpu.py's scripted provider): a thermal
-slowdown on GPU `gpu` (a warning sign: the job must take a risk checkpoint), or XID `xid` on it (the playbook's
-action: restart the worker on that GPU, or exclude the node, kept in the run's own exclusion file)."""
+"""Scripted GPU telemetry at `at_s` after the launcher starts (detect/gpu_providers.py's scripted provider): a
+thermal slowdown on GPU `gpu` (a warning sign: the job must take a risk checkpoint), or XID `xid` on it (the
+playbook's action: restart the worker on that GPU, or exclude the node, kept in the run's own exclusion file)."""
 """Faults only the harness can send; at a step, it sends them once rank 0 has logged that step."""
 EXPECTS = ("identical", "completes")
 KINDS = tuple(dict.fromkeys((*STEP_KINDS, *TIME_KINDS, *GPU_KINDS)))
@@ -71,10 +71,20 @@ class FaultSpec:
 
     @property
     def label(self) -> str:
-        when = (f"step {self.step}" if self.step is not None else f"{self.at_s:g} s" if self.at_s is not None
-                else f"every ~{self.mtbf_s:g} s")  # fmt: skip
-        who = "" if self.kind in HARNESS_KINDS else f" GPU {self.options.get('gpu', 0)}" if self.kind in GPU_KINDS \
-            else f" rank {self.rank}"  # fmt: skip
+        when = (
+            f"step {self.step}"
+            if self.step is not None
+            else f"{self.at_s:g} s"
+            if self.at_s is not None
+            else f"every ~{self.mtbf_s:g} s"
+        )
+        who = (
+            ""
+            if self.kind in HARNESS_KINDS
+            else f" GPU {self.options.get('gpu', 0)}"
+            if self.kind in GPU_KINDS
+            else f" rank {self.rank}"
+        )
         if self.kind == "partition":
             who = f" host {self.host} for {self.duration_s:g} s"
         elif self.kind in HARNESS_KINDS and "host" in self.options:
@@ -151,8 +161,18 @@ def parse(raw: dict[str, Any], name: str) -> Scenario:
     unknown = sorted(set(raw) - {"run", "faults"})
     if unknown or not isinstance(run, dict):
         raise ConfigError(f"scenario {name}: unknown sections {unknown} (known: run, faults)")
-    known = {"nproc_per_node", "max_restarts", "checkpoint_dir", "timeout_s", "seed", "launcher_args", "job_args",
-             "expect", "require_events", "hosts"}  # fmt: skip
+    known = {
+        "nproc_per_node",
+        "max_restarts",
+        "checkpoint_dir",
+        "timeout_s",
+        "seed",
+        "launcher_args",
+        "job_args",
+        "expect",
+        "require_events",
+        "hosts",
+    }
     if set(run) - known:
         raise ConfigError(f"scenario {name}: unknown [run] keys {sorted(set(run) - known)}")
     faults = tuple(_fault(f, name, i) for i, f in enumerate(raw.get("faults", []), 1))
@@ -187,8 +207,10 @@ def parse(raw: dict[str, Any], name: str) -> Scenario:
         if f.kind == "partition" and scenario.hosts != 2:
             raise ConfigError(f"scenario {name}: a partition needs a run over two hosts ([run] hosts = 2)")
         if f.kind in ELASTIC_KINDS and (scenario.hosts != 2 or f.host == 0):
-            raise ConfigError(f"scenario {name}: {f.kind} needs a run over two hosts ([run] hosts = 2) and host 1 "
-                              "(host 0 holds the rendezvous store)")  # fmt: skip
+            raise ConfigError(
+                f"scenario {name}: {f.kind} needs a run over two hosts ([run] hosts = 2) and host 1 "
+                "(host 0 holds the rendezvous store)"
+            )
         if f.kind in HARNESS_KINDS and not 0 <= f.host < scenario.hosts and "host" in f.options:
             raise ConfigError(f"scenario {name}: {f.label} names a host outside {scenario.hosts}")
         if f.kind == "preempt" and scenario.hosts == 2:

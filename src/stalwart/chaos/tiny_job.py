@@ -49,9 +49,15 @@ def main() -> None:
     p.add_argument("--grow-wait-s", type=float, default=120.0, help="the longest such a wait lasts")
     args = p.parse_args()
     torch.use_deterministic_algorithms(True)
-    job = stalwart.Job(args.ckpt, checkpoint_every=args.every, log_every=1, when_busy="wait",
-                       divergence_every=args.divergence_every, loss_spike=args.loss_spike,
-                       light_snapshot_budget=args.light_budget)  # fmt: skip
+    job = stalwart.Job(
+        args.ckpt,
+        checkpoint_every=args.every,
+        log_every=1,
+        when_busy="wait",
+        divergence_every=args.divergence_every,
+        loss_spike=args.loss_spike,
+        light_snapshot_budget=args.light_budget,
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
     ddp = DistributedDataParallel(model)  # at one rank too: its state keeps the same keys when the world shrinks to one

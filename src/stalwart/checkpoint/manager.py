@@ -416,8 +416,9 @@ class Checkpointer:
     def load_latest(self, *, allow_world_size_change: bool = False, at_most: int | None = None) -> Restored | None:
         """Load the newest checkpoint (not after step `at_most`) that verifies on every rank; None when there is no
         such checkpoint at all (checkpoint/load/newest.py)."""
-        restored = load_newest(self.storage, self._comm, self._events, allow_world_size_change=allow_world_size_change,
-                               at_most=at_most)  # fmt: skip
+        restored = load_newest(
+            self.storage, self._comm, self._events, allow_world_size_change=allow_world_size_change, at_most=at_most
+        )
         if restored is not None and self._comm.rank == 0:
             self._last_full = None  # the persister starts afresh: the next save is a full one
         return restored

@@ -128,8 +128,10 @@ class ResumableLoader:
         self.dataset = dataset
         self.num_samples = len(dataset)  # type: ignore[arg-type]
         if (global_batch_size is None) == (batch_size_per_rank is None):
-            raise ConfigError("give the ResumableLoader either global_batch_size (kept when the world size changes) "
-                              "or batch_size_per_rank (the global batch scales with the world), not both")  # fmt: skip
+            raise ConfigError(
+                "give the ResumableLoader either global_batch_size (kept when the world size changes) "
+                "or batch_size_per_rank (the global batch scales with the world), not both"
+            )
         self.batch_size_per_rank = batch_size_per_rank
         """None: the global batch is fixed (the default); else each rank's batch, the global one that times the
         world size (a change of world size then scales the learning rate, JobConfig.lr_scaling)."""
@@ -229,10 +231,19 @@ class ResumableLoader:
     def state_dict(self) -> dict[str, int]:
         """The global position: `batch` counts global batches of the epoch, or its samples when the global batch
         scales with the world (then `batch_size_per_rank` replaces `global_batch_size`)."""
-        size = ("batch_size_per_rank", self.batch_size_per_rank) if self.batch_size_per_rank is not None else (
-            "global_batch_size", self.global_batch_size)  # fmt: skip
-        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed, "num_samples": self.num_samples,
-                size[0]: int(size[1]), "shuffle": int(self.shuffle)}  # fmt: skip
+        size = (
+            ("batch_size_per_rank", self.batch_size_per_rank)
+            if self.batch_size_per_rank is not None
+            else ("global_batch_size", self.global_batch_size)
+        )
+        return {
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            size[0]: int(size[1]),
+            "shuffle": int(self.shuffle),
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         mode = "batch_size_per_rank" if self.batch_size_per_rank is not None else "global_batch_size"

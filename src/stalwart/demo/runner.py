@@ -50,14 +50,30 @@ def run_job(
 ) -> JobRun:
     run.out.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "stalwart", "run", "--spares", str(spares),
-        "--nproc-per-node", str(nproc), "--max-restarts", "3", "--event-log", str(run.event_log),
+        sys.executable,
+        "-m",
+        "stalwart",
+        "run",
+        "--spares",
+        str(spares),
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        "3",
+        "--event-log",
+        str(run.event_log),
         # The demo shows the bitwise result: the survivor waits for the replacement (its set-up is short) instead
         # of training on shrunk, whose dropout draws would come from the survivor's generators (README).
         "--wait-for-replacement",
-        "-m", "stalwart.demo.train",
-        "--out", str(run.out), "--steps", str(run.steps), "--checkpoint-every", str(checkpoint_every),
-    ]  # fmt: skip
+        "-m",
+        "stalwart.demo.train",
+        "--out",
+        str(run.out),
+        "--steps",
+        str(run.steps),
+        "--checkpoint-every",
+        str(checkpoint_every),
+    ]
     started = time.monotonic()
     with open(run.log, "wb") as log:
         # SIGTERM to the launcher if the demo dies, whatever killed it: it stops its workers and cleans up.

@@ -116,8 +116,14 @@ class DivergenceCheck:
         if on_odd is not None:
             on_odd()
         odd, good = odd_ranks(prints)
-        self._events.emit("replica_divergence", step=step, odd=odd, fingerprints=[str(p) for p in prints],
-                          last_agreed=self.last_agreed, repair_from=good)  # fmt: skip
+        self._events.emit(
+            "replica_divergence",
+            step=step,
+            odd=odd,
+            fingerprints=[str(p) for p in prints],
+            last_agreed=self.last_agreed,
+            repair_from=good,
+        )
         if good is None:
             since = f"step {self.last_agreed}" if self.last_agreed is not None else "no checked step"
             raise ReplicaDivergenceError(

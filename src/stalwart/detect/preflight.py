@@ -144,8 +144,9 @@ def _all_reduce_rank(rank: int, world: int, port: int, nbytes: int, rounds: int)
     """One rank of the collective test; returns its bus bandwidth in GB/s."""
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     store = dist.TCPStore(LOOPBACK, port, world, is_master=False, timeout=timedelta(seconds=PEER_TIMEOUT_S))
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=PEER_TIMEOUT_S))  # fmt: skip
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=PEER_TIMEOUT_S)
+    )
     try:
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         if cuda:
@@ -165,8 +166,9 @@ def _all_reduce_rank(rank: int, world: int, port: int, nbytes: int, rounds: int)
 
 def collective_busbw(world: int, nbytes: int, rounds: int = 5) -> float:
     """Bus bandwidth of an all-reduce among `world` processes of this node (this one is rank 0), in GB/s."""
-    master = dist.TCPStore(LOOPBACK, 0, world, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=PEER_TIMEOUT_S))  # fmt: skip
+    master = dist.TCPStore(
+        LOOPBACK, 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=PEER_TIMEOUT_S)
+    )
     cmd = [sys.executable, "-m", "stalwart.detect.preflight", "--peer"]
     peers = [
         subprocess.Popen([*cmd, str(r), str(world), str(master.port), str(nbytes), str(rounds)])
@@ -212,8 +214,9 @@ def judge(report: Report, limits: Limits) -> None:
             failures.append(f"{d.device} ({d.name}): {d.memory_errors} memory words read back wrong")
             action = "replace_hardware"
         if len(report.devices) > 1 and d.tflops < limits.relative * median:
-            failures.append(f"{d.device}: {d.tflops:.3g} TFLOPS, under {limits.relative:g}x the node's median "
-                            f"({median:.3g})")  # fmt: skip
+            failures.append(
+                f"{d.device}: {d.tflops:.3g} TFLOPS, under {limits.relative:g}x the node's median ({median:.3g})"
+            )
         if limits.min_tflops is not None and d.tflops < limits.min_tflops:
             failures.append(f"{d.device}: {d.tflops:.3g} TFLOPS, under the floor of {limits.min_tflops:g}")
     if (

@@ -338,8 +338,14 @@ class JobConfig:
     @classmethod
     def of(cls, checkpoint_dir: str | os.PathLike[str], **options: Any) -> JobConfig:
         """From `stalwart.Job`'s flat options (FLAT); ConfigError for a name it does not know."""
-        sections: dict[str, dict[str, Any]] = {"checkpoint": {"dir": checkpoint_dir}, "snapshot": {}, "guard": {},
-                                               "detect": {}, "recovery": {}, "": {}}  # fmt: skip
+        sections: dict[str, dict[str, Any]] = {
+            "checkpoint": {"dir": checkpoint_dir},
+            "snapshot": {},
+            "guard": {},
+            "detect": {},
+            "recovery": {},
+            "": {},
+        }
         for name, value in options.items():
             if name not in FLAT or name == "checkpoint_dir":
                 raise ConfigError(f"stalwart.Job: unexpected keyword argument {name!r}")

@@ -58,8 +58,12 @@ class Detectors:
         self._start_stragglers(state)
         self._start_divergence(state)
         if self.risk is None and self._heartbeat.active:  # under stalwart run: its agent may warn
-            self.risk = RiskWatch(self._heartbeat.risk, self.exchange.gather, self._comm.world_size,
-                                  preempted=self._heartbeat.preemption_requested)  # fmt: skip
+            self.risk = RiskWatch(
+                self._heartbeat.risk,
+                self.exchange.gather,
+                self._comm.world_size,
+                preempted=self._heartbeat.preemption_requested,
+            )
         if self.divergence is not None:
             self.divergence.last_agreed = step  # one copy of the replicated state was loaded, or DDP's own
 
@@ -93,9 +97,13 @@ class Detectors:
         if self.stragglers is not None or threshold is None or world < 2 or not state.modules():
             return
         self.stragglers = StragglerDetector(
-            self._comm.rank, world, self._events, self.exchange.gather, threshold=threshold,
+            self._comm.rank,
+            world,
+            self._events,
+            self.exchange.gather,
+            threshold=threshold,
             announce=self._comm.rank == 0,
-        )  # fmt: skip
+        )
         self.stragglers.watch(state.modules())
         self.stragglers.watch_optimizers(state.optimizers())
 
@@ -105,9 +113,14 @@ class Detectors:
         if self.divergence is not None or every is None or self._comm.world_size < 2 or not state.replicated:
             return
         self.divergence = DivergenceCheck(
-            self._comm.rank, self._comm.world_size, self._events, state.replicated_tensors,
-            self._comm.all_gather_ints, broadcast_on_default_group, every,
-        )  # fmt: skip
+            self._comm.rank,
+            self._comm.world_size,
+            self._events,
+            state.replicated_tensors,
+            self._comm.all_gather_ints,
+            broadcast_on_default_group,
+            every,
+        )
 
     def rolled_back(self, step: int) -> None:
         """The job went back to `step`: one copy of the replicated state was loaded, the guard starts afresh."""

@@ -169,7 +169,7 @@ class Job:
         )
         self.state = JobState.RUNNING
         if self._in_loop is not None:
-            self._in_loop.joined()  # a replacement has its state: its collectives run for real from now on
+            self._in_loop.joined(self.comm)  # a replacement's collectives run for real; DDP buckets laid out alike
         if restored is None and not grown:
             self.events.emit("fresh_start")
         if restored is None:

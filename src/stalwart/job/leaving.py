@@ -15,9 +15,15 @@ from stalwart.telemetry.events import EventLog
 
 
 def preempt(
-    step: int, saved: bool, save: Callable[[], object], checkpointer: Checkpointer, events: EventLog,
-    heartbeat: Heartbeat, *, is_main: bool,
-) -> None:  # fmt: skip
+    step: int,
+    saved: bool,
+    save: Callable[[], object],
+    checkpointer: Checkpointer,
+    events: EventLog,
+    heartbeat: Heartbeat,
+    *,
+    is_main: bool,
+) -> None:
     """Every rank, at the step they agreed on: a last durable checkpoint (`save`, unless this step's is `saved`
     already), then a clean exit (status 0), so the launcher, which got SIGTERM, ends without a restart and the
     next launch resumes from this step."""
@@ -33,9 +39,14 @@ def preempt(
 
 
 def evict(
-    step: int, straggler: int, rank: int, checkpointer: Checkpointer, events: EventLog, heartbeat: Heartbeat,
+    step: int,
+    straggler: int,
+    rank: int,
+    checkpointer: Checkpointer,
+    events: EventLog,
+    heartbeat: Heartbeat,
     hang: HangTimer,
-) -> None:  # fmt: skip
+) -> None:
     """Every rank, at the step the straggler was flagged: once the checkpoint of this step is durable, the
     straggler's process leaves; the others meet its absence at their next collective and re-form with its
     replacement (the `straggler_policy` option)."""

@@ -185,8 +185,9 @@ def live_tensors(objects: Mapping[str, Any], replicated: frozenset[str]) -> list
         else:
             continue
         cuda = not _graphs_replayed[0]
-        found.extend(t for t in tensors if type(t) in (torch.Tensor, torch.nn.Parameter)
-                     and (t.is_cpu or (cuda and t.is_cuda)))  # fmt: skip
+        found.extend(
+            t for t in tensors if type(t) in (torch.Tensor, torch.nn.Parameter) and (t.is_cpu or (cuda and t.is_cuda))
+        )
     return found
 
 

@@ -178,8 +178,11 @@ class _NumpyState:
         if mtrand is None or mtrand._rand is not self._rand:
             self._watch(getattr(np.random, "mtrand", None))  # the first capture, or the global generator was replaced
         address = self._address
-        sample = ctypes.string_at(address, 4 * SAMPLE_WORDS) + ctypes.string_at(address + MT_BYTES - 4, 4) \
-            if address else b""  # fmt: skip
+        sample = (
+            ctypes.string_at(address, 4 * SAMPLE_WORDS) + ctypes.string_at(address + MT_BYTES - 4, 4)
+            if address
+            else b""
+        )
         state = self._state
         if sample and sample == self._sample and state is not None and not state["has_gauss"]:
             return state

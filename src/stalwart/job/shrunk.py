@@ -36,9 +36,13 @@ instead (all of them fall back alike: each times out)."""
 
 
 def recover(
-    job: Job, failure: Exception, loader: Iterable[Any] | None, iterator: Iterator[Any] | None,
-    batch: tuple[int, Any], max_steps: int,
-) -> Generator[tuple[int, Any], None, Iterator[Any] | None]:  # fmt: skip
+    job: Job,
+    failure: Exception,
+    loader: Iterable[Any] | None,
+    iterator: Iterator[Any] | None,
+    batch: tuple[int, Any],
+    max_steps: int,
+) -> Generator[tuple[int, Any], None, Iterator[Any] | None]:
     """After a peer's failure inside the loop: returns the iterator to go on with, as reform_in_loop does."""
     if not _may_shrink(job, loader, max_steps):
         return endings.reform_in_loop(job, failure, loader, iterator, batch)
@@ -118,11 +122,24 @@ def _train(
     iterator = iter(loader)
     first = job.step
     seconds = round(time.monotonic() - started, 4)
-    events.emit("shrunk", failed_at=failed_at, step=job.step, world_size=plan.size, full_world_size=plan.world_size,
-                shares=list(plan.shares), seconds=seconds)  # fmt: skip
+    events.emit(
+        "shrunk",
+        failed_at=failed_at,
+        step=job.step,
+        world_size=plan.size,
+        full_world_size=plan.world_size,
+        shares=list(plan.shares),
+        seconds=seconds,
+    )
     lost = sorted(set(range(plan.world_size)) - set(plan.kept))
-    events.emit("world_resized", **{"from": plan.world_size, "to": plan.size}, step=job.step, tier="peer",
-                why=f"rank(s) {lost} failed: training on while the replacement starts", seconds=seconds)  # fmt: skip
+    events.emit(
+        "world_resized",
+        **{"from": plan.world_size, "to": plan.size},
+        step=job.step,
+        tier="peer",
+        why=f"rank(s) {lost} failed: training on while the replacement starts",
+        seconds=seconds,
+    )
     try:
         while job.step + 1 < max_steps:
             ready, again = shrink.agree(plan, plan.shrunk_rank == 0 and shrink.replacements_ready(plan), asked.asked)
@@ -166,8 +183,10 @@ def _rearm(job: Job, plan: shrink.Plan, asked: shrink.Asked, events: EventLog) -
     now = Placement.from_env()
     again = shrink.plan(now.rank, now.world_size)
     if again is None or again.kept != plan.kept or again.world_size != plan.world_size:
-        raise shrink.ShrunkFailed(f"the next round keeps other ranks ({again.kept if again else 'none'}) than "
-                                  f"the survivors' group ({plan.kept})")  # fmt: skip
+        raise shrink.ShrunkFailed(
+            f"the next round keeps other ranks ({again.kept if again else 'none'}) than "
+            f"the survivors' group ({plan.kept})"
+        )
     events.close()
     events = EventLog.from_env(rank=now.rank, restart=now.restart_count)
     events.emit("shrunk_rearmed", step=job.step, seconds=round(time.monotonic() - started, 4))

@@ -134,9 +134,14 @@ class Snapshots:
         if self.memory is None or not self.live.held or not self._state.optimizers(replicated_only=True):
             return
         self.commit = StepCommit(
-            self.memory, self._state, self._commit_barrier(), events=self._events, hooks=self._hooks,
-            push=lambda step: self.replicas.push(step, light=True), absorb=self._absorb,
-        )  # fmt: skip
+            self.memory,
+            self._state,
+            self._commit_barrier(),
+            events=self._events,
+            hooks=self._hooks,
+            push=lambda step: self.replicas.push(step, light=True),
+            absorb=self._absorb,
+        )
 
     def _commit_barrier(self) -> Callable[[int], tuple[float | None, int]]:
         """The commit point's barrier, carrying a flag (the largest any rank brought comes back to all): through
@@ -324,8 +329,14 @@ class Snapshots:
         if not self._light_cost.too_dear(light_s, step_s):
             self.schedule.budget = full_copy_budget(self._options.budget, light_s, step_s)
             if not self._light_kept and self._comm.rank == 0:  # once per run: what they cost and what they may
-                self._events.emit("light_snapshots_kept", step=step, light_s=light_s, step_s=step_s,
-                                  budget=self._light_cost.budget, full_copy_budget=self.schedule.budget)  # fmt: skip
+                self._events.emit(
+                    "light_snapshots_kept",
+                    step=step,
+                    light_s=light_s,
+                    step_s=step_s,
+                    budget=self._light_cost.budget,
+                    full_copy_budget=self.schedule.budget,
+                )
             self._light_kept = True
             return
         assert self.commit is not None
@@ -336,9 +347,14 @@ class Snapshots:
         )
         self.schedule.budget = self._options.budget
         self._events.emit(
-            "light_snapshots_off", step=step, reason=self.commit.off, light_s=light_s, step_s=step_s,
-            budget=self._light_cost.budget, full_copy_budget=self.schedule.budget,
-        )  # fmt: skip
+            "light_snapshots_off",
+            step=step,
+            reason=self.commit.off,
+            light_s=light_s,
+            step_s=step_s,
+            budget=self._light_cost.budget,
+            full_copy_budget=self.schedule.budget,
+        )
 
     def rolled_back(self, step: int) -> None:
         """After a rollback to `step`: the last commit's snapshot belongs to an abandoned history, the live
@@ -353,8 +369,11 @@ class Snapshots:
         """What a `step_done` event says of the snapshots."""
         if self.memory is None:
             return {}
-        return {"snapshot_s": self.seconds, "snapshot_every": self.schedule.interval,
-                "full_copy_step": self.full_copy_step}  # fmt: skip
+        return {
+            "snapshot_s": self.seconds,
+            "snapshot_every": self.schedule.interval,
+            "full_copy_step": self.full_copy_step,
+        }
 
     def keep_live_state(self, step: int, outside_loop: str | None) -> str | None:
         """After a failure: keep references to the live tensors for the next run if they still hold `step`;

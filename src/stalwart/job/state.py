@@ -87,8 +87,11 @@ class TrackedState:
         return self.replicated
 
     def optimizers(self, *, replicated_only: bool = False) -> list[torch.optim.Optimizer]:
-        return [o for n, o in self.objects.items()
-                if isinstance(o, torch.optim.Optimizer) and (not replicated_only or n in self.replicated)]  # fmt: skip
+        return [
+            o
+            for n, o in self.objects.items()
+            if isinstance(o, torch.optim.Optimizer) and (not replicated_only or n in self.replicated)
+        ]
 
     def modules(self) -> list[torch.nn.Module]:
         return [o for o in self.objects.values() if isinstance(o, torch.nn.Module)]
@@ -172,11 +175,15 @@ class TrackedState:
                 self._detectors.load(detectors)
             return
         factor = scale_learning_rates(self.objects.values(), restored.world_size, self.world_size, self.lr_scaling)
-        self._events.emit("world_resized", **{"from": restored.world_size, "to": self.world_size},
-                          why=f"resumed {_FROM.get(restored.tier, restored.tier)} of {restored.world_size} ranks",
-                          tier=restored.tier,
-                          step=restored.step, seconds=round(time.monotonic() - started, 4),
-                          lr_factor=round(factor, 6))  # fmt: skip
+        self._events.emit(
+            "world_resized",
+            **{"from": restored.world_size, "to": self.world_size},
+            why=f"resumed {_FROM.get(restored.tier, restored.tier)} of {restored.world_size} ranks",
+            tier=restored.tier,
+            step=restored.step,
+            seconds=round(time.monotonic() - started, 4),
+            lr_factor=round(factor, 6),
+        )
         if self.rank == 0:
             per_rank = sorted(set(self.objects) - self.replicated)
             warnings.warn(
@@ -187,8 +194,12 @@ class TrackedState:
             )
 
 
-_FROM = {"durable": "a checkpoint", "memory": "node memory", "replica": "a peer replica",
-         "peer": "a survivor's live state and node memory"}  # fmt: skip
+_FROM = {
+    "durable": "a checkpoint",
+    "memory": "node memory",
+    "replica": "a peer replica",
+    "peer": "a survivor's live state and node memory",
+}
 """What a `world_resized` event's `why` says the state came from, by tier."""
 
 

@@ -77,5 +77,14 @@ class CheckpointInterval:
         self.next_step = step + self.every
         if not changed:
             return None
-        return Decision(step, self.every, round(interval, 3), stall_s, step_s, round(mtbf, 1), failures,
-                        round(elapsed_s, 1), previous)  # fmt: skip
+        return Decision(
+            step,
+            self.every,
+            round(interval, 3),
+            stall_s,
+            step_s,
+            round(mtbf, 1),
+            failures,
+            round(elapsed_s, 1),
+            previous,
+        )

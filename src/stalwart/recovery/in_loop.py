@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.recovery import reform
+from stalwart.recovery import ddp_layout, reform
 from stalwart.runtime import group as reformable
 from stalwart.runtime.dist import Comm
 from stalwart.runtime.signal_watch import SignalWatch
@@ -162,9 +162,11 @@ class InLoop:
         grown = [(rank, v[1]) for rank, v in enumerate(said) if v[0] and v[1] >= 0]
         self.grow = Grow(grown[0][1], grown[0][0], tuple(r for r, v in enumerate(said) if not v[0])) if grown else None
 
-    def joined(self) -> None:
-        """The job has its state: a replacement's collectives run for real from now on."""
+    def joined(self, comm: Comm) -> None:
+        """The job has its state: a replacement's collectives run for real from now on, and every rank's DDP
+        modules take the survivors' bucket layout (collective: recovery/ddp_layout.py)."""
         self.group.join(False)
+        ddp_layout.share(comm, self.group)
 
     def leave(self, rank: int, why: str) -> None:
         """Leave the failed group and wait for the next round: every process group is aborted (the re-formable
@@ -187,7 +189,10 @@ class InLoop:
         ours = [
             m for m in live_ddp_modules() if isinstance(getattr(m, "process_group", None), reformable.ReformableGroup)
         ]
-        return sum(reformable.reset_ddp(m, group) for m in ours if m.process_group.latest() is group)  # type: ignore[attr-defined]
+        ours = [m for m in ours if m.process_group.latest() is group]  # type: ignore[attr-defined]
+        for m in ours:  # their rebuilt layouts, which every rank's take once it has its state (`joined`)
+            ddp_layout.keep(m)
+        return sum(reformable.reset_ddp(m, group) for m in ours)
 
     def close(self) -> None:
         self._watch.close()

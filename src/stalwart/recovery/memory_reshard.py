@@ -100,9 +100,14 @@ def _parse(row: list[int]) -> tuple[int, int, dict[tuple[int, int], tuple[int, .
 
 
 def restore(
-    comm: Comm, events: EventLog, directory: Path | None, plan: ReshardPlan, meshes: dict[Any, Any] | None, *,
+    comm: Comm,
+    events: EventLog,
+    directory: Path | None,
+    plan: ReshardPlan,
+    meshes: dict[Any, Any] | None,
+    *,
     allowed: bool,
-) -> Restored | None:  # fmt: skip
+) -> Restored | None:
     """This rank's part of `plan`'s state: from its node's memory, and where its node lacks old images, from their
     heads and only the parts of them this rank will read, fetched from a node that holds them (`_fetch`); sharded
     tensors are then resharded from those (format/sharded.py) onto `meshes` (the tracked objects' device meshes).

@@ -216,9 +216,16 @@ class Rollback:
     def done(self, request: RollbackRequest, from_step: int, restored: Restored, seconds: float) -> None:
         """The state of `restored` is loaded: the event, and one line from rank 0."""
         self._events.emit(
-            "rolled_back", step=restored.step, reason=request.reason, trigger=request.trigger, from_step=from_step,
-            skip=request.skip, tier=restored.tier, source=restored.source, seconds=seconds,
-        )  # fmt: skip
+            "rolled_back",
+            step=restored.step,
+            reason=request.reason,
+            trigger=request.trigger,
+            from_step=from_step,
+            skip=request.skip,
+            tier=restored.tier,
+            source=restored.source,
+            seconds=seconds,
+        )
         if self._comm.rank == 0:
             skipping = f"; batch {request.skip} will be skipped" if request.skip is not None else ""
             print(

@@ -160,9 +160,12 @@ def form(p: Plan, timeout: timedelta) -> None:
 
     store = dist.HashStore() if p.size == 1 else dist.FileStore(str(_round_file("shrunk")), p.size)
     dist.init_process_group(
-        backend=group.BACKEND, store=dist.PrefixStore("shrunk", store), rank=p.shrunk_rank, world_size=p.size,
+        backend=group.BACKEND,
+        store=dist.PrefixStore("shrunk", store),
+        rank=p.shrunk_rank,
+        world_size=p.size,
         timeout=timeout,
-    )  # fmt: skip
+    )
 
 
 def agree(p: Plan, *flags: bool) -> tuple[bool, ...]:

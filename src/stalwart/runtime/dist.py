@@ -269,8 +269,13 @@ def init_process_group(
         group.ReformableGroup.cuda_backend = "gloo" if shared else "nccl"  # NCCL refuses two ranks on one GPU
         if placeholder:
             group.make_placeholder_next()
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=placement.rank,
-                                    world_size=placement.world_size, timeout=timeout)  # fmt: skip
+            dist.init_process_group(
+                backend=backend,
+                store=dist.HashStore(),
+                rank=placement.rank,
+                world_size=placement.world_size,
+                timeout=timeout,
+            )
             return True
     if store is None:
         store = _bootstrap_store(placement, timeout)

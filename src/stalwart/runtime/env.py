@@ -67,7 +67,7 @@ GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 """Set to "lo" on a one-node run so gloo listens on loopback only."""
 GPU_TELEMETRY_ENV = "STALWART_GPU_TELEMETRY"
 """The agent's GPU telemetry: "nvml" (the default; nothing when NVML cannot load), "off", or the path of a scripted
-provider's JSON (detect/gpu.py)."""
+provider's JSON (detect/gpu_providers.py)."""
 GPU_POLL_ENV = "STALWART_GPU_POLL_S"
 """Seconds between two GPU telemetry polls of the agent (default 5)."""
 EXCLUDE_FILE_ENV = "STALWART_EXCLUDE_FILE"

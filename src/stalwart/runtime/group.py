@@ -35,7 +35,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.runtime.torch_compat import AllgatherOptions, nccl_options, rebuild_ddp_reducer, register_backends
+from stalwart.runtime.torch_compat import (
+    AllgatherOptions,
+    nccl_options,
+    rebuild_ddp_reducer,
+    register_backends,
+)
 from stalwart.runtime.works import AbsorbingWork, AllOf, DoneWork
 
 BACKEND = "stalwart"
@@ -390,19 +395,21 @@ def register() -> None:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
-def reset_ddp(module: torch.nn.Module, group: dist.ProcessGroup) -> bool:
-    """Give a DDP module a fresh reducer on `group`, as its constructor made it; returns whether it is one.
+def reset_ddp(module: torch.nn.Module, group: dist.ProcessGroup, layout: list[list[int]] | None = None) -> bool:
+    """Give a DDP module a fresh reducer on `group`; returns whether it is one. `layout`: its buckets, as lists
+    of parameter indices (`torch_compat.ddp_bucket_layout`), taken as already rebuilt; None: the constructor's.
 
-    Why: after its first iteration DDP rebuilds its gradient buckets in the order the gradients became ready,
-    while a replacement's new DDP starts with the constructor's buckets; an all-reduce of buckets laid out
-    differently sums unrelated gradients. Every survivor resets its DDP modules when the group is re-formed, so
-    survivors and replacements start the next step alike and rebuild their buckets together (the rebuild
-    broadcasts rank 0's order) at the step after. torch's own `_update_process_group` keeps the rebuilt buckets
-    for one more step, which is exactly the step that went wrong. Comm hooks registered on the module carry over.
-    """
+    Why a fresh reducer: torch's `_update_process_group` keeps the reducer's state of the failed step. Why the
+    layout: after its first iteration DDP rebuilds its buckets in the order the gradients became ready (rank 0's,
+    broadcast), and an all-reduce sums each element in an order that depends on its place in the bucket (gloo,
+    3 ranks and more: the last bit can differ). A survivor keeps its rebuilt layout and a replacement's new DDP takes
+    the same one (recovery/ddp_layout.py), so the step after a re-formation sums as a run without the failure does.
+    With the constructor's layout on every rank for that step (what a re-formation makes until the ranks agree on
+    the survivors' layout) it is consistent, but not bitwise on 3 ranks (tests/test_in_loop.py, two failures at
+    once). Comm hooks registered on the module carry over."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(module, DistributedDataParallel):
         return False
-    rebuild_ddp_reducer(module, group)  # through DDP's private members: runtime/torch_compat.py
+    rebuild_ddp_reducer(module, group, layout)  # through DDP's private members: runtime/torch_compat.py
     return True

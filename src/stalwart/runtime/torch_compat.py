@@ -127,26 +127,47 @@ def abort_process_group() -> bool:
 # ---- DistributedDataParallel
 
 
-def rebuild_ddp_reducer(module: DistributedDataParallel, group: dist.ProcessGroup) -> None:
+def ddp_bucket_layout(module: DistributedDataParallel) -> list[list[int]] | None:
+    """The DDP `module`'s buckets as lists of parameter indices once it rebuilt them, else None: torch exposes no
+    layout (`_has_rebuilt_buckets`, `_build_params_for_reducer`, `_get_zeros_like_grad_buckets`). Checked on 2.13.0."""
+    if not module._has_rebuilt_buckets:
+        return None
+    index = {id(p): i for i, p in enumerate(module._build_params_for_reducer()[0])}
+    return [[index[id(p)] for p in bucket.parameters()] for bucket in module.reducer._get_zeros_like_grad_buckets()]
+
+
+def rebuild_ddp_reducer(
+    module: DistributedDataParallel, group: dist.ProcessGroup, layout: list[list[int]] | None = None
+) -> None:
     """Give the DDP `module` a fresh reducer on `group`, as its constructor made it; its comm hooks carry over
     (runtime/group.reset_ddp says why). torch has no public way: `_update_process_group` keeps the rebuilt buckets.
     So this repeats what DDP's constructor does after its checks, through its private members: the reducer's
     `_remove_autograd_hooks` and `_set_static_graph`, DDP's `_build_params_for_reducer`,
     `_build_debug_param_to_name_mapping`, `_ddp_init_helper`, `_comm_hooks`, `_has_rebuilt_buckets` and
     `_static_graph_delay_allreduce_enqueued`, the logger's `_set_static_graph`, `dist._register_comm_hook`.
-    Checked on torch 2.13.0."""
+    `layout` (`ddp_bucket_layout`'s): taken as rebuilt; `dist._compute_bucket_assignment_by_size` answers it to the
+    constructor for the call (reversed: the constructor reverses it). Checked on torch 2.13.0."""
     module.reducer._remove_autograd_hooks()
     module.process_group = group
     params, sparse = module._build_params_for_reducer()
     names = module._build_debug_param_to_name_mapping(params)
-    module._ddp_init_helper(params, sparse, names, module.static_graph)
+    if layout is None:
+        module._ddp_init_helper(params, sparse, names, module.static_graph)
+    else:
+        assignment = dist._compute_bucket_assignment_by_size
+        given = ([list(b) for b in reversed(layout)], [module.bucket_bytes_cap] * len(layout))
+        dist._compute_bucket_assignment_by_size = lambda *args, **kwargs: given
+        try:
+            module._ddp_init_helper(params, sparse, names, module.static_graph)
+        finally:
+            dist._compute_bucket_assignment_by_size = assignment
     if module.static_graph:
         module.reducer._set_static_graph()
         if module.logger is not None:
             module.logger._set_static_graph()
     for hook, state in module._comm_hooks:
         dist._register_comm_hook(module.reducer, state, hook)
-    module._has_rebuilt_buckets = False
+    module._has_rebuilt_buckets = layout is not None
     module._static_graph_delay_allreduce_enqueued = False
 
 

@@ -51,16 +51,28 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gpus", type=_positive(int, "--gpus"), default=16384, help="GPUs in the job (default 16384)")
     p.add_argument("--days", type=_positive(float, "--days"), default=54.0, help="wall-clock days (default 54)")
     p.add_argument("--gpus-per-node", type=_positive(int, "--gpus-per-node"), default=8)
-    p.add_argument("--failure-model", choices=MODELS, default="llama3",
-                   help="llama3: Llama 3's 419 interruptions in 54 days on 16,384 GPUs and their causes; rsc1, "
-                   "rsc2: node failure rates of Meta's research clusters (Kokolis et al.)")  # fmt: skip
-    p.add_argument("--weibull-shape", type=_positive(float, "--weibull-shape"), default=None,
-                   help="Weibull inter-failure times per node with this shape (default: exponential)")  # fmt: skip
+    p.add_argument(
+        "--failure-model",
+        choices=MODELS,
+        default="llama3",
+        help="llama3: Llama 3's 419 interruptions in 54 days on 16,384 GPUs and their causes; rsc1, "
+        "rsc2: node failure rates of Meta's research clusters (Kokolis et al.)",
+    )
+    p.add_argument(
+        "--weibull-shape",
+        type=_positive(float, "--weibull-shape"),
+        default=None,
+        help="Weibull inter-failure times per node with this shape (default: exponential)",
+    )
     p.add_argument("--policy", choices=(*POLICIES, "all"), default="all")
     p.add_argument("--profile", choices=(*PROFILES, "all"), default="all", help="which system's recovery costs")
     p.add_argument("--costs", type=Path, default=None, help="JSON of profile fields (seconds) replacing stalwart's")
-    p.add_argument("--checkpoint-interval-s", type=_positive(float, "--checkpoint-interval-s"), default=1800.0,
-                   help="the fixed policy's durable checkpoint interval (default 1800)")  # fmt: skip
+    p.add_argument(
+        "--checkpoint-interval-s",
+        type=_positive(float, "--checkpoint-interval-s"),
+        default=1800.0,
+        help="the fixed policy's durable checkpoint interval (default 1800)",
+    )
     p.add_argument("--spares", default="auto", help="spare nodes, or auto: the count with the lowest cost")
     p.add_argument("--price", type=_positive(float, "--price"), default=2.0, help="money per GPU-hour (default 2.0)")
     p.add_argument("--runs", type=_positive(int, "--runs"), default=64, help="independent runs (default 64)")
@@ -107,45 +119,93 @@ def main(argv: list[str]) -> int:
 
         write(args.plot, results, sweep)
     if args.json:
-        print(json.dumps({"gpus": args.gpus, "days": args.days, "failure_model": args.failure_model,
-                          "weibull_shape": args.weibull_shape, "job_mtbf_h": model.job_mtbf_s(args.gpus) / 3600,
-                          "spares": spares, "seconds": round(seconds, 3),
-                          "profiles": {name: asdict(profiles[name]) for name in chosen},
-                          "results": [asdict(r) for r in results],
-                          "spares_sweep": [{"spares": r.spares, "ettr": r.ettr, "cost": r.cost,
-                                            "cost_per_useful_gpu_hour": r.cost_per_useful_gpu_hour} for r in sweep],
-                          "plot": str(args.plot) if args.plot else None}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "gpus": args.gpus,
+                    "days": args.days,
+                    "failure_model": args.failure_model,
+                    "weibull_shape": args.weibull_shape,
+                    "job_mtbf_h": model.job_mtbf_s(args.gpus) / 3600,
+                    "spares": spares,
+                    "seconds": round(seconds, 3),
+                    "profiles": {name: asdict(profiles[name]) for name in chosen},
+                    "results": [asdict(r) for r in results],
+                    "spares_sweep": [
+                        {
+                            "spares": r.spares,
+                            "ettr": r.ettr,
+                            "cost": r.cost,
+                            "cost_per_useful_gpu_hour": r.cost_per_useful_gpu_hour,
+                        }
+                        for r in sweep
+                    ],
+                    "plot": str(args.plot) if args.plot else None,
+                }
+            )
+        )
         return 0
     _print(results, sweep, model, args, spares, seconds)
     return 0
 
 
-def _print(results: list[Result], sweep: list[Result], model: FailureModel, args: argparse.Namespace, spares: int,
-           seconds: float) -> None:  # fmt: skip
+def _print(
+    results: list[Result],
+    sweep: list[Result],
+    model: FailureModel,
+    args: argparse.Namespace,
+    spares: int,
+    seconds: float,
+) -> None:
     out = console()
     shape = f"Weibull k={args.weibull_shape:g}" if args.weibull_shape else "exponential"
-    out.print(f"{args.gpus:,} GPUs for {args.days:g} days, failure model {args.failure_model} ({shape}): job MTBF "
-              f"{model.job_mtbf_s(args.gpus) / 3600:.2f} h; {args.runs} runs, seed {args.seed}")  # fmt: skip
+    out.print(
+        f"{args.gpus:,} GPUs for {args.days:g} days, failure model {args.failure_model} ({shape}): job MTBF "
+        f"{model.job_mtbf_s(args.gpus) / 3600:.2f} h; {args.runs} runs, seed {args.seed}"
+    )
     if sweep:
         table = Table(title=f"spare nodes ({sweep[0].profile}, {sweep[0].policy} policy)")
         for column in ("spares", "ETTR", "waiting for a node", "GPU-hours", "cost per useful GPU-hour"):
             table.add_column(column, justify="right", no_wrap=True)
         for r in sweep:
             mark = " <" if r.spares == spares else ""
-            table.add_row(str(r.spares), f"{100 * r.ettr:.2f}%", f"{100 * r.badput['waiting_for_node']:.2f}%",
-                          f"{r.gpu_hours:,.0f}", f"{r.cost_per_useful_gpu_hour:.4f}{mark}")  # fmt: skip
+            table.add_row(
+                str(r.spares),
+                f"{100 * r.ettr:.2f}%",
+                f"{100 * r.badput['waiting_for_node']:.2f}%",
+                f"{r.gpu_hours:,.0f}",
+                f"{r.cost_per_useful_gpu_hour:.4f}{mark}",
+            )
         out.print(table)
     table = Table(title=f"{spares} spare nodes")
-    columns = ("system", "policy", "ETTR", "5-95%", "interruptions", "checkpoint every", *[b.replace("_", " ")
-               for b in BADPUT], "cost")  # fmt: skip
+    columns = (
+        "system",
+        "policy",
+        "ETTR",
+        "5-95%",
+        "interruptions",
+        "checkpoint every",
+        *[b.replace("_", " ") for b in BADPUT],
+        "cost",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column in ("system", "policy") else "right", no_wrap=True)
     for r in results:
-        every = f"{r.checkpoint_interval_s:.0f} s" + (f" / {r.snapshot_interval_s:.0f} s"
-                                                       if r.snapshot_interval_s else "")  # fmt: skip
-        table.add_row(r.profile, r.policy, f"{100 * r.ettr:.2f}%", f"{100 * r.ettr_p05:.1f}-{100 * r.ettr_p95:.1f}%",
-                      f"{r.interruptions:.0f}", every, *[f"{100 * r.badput[b]:.2f}%" for b in BADPUT],
-                      f"{r.cost:,.0f}")  # fmt: skip
+        every = f"{r.checkpoint_interval_s:.0f} s" + (
+            f" / {r.snapshot_interval_s:.0f} s" if r.snapshot_interval_s else ""
+        )
+        table.add_row(
+            r.profile,
+            r.policy,
+            f"{100 * r.ettr:.2f}%",
+            f"{100 * r.ettr_p05:.1f}-{100 * r.ettr_p95:.1f}%",
+            f"{r.interruptions:.0f}",
+            every,
+            *[f"{100 * r.badput[b]:.2f}%" for b in BADPUT],
+            f"{r.cost:,.0f}",
+        )
     out.print(table)
-    out.print(f"checkpoint every: durable / memory snapshot (seconds of work). Cost at {args.price:g} per GPU-hour, "
-              f"spares included. {seconds:.2f} s.")  # fmt: skip
+    out.print(
+        f"checkpoint every: durable / memory snapshot (seconds of work). Cost at {args.price:g} per GPU-hour, "
+        f"spares included. {seconds:.2f} s."
+    )

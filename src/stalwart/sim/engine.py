@@ -132,8 +132,9 @@ def simulate(
         span = np.where(active, np.maximum(at - ready, 0.0), 0.0)
         sdc = active & is_sdc[:, i]
         node = active & is_node[:, i]
-        detect = np.where(sdc, profile.sdc_detect_s, np.where(is_hang[:, i], profile.detect_hang_s,
-                                                               profile.detect_crash_s))  # fmt: skip
+        detect = np.where(
+            sdc, profile.sdc_detect_s, np.where(is_hang[:, i], profile.detect_hang_s, profile.detect_crash_s)
+        )
         if tau_m is None:  # durable checkpoints only: exact cycles of tau of work then C of stall from the restore
             cycle = tau_d + profile.checkpoint_stall_s
             n = np.floor(span / cycle)
@@ -158,8 +159,12 @@ def simulate(
         restart = np.where(node, profile.node_swap_s, profile.process_restart_s) + restart_extra
         wait = np.where(node & ~has_spare, profile.node_wait_s, 0.0)
         restore = np.where(profile.memory_tier & ~sdc, profile.restore_memory_s, profile.restore_durable_s)
-        for phase, value in (("detection", detect), ("reformation", restart), ("waiting_for_node", wait),
-                             ("restore", restore)):  # fmt: skip
+        for phase, value in (
+            ("detection", detect),
+            ("reformation", restart),
+            ("waiting_for_node", wait),
+            ("restore", restore),
+        ):
             bad[phase] += np.where(active, value, 0.0)
             last[phase] = np.where(active, value, last[phase])  # a run without an i-th failure keeps its last
         repair_until[:, i] = np.where(node, at + profile.repair_s, -np.inf)
@@ -189,17 +194,26 @@ def simulate(
     useful = job.gpus * wall_h * float(ettr.mean())
     cost = gpu_hours * job.price_per_gpu_hour
     return Result(
-        profile=profile.name, policy=policy.name, gpus=job.gpus, days=job.days, spares=job.spares, runs=runs,
-        ettr=float(ettr.mean()), ettr_p05=float(np.quantile(ettr, 0.05)), ettr_p95=float(np.quantile(ettr, 0.95)),
+        profile=profile.name,
+        policy=policy.name,
+        gpus=job.gpus,
+        days=job.days,
+        spares=job.spares,
+        runs=runs,
+        ettr=float(ettr.mean()),
+        ettr_p05=float(np.quantile(ettr, 0.05)),
+        ettr_p95=float(np.quantile(ettr, 0.95)),
         interruptions=float(n.mean()),
         by_cause={c.name: float(k) for c, k in zip(model.causes, counts, strict=True)},
         badput={k: float(v.mean() / horizon) for k, v in bad.items()},
-        gpu_hours=gpu_hours, cost=cost, useful_gpu_hours=useful,
+        gpu_hours=gpu_hours,
+        cost=cost,
+        useful_gpu_hours=useful,
         cost_per_useful_gpu_hour=cost / useful if useful > 0 else math.inf,
         checkpoint_interval_s=float(np.mean(tau_d)),
         snapshot_interval_s=float(np.mean(tau_m)) if tau_m is not None else None,
         job_mtbf_h=mtbf / HOUR,
-    )  # fmt: skip
+    )
 
 
 def _durable_point(reached: np.ndarray, tau: np.ndarray | float, persist_work: np.ndarray | float) -> np.ndarray:

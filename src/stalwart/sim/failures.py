@@ -93,8 +93,9 @@ class FailureModel:
         counts = np.array([c.count for c in self.causes], dtype=float)
         return counts / counts.sum()
 
-    def sample(self, rng: np.random.Generator, runs: int, gpus: int, gpus_per_node: int, horizon_s: float
-               ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    def sample(
+        self, rng: np.random.Generator, runs: int, gpus: int, gpus_per_node: int, horizon_s: float
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Failure times (runs x F, seconds from the start, sorted, +inf past the last) and their causes (indices
         into `causes`, -1 past the last)."""
         if self.weibull_shape is None:
@@ -113,8 +114,9 @@ class FailureModel:
         times[times > horizon_s] = np.inf
         return times
 
-    def _weibull(self, rng: np.random.Generator, runs: int, nodes: int, gpus_per_node: int, horizon_s: float
-                 ) -> np.ndarray:  # fmt: skip
+    def _weibull(
+        self, rng: np.random.Generator, runs: int, nodes: int, gpus_per_node: int, horizon_s: float
+    ) -> np.ndarray:
         """Each node a renewal process with Weibull(k) gaps of the model's mean (a failed node is replaced by a
         new one), merged."""
         from math import gamma

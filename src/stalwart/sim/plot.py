@@ -43,8 +43,14 @@ def write(path: Path, results: list[Result], sweep: list[Result]) -> None:
         ax2.set_xlabel(f"spare nodes ({sweep[0].profile}, {sweep[0].policy})")
         ax2.set_ylabel("cost per useful GPU-hour")
         best = min(sweep, key=lambda r: r.cost_per_useful_gpu_hour)
-        ax2.annotate(f"best: {best.spares}", (max(best.spares, 0.5), best.cost_per_useful_gpu_hour),
-                     textcoords="offset points", xytext=(0, 10), ha="center", fontsize=8)  # fmt: skip
+        ax2.annotate(
+            f"best: {best.spares}",
+            (max(best.spares, 0.5), best.cost_per_useful_gpu_hour),
+            textcoords="offset points",
+            xytext=(0, 10),
+            ha="center",
+            fontsize=8,
+        )
     try:
         fig.savefig(path)
     except OSError as exc:

@@ -166,12 +166,24 @@ class StalwartAgent(LocalElasticAgent):
             return
         verdict = peer_check.judge(inbound, check.min_gbps)
         measured = {str(k): round(v, 3) for k, v in inbound.items()}
-        self._events.emit("peer_bandwidth", node=node, address=check.address, inbound_gbps=measured,
-                          reference_gbps=round(verdict.reference_gbps, 3), payload_mb=check.payload_mb,
-                          seconds=round(time.monotonic() - started, 3))  # fmt: skip
+        self._events.emit(
+            "peer_bandwidth",
+            node=node,
+            address=check.address,
+            inbound_gbps=measured,
+            reference_gbps=round(verdict.reference_gbps, 3),
+            payload_mb=check.payload_mb,
+            seconds=round(time.monotonic() - started, 3),
+        )
         for src, dst in verdict.slow_links:
-            self._events.emit("peer_link_slow", node=node, link=[src, dst], gbps=round(inbound[dst], 3),
-                              reference_gbps=round(verdict.reference_gbps, 3), suspects=verdict.suspects)  # fmt: skip
+            self._events.emit(
+                "peer_link_slow",
+                node=node,
+                link=[src, dst],
+                gbps=round(inbound[dst], 3),
+                reference_gbps=round(verdict.reference_gbps, 3),
+                suspects=verdict.suspects,
+            )
         if verdict.slow_links and node == 0:
             links = ", ".join(f"node {a} -> node {b} {inbound[b]:.2f} GB/s" for a, b in verdict.slow_links)
             who = f"; likely node {', '.join(map(str, verdict.suspects))}" if verdict.suspects else ""
@@ -261,17 +273,32 @@ class StalwartAgent(LocalElasticAgent):
                 pid = self._pids.get(worker.local_rank)
                 if worker.local_rank != index or pid is None or worker.global_rank in self._hung:
                     continue
-                self._events.emit("gpu_action", gpu=index, action=action, reason=reason, rank=worker.global_rank,
-                                  worker_pid=pid, restart=self.restart_count)  # fmt: skip
+                self._events.emit(
+                    "gpu_action",
+                    gpu=index,
+                    action=action,
+                    reason=reason,
+                    rank=worker.global_rank,
+                    worker_pid=pid,
+                    restart=self.restart_count,
+                )
                 self._hung[worker.global_rank] = f"on GPU {index} after {reason}"
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             return
         self.excluded = exclusion.exclude(f"GPU {index}: {reason}", action)
-        self._events.emit("node_excluded", gpu=index, action=action, reason=reason, host=self.excluded.host,
-                          file=str(exclusion.exclusion_file()))  # fmt: skip
-        self._say(f"GPU {index}: {reason}: {action.replace('_', ' ')}; this node ({self.excluded.host}) is excluded "
-                  f"from the job ({exclusion.exclusion_file()}) and its workers are stopped")  # fmt: skip
+        self._events.emit(
+            "node_excluded",
+            gpu=index,
+            action=action,
+            reason=reason,
+            host=self.excluded.host,
+            file=str(exclusion.exclusion_file()),
+        )
+        self._say(
+            f"GPU {index}: {reason}: {action.replace('_', ' ')}; this node ({self.excluded.host}) is excluded "
+            f"from the job ({exclusion.exclusion_file()}) and its workers are stopped"
+        )
         self._remaining_restarts = 0  # not on this node: the others go on without it, or the job stops here
         for worker in worker_group.workers:
             pid = self._pids.get(worker.local_rank)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import time
 
-from stalwart.detect.gpu import ACTIONS, REPORT, RESTART_PROCESS, GpuMonitor, GpuProvider, provider_from_env
+from stalwart.detect.gpu import ACTIONS, REPORT, RESTART_PROCESS, GpuMonitor
+from stalwart.detect.gpu_providers import GpuProvider, provider_from_env
 from stalwart.errors import ConfigError
 from stalwart.runtime.env import GPU_POLL_ENV
 from stalwart.telemetry.events import EventLog

@@ -322,8 +322,9 @@ def running_in(
 
     real = lea.start_processes
 
-    def start_in_hosts(*, entrypoint: str, args: dict[int, tuple[Any, ...]], envs: dict[int, dict[str, str]],
-                       **kwargs: Any) -> Any:  # fmt: skip
+    def start_in_hosts(
+        *, entrypoint: str, args: dict[int, tuple[Any, ...]], envs: dict[int, dict[str, str]], **kwargs: Any
+    ) -> Any:
         workers: dict[int, Host] = {}
         survivors = ",".join(sorted((envs[r].get("RANK", "") for r in kept or ()), key=lambda r: int(r or -1)))
         for rank in sorted(envs):

@@ -122,8 +122,9 @@ def _stop_on_signals() -> Iterator[None]:
 
 def _host_port(endpoint: str) -> tuple[str, int]:
     """host and port of a rendezvous endpoint ("host:port", "[v6]:port" or "host")."""
-    host, _, port = endpoint.rpartition(":") if endpoint.count(":") == 1 or endpoint.startswith("[") else (
-        endpoint, "", "")  # fmt: skip
+    host, _, port = (
+        endpoint.rpartition(":") if endpoint.count(":") == 1 or endpoint.startswith("[") else (endpoint, "", "")
+    )
     return host.strip("[]") or endpoint, int(port) if port.isdigit() else 0
 
 
@@ -363,8 +364,9 @@ def _run_agent(
     _PREEMPTION.arm(board, args.preempt_grace_s, events, say)
     notice = None
     if args.preempt_notice is not None:
-        notice = NoticeWatch(args.preempt_notice, lambda why: _PREEMPTION.request(f"preemption notice: {why}"),
-                             say).start()  # fmt: skip
+        notice = NoticeWatch(
+            args.preempt_notice, lambda why: _PREEMPTION.request(f"preemption notice: {why}"), say
+        ).start()
     try:
         result = agent.run()
     except SignalException as exc:

@@ -39,5 +39,10 @@ def main(argv: list[str]) -> int:
 
 
 def _as_dict(e: exclusion.Exclusion) -> dict[str, object]:
-    return {"host": e.host, "reason": e.reason, "action": e.action, "time": e.time,
-            "suggested": exclusion.scheduler_commands(e)}  # fmt: skip
+    return {
+        "host": e.host,
+        "reason": e.reason,
+        "action": e.action,
+        "time": e.time,
+        "suggested": exclusion.scheduler_commands(e),
+    }

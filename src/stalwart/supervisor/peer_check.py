@@ -67,8 +67,9 @@ def judge(inbound: dict[int, float], min_gbps: float | None) -> Verdict:
     return Verdict(inbound, links, suspects, reference)
 
 
-def measure(store: Any, node: int, nodes: int, address: str, payload_mb: int = PAYLOAD_MB,
-            timeout_s: float = TIMEOUT_S) -> dict[int, float] | None:  # fmt: skip
+def measure(
+    store: Any, node: int, nodes: int, address: str, payload_mb: int = PAYLOAD_MB, timeout_s: float = TIMEOUT_S
+) -> dict[int, float] | None:
     """This node's part of the ring; every node's inbound GB/s, or None when a peer did not answer in time."""
     payload = bytes(CHUNK)
     total = payload_mb * CHUNK

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from stalwart.detect import preflight
-from stalwart.detect.gpu import nvml_device_count
+from stalwart.detect.gpu_providers import nvml_device_count
 from stalwart.errors import ConfigError
 from stalwart.runtime.args import Parser
 from stalwart.runtime.env import PREFLIGHT_ENV
@@ -39,16 +39,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="check this node before it joins (matmul throughput, a memory pattern test, an all-reduce among its "
         "devices); a node that fails is excluded; auto (default): when NVML sees a GPU",
     )
-    parser.add_argument("--preflight-min-tflops", type=float, default=None,
-                        help="pre-flight: fail a device under this matmul throughput")  # fmt: skip
-    parser.add_argument("--preflight-min-busbw-gbps", type=float, default=None,
-                        help="pre-flight: fail under this all-reduce bus bandwidth (GB/s)")  # fmt: skip
-    parser.add_argument("--preflight-peer-mb", type=int, default=PAYLOAD_MB,
-                        help="between nodes, at the job's first start: MB sent over each node's link to the next "
-                        f"to time it (default {PAYLOAD_MB}; 0: no check; also off with --preflight off)")  # fmt: skip
-    parser.add_argument("--preflight-min-link-gbps", type=float, default=None,
-                        help="between nodes: report a link under this bandwidth (GB/s) as slow, besides any under a "
-                        "quarter of the median")  # fmt: skip
+    parser.add_argument(
+        "--preflight-min-tflops",
+        type=float,
+        default=None,
+        help="pre-flight: fail a device under this matmul throughput",
+    )
+    parser.add_argument(
+        "--preflight-min-busbw-gbps",
+        type=float,
+        default=None,
+        help="pre-flight: fail under this all-reduce bus bandwidth (GB/s)",
+    )
+    parser.add_argument(
+        "--preflight-peer-mb",
+        type=int,
+        default=PAYLOAD_MB,
+        help="between nodes, at the job's first start: MB sent over each node's link to the next "
+        f"to time it (default {PAYLOAD_MB}; 0: no check; also off with --preflight off)",
+    )
+    parser.add_argument(
+        "--preflight-min-link-gbps",
+        type=float,
+        default=None,
+        help="between nodes: report a link under this bandwidth (GB/s) as slow, besides any under a "
+        "quarter of the median",
+    )
 
 
 def peer_check(args: argparse.Namespace, multi_node: bool, store_host: str, store_port: int) -> PeerCheck | None:
@@ -100,8 +116,10 @@ def gate(args: argparse.Namespace, events: EventLog, nproc: int, say: Any) -> No
 
 def summary(report: dict[str, Any]) -> str:
     """One line: every device's throughput and memory test, the all-reduce, the time."""
-    parts = [f"{d['device']} {d['tflops']:.3g} TFLOPS, memory {'ok' if not d['memory_errors'] else 'BAD'}"
-             for d in report["devices"]]  # fmt: skip
+    parts = [
+        f"{d['device']} {d['tflops']:.3g} TFLOPS, memory {'ok' if not d['memory_errors'] else 'BAD'}"
+        for d in report["devices"]
+    ]
     if report.get("busbw_gbps") is not None:
         parts.append(f"all-reduce x{report['collective_ranks']} {report['busbw_gbps']:.3g} GB/s")
     verdict = "FAILED" if report["failures"] else "passed"

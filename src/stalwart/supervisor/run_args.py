@@ -125,8 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a preemption notice to watch: an http(s) URL of the cloud's metadata service (GCE's "
         ".../instance/preempted, AWS's .../spot/instance-action) or file:PATH; at the notice, the same as SIGTERM",
     )
-    parser.add_argument("--metrics-addr", default="127.0.0.1",
-                        help="the address the metrics listen on (default 127.0.0.1: this host only)")  # fmt: skip
+    parser.add_argument(
+        "--metrics-addr",
+        default="127.0.0.1",
+        help="the address the metrics listen on (default 127.0.0.1: this host only)",
+    )
     if "PET_MAX_RESTARTS" not in os.environ:
         parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
     return parser
@@ -136,8 +139,16 @@ REPLACE_WAIT_S = 5.0
 """The default of --replace-wait-s: a restarted process or a spare node on the wait list joins well within it, a
 node rebooting or rescheduled by Kubernetes or Slurm takes minutes, and the job then grows back when it joins."""
 
-_STATIC_FLAGS = ("--rdzv-backend", "--rdzv_backend", "--master-addr", "--master_addr", "--master-port",
-                 "--master_port", "--node-rank", "--node_rank")  # fmt: skip
+_STATIC_FLAGS = (
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "--master-addr",
+    "--master_addr",
+    "--master-port",
+    "--master_port",
+    "--node-rank",
+    "--node_rank",
+)
 
 
 _STATIC_ENV = ("PET_RDZV_BACKEND", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_NODE_RANK")
@@ -193,8 +204,10 @@ def _validate(args: argparse.Namespace) -> None:
             "--spares runs Python scripts in pre-started interpreters; it cannot be used with --no-python"
         )
     if args.spares and _spawned_only(args):
-        raise ConfigError(f"--spares cannot be combined with {_spawned_only(args)} (workers in pre-started spares "
-                          "write to the launcher's own stdout and stderr and are not re-bound)")  # fmt: skip
+        raise ConfigError(
+            f"--spares cannot be combined with {_spawned_only(args)} (workers in pre-started spares "
+            "write to the launcher's own stdout and stderr and are not re-bound)"
+        )
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not 0 <= args.replace_wait_s < float("inf"):
@@ -225,9 +238,15 @@ def _spawned_only(args: argparse.Namespace) -> str:
     used = [
         flag for flag, name in (("--redirects", "redirects"), ("--tee", "tee")) if str(getattr(args, name, "0")) != "0"
     ]
-    used += [flag for flag, name in (("--duplicate-stdout-filters", "duplicate_stdout_filters"),
-                                     ("--duplicate-stderr-filters", "duplicate_stderr_filters"),
-                                     ("--numa-binding", "numa_binding")) if getattr(args, name, None)]  # fmt: skip
+    used += [
+        flag
+        for flag, name in (
+            ("--duplicate-stdout-filters", "duplicate_stdout_filters"),
+            ("--duplicate-stderr-filters", "duplicate_stderr_filters"),
+            ("--numa-binding", "numa_binding"),
+        )
+        if getattr(args, name, None)
+    ]
     return ", ".join(used)
 
 

@@ -62,8 +62,10 @@ class SlurmStep:
         if count and count.isdigit() and nodes and int(count) != len(nodes):
             raise ConfigError(f"Slurm says {count} nodes but its node list {listed!r} names {len(nodes)}")
         if not nodes:
-            raise ConfigError(f"Slurm job {job_id} has no node list (SLURM_JOB_NODELIST); pass --nnodes and "
-                              "--rdzv-endpoint, or --no-slurm")  # fmt: skip
+            raise ConfigError(
+                f"Slurm job {job_id} has no node list (SLURM_JOB_NODELIST); pass --nnodes and "
+                "--rdzv-endpoint, or --no-slurm"
+            )
         per_node = env.get("SLURM_STEP_TASKS_PER_NODE") if step_id is not None else None
         per_node = per_node or env.get("SLURM_NTASKS_PER_NODE") or "1"
         gpus = env.get("SLURM_GPUS_ON_NODE", "")
@@ -78,11 +80,15 @@ class SlurmStep:
 def launch_defaults(step: SlurmStep, given: set[str]) -> list[str]:
     """The flags Slurm's step supplies that the user did not (`given`: the options set by flag or PET_*)."""
     if step.tasks_per_node > 1:
-        raise ConfigError(f"Slurm runs {step.tasks_per_node} tasks of this step on a node; stalwart run starts "
-                          "the node's workers itself: run one per node (srun --ntasks-per-node=1)")  # fmt: skip
+        raise ConfigError(
+            f"Slurm runs {step.tasks_per_node} tasks of this step on a node; stalwart run starts "
+            "the node's workers itself: run one per node (srun --ntasks-per-node=1)"
+        )
     if step.step_id is None and len(step.nodes) > 1:
-        raise ConfigError(f"this Slurm job has {len(step.nodes)} nodes but stalwart run was not started by srun: "
-                          "run `srun --ntasks-per-node=1 stalwart run ...` so that every node starts one")  # fmt: skip
+        raise ConfigError(
+            f"this Slurm job has {len(step.nodes)} nodes but stalwart run was not started by srun: "
+            "run `srun --ntasks-per-node=1 stalwart run ...` so that every node starts one"
+        )
     wanted = {
         "--nnodes": str(len(step.nodes)),
         "--rdzv-endpoint": step.endpoint,

@@ -226,8 +226,9 @@ def _segments(rank0: list[dict[str, Any]], agent: list[dict[str, Any]], events: 
         elif kind == "rolled_back":
             if current is not None:
                 current.kind = "rollback"
-                current.failure_at = current.detected_at = current.end = current.points[-1][1] if current.points \
-                    else current.start  # fmt: skip
+                current.failure_at = current.detected_at = current.end = (
+                    current.points[-1][1] if current.points else current.start
+                )
                 segments.append(current)
             current = None
             pending_restore, pending_tier, resume = float(e.get("seconds", 0.0)), e.get("tier"), int(e["step"])
@@ -258,11 +259,19 @@ def _attach_failures(
         if seg.kind == "rollback":
             continue
         nxt_start = segments[i + 1].start
-        noticed = [e for e in agent if e["event"] in ("worker_failed", "hang_detected")
-                   and seg.end - 1.0 <= e["mono"] <= nxt_start]  # fmt: skip
+        noticed = [
+            e
+            for e in agent
+            if e["event"] in ("worker_failed", "hang_detected") and seg.end - 1.0 <= e["mono"] <= nxt_start
+        ]
         if not noticed:  # the launcher itself died (a node lost): whoever killed it said so, or nobody did
-            lost = [e for e in events if e["event"] == "fault_injected" and e.get("fault") in ("kill_node", "preempt")
-                    and seg.start <= e["mono"] <= nxt_start]  # fmt: skip
+            lost = [
+                e
+                for e in events
+                if e["event"] == "fault_injected"
+                and e.get("fault") in ("kill_node", "preempt")
+                and seg.start <= e["mono"] <= nxt_start
+            ]
             if lost:
                 seg.failure_at = seg.detected_at = float(lost[0]["mono"])
                 seg.kind = str(lost[0]["fault"])
@@ -271,8 +280,11 @@ def _attach_failures(
         first = noticed[0]
         seg.detected_at = float(first["mono"])
         # The cause: an injected fault, or the agent acting on a GPU's XID (it stops that GPU's worker itself).
-        faults = [e for e in events if e["event"] in ("fault_injected", "gpu_action")
-                  and seg.start <= e["mono"] <= seg.detected_at]  # fmt: skip
+        faults = [
+            e
+            for e in events
+            if e["event"] in ("fault_injected", "gpu_action") and seg.start <= e["mono"] <= seg.detected_at
+        ]
         hang = next((e for e in noticed if e["event"] == "hang_detected"), None)
         if faults:
             first_fault = faults[0]

@@ -28,10 +28,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from stalwart.telemetry.goodput import account
 
 DETECTOR_EVENTS = (
-    "nonfinite_gradients", "grad_norm_spike", "loss_spike", "rolled_back", "straggler_detected", "straggler_evicted",
-    "comm_ratio_high", "replica_divergence", "replicas_repaired", "hang_detected", "gpu_xid", "gpu_risk",
-    "gpu_throttled", "gpu_ecc_errors", "node_excluded",
-)  # fmt: skip
+    "nonfinite_gradients",
+    "grad_norm_spike",
+    "loss_spike",
+    "rolled_back",
+    "straggler_detected",
+    "straggler_evicted",
+    "comm_ratio_high",
+    "replica_divergence",
+    "replicas_repaired",
+    "hang_detected",
+    "gpu_xid",
+    "gpu_risk",
+    "gpu_throttled",
+    "gpu_ecc_errors",
+    "node_excluded",
+)
 POLL_S = 0.5
 GOODPUT_EVERY_S = 5.0
 
@@ -43,12 +55,18 @@ class RunMetrics:
         self.step = Gauge("stalwart_step", "Completed training steps (rank 0)", registry=registry)
         self.step_seconds = Gauge("stalwart_step_seconds", "The last logged step's time (rank 0)", registry=registry)
         self.goodput = Gauge("stalwart_goodput_ratio", "Productive time over wall time so far", registry=registry)
-        self.restarts = Counter("stalwart_restarts", "Worker restarts, by the failure that caused them", ["reason"],
-                                registry=registry)  # fmt: skip
-        self.stall = Counter("stalwart_checkpoint_stall_seconds", "Training time blocked by checkpoint snapshots",
-                             registry=registry)  # fmt: skip
-        self.persist = Histogram("stalwart_checkpoint_persist_seconds", "Background persist durations",
-                                 buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300), registry=registry)  # fmt: skip
+        self.restarts = Counter(
+            "stalwart_restarts", "Worker restarts, by the failure that caused them", ["reason"], registry=registry
+        )
+        self.stall = Counter(
+            "stalwart_checkpoint_stall_seconds", "Training time blocked by checkpoint snapshots", registry=registry
+        )
+        self.persist = Histogram(
+            "stalwart_checkpoint_persist_seconds",
+            "Background persist durations",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+            registry=registry,
+        )
         self.detector = Counter("stalwart_detector_events", "Detector events", ["event"], registry=registry)
         self._cause = "unknown"
 

@@ -43,8 +43,12 @@ def main(argv: list[str]) -> int:
     p = _Parser(prog="stalwart report", description="Where a run's wall time went: goodput and recoveries.")
     p.add_argument("run", type=Path, help="an event log, or a directory holding events.jsonl")
     p.add_argument("--json", action="store_true", help="print one JSON object (and write no page unless --html)")
-    p.add_argument("--html", type=Path, default=None, help="where to write the HTML page (default: report.html "
-                   "next to the event log)")  # fmt: skip
+    p.add_argument(
+        "--html",
+        type=Path,
+        default=None,
+        help="where to write the HTML page (default: report.html next to the event log)",
+    )
     p.add_argument("--no-html", action="store_true", help="write no HTML page")
     args = p.parse_args(argv)
     if args.html is not None and args.no_html:
@@ -60,9 +64,20 @@ def main(argv: list[str]) -> int:
     if page is not None:
         _write_page(page, g, events, log)
     if args.json:
-        print(json.dumps({"log": str(log), "goodput": g.ratio, "wall_s": g.wall_s, "productive_s": g.productive_s,
-                          "badput": g.badput, "final_step": g.final_step, "html": str(page) if page else None,
-                          "recoveries": [asdict(r) for r in g.recoveries]}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "log": str(log),
+                    "goodput": g.ratio,
+                    "wall_s": g.wall_s,
+                    "productive_s": g.productive_s,
+                    "badput": g.badput,
+                    "final_step": g.final_step,
+                    "html": str(page) if page else None,
+                    "recoveries": [asdict(r) for r in g.recoveries],
+                }
+            )
+        )
         return 0
     out = console()
     out.print(f"run: {log}\nwall time {g.wall_s:.1f} s, {g.final_step} steps, goodput {100 * g.ratio:.1f}%")
@@ -78,8 +93,9 @@ def main(argv: list[str]) -> int:
             rec.add_column(column, justify="left" if column in ("what", "state from") else "right", no_wrap=True)
         for i, r in enumerate(g.recoveries, 1):
             detection = f"{r.detection_s:.2f} s" if r.detection_s is not None else "?"
-            rec.add_row(str(i), r.kind, f"{r.at_s:.1f} s", detection, f"{r.recovery_s:.2f} s", str(r.steps_lost),
-                        r.tier or "?")  # fmt: skip
+            rec.add_row(
+                str(i), r.kind, f"{r.at_s:.1f} s", detection, f"{r.recovery_s:.2f} s", str(r.steps_lost), r.tier or "?"
+            )
         out.print(rec)
     else:
         out.print("no failures or rollbacks")

@@ -44,27 +44,53 @@ MARKS = {  # event -> (label, colour, line style) on the timeline
     "risk_checkpoint": ("risk checkpoint", "#1565c0", "--"),
 }
 NOTABLE = (
-    "fault_injected", "worker_failed", "hang_detected", "rolled_back", "checkpoint_committed", "checkpoint_invalid",
-    "checkpoint_write_failed", "nonfinite_gradients", "batch_skipped", "loss_spike", "grad_norm_spike",
-    "straggler_detected", "replica_divergence", "gpu_risk", "gpu_xid", "risk_checkpoint", "preempted",
-    "node_excluded", "spares_started",
-)  # fmt: skip
+    "fault_injected",
+    "worker_failed",
+    "hang_detected",
+    "rolled_back",
+    "checkpoint_committed",
+    "checkpoint_invalid",
+    "checkpoint_write_failed",
+    "nonfinite_gradients",
+    "batch_skipped",
+    "loss_spike",
+    "grad_norm_spike",
+    "straggler_detected",
+    "replica_divergence",
+    "gpu_risk",
+    "gpu_xid",
+    "risk_checkpoint",
+    "preempted",
+    "node_excluded",
+    "spares_started",
+)
 
 
 def render(g: Goodput, events: list[dict[str, Any]], source: Path) -> str:
     """The page for the run whose events these are (`g` = account(events))."""
     start = _launch_time(events)
     figures = [
-        ("Progress", "Completed steps against wall time, one line per attempt (x: where an attempt's work "
-         "stopped); vertical lines mark faults, the launcher noticing a failure, rollbacks and risk checkpoints; "
-         "ticks along the bottom, committed checkpoints. Steps drawn again after a drop were redone.",
-         _timeline(g, events, start)),
-        ("Where the wall time went", "Goodput categories (Google's ml-goodput-measurement): productive time, "
-         "and badput by cause.", _breakdown(g)),
-    ]  # fmt: skip
+        (
+            "Progress",
+            "Completed steps against wall time, one line per attempt (x: where an attempt's work "
+            "stopped); vertical lines mark faults, the launcher noticing a failure, rollbacks and risk checkpoints; "
+            "ticks along the bottom, committed checkpoints. Steps drawn again after a drop were redone.",
+            _timeline(g, events, start),
+        ),
+        (
+            "Where the wall time went",
+            "Goodput categories (Google's ml-goodput-measurement): productive time, and badput by cause.",
+            _breakdown(g),
+        ),
+    ]
     if g.recoveries:
-        figures.append(("Recoveries", "From each failure (or rollback) to the next step, by phase; the number is "
-                        "the steps redone.", _recoveries(g)))  # fmt: skip
+        figures.append(
+            (
+                "Recoveries",
+                "From each failure (or rollback) to the next step, by phase; the number is the steps redone.",
+                _recoveries(g),
+            )
+        )
     summary = [
         ("event log", html.escape(str(source))),
         ("wall time", f"{g.wall_s:.1f} s"),
@@ -82,17 +108,34 @@ def render(g: Goodput, events: list[dict[str, Any]], source: Path) -> str:
         _table(["", ""], summary, cls="summary"),
     ]
     for title, caption, svg in figures:
-        parts += [f"<h2>{html.escape(title)}</h2>", f'<figure>{svg}<figcaption>{html.escape(caption)}</figcaption>'
-                  "</figure>"]  # fmt: skip
+        parts += [
+            f"<h2>{html.escape(title)}</h2>",
+            f"<figure>{svg}<figcaption>{html.escape(caption)}</figcaption></figure>",
+        ]
     rows = [(n.replace("_", " "), f"{s:.2f}", f"{100 * share:.1f}%") for n, s, share in breakdown_rows(g)]
     parts += ["<h2>Breakdown</h2>", _table(["", "seconds", "share"], rows)]
     if g.recoveries:
-        rec = [(str(i), html.escape(r.kind), f"{r.at_s:.1f} s", _s(r.detection_s), _s(r.phases.get("reformation")),
-                _s(r.phases.get("restore")), _s(r.recovery_s), str(r.steps_lost), html.escape(r.tier or "?"))
-               for i, r in enumerate(g.recoveries, 1)]  # fmt: skip
-        parts += ["<h2>Failures and rollbacks</h2>", _table(
-            ["#", "what", "at", "detection", "re-formation", "restore", "to next step", "steps lost", "state from"],
-            rec)]  # fmt: skip
+        rec = [
+            (
+                str(i),
+                html.escape(r.kind),
+                f"{r.at_s:.1f} s",
+                _s(r.detection_s),
+                _s(r.phases.get("reformation")),
+                _s(r.phases.get("restore")),
+                _s(r.recovery_s),
+                str(r.steps_lost),
+                html.escape(r.tier or "?"),
+            )
+            for i, r in enumerate(g.recoveries, 1)
+        ]
+        parts += [
+            "<h2>Failures and rollbacks</h2>",
+            _table(
+                ["#", "what", "at", "detection", "re-formation", "restore", "to next step", "steps lost", "state from"],
+                rec,
+            ),
+        ]
     counts = Counter(str(e.get("event")) for e in events if e.get("event") in NOTABLE)
     if counts:
         parts += ["<h2>Events</h2>", _table(["event", "count"], [(k, str(counts[k])) for k in NOTABLE if k in counts])]
@@ -131,8 +174,7 @@ def _figure(width: float, height: float) -> tuple[Any, Any]:
     matplotlib.use("Agg")  # no display; the page embeds the SVG text
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.spines.top": False,
-                         "axes.spines.right": False})  # fmt: skip
+    plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.spines.top": False, "axes.spines.right": False})
     return plt.subplots(figsize=(width, height), layout="constrained")
 
 
@@ -155,8 +197,13 @@ def _timeline(g: Goodput, events: list[dict[str, Any]], start: float) -> str:
             points = [*points[::stride], points[-1]]
         ts = [t for t, _ in points]
         steps = [s for _, s in points]
-        ax.plot(ts, steps, color=COLORS["productive"] if attempt.ended_by == "finished" else "#455a64", lw=1.4,
-                label="progress" if i == 0 else None)  # fmt: skip
+        ax.plot(
+            ts,
+            steps,
+            color=COLORS["productive"] if attempt.ended_by == "finished" else "#455a64",
+            lw=1.4,
+            label="progress" if i == 0 else None,
+        )
         if attempt.ended_by != "finished" and ts:
             ax.plot([ts[-1]], [steps[-1]], "x", color=COLORS["wasted_progress"], ms=6)
     seen: set[str] = set()
@@ -169,17 +216,38 @@ def _timeline(g: Goodput, events: list[dict[str, Any]], start: float) -> str:
         if kind == "rolled_back" and e.get("rank") not in (0, None):
             continue
         label, color, style = MARKS[str(kind)]
-        ax.axvline(float(e["mono"]) - start, color=color, ls=style, lw=0.9, alpha=0.8,
-                   label=label if label not in seen else None)  # fmt: skip
+        ax.axvline(
+            float(e["mono"]) - start,
+            color=color,
+            ls=style,
+            lw=0.9,
+            alpha=0.8,
+            label=label if label not in seen else None,
+        )
         seen.add(label)
         if kind == "fault_injected" and len(g.recoveries) <= 20:  # beyond that the names overlap
-            ax.annotate(str(e.get("fault", "fault")), (float(e["mono"]) - start, 1.0),
-                        xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7,
-                        color=color)  # fmt: skip
+            ax.annotate(
+                str(e.get("fault", "fault")),
+                (float(e["mono"]) - start, 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=7,
+                color=color,
+            )
     committed = [float(e["mono"]) - start for e in events if e.get("event") == "checkpoint_committed" and "mono" in e]
     if 0 < len(committed) <= MAX_RUG:  # a rug along the bottom: when each durable checkpoint became usable
-        ax.plot(committed, [0] * len(committed), "|", color=COLORS["checkpoint"], ms=9, mew=1.2, clip_on=False,
-                label="checkpoint committed")  # fmt: skip
+        ax.plot(
+            committed,
+            [0] * len(committed),
+            "|",
+            color=COLORS["checkpoint"],
+            ms=9,
+            mew=1.2,
+            clip_on=False,
+            label="checkpoint committed",
+        )
     ax.set_xlabel("seconds from the launch")
     ax.set_ylabel("completed steps")
     ax.set_xlim(left=0, right=max(g.wall_s, 1e-3))
@@ -196,8 +264,12 @@ def _breakdown(g: Goodput) -> str:
     bars = ax.barh(names, seconds, color=[COLORS[n] for n, _, _ in rows])
     ax.invert_yaxis()
     for bar, (_, s, share) in zip(bars, rows, strict=True):
-        ax.annotate(f" {s:.1f} s  {100 * share:.1f}%", (bar.get_width(), bar.get_y() + bar.get_height() / 2),
-                    va="center", fontsize=8)  # fmt: skip
+        ax.annotate(
+            f" {s:.1f} s  {100 * share:.1f}%",
+            (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+            va="center",
+            fontsize=8,
+        )
     ax.set_xlabel("seconds")
     ax.set_xlim(right=max([*seconds, 1e-3]) * 1.25)
     return _svg(fig)
@@ -210,8 +282,9 @@ def _recoveries(g: Goodput) -> str:
     left = [0.0] * len(shown)
     for phase in PHASES:
         widths = [r.phases.get(phase, 0.0) for r in shown]
-        ax.barh(labels, widths, left=left, color=COLORS["reformation" if phase == "reformation" else phase],
-                label=phase)  # fmt: skip
+        ax.barh(
+            labels, widths, left=left, color=COLORS["reformation" if phase == "reformation" else phase], label=phase
+        )
         left = [a + b for a, b in zip(left, widths, strict=True)]
     for y, (r, x) in enumerate(zip(shown, left, strict=True)):
         ax.annotate(f" {r.steps_lost} steps redone, state from {r.tier or '?'}", (x, y), va="center", fontsize=7)

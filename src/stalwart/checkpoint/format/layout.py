@@ -140,8 +140,9 @@ class TensorEntry:
         )
         if not _DATA_FILE.match(entry.file) or entry.codec not in CODECS or min(entry.offset, entry.nbytes) < 0:
             raise ValueError(f"bad tensor entry {raw!r}")
-        if entry.blocks and (entry.codec != "raw" or entry.block_bytes <= 0
-                             or len(entry.blocks) != -(-entry.nbytes // entry.block_bytes)):  # fmt: skip
+        if entry.blocks and (
+            entry.codec != "raw" or entry.block_bytes <= 0 or len(entry.blocks) != -(-entry.nbytes // entry.block_bytes)
+        ):
             raise ValueError(f"bad tensor entry {raw!r}: its blocks do not cover its bytes")
         return entry
 

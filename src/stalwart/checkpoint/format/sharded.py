@@ -275,8 +275,9 @@ def reshard(saved: SavedShard, mesh: Any, source: ShardSource, where: str, into:
     local shard when `into` is that same DTensor already (see `rebuild`)."""
     info = saved.info
     shape, placements = [int(v) for v in info["shape"]], list(info["placements"])
-    size, offset = shard_extent(shape, [int(v) for v in mesh.mesh.shape], [int(c) for c in mesh.get_coordinate()],
-                                placements)  # fmt: skip
+    size, offset = shard_extent(
+        shape, [int(v) for v in mesh.mesh.shape], [int(c) for c in mesh.get_coordinate()], placements
+    )
     planning = source.recording is not None  # a dry run: which parts to fetch (ShardSource.recording)
     reuse = not planning and _fits(into, mesh, info, size, saved.local.dtype)
     device = "meta" if planning else "cpu"

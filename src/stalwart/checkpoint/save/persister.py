@@ -157,9 +157,16 @@ class Persister:
         for t in tensors:
             raw = view[int(t["offset"]) : int(t["offset"]) + int(t["nbytes"])]
             entries[t["id"]] = layout.TensorEntry(
-                data_rel, int(t["offset"]), len(raw), len(raw), t["dtype"], tuple(int(d) for d in t["shape"]),
-                layout.xxh3(raw), "raw", *layout.block_digests(t["id"], raw),
-            )  # fmt: skip
+                data_rel,
+                int(t["offset"]),
+                len(raw),
+                len(raw),
+                t["dtype"],
+                tuple(int(d) for d in t["shape"]),
+                layout.xxh3(raw),
+                "raw",
+                *layout.block_digests(t["id"], raw),
+            )
         writer.join()
         if failure:
             raise failure[0]
@@ -209,9 +216,16 @@ class Persister:
                     f.write(payload[start : start + WRITE_CHUNK])
                 blocks = layout.block_digests(t["id"], raw) if compressor is None else ((), 0)  # a part of zstd: no
                 entries[t["id"]] = layout.TensorEntry(
-                    data_rel, offset, len(payload), len(raw), t["dtype"], shape, digest,
-                    "zstd" if compressor else "raw", *blocks,
-                )  # fmt: skip
+                    data_rel,
+                    offset,
+                    len(payload),
+                    len(raw),
+                    t["dtype"],
+                    shape,
+                    digest,
+                    "zstd" if compressor else "raw",
+                    *blocks,
+                )
                 offset += len(payload)
                 done += len(raw)
                 if on_half is not None and done >= half:

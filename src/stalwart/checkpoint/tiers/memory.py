@@ -12,6 +12,9 @@ nodes' ranks' snapshot images (peer replicas, L3, see checkpoint/tiers/replicas.
 A slot file (checkpoint/tiers/slot.py) is a header, a table of contents and the tensor bytes; its header is
 written valid last, so a torn snapshot is never loaded. There is no checksum: the bytes never leave this node's
 memory, and hashing every step would cost more than the copy (durable checkpoints carry xxh3).
+
+This module writes the snapshots; reading them back, for a restart or a rollback, is the business of
+checkpoint/tiers/memory_read.py (MemoryTier's base class).
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ from stalwart.checkpoint.format.serialize import (
     dtype_name,
     flatten,
     is_frozen,
-    unflatten,
 )
 from stalwart.checkpoint.save.overlap import UpdateFence
 from stalwart.checkpoint.save.side_copy import CopyDone, SideCopy, ended, installed_side_copy
 from stalwart.checkpoint.save.staging import aligned
+from stalwart.checkpoint.tiers.memory_read import MemoryReader
 from stalwart.checkpoint.tiers.slot import (
     HEADER as HEADER,
 )
@@ -45,17 +48,11 @@ from stalwart.checkpoint.tiers.slot import (
     HEADER_BYTES,
     PAGE,
     Slot,
-    SlotContent,
     SlotHeader,
-    live_shapes,
-    read_slot,
-    tensor_at,
     whole_image,
     write_image,
 )
-from stalwart.checkpoint.tiers.slot_files import SlotFiles
 from stalwart.checkpoint.tiers.toc import STEP_IN_HEADER, TocCache, split_values
-from stalwart.errors import CheckpointCorruptError
 from stalwart.runtime.env import SNAPSHOT_DIR_ENV as SNAPSHOT_DIR_ENV
 
 COPY_WAIT_S = 5.0
@@ -63,14 +60,7 @@ COPY_WAIT_S = 5.0
 when it closes, and when a rollback or an installed image drops a snapshot not yet published."""
 
 
-@dataclass(frozen=True, slots=True)
-class MemorySnapshot:
-    step: int
-    state: dict[str, Any]
-    bytes: int
-
-
-class MemoryTier(SlotFiles):
+class MemoryTier(MemoryReader):
     """This rank's two snapshot slots in the node's shared-memory directory.
 
     Replicated objects (a DDP model and its optimizer, see `replicated` of `snapshot`) are identical on every
@@ -95,9 +85,8 @@ class MemoryTier(SlotFiles):
         *,
         copy_wait_s: float = COPY_WAIT_S,
     ) -> None:
-        super().__init__(Path(directory), rank, world_size, local_rank)
+        super().__init__(Path(directory), rank, world_size, local_rank, local_world_size)
         self.copy_wait_s = copy_wait_s
-        self.local_world_size = max(1, local_world_size)
         self._tocs = TocCache()
         # snapshot_light's reused part: (live data pointers, replicated skeleton or None, live id -> dtype, shape)
         self._light_reuse: tuple[frozenset[int], dict[str, Any] | None, dict[str, Any]] | None = None
@@ -120,16 +109,6 @@ class MemoryTier(SlotFiles):
         if not directory or not os.path.isdir(directory):
             return None
         return cls(directory, rank, world_size, local_rank, local_world_size, side_copy)
-
-    def steps(self, *, light: bool = False) -> list[int]:
-        """The steps this rank holds whole (or, with `light`, light snapshots of), newest first, for this rank
-        and world size only."""
-        found = []
-        for slot in self._light if light else self._slots:
-            h = slot.header()
-            if h is not None and h.rank == self.rank and h.world_size == self.world_size:
-                found.append(h.step)
-        return sorted(found, reverse=True)
 
     def forget_after(self, step: int) -> list[int]:
         """Invalidate this rank's own snapshots (full and light) of steps after `step`: after a rollback
@@ -258,8 +237,9 @@ class MemoryTier(SlotFiles):
             merged = {"step": step, **skeleton, "objects": {**skeleton["objects"], **shared_skeleton}}
             self._write(step, "light", merged, table, total, absent, survivor_skeleton=survivor)
         else:
-            toc = self._tocs.toc_split("light", (flat.template, shared_skeleton, absent), shape_of, flat.values,
-                                       table, absent, survivor)  # fmt: skip
+            toc = self._tocs.toc_split(
+                "light", (flat.template, shared_skeleton, absent), shape_of, flat.values, table, absent, survivor
+            )
             self._write(step, "light", None, table, total, absent, survivor_skeleton=survivor, toc=toc)
         return time.perf_counter() - started, total
 
@@ -332,16 +312,6 @@ class MemoryTier(SlotFiles):
             header.pack_into(m)
         self._next[kind] = 1 - index  # now the older one, as long as only this process writes them
 
-    def load(self, step: int) -> MemorySnapshot:
-        """The state of `step` from whichever slot holds it, replicated tensors it did not copy from its local
-        peers' slots of the same step; CheckpointCorruptError if any part is missing or not whole."""
-        for slot in self._slots:
-            h = slot.header()
-            if self._own(h, step):
-                assert h is not None
-                return self._assemble(read_slot(slot.path, h, step), step)
-        raise CheckpointCorruptError(f"no memory slot holds step {step}")
-
     def install(self, image: bytes, *, light: bool) -> bool:
         """Make an image of this rank's own snapshot, brought back from the node that kept it, one of this
         rank's slots (the older); False (nothing written) if it is not a whole image of this rank."""
@@ -352,84 +322,6 @@ class MemoryTier(SlotFiles):
         self._next.clear()
         write_image(self._older(self._light if light else self._slots), image)
         return True
-
-    def light(self, step: int) -> tuple[dict[str, tuple[torch.dtype, list[int]]], Any]:
-        """The tensors a light snapshot of `step` left to the survivors (id -> dtype, shape), and a handle for
-        `load_light`; CheckpointCorruptError if this rank holds no light snapshot of `step`."""
-        for slot in self._light:
-            h = slot.header()
-            if self._own(h, step):
-                assert h is not None
-                content = read_slot(slot.path, h, step)
-                return live_shapes(content), content
-        raise CheckpointCorruptError(f"no light memory slot holds step {step}")
-
-    def load_light(
-        self, step: int, content: Any, live: dict[str, torch.Tensor], replicated: dict[str, Any] | None = None
-    ) -> MemorySnapshot:
-        """The state of `step`: the light snapshot's own tensors, and `live` (from a survivor) for the rest.
-        `replicated`: the survivor's skeletons of replicated objects (by name), which replace this snapshot's:
-        taken at the optimizer step, its non-tensor state of those objects may predate the step's end."""
-
-        def fetch(tid: str) -> torch.Tensor:
-            if tid in content.table:
-                return tensor_at(content.table[tid], content.data)
-            if tid in live:
-                return live[tid]
-            raise CheckpointCorruptError(f"tensor {tid} is in neither the light snapshot of step {step} nor a peer's")
-
-        skeleton = content.skeleton
-        if content.survivor_skeleton and not replicated:
-            raise CheckpointCorruptError(
-                f"the light snapshot of step {step} takes the replicated objects' state from the survivor, "
-                "which sent none"
-            )
-        if replicated:
-            if not isinstance(skeleton, dict) or not isinstance(skeleton.get("objects"), dict):
-                raise CheckpointCorruptError(f"the memory snapshot of step {step} is not a stalwart state")
-            unknown = sorted(set(replicated) - set(skeleton["objects"]))
-            stale = sorted(set(content.survivor_skeleton) - set(replicated))  # this snapshot's may be stale
-            if stale:
-                raise CheckpointCorruptError(f"the survivor's state lacks replicated objects {stale}")
-            if unknown:
-                raise CheckpointCorruptError(f"the survivor's state names objects this snapshot lacks: {unknown}")
-            skeleton = {**skeleton, "objects": {**skeleton["objects"], **replicated}}
-        state = unflatten(skeleton, fetch)
-        if not isinstance(state, dict) or "objects" not in state:
-            raise CheckpointCorruptError(f"the memory snapshot of step {step} is not a stalwart state")
-        return MemorySnapshot(step, state, len(content.data))
-
-    def _assemble(self, own: SlotContent, step: int) -> MemorySnapshot:
-        peers: dict[int, tuple[dict[str, list[Any]], bytearray | memoryview]] = {}
-
-        def fetch(tid: str) -> torch.Tensor:
-            if tid in own.table:
-                return tensor_at(own.table[tid], own.data)
-            if not tid.startswith("R/"):
-                raise CheckpointCorruptError(f"tensor {tid} is missing from the memory snapshot")
-            for peer in range(self.local_world_size):
-                if peer == self.local_rank:
-                    continue
-                if peer not in peers:
-                    peers[peer] = self._peer(peer, step)
-                table, data = peers[peer]
-                if tid in table:
-                    return tensor_at(table[tid], data)
-            raise CheckpointCorruptError(f"no local rank's memory snapshot holds {tid} of step {step}")
-
-        state = unflatten(own.skeleton, fetch)
-        if not isinstance(state, dict) or "objects" not in state:
-            raise CheckpointCorruptError(f"the memory snapshot of step {step} is not a stalwart state")
-        return MemorySnapshot(step, state, len(own.data))
-
-    def _peer(self, local_rank: int, step: int) -> tuple[dict[str, list[Any]], bytearray | memoryview]:
-        for index in (0, 1):
-            path = self._slot_path(local_rank, index)
-            h = Slot(path).header()
-            if h is not None and h.step == step and h.world_size == self.world_size:
-                got = read_slot(path, h, step)
-                return got.table, got.data
-        return {}, bytearray()
 
     def close(self, wait_s: float | None = None) -> None:
         """Publish a snapshot whose copy is still running if it ends within `wait_s` (default `copy_wait_s`; 0

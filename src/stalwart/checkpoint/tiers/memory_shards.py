@@ -241,8 +241,10 @@ class MemoryImages:
             return
         again = _header(image.path)
         if again is None or (again.step, again.rank, again.world_size) != (
-            image.header.step, image.header.rank, image.header.world_size,
-        ):  # fmt: skip
+            image.header.step,
+            image.header.rank,
+            image.header.world_size,
+        ):
             raise CheckpointCorruptError(f"the memory snapshot of rank {image.header.rank} changed while it was read")
 
     def read(self, tid: str) -> torch.Tensor:

@@ -100,8 +100,9 @@ class PeerReplicas:
         memory = self._memory
         held = memory.held(self.wanted) if memory is not None else []
         needy = memory is not None and not any(rank == self._comm.rank for _, _, rank, _ in held)
-        own = Holding(self.wanted if memory is not None else -1, int(needy),
-                      tuple((s, int(li), r, st) for s, li, r, st in held))  # fmt: skip
+        own = Holding(
+            self.wanted if memory is not None else -1, int(needy), tuple((s, int(li), r, st) for s, li, r, st in held)
+        )
         gathered = self._comm.gather(own)
         agreed = {g.wanted for g in gathered}
         self.replicas = agreed.pop() if len(agreed) == 1 and min(agreed) > 0 else 0

@@ -61,8 +61,18 @@ class SlotHeader:
         return cls(*fields) if magic == MAGIC else None
 
     def pack_into(self, buffer: Any) -> None:
-        HEADER.pack_into(buffer, 0, MAGIC, self.valid, self.step, self.rank, self.world_size, self.toc_len,
-                         self.data_offset, self.data_len)  # fmt: skip
+        HEADER.pack_into(
+            buffer,
+            0,
+            MAGIC,
+            self.valid,
+            self.step,
+            self.rank,
+            self.world_size,
+            self.toc_len,
+            self.data_offset,
+            self.data_len,
+        )
 
     @property
     def image_len(self) -> int:

@@ -14,7 +14,7 @@ from stalwart.checkpoint.tiers.slot import Slot, SlotHeader, read_image, whole_i
 
 
 class SlotFiles:
-    """This rank's own slots and its ward slots; the base of MemoryTier."""
+    """This rank's own slots and its ward slots; the base of MemoryReader and so of MemoryTier."""
 
     def __init__(self, directory: Path, rank: int, world_size: int, local_rank: int) -> None:
         self.directory = directory
@@ -31,8 +31,11 @@ class SlotFiles:
     def _own(self, header: SlotHeader | None, step: int) -> bool:
         """Whether a slot's header is a whole snapshot of `step` by this rank at this world size: a rank of
         another world size's run may have left the same file name behind."""
-        return header is not None and (header.step, header.rank, header.world_size) == (step, self.rank,
-                                                                                       self.world_size)  # fmt: skip
+        return header is not None and (header.step, header.rank, header.world_size) == (
+            step,
+            self.rank,
+            self.world_size,
+        )
 
     @staticmethod
     def _older(slots: list[Slot]) -> Slot:
@@ -51,8 +54,9 @@ class SlotFiles:
         return b""
 
     def _ward_slots(self, replica: int, light: bool) -> list[Slot]:
-        return [Slot(self._slot_path(self.local_rank, i, f"ward{replica}.{'light' if light else 'slot'}"))
-                for i in (0, 1)]  # fmt: skip
+        return [
+            Slot(self._slot_path(self.local_rank, i, f"ward{replica}.{'light' if light else 'slot'}")) for i in (0, 1)
+        ]
 
     def store_ward(self, replica: int, image: bytes, *, light: bool) -> bool:
         """Keep another rank's slot image (from `image`) in the older of this rank's two ward slots of

@@ -79,10 +79,19 @@ def _list(root: Storage, as_json: bool) -> int:
     entries = inspect.list_entries(root)
     if as_json:
         rows = [
-            {"step": e.step, "status": e.status, "path": e.path, "world_size": e.world_size, "bytes": e.bytes,
-             "written_bytes": e.written_bytes, "kind": e.kind or None, "created": e.created, "problem": e.problem}
+            {
+                "step": e.step,
+                "status": e.status,
+                "path": e.path,
+                "world_size": e.world_size,
+                "bytes": e.bytes,
+                "written_bytes": e.written_bytes,
+                "kind": e.kind or None,
+                "created": e.created,
+                "problem": e.problem,
+            }
             for e in entries
-        ]  # fmt: skip
+        ]
         print(json.dumps({"path": root.display(), "checkpoints": rows}))
         return 0
     table = Table(title=f"checkpoints in {root.display()}")
@@ -91,10 +100,15 @@ def _list(root: Storage, as_json: bool) -> int:
     for e in entries:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.created)) if e.created else ""
         table.add_row(
-            str(e.step), e.status, e.kind, str(e.world_size or ""), f"{e.bytes:,}" if e.bytes else "",
-            f"{e.written_bytes:,}" if e.status == "committed" else "", created,
+            str(e.step),
+            e.status,
+            e.kind,
+            str(e.world_size or ""),
+            f"{e.bytes:,}" if e.bytes else "",
+            f"{e.written_bytes:,}" if e.status == "committed" else "",
+            created,
             e.problem or (e.path.rsplit("/", 1)[-1] if e.status == "quarantined" else ""),
-        )  # fmt: skip
+        )
     console().print(table if entries else f"{root.display()}: no checkpoints")
     return 0
 
@@ -126,16 +140,28 @@ def _inspect(root: Storage, step: int | None, rank: int, as_json: bool) -> int:
     objects = summary["objects"]
     state_bytes, written = manifest.state_bytes, manifest.written_bytes
     if as_json:
-        print(json.dumps({
-            "path": root.display(), "step": manifest.step, "world_size": manifest.world_size,
-            "created": manifest.created, "kind": "full" if manifest.base is None else "delta", "base": manifest.base,
-            "state_bytes": state_bytes, "written_bytes": written, "bytes_saved": state_bytes - written,
-            "tensors": len(manifest.tensors),
-            "shards": [{"meta": r.meta, "bytes": r.bytes, "xxh3": r.xxh3} for r in manifest.ranks],
-            "rank": rank,
-            "objects": {k: {"tensors": o.tensors, "bytes": o.bytes, "dtypes": sorted(o.dtypes)}
-                        for k, o in objects.items()},
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "path": root.display(),
+                    "step": manifest.step,
+                    "world_size": manifest.world_size,
+                    "created": manifest.created,
+                    "kind": "full" if manifest.base is None else "delta",
+                    "base": manifest.base,
+                    "state_bytes": state_bytes,
+                    "written_bytes": written,
+                    "bytes_saved": state_bytes - written,
+                    "tensors": len(manifest.tensors),
+                    "shards": [{"meta": r.meta, "bytes": r.bytes, "xxh3": r.xxh3} for r in manifest.ranks],
+                    "rank": rank,
+                    "objects": {
+                        k: {"tensors": o.tensors, "bytes": o.bytes, "dtypes": sorted(o.dtypes)}
+                        for k, o in objects.items()
+                    },
+                }
+            )
+        )
         return 0
     out = console()
     kind = "full checkpoint" if manifest.base is None else f"delta of step {manifest.base}"

@@ -73,9 +73,17 @@ def list_entries(storage: Storage) -> list[Entry]:
             m = layout.read_manifest(storage, step)
             kind = "full" if m.base is None else f"delta of {m.base}"
             entries.append(
-                Entry(step, "committed", storage.display(name), m.world_size, m.state_bytes, m.written_bytes, kind,
-                      m.created)
-            )  # fmt: skip
+                Entry(
+                    step,
+                    "committed",
+                    storage.display(name),
+                    m.world_size,
+                    m.state_bytes,
+                    m.written_bytes,
+                    kind,
+                    m.created,
+                )
+            )
         except (CheckpointCorruptError, CheckpointMismatchError, OSError) as exc:
             entries.append(Entry(step, "committed", storage.display(name), problem=str(exc)))
     for step, name in layout.quarantined(storage):
