@@ -76,8 +76,13 @@ def abandon(job: Job, before_close: Callable[[], None] | None = None) -> None:
     running = job.state.value == "running"
     outside = None if running else f"the job was {job.state.value}, not inside its training loop"
     lost = job._snapshots.keep_live_state(job.step, outside)
-    closers = [job._snapshots.close_commit, job._optimizer_hooks.close, job._detectors.close, job._heartbeat.close,
-               job.comm.forget]  # fmt: skip
+    closers = [
+        job._snapshots.close_commit,
+        job._optimizer_hooks.close,
+        job._detectors.close,
+        job._heartbeat.close,
+        job.comm.forget,
+    ]
     if job._in_loop is not None:
         closers.append(job._in_loop.close)
     for close in closers:
@@ -108,9 +113,14 @@ def can_go_back(job: Job) -> bool:
 
 
 def reform_in_loop(
-    job: Job, failure: Exception, loader: Iterable[Any] | None, iterator: Iterator[Any] | None,
-    batch: tuple[int, Any], *, left: bool = False,
-) -> Iterator[Any] | None:  # fmt: skip
+    job: Job,
+    failure: Exception,
+    loader: Iterable[Any] | None,
+    iterator: Iterator[Any] | None,
+    batch: tuple[int, Any],
+    *,
+    left: bool = False,
+) -> Iterator[Any] | None:
     """L1 in the loop: leave the failed group keeping the live state, wait for the next round, re-form in this
     process with the same tracked objects and restore the step every rank agrees on (an event `reformed_in_loop`).
     A failure during the re-formation itself (a peer dying in the restore) starts it again. `batch`: (the step it
@@ -137,8 +147,14 @@ def reform_in_loop(
         why = f"no snapshot or checkpoint to go back to from step {failed_at}; running the script again"
         raise NothingToGoBackTo(why)
     job._start()
-    job.events.emit("reformed_in_loop", failed_at=failed_at, step=job.step, world_size=job.world_size,
-                    ddp_modules=ddp_modules, seconds=time.monotonic() - started)  # fmt: skip
+    job.events.emit(
+        "reformed_in_loop",
+        failed_at=failed_at,
+        step=job.step,
+        world_size=job.world_size,
+        ddp_modules=ddp_modules,
+        seconds=time.monotonic() - started,
+    )
     if loader is not None and any(obj is loader for obj in objects.values()):
         return iter(loader)
     drawn_at, drawn = batch

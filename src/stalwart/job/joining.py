@@ -50,8 +50,9 @@ def set_up_placeholder(job: Job, created: Any) -> None:
     JobState) and step."""
     placement = job.placement
     job.events = EventLog.from_env(rank=placement.rank, restart=placement.restart_count)
-    job._tracked = TrackedState(placement.rank, placement.world_size, job.events, None,
-                                lr_scaling=job.config.recovery.lr_scaling)  # fmt: skip
+    job._tracked = TrackedState(
+        placement.rank, placement.world_size, job.events, None, lr_scaling=job.config.recovery.lr_scaling
+    )
     job._in_loop = None
     job.state = created
     job.step = 0
@@ -98,12 +99,23 @@ def grow(job: Job) -> bool:
     job._move_to(plan.step)
     job.resumed_from = plan.step
     reform.drop_stash()
-    job.events.emit("resumed", step=plan.step, source=f"rank {plan.source} (the job grew back)", tier="peer",
-                    bytes=restored.bytes if restored is not None else 0, own_parts=own_parts,
-                    seconds=time.monotonic() - started)  # fmt: skip
-    job.events.emit("world_resized", **{"from": job.world_size - len(plan.receivers), "to": job.world_size},
-                    why=f"rank(s) {list(plan.receivers)} joined", tier="peer", step=plan.step,
-                    seconds=round(time.monotonic() - started, 4))  # fmt: skip
+    job.events.emit(
+        "resumed",
+        step=plan.step,
+        source=f"rank {plan.source} (the job grew back)",
+        tier="peer",
+        bytes=restored.bytes if restored is not None else 0,
+        own_parts=own_parts,
+        seconds=time.monotonic() - started,
+    )
+    job.events.emit(
+        "world_resized",
+        **{"from": job.world_size - len(plan.receivers), "to": job.world_size},
+        why=f"rank(s) {list(plan.receivers)} joined",
+        tier="peer",
+        step=plan.step,
+        seconds=round(time.monotonic() - started, 4),
+    )
     return True
 
 

@@ -122,8 +122,9 @@ class Restorer:
         if restored is None and resized is not None:
             restored = self._from_light(*resized)
         if restored is None and other is not None:
-            restored = memory_reshard.restore(comm, self._events, directory, other, meshes,
-                                              allowed=allow_world_size_change)  # fmt: skip
+            restored = memory_reshard.restore(
+                comm, self._events, directory, other, meshes, allowed=allow_world_size_change
+            )
         return restored or self._checkpointer.load_latest(allow_world_size_change=allow_world_size_change)
 
     def rollback(self, at_most: int, abandon: Callable[[], None]) -> Restored | None:
@@ -242,8 +243,11 @@ class Restorer:
         stash = reform.stashed()
         if comm.rank == source and content is not None:
             have = stash.tensors if stash is not None else {}
-            missing = [t for t, (dt, shape) in wanted.items() if t not in have or have[t].dtype != dt
-                       or list(have[t].shape) != shape]  # fmt: skip
+            missing = [
+                t
+                for t, (dt, shape) in wanted.items()
+                if t not in have or have[t].dtype != dt or list(have[t].shape) != shape
+            ]
             if missing:
                 content, problem = None, f"the survivor's live state lacks {missing[0]}"
         layout, total = {}, 0
