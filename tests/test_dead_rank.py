@@ -176,3 +176,36 @@ def test_resumable_loaders_workers_die_with_their_rank() -> None:
     loader = ResumableLoader(_DeathSignal(), global_batch_size=2, seed=0, num_workers=1)
     batch = next(iter(loader))
     assert batch.tolist() == [signal.SIGKILL, signal.SIGKILL]
+
+
+def test_a_watch_closes_though_a_forked_child_holds_its_pipe() -> None:
+    """A DataLoader worker forked while the watch runs inherits its pipe: the watch must still stop at once (it
+    waited out its 1 s join at every re-formation, before the thread was woken by a byte)."""
+    signum = signal.SIGRTMIN + 5
+    previous = signal.signal(signum, lambda s, f: None)
+    watch = SignalWatch(signum, lambda: None)
+    assert watch.start()
+    thread = watch._thread
+    child = os.fork()
+    if child == 0:  # holds every descriptor of the parent, the pipe's write end too
+        time.sleep(30)
+        os._exit(0)
+    try:
+        watch.close()
+        assert thread is not None and not thread.is_alive(), "the watch's thread outlived close()"
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        signal.signal(signum, previous)
+
+
+def test_a_late_failure_of_a_released_collective_does_not_fail_the_next_formation() -> None:
+    """A collective released when its formation failed may fail on its backend after the job re-formed: the newest
+    formation must not be taken as failed (a survivor training on shrunk was, and ran its script again)."""
+    old = reformable.ReformableGroup(dist.HashStore(), 0, 1, timedelta(seconds=10), connect=False)
+    work = AbsorbingWork(old, _NeverDone(), [torch.ones(1)])
+    old.fail("the agent asked this worker to re-form: a peer failed")
+    new = reformable.ReformableGroup(dist.HashStore(), 0, 1, timedelta(seconds=10), generation=2, connect=False)
+    old.succeeded_by(new)
+    work._work.future.set_exception(RuntimeError("Connection reset by peer"))  # type: ignore[attr-defined]
+    assert new.failed is None

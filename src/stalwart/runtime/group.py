@@ -149,6 +149,13 @@ class ReformableGroup(dist.ProcessGroup):
             for work in pending:
                 work.release()
 
+    def work_failed(self, exc: BaseException) -> None:
+        """A collective run on this formation failed: recorded as `absorb` does, unless a newer formation exists.
+        A work released when its formation failed (`absorb`) may fail on its backend much later, after the job
+        re-formed; that says nothing of the newest formation, which would otherwise be taken as failed too."""
+        if self._next is None:
+            self.absorb(exc)
+
     def pending(self, work: AbsorbingWork) -> None:
         """`work` waits on a backend: released when the group fails (`absorb`); a failed group releases at once."""
         with self._lock:

@@ -30,6 +30,7 @@ class SignalWatch:
         self._read = self._write = -1
         self._previous = -1
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     def start(self) -> bool:
         """Watch from now on; False where the wakeup fd cannot be set (not the main thread)."""
@@ -44,6 +45,7 @@ class SignalWatch:
             os.close(write)
             return False
         self._read, self._write = read, write
+        self._stopping = False
         self._thread = threading.Thread(target=self._watch, args=(read,), name="stalwart-signal-watch", daemon=True)
         self._thread.start()
         return True
@@ -54,7 +56,7 @@ class SignalWatch:
                 data = os.read(read, 512)
             except OSError:
                 return
-            if not data:  # closed
+            if not data or self._stopping:  # closed, or `close` woke it
                 return
             if self._signum in data:
                 with contextlib.suppress(Exception):  # a callback's failure must not end the watch
@@ -66,9 +68,14 @@ class SignalWatch:
             return
         with contextlib.suppress(ValueError):
             signal.set_wakeup_fd(self._previous)
-        os.close(self._write)  # the reader sees the end of the pipe
-        self._thread.join(timeout=1.0)
+        # Woken by a byte, not by the pipe's end: a child forked meanwhile (a DataLoader worker) holds the write end
+        # too, so closing ours ends nothing, and the join waited out its timeout at every re-formation.
+        self._stopping = True
         with contextlib.suppress(OSError):
-            os.close(self._read)
+            os.write(self._write, b"\0")
+        self._thread.join(timeout=1.0)
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
         self._thread = None
         self._read = self._write = -1

@@ -25,6 +25,8 @@ class Absorber(Protocol):
 
     def absorb(self, exc: BaseException) -> None: ...
 
+    def work_failed(self, exc: BaseException) -> None: ...
+
     def pending(self, work: AbsorbingWork) -> None: ...
 
 
@@ -73,7 +75,7 @@ class AbsorbingWork(dist.Work):
         try:
             inner.value()
         except Exception as exc:
-            self._group.absorb(exc)
+            self._group.work_failed(exc)
         self._complete()
 
     def _complete(self) -> None:
@@ -85,7 +87,7 @@ class AbsorbingWork(dist.Work):
         try:
             self._work.wait(timeout) if timeout is not None else self._wait_unless_failed()
         except Exception as exc:
-            self._group.absorb(exc)
+            self._group.work_failed(exc)
         self._complete()
         return True
 
