@@ -24,6 +24,7 @@ from stalwart.detect.gpu import (
     playbook,
     provider_from_env,
 )
+from stalwart.detect.gpu_providers import XidEvent, add_to_script, write_script
 from stalwart.errors import ConfigError
 from stalwart.supervisor import exclusion
 from stalwart.telemetry.events import EventLog, read_events
@@ -103,6 +104,36 @@ def test_without_nvml_there_is_no_provider_and_a_bad_script_is_one_error(tmp_pat
         provider_from_env({"STALWART_GPU_TELEMETRY": str(tmp_path / "missing.json")})
 
 
+def test_a_script_file_changed_after_the_start_is_read_again(tmp_path: Path) -> None:
+    """How a test or the chaos harness brings a GPU fault at a chosen step: it adds the entry with `at` 0 when the
+    job is there, and the provider, made long before, reads the changed file at its next call."""
+    clock = _Clock()
+    path = tmp_path / "gpu.json"
+    write_script(path, {"devices": 2, "samples": [{"at": 0, "index": i, "temperature_c": 60} for i in (0, 1)]})
+    provider = ScriptedProvider.from_file(path, clock)
+    clock.now = 100
+    assert provider.sample(1).temperature_c == 60 and provider.xids() == []
+    hot = {"at": 0, "index": 1, "temperature_c": 92, "throttle_reasons": ["hw_thermal_slowdown"]}
+    add_to_script(path, samples=[hot], xids=[{"at": 0, "index": 1, "xid": 13}, {"at": 150, "index": 0, "xid": 48}])
+    assert provider.sample(1).temperature_c == 92, "of two samples due at the same time, the later in the script"
+    assert provider.sample(0).temperature_c == 60
+    assert provider.xids() == [XidEvent(1, 13)] and provider.xids() == []
+    add_to_script(path, xids=[{"at": 0, "index": 0, "xid": 79}])
+    assert provider.xids() == [XidEvent(0, 79)], "XID 13 was delivered before this re-read: not again"
+    clock.now = 150
+    assert provider.xids() == [XidEvent(0, 48)], "`at` still counts from the provider's start"
+    # A writer that does not replace the file whole: half a script, then a complete one that is not a script.
+    path.write_text('{"devices": 2, "samples": [{"at": 0, "ind')
+    assert provider.sample(1).temperature_c == 92 and provider.xids() == [], "the previous script stays"
+    path.write_text(json.dumps({"devices": 2, "samples": [{"at": 0, "index": 1, "temprature": 3}]}))
+    assert provider.sample(1).temperature_c == 92 and provider.device_count() == 2
+    cool = {"at": 0, "index": 1, "temperature_c": 70}
+    write_script(path, {"devices": 2, "samples": [cool], "xids": [{"at": 0, "index": 1, "xid": 13}]})
+    assert provider.sample(1).temperature_c == 70, "a good script after a bad one is read"
+    assert provider.xids() == [], "still delivered once"
+    assert not list(tmp_path.glob(".*.tmp")), "write_script leaves no temporary file behind"
+
+
 def test_the_exclusion_list_round_trips_and_refuses_a_foreign_file(tmp_path: Path) -> None:
     path = tmp_path / "excluded.json"
     assert exclusion.excluded("n1", path) is None
@@ -119,10 +150,22 @@ def test_the_exclusion_list_round_trips_and_refuses_a_foreign_file(tmp_path: Pat
 # -- under stalwart run ------------------------------------------------------------------------------------------
 
 
-def _script(tmp_path: Path, xid: int, at: float = 2.0) -> Path:
-    path = tmp_path / f"gpu-{xid}.json"
-    path.write_text(json.dumps({"devices": 2, "xids": [{"at": at, "index": 1, "xid": xid}]}))
+def _script(tmp_path: Path) -> Path:
+    """Two healthy GPUs; a test adds its fault at a step (`_at_step`)."""
+    path = tmp_path / "gpu.json"
+    write_script(path, {"devices": 2, "samples": [{"at": 0.0, "index": i, "temperature_c": 60} for i in (0, 1)]})
     return path
+
+
+def _at_step(job: Any, step: int) -> None:
+    """Wait until rank 0 has logged `step`. A GPU fault added to the script then (with `at` 0) comes after the
+    workers' start whatever the load: a time after the launch, under load, can come before it, and a warning
+    raised before a worker started is not news to it (detect/risk.py)."""
+    job.wait_for(
+        lambda: any(e.get("rank") == 0 and e["step"] >= step for e in job.events("step_done")),
+        120,
+        f"rank 0 at step {step}",
+    )
 
 
 def _env(tmp_path: Path, script: Path) -> dict[str, str]:
@@ -134,7 +177,10 @@ def _env(tmp_path: Path, script: Path) -> dict[str, str]:
 
 
 def test_an_xid_that_needs_a_process_restart_replaces_the_worker_on_that_gpu(launch: Any, tmp_path: Path) -> None:
-    job = launch(tiny_args("--steps", "60", "--step-sleep", "0.1"), env=_env(tmp_path, _script(tmp_path, 13)))
+    script = _script(tmp_path)
+    job = launch(tiny_args("--steps", "60", "--step-sleep", "0.1"), env=_env(tmp_path, script))
+    _at_step(job, 10)
+    add_to_script(script, xids=[{"at": 0, "index": 1, "xid": 13}])
     assert job.wait(180) == 0, job.output()
     assert [(e["gpu"], e["xid"], e["action"]) for e in job.events("gpu_xid")] == [(1, 13, RESTART_PROCESS)]
     acted = job.events("gpu_action")
@@ -146,8 +192,11 @@ def test_an_xid_that_needs_a_process_restart_replaces_the_worker_on_that_gpu(lau
 
 
 def test_an_xid_that_needs_a_drain_excludes_the_node_and_the_next_launch_refuses(launch: Any, tmp_path: Path) -> None:
-    env = _env(tmp_path, _script(tmp_path, 79))
+    script = _script(tmp_path)
+    env = _env(tmp_path, script)
     job = launch(tiny_args("--steps", "200", "--step-sleep", "0.1"), env=env)
+    _at_step(job, 10)
+    add_to_script(script, xids=[{"at": 0, "index": 1, "xid": 79}])
     assert job.wait(180) == 1, job.output()
     assert "GPU 1: XID 79: GPU has fallen off the bus: drain node" in job.output()
     assert {e["restart"] for e in job.events("worker_spawned")} == {0}, "no restart on an excluded node"
@@ -178,13 +227,14 @@ def test_each_scripted_xid_gets_its_playbook_action_and_event(tmp_path: Path, xi
 
 
 def test_a_gpu_warning_sign_makes_every_rank_checkpoint_at_the_same_step(launch: Any, tmp_path: Path) -> None:
-    """Thermal slowdown on GPU 1 (scripted): the agent raises the risk counter on its board, the ranks agree on it
-    at a window's end and take a durable checkpoint there, between the regular ones."""
-    script = tmp_path / "gpu-hot.json"
-    samples = [{"at": 0.0, "index": i, "temperature_c": 60} for i in (0, 1)]
-    samples.append({"at": 3.0, "index": 1, "temperature_c": 92, "throttle_reasons": ["hw_thermal_slowdown"]})
-    script.write_text(json.dumps({"devices": 2, "samples": samples}))
+    """Thermal slowdown on GPU 1 (scripted, once rank 0 is at step 15): the agent raises the risk counter on its
+    board, the ranks agree on it at a window's end and take a durable checkpoint there, between the regular ones."""
+    script = _script(tmp_path)
     job = launch(tiny_args("--steps", "120", "--step-sleep", "0.05", "--every", "1000"), env=_env(tmp_path, script))
+    _at_step(job, 15)
+    add_to_script(
+        script, samples=[{"at": 0, "index": 1, "temperature_c": 92, "throttle_reasons": ["hw_thermal_slowdown"]}]
+    )
     assert job.wait(240) == 0, job.output()
     (warned,) = job.events("gpu_risk")
     assert warned["gpu"] == 1 and warned["reason"] == "slowdown (hw_thermal_slowdown)"

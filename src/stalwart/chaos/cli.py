@@ -91,8 +91,9 @@ def quick_suite(say: Any = None) -> list[Scenario]:
         s("kill_node", FaultSpec("kill_node", step=35)),
         s("corrupt_checkpoint", FaultSpec("corrupt_checkpoint", step=45)),
         s("preemption", FaultSpec("preempt", step=25)),
-        s("gpu_warning", FaultSpec("gpu_warning", at_s=2.2, options={"gpu": 1}), require=("risk_checkpoint",)),
-        s("gpu_xid_13", FaultSpec("gpu_xid", at_s=2.4, options={"gpu": 1, "xid": 13}), require=("gpu_action",)),
+        # GPU faults at a step, not a time: a time races with the workers' start under load (chaos/scenario.py).
+        s("gpu_warning", FaultSpec("gpu_warning", step=15, options={"gpu": 1}), require=("risk_checkpoint",)),
+        s("gpu_xid_13", FaultSpec("gpu_xid", step=15, options={"gpu": 1, "xid": 13}), require=("gpu_action",)),
         s("stop_and_kill", FaultSpec("stop", rank=0, step=20), FaultSpec("kill", rank=1, step=20)),
         s(
             "kill_during_recovery",

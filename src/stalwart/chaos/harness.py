@@ -4,7 +4,9 @@ A run is `stalwart run` in its own directory (the job's relative paths land ther
 through its event log. Step faults reach the job through STALWART_FAULTS; the harness sends time faults itself,
 writing a `fault_injected` event for each (so detection latencies can be measured), and launches the node
 again after it killed it, as a scheduler would (step faults are for the first launch only: a relaunched job
-starts its restart count from 0 again). Every process a run started is ended by pid when it is over.
+starts its restart count from 0 again). Every process a run started is ended by pid when it is over. GPU faults
+reach the agent through its scripted telemetry (STALWART_GPU_TELEMETRY): those at a time are in the script from
+the start, those at a step are added to it once rank 0 has logged that step (the agent reads it again).
 
 Verification after the run: the launcher's exit status, every committed checkpoint verifies (checksums of every
 shard), and the final checkpoint is bitwise the reference run's (every tensor's xxh3, and every rank's state
@@ -31,6 +33,7 @@ from stalwart.chaos.scenario import GPU_KINDS, HARNESS_KINDS, FaultSpec, Scenari
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.storage import open_storage
 from stalwart.checkpoint.tools.inspect import verify
+from stalwart.detect.gpu_providers import add_to_script, write_script
 from stalwart.runtime.env import EVENT_LOG_ENV, EXCLUDE_FILE_ENV, FAULTS_ENV, GPU_POLL_ENV, GPU_TELEMETRY_ENV
 from stalwart.runtime.process import spawn
 from stalwart.telemetry.events import EventLog
@@ -125,8 +128,10 @@ def _run(
     if scenario is not None and scenario.step_faults():
         env[FAULTS_ENV] = scenario.step_faults()
     env[EXCLUDE_FILE_ENV] = str(directory / "excluded-nodes.json")  # a drained node stays this run's business
+    gpu_script = directory / "gpu-script.json"
     if scenario is not None and any(f.kind in GPU_KINDS for f in scenario.faults):
-        env[GPU_TELEMETRY_ENV] = str(_gpu_script(scenario, directory, nproc))
+        _write_gpu_script(scenario, gpu_script, nproc)
+        env[GPU_TELEMETRY_ENV] = str(gpu_script)
         env[GPU_POLL_ENV] = "0.2"
     # The proof is bitwise: survivors wait for the replacement instead of training on shrunk (recovery/shrink.py).
     cmd = [
@@ -170,7 +175,8 @@ def _run(
     schedule = _schedule(scenario, timeout_s) if scenario is not None else []
     at_steps = (
         sorted(
-            ((f.step, f) for f in scenario.faults if f.kind in HARNESS_KINDS and f.step is not None), key=lambda x: x[0]
+            ((f.step, f) for f in scenario.faults if f.kind in (*HARNESS_KINDS, *GPU_KINDS) and f.step is not None),
+            key=lambda x: x[0],
         )
         if scenario is not None
         else []
@@ -203,6 +209,11 @@ def _run(
                 chaos_log.emit("fault_ended", fault="partition", host=host, by="harness")
                 progress(f"partition of host {host} mended")
             for spec in due:
+                if spec.kind in GPU_KINDS:
+                    _add_gpu_fault(spec, gpu_script, chaos_log)
+                    result.sent.append(f"{spec.label}: added to the GPU telemetry script")
+                    progress(f"{spec.label}: added to the GPU telemetry script")
+                    continue
                 if spec.kind == "partition":
                     assert net is not None
                     if any(h == spec.host for _, h in mends):
@@ -274,22 +285,35 @@ def _schedule(scenario: Scenario, horizon_s: float) -> list[tuple[float, FaultSp
     return sorted(times, key=lambda x: x[0])
 
 
-def _gpu_script(scenario: Scenario, directory: Path, devices: int) -> Path:
+def _write_gpu_script(scenario: Scenario, path: Path, devices: int) -> None:
     """The scripted GPU telemetry the agent replays (detect/gpu_providers.ScriptedProvider): healthy devices, then
-    the scenario's warnings and XIDs at their times."""
+    the scenario's warnings and XIDs at their times (those at a step are added when it comes: _add_gpu_fault)."""
     samples: list[dict[str, Any]] = [{"at": 0.0, "index": i, "temperature_c": 60} for i in range(devices)]
-    xids = []
+    xids: list[dict[str, Any]] = []
     for f in scenario.faults:
-        gpu = int(f.options.get("gpu", 0))
-        if f.kind == "gpu_warning":
-            samples.append(
-                {"at": f.at_s, "index": gpu, "temperature_c": 92, "throttle_reasons": ["hw_thermal_slowdown"]}
-            )
-        elif f.kind == "gpu_xid":
-            xids.append({"at": f.at_s, "index": gpu, "xid": int(f.options["xid"])})
-    path = directory / "gpu-script.json"
-    path.write_text(json.dumps({"devices": devices, "samples": samples, "xids": xids}))
-    return path
+        if f.kind in GPU_KINDS and f.at_s is not None:
+            (samples if f.kind == "gpu_warning" else xids).append(_gpu_entry(f, f.at_s))
+    write_script(path, {"devices": devices, "samples": samples, "xids": xids})
+
+
+def _gpu_entry(spec: FaultSpec, at_s: float) -> dict[str, Any]:
+    """A GPU fault's script entry: a thermal slowdown sample (gpu_warning) or an XID event (gpu_xid)."""
+    gpu = int(spec.options.get("gpu", 0))
+    if spec.kind == "gpu_warning":
+        return {"at": at_s, "index": gpu, "temperature_c": 92, "throttle_reasons": ["hw_thermal_slowdown"]}
+    return {"at": at_s, "index": gpu, "xid": int(spec.options["xid"])}
+
+
+def _add_gpu_fault(spec: FaultSpec, path: Path, log: EventLog) -> None:
+    """A GPU fault at a step: added to the script with `at` 0, due at once to the agent's provider, which reads
+    the script again when it changes; its sample is the device's latest, after the healthy one also at 0."""
+    entry = _gpu_entry(spec, 0.0)
+    xid = {"xid": entry["xid"]} if "xid" in entry else {}
+    log.emit("fault_injected", fault=spec.kind, gpu=entry["index"], by="harness", **xid)
+    if spec.kind == "gpu_warning":
+        add_to_script(path, samples=[entry])
+    else:
+        add_to_script(path, xids=[entry])
 
 
 def _reached(spec: FaultSpec, step: int, progress: dict[str, int]) -> bool:

@@ -19,9 +19,18 @@
     # at_s = 12.5             # at seconds after the launch (the harness signals the process), or
     # mtbf_s = 20             # as a Poisson process with this mean time between faults, for the whole run
 
+    [[faults]]
+    kind = "gpu_warning"      # scripted GPU telemetry (GPU_KINDS)
+    gpu = 1
+    step = 15                 # once rank 0 has logged step 15 (the harness adds it to the script), or
+    # at_s = 2.5              # at seconds after the launcher's start (in the script from the start)
+
 Step faults go to the job through STALWART_FAULTS (chaos/faults.py, exact and reproducible); time faults are sent
-by the harness to the process (chaos/harness.py). The scenario is checked whole before anything runs: one error
-line names the first problem.
+by the harness to the process (chaos/harness.py). GPU faults go to the agent through its scripted telemetry: at
+a step, the harness adds them to the script once rank 0 has logged that step, which under any load comes after
+the workers have started (a warning raised before a worker started is not news to it, detect/risk.py); at_s
+counts from the launcher's start, which a slow start can overtake. The scenario is checked whole before anything
+runs: one error line names the first problem.
 """
 
 from __future__ import annotations
@@ -47,12 +56,13 @@ launch: the job must go on shrunk, `stalwart run --nnodes 1:2`), `add_node` laun
 grows back; at a step, once rank 0 has logged it at fewer ranks); a scenario with either runs the hosts
 elastically, with `--replace-wait-s 2`."""
 HARNESS_KINDS = ("kill_node", "corrupt_checkpoint", "preempt", "partition", "lose_node", "add_node")
+"""Faults only the harness can send; at a step, it sends them once rank 0 has logged that step."""
 ELASTIC_KINDS = ("lose_node", "add_node")
 GPU_KINDS = ("gpu_warning", "gpu_xid")
-"""Scripted GPU telemetry at `at_s` after the launcher starts (detect/gpu_providers.py's scripted provider): a
-thermal slowdown on GPU `gpu` (a warning sign: the job must take a risk checkpoint), or XID `xid` on it (the
-playbook's action: restart the worker on that GPU, or exclude the node, kept in the run's own exclusion file)."""
-"""Faults only the harness can send; at a step, it sends them once rank 0 has logged that step."""
+"""Scripted GPU telemetry (detect/gpu_providers.py's scripted provider): a thermal slowdown on GPU `gpu` (a
+warning sign: the job must take a risk checkpoint), or XID `xid` on it (the playbook's action: restart the worker
+on that GPU, or exclude the node, kept in the run's own exclusion file). At a step (the harness adds it to the
+script once rank 0 has logged that step) or at `at_s` after the launcher starts."""
 EXPECTS = ("identical", "completes")
 KINDS = tuple(dict.fromkeys((*STEP_KINDS, *TIME_KINDS, *GPU_KINDS)))
 _OPTIONS = {"how", "ms", "errno", "times", "phase", "factor", "signal", "restart", "gpu", "xid", "host", "duration_s"}
@@ -136,7 +146,7 @@ class Scenario:
         """The STALWART_FAULTS value for the faults fired by the job at a step."""
         parts = []
         for f in self.faults:
-            if f.step is None or f.kind in HARNESS_KINDS:
+            if f.step is None or f.kind in (*HARNESS_KINDS, *GPU_KINDS):
                 continue
             kind, options = f.kind, dict(f.options)
             if kind == "stop":
@@ -232,10 +242,10 @@ def _fault(raw: Any, name: str, index: int) -> FaultSpec:
     if len(whens) != 1:
         raise ConfigError(f"{where}: give exactly one of step, at_s, mtbf_s")
     kind = raw["kind"]
-    if "step" in raw and kind not in (*STEP_KINDS, *HARNESS_KINDS):
+    if "step" in raw and kind not in (*STEP_KINDS, *HARNESS_KINDS, *GPU_KINDS):
         raise ConfigError(f"{where}: {kind} happens at a time (at_s or mtbf_s), not at a step")
-    if kind in GPU_KINDS and "at_s" not in raw:
-        raise ConfigError(f"{where}: {kind} happens at a time after the launch (at_s = seconds)")
+    if kind in GPU_KINDS and "mtbf_s" in raw:
+        raise ConfigError(f"{where}: {kind} happens once, at a step (step = N) or after the launch (at_s = seconds)")
     if kind == "gpu_xid" and not isinstance(raw.get("xid"), int):
         raise ConfigError(f"{where}: gpu_xid needs xid = an XID code")
     if "step" not in raw and kind not in (*TIME_KINDS, *GPU_KINDS):

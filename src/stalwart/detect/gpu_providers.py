@@ -6,8 +6,9 @@ GPU can still exercise every path.
 
 `NvmlProvider` reads NVML through nvidia-ml-py (`pynvml`); a value a device answers "Not Supported" for is
 absent (None), never an error (on an H100 with driver 580, retired pages and NVLink state are Not Supported).
-`ScriptedProvider` replays a JSON script of samples and XID events at given times. `provider_from_env` picks
-one: STALWART_GPU_TELEMETRY=off, =nvml (the default: NVML when it loads, else nothing) or =PATH (a script).
+`ScriptedProvider` replays a JSON script of samples and XID events at given times, and reads its file again
+when it changes (`add_to_script`: a fault at a chosen step of a run). `provider_from_env` picks one:
+STALWART_GPU_TELEMETRY=off, =nvml (the default: NVML when it loads, else nothing) or =PATH (a script).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -67,40 +69,84 @@ class GpuProvider(Protocol):
 
 class ScriptedProvider:
     """Replays a JSON script: {"devices": N, "samples": [{"at": seconds, "index": i, ...GpuSample fields}],
-    "xids": [{"at": seconds, "index": i, "xid": code}]}. A device's sample is its latest one due by now (seconds
-    since the provider was made); an XID is delivered once, at the first call after it is due."""
+    "xids": [{"at": seconds, "index": i, "xid": code}]}. `at` counts from when the provider was made. A device's
+    sample is its latest one due by now (of those due at the same `at`, the later in the script); an XID is
+    delivered once, at the first call after it is due.
+
+    Made from a file, it reads the file again when it changes (one stat per call). That lets a test or the chaos
+    harness bring a fault at a chosen training step: once the job has logged that step, it adds the entry with
+    `at` 0, due at once. A time guessed in advance races with the workers' start under load, and a warning raised
+    before a worker started is not news to it (detect/risk.py). Writers replace the file whole (`write_script`);
+    a file that does not read as a script (half written by a writer that does not) leaves the previous script in
+    force, and is read again at the next call. An XID delivered stays delivered across re-reads (an entry of the
+    same `at`, index and code is that XID).
+    """
 
     def __init__(self, script: dict[str, Any], clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._start = clock()
+        self._path: str | os.PathLike[str] | None = None
+        """The file the script came from (from_file), read again when it changes."""
+        self._stamp: tuple[int, int, int] | None = None
+        self._delivered: Counter[tuple[float, int, int]] = Counter()
+        """(at, index, xid) of every XID delivered, counted: a re-read script's entries that match are not due."""
+        self._load(script)
+
+    def _load(self, script: dict[str, Any]) -> None:
+        """Take `script` as the one in force; a ConfigError leaves the previous one (all checks come first)."""
         try:
-            self._count = int(script.get("devices", 1))
-            self._samples = sorted(script.get("samples", []), key=lambda s: float(s.get("at", 0)))
-            self._xids = sorted(script.get("xids", []), key=lambda x: float(x.get("at", 0)))
+            count = int(script.get("devices", 1))
+            samples = sorted(script.get("samples", []), key=lambda s: float(s.get("at", 0)))
+            xids = sorted(
+                ((float(x.get("at", 0)), int(x["index"]), int(x["xid"])) for x in script.get("xids", [])),
+                key=lambda x: x[0],
+            )
             fields = set(GpuSample.__dataclass_fields__)
-            for s in self._samples:
+            for s in samples:
                 unknown = set(s) - fields - {"at"}
                 if unknown:
                     raise ConfigError(f"GPU telemetry script: unknown sample fields {sorted(unknown)}")
-            self._pending = [XidEvent(int(x["index"]), int(x["xid"])) for x in self._xids]
-            self._due = [float(x.get("at", 0)) for x in self._xids]
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"GPU telemetry script: {exc}") from exc
+        delivered = Counter(self._delivered)
+        pending = []
+        for key in xids:
+            if delivered[key]:
+                delivered[key] -= 1
+            else:
+                pending.append(key)
+        self._count, self._samples, self._pending = count, samples, pending
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> ScriptedProvider:
+    def from_file(cls, path: str | os.PathLike[str], clock: Callable[[], float] = time.monotonic) -> ScriptedProvider:
         try:
-            script = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            stamp = _stamp(path)  # before the read: a change between the two is read again at the first call
+        except OSError as exc:
             raise ConfigError(f"{TELEMETRY_ENV}: cannot read the GPU telemetry script {path}: {exc}") from exc
-        if not isinstance(script, dict):
-            raise ConfigError(f"{TELEMETRY_ENV}: {path} is not a JSON object")
-        return cls(script)
+        provider = cls(_read_script(path), clock)
+        provider._path, provider._stamp = path, stamp
+        return provider
+
+    def _reread(self) -> None:
+        """Take the file's script if the file changed since the last read (its inode, mtime and size: a writer's
+        rename changes the inode even within one mtime tick)."""
+        if self._path is None:
+            return
+        try:
+            stamp = _stamp(self._path)
+            if stamp == self._stamp:
+                return
+            self._load(_read_script(self._path))
+        except (OSError, ConfigError):
+            return  # gone for a moment, or half written: the previous script stays, the next call tries again
+        self._stamp = stamp
 
     def device_count(self) -> int:
+        self._reread()
         return self._count
 
     def sample(self, index: int) -> GpuSample:
+        self._reread()
         now = self._clock() - self._start
         latest: dict[str, Any] = {}
         for s in self._samples:
@@ -109,14 +155,52 @@ class ScriptedProvider:
         return GpuSample(**{k: v for k, v in latest.items() if k != "at"} | {"index": index})
 
     def xids(self) -> list[XidEvent]:
+        self._reread()
         now = self._clock() - self._start
-        due = [e for e, at in zip(self._pending, self._due, strict=True) if at <= now]
-        keep = [(e, at) for e, at in zip(self._pending, self._due, strict=True) if at > now]
-        self._pending, self._due = [e for e, _ in keep], [at for _, at in keep]
-        return due
+        due = [x for x in self._pending if x[0] <= now]
+        self._pending = [x for x in self._pending if x[0] > now]
+        self._delivered.update(due)
+        return [XidEvent(index, xid) for _, index, xid in due]
 
     def close(self) -> None:
         pass
+
+
+def _stamp(path: str | os.PathLike[str]) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _read_script(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        script = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{TELEMETRY_ENV}: cannot read the GPU telemetry script {path}: {exc}") from exc
+    if not isinstance(script, dict):
+        raise ConfigError(f"{TELEMETRY_ENV}: {path} is not a JSON object")
+    return script
+
+
+def write_script(path: str | os.PathLike[str], script: dict[str, Any]) -> None:
+    """Write a GPU telemetry script whole: to a file beside it, renamed over it. A provider replaying it may read
+    it at any moment, and a rename is atomic, so it reads the old script or the new one, never half of one."""
+    target = Path(path)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(script))
+    os.replace(temporary, target)
+
+
+def add_to_script(
+    path: str | os.PathLike[str],
+    samples: Sequence[dict[str, Any]] = (),
+    xids: Sequence[dict[str, Any]] = (),
+) -> None:
+    """Append samples and XID events to the script at `path` (`write_script`), for a fault at a chosen moment of a
+    run: with `at` 0 they are due at once to a provider replaying it. One writer at a time (read, then replace)."""
+    script = _read_script(path)
+    script["samples"] = [*script.get("samples", []), *samples]
+    script["xids"] = [*script.get("xids", []), *xids]
+    write_script(path, script)
 
 
 class NvmlProvider:
