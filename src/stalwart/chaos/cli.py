@@ -20,7 +20,7 @@ from typing import Any
 
 from rich.table import Table
 
-from stalwart.chaos import harness, netns
+from stalwart.chaos import harness, netns, verdict
 from stalwart.chaos.scenario import FaultSpec, Scenario, load
 from stalwart.errors import ConfigError
 from stalwart.runtime.args import Parser
@@ -227,11 +227,11 @@ def run_scenario(scenario: Scenario, job: list[str], workdir: Path, say: Any) ->
     elif result.exit_code != 0:
         problems.append(f"stalwart run exited with status {result.exit_code}")
     ckpt = result.directory / scenario.checkpoint_dir
-    bad = harness.verify_checkpoints(ckpt)
+    bad = verdict.verify_checkpoints(ckpt)
     problems += bad
     identical = None
     if scenario.expect == "identical" and result.exit_code == 0:
-        differ = harness.compare_final(ckpt, workdir / "reference" / scenario.checkpoint_dir)
+        differ = verdict.compare_final(ckpt, workdir / "reference" / scenario.checkpoint_dir)
         identical = not differ
         problems += differ
     events = list(read_events(result.log))
