@@ -351,7 +351,7 @@ _OVERRIDE = "overridden to add stalwart's rules; passes on what torch gives"
 CONTRACTS: tuple[Contract, ...] = (
     Contract(_AGENT, "_start_workers", ("self", "worker_group"), "stalwart.supervisor.agent", _OVERRIDE),
     Contract(_AGENT, "_restart_workers", ("self", "worker_group"), "stalwart.supervisor.agent", _OVERRIDE),
-    Contract(_AGENT, "_shutdown", ("self", "death_sig", "timeout"), "stalwart.supervisor.agent", _OVERRIDE),
+    Contract(_AGENT, "_shutdown", ("self", "death_sig", "..."), "stalwart.supervisor.agent", _OVERRIDE),
     Contract(
         _AGENT,
         "_stop_workers",
