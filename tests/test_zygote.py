@@ -123,6 +123,8 @@ def test_the_zygote_waits_for_no_one_when_the_launcher_is_killed(launch: Any) ->
     zygote = _zygote_of(job.proc.pid)
     workers = [e["worker_pid"] for e in job.events("worker_spawned")]
     assert zygote is not None and workers
+    made = {p.name.split("-")[1] for p in Path("/dev/shm").glob(f"stalwart-*-{job.proc.pid}-*")}
+    assert made == {"heartbeat", "snapshots"}, made
     os.kill(job.proc.pid, signal.SIGKILL)
     job.proc.wait()
     end = time.monotonic() + 10
@@ -135,4 +137,7 @@ def test_the_zygote_waits_for_no_one_when_the_launcher_is_killed(launch: Any) ->
 
     _remove_stale_log_dirs()
     ours = [p.name for p in _remove_stale_shared_memory() if f"-{job.proc.pid}-" in p.name]
-    assert sorted(n.split("-")[1] for n in ours) == ["heartbeat", "snapshots"], ours
+    # Another test's launcher, starting meanwhile in a parallel worker, removes them just as well (it did once in a
+    # fresh-clone suite): what must hold is that they were the board and the memory tier (`made`), and are gone.
+    assert {n.split("-")[1] for n in ours} <= {"heartbeat", "snapshots"}, ours
+    assert not list(Path("/dev/shm").glob(f"stalwart-*-{job.proc.pid}-*")), "a killed launcher's files stayed"
