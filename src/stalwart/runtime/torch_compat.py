@@ -273,9 +273,8 @@ if not TYPE_CHECKING:
         private `torch.distributed._tensor`. Checked on torch 2.13.0 (the public module)."""
         if name not in _DTENSOR_CLASSES:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        try:
-            module = importlib.import_module("torch.distributed.tensor")
-        except ImportError:  # torch 2.4
+        module = importlib.import_module("torch.distributed.tensor")  # torch 2.4's lacks them (tensor.parallel)
+        if not hasattr(module, name):
             module = importlib.import_module("torch.distributed._tensor")
         return getattr(module, name)
 
