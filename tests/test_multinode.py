@@ -144,8 +144,12 @@ def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_bac
     port = _free_port()
     (tmp_path / "batches").mkdir()
     fsdp = ["--fsdp", "--no-randomness", "--gbs", "12", "--hidden", "30", "--allow-resize"]
-    job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "80",
-                "--step-sleep", "0.1", "--every", "1000", *fsdp, "--batch-log", str(tmp_path / "batches")]  # fmt: skip
+    # At 2 ranks the job waits for the grow after 5 steps, however long the new node takes to start: without it,
+    # under load, the job ended before the new node's rendezvous (exit 2: no store server listening).
+    grow = ["--grow-to", "4", "--grow-wait-after", "5"]
+    job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "40",
+                "--step-sleep", "0.1", "--every", "1000", *fsdp, *grow]  # fmt: skip
+    job_args += ["--batch-log", str(tmp_path / "batches")]
     common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--replace-wait-s", "2"]
 
     def node(i: int, name: str) -> Any:
@@ -167,7 +171,7 @@ def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_bac
     assert grown["step"] == resized[1]["step"]
     reruns = [e for e in first.events("worker_failed") if e.get("restart", 0) > 0]
     assert not reruns, "the script ran again inside the rounds: no round was failed"
-    reference = launch(["--nproc-per-node", "4", *job_args[:1], "--ckpt", "ckpt", "--out", "out", "--steps", "80",
+    reference = launch(["--nproc-per-node", "4", *job_args[:1], "--ckpt", "ckpt", "--out", "out", "--steps", "40",
                         *fsdp[:-1], "--batch-log", "."], name="reference")  # fmt: skip
     assert reference.wait(180) == 0, reference.output()
     assert _samples(tmp_path / "batches") == _samples(reference.workdir), "each step's samples, once each"

@@ -95,6 +95,8 @@ def main() -> None:
     p.add_argument("--die-in-setup", type=int, default=-1, help="rank 1 of this restart dies in its set-up")
     p.add_argument("--cuda", action="store_true", help="model and batches on GPU 0, shared by every rank (GPU checks)")
     p.add_argument("--no-randomness", action="store_true", help="no dropout, no noise: steps draw no random numbers")
+    p.add_argument("--grow-to", type=int, default=0, help="as stalwart.chaos.tiny_job's: ranks to wait to grow back to")
+    p.add_argument("--grow-wait-after", type=int, default=10, help="steps at fewer ranks before that wait")
     p.add_argument("--setup-s", type=float, default=0.0, help="seconds of set-up before the loop (data, model)")
     p.add_argument(
         "--dump-dir",
@@ -199,7 +201,13 @@ def main() -> None:
     loss0 = _full_loss(model, args) if not args.fsdp else None
     if args.dump_dir and job.resume():
         _dump(model, optim, job, Path(args.dump_dir) / f"resumed-{job.step}.pt")
+    shrunk_at = None  # the step from which the job ran at fewer than --grow-to ranks
     for step, (ids, x) in job.steps(loader, max_steps=args.steps):
+        shrunk_at = None if job.world_size >= args.grow_to else step if shrunk_at is None else shrunk_at
+        if shrunk_at is not None and step - shrunk_at == args.grow_wait_after:
+            from stalwart.chaos.tiny_job import wait_to_grow
+
+            wait_to_grow(job, 120.0)  # the grow happens at this step, however long the new node takes to start
         if args.dump_dir and step == args.dump_at:
             with job.busy():
                 _dump(model, optim, job, Path(args.dump_dir) / f"at-{step}.pt")

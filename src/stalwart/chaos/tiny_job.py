@@ -69,7 +69,7 @@ def main() -> None:
     for step, x in job.steps(loader, max_steps=args.steps):
         shrunk_at = None if job.world_size >= args.grow_to else step if shrunk_at is None else shrunk_at
         if shrunk_at is not None and step - shrunk_at == args.grow_wait_after:
-            _wait_to_grow(job, args.grow_wait_s)
+            wait_to_grow(job, args.grow_wait_s)
         loss = (ddp(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
         optim.zero_grad()
         loss.backward()
@@ -80,11 +80,12 @@ def main() -> None:
     job.close()
 
 
-def _wait_to_grow(job: stalwart.Job, seconds: float) -> None:
+def wait_to_grow(job: stalwart.Job, seconds: float) -> None:
     """Wait, at most `seconds`, until the agent asks this rank to re-form (its group, stalwart's re-formable one,
     records it as failed: runtime/group.py). The step's update is then dropped, the job grows back at the step's
     boundary from the steps the survivors completed, and the step is redone at the full size (recovery/in_loop.py).
-    The hang detector is told that this step is long (`job.busy`)."""
+    The hang detector is told that this step is long (`job.busy`). The tests' script (tests/scripts/train_tiny.py)
+    waits the same way."""
     group = torch.distributed.group.WORLD
     if not hasattr(group, "failed"):
         return  # not stalwart's re-formable group (not under `stalwart run`): nobody would ask
