@@ -35,7 +35,7 @@ WIDTH = 1024
 
 
 def _module(rows: int, mesh: Any, world: int, rank: int, fill: bool) -> torch.nn.Module:
-    from torch.distributed.tensor import DTensor, Shard
+    from stalwart.runtime.torch_compat import DTensor, Shard  # torch 2.4 has them in a private module
 
     module = torch.nn.Module()
     generator = torch.Generator().manual_seed(rank)

@@ -28,20 +28,20 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from stalwart.runtime.torch_compat import (
-    AllgatherOptions,
-    nccl_options,
-    rebuild_ddp_reducer,
-    register_backends,
-)
-from stalwart.runtime.works import AbsorbingWork, AllOf, DoneWork
+from stalwart.runtime.torch_compat import rebuild_ddp_reducer
+from stalwart.runtime.torch_compat_groups import AllgatherOptions, group_args, nccl_options, register_backends
+from stalwart.runtime.works import AbsorbingWork, AllOf, DoneWork, Given
+
+KEEP_DONE_AT_MOST = 1024
+"""How many works that are done but whose caller was never served (an async collective never waited on) a
+formation keeps (`ReformableGroup.give`); past it they are let go, the oldest first. Works not yet done are kept
+whatever their number: their callers will come."""
 
 BACKEND = "stalwart"
 """The name `init_process_group(backend=...)` knows this group by once `register()` ran."""
@@ -66,11 +66,12 @@ class ReformableGroup(dist.ProcessGroup):
     ) -> None:
         """`store`: the round's (already prefixed by torch); `rank` and `size`: this process's place in it. Not
         `connect`: a placeholder that joins nobody, its collectives local (`join`), until the next formation."""
-        super().__init__(rank, size)  # type: ignore[call-arg]
+        made = _make_backends(store, rank, size, timeout) if connect else {}
+        super().__init__(*group_args(store, rank, size, made, subclass=True))
         self._rank, self._size, self._store = rank, size, store
         self._lock = threading.Lock()
         self._failed: BaseException | None = None
-        self._pending: weakref.WeakSet[AbsorbingWork] = weakref.WeakSet()
+        self._given: dict[Given, None] = {}  # insertion-ordered: the oldest first (runtime/works.py says why)
         self._joining = not connect
         self._absorbing = False
         self._next: ReformableGroup | None = None
@@ -78,13 +79,10 @@ class ReformableGroup(dist.ProcessGroup):
         """Which formation of this process made the group: 1 for the first."""
         self.placeholder = not connect
         """A replacement's group that joins nobody until its loop starts (recovery/shrink.py)."""
-        if not connect:  # a replacement whose survivors train on shrunk meanwhile (recovery/shrink.py)
-            self._backends: dict[str, Any] = {}
-            return
-        made = _make_backends(store, rank, size, timeout)
-        self._backends = {device: backend for device, (_, backend) in made.items()}
-        # Registered on the C++ side too, for C++ callers that ask the group for its backend by device.
-        register_backends(self, made)
+        self._backends: dict[str, Any] = {device: backend for device, (_, backend) in made.items()}
+        if made:  # none: a replacement whose survivors train on shrunk meanwhile (recovery/shrink.py)
+            # Registered on the C++ side too, for C++ callers that ask the group for its backend by device.
+            register_backends(self, made)
 
     def latest(self) -> ReformableGroup:
         """The newest formation's group (this one until the group is re-formed)."""
@@ -116,7 +114,8 @@ class ReformableGroup(dist.ProcessGroup):
         return backend
 
     def abort_backends(self) -> None:
-        """Abort the backends (NCCL's communicator must be aborted to unblock; gloo's just closes its pairs)."""
+        """Abort the backends (NCCL's communicator must be aborted to unblock; gloo's just closes its pairs, where
+        it can: torch 2.4's gloo has neither `abort` nor `shutdown`, and its pairs close when the backend is freed)."""
         for backend in self._backends.values():
             for name in ("abort", "shutdown"):
                 method = getattr(backend, name, None)
@@ -136,17 +135,17 @@ class ReformableGroup(dist.ProcessGroup):
 
     def absorb(self, exc: BaseException) -> None:
         """Record a failure on the newest formation; the first one is kept (the others follow from it). At the
-        first, the collectives still pending complete at once (`AbsorbingWork.release`): a waiter in C++ (DDP's
-        reducer, inside `loss.backward()`) is not woken by a Python exception or signal handler, and would
+        first, the collectives given out and not done complete at once (`AbsorbingWork.release`): a waiter in C++
+        (DDP's reducer, inside `loss.backward()`) is not woken by a Python exception or signal handler, and would
         otherwise wait for a peer that left without a connection error until the collective timeout."""
         group = self.latest()
         with group._lock:
             first = group._failed is None
             if first:
                 group._failed = exc
-            pending, group._pending = list(group._pending), weakref.WeakSet()
+            given = list(group._given)
         if first:
-            for work in pending:
+            for work in given:
                 work.release()
 
     def work_failed(self, exc: BaseException) -> None:
@@ -156,13 +155,28 @@ class ReformableGroup(dist.ProcessGroup):
         if self._next is None:
             self.absorb(exc)
 
-    def pending(self, work: AbsorbingWork) -> None:
-        """`work` waits on a backend: released when the group fails (`absorb`); a failed group releases at once."""
+    def give(self, work: Given) -> dist.Work:
+        """Hand `work` to the caller, kept here until the caller has been served (`served`; runtime/works.py says
+        why) and released if the group fails first (`absorb`); a failed group releases it at once."""
+        work.kept_by(self)
         with self._lock:
-            if self._failed is None:
-                self._pending.add(work)
-                return
-        work.release()
+            self._given[work] = None
+            if len(self._given) > KEEP_DONE_AT_MOST:
+                self._let_go_of_done(len(self._given) - KEEP_DONE_AT_MOST)
+            failed = self._failed is not None
+        if failed:
+            work.release()
+        return work
+
+    def _let_go_of_done(self, count: int) -> None:
+        """Let go of the `count` oldest works that are done (under the lock)."""
+        for work in [w for w in self._given if w.is_completed()][:count]:
+            del self._given[work]
+
+    def served(self, work: Given) -> None:
+        """`work`'s caller has what it came for: no longer kept."""
+        with self._lock:
+            self._given.pop(work, None)
 
     def fail(self, why: str) -> None:
         """Treat the group as failed from now on (the agent asked this rank to re-form)."""
@@ -187,7 +201,7 @@ class ReformableGroup(dist.ProcessGroup):
         elif name == "_allgather_base":
             out, tensor = args[0], args[1]
             out.view(-1, tensor.numel()).copy_(tensor.reshape(1, -1))
-        return DoneWork(result)
+        return self.latest().give(DoneWork(result))
 
     def _run(self, name: str, tensors: list[torch.Tensor], result: Any, *args: Any) -> dist.Work:
         group = self.latest()
@@ -196,7 +210,7 @@ class ReformableGroup(dist.ProcessGroup):
         if group._failed is not None:
             if not group._absorbing:
                 raise RuntimeError(f"the process group failed: {group._failed}")
-            return DoneWork(result)
+            return group.give(DoneWork(result))
         device = tensors[0].device.type if tensors else "cpu"
         if not group._absorbing:
             return getattr(group._backend(device), name)(*args)
@@ -204,8 +218,8 @@ class ReformableGroup(dist.ProcessGroup):
             work = getattr(group._backend(device), name)(*args)
         except Exception as exc:
             group.absorb(exc)
-            return DoneWork(result)
-        return AbsorbingWork(group, work, result)
+            return group.give(DoneWork(result))
+        return AbsorbingWork(group, work, result)  # given out by the group as it is made
 
     # The collectives torch's Python API and DDP/FSDP call, forwarded by name (the backends' signatures).
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
@@ -264,7 +278,7 @@ class ReformableGroup(dist.ProcessGroup):
 
     def _each(self, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> dist.Work:
         works = [self._run(name, [i], [o], o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return works[0] if len(works) == 1 else AllOf(works, outputs)
+        return works[0] if len(works) == 1 else self.latest().give(AllOf(works, outputs))
 
     def all_to_all_single(
         self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int], opts: Any = None
@@ -335,8 +349,8 @@ class ReformableGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
-    @property
-    def name(self) -> str:  # type: ignore[override]
+    def name(self) -> str:
+        """A method, as torch's (torch 2.4's `destroy_process_group` calls it)."""
         return BACKEND
 
 
@@ -375,8 +389,9 @@ def _create(options: Any, backend_options: Any) -> dist.ProcessGroup:
 
 
 def _plain(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
-    group = dist.ProcessGroup(store, rank, size)
-    register_backends(group, _make_backends(store, rank, size, timeout))
+    made = _make_backends(store, rank, size, timeout)
+    group = dist.ProcessGroup(*group_args(store, rank, size, made))
+    register_backends(group, made)
     return group
 
 

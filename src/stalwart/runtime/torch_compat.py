@@ -13,7 +13,8 @@ Two kinds of entries:
   with the parameters the override expects.
 
 The torch releases named in the docstrings are those whose behaviour a condition here meets (torch 2.4 before 2.5);
-"checked on" names those on which tests/test_torch_compat.py passed.
+"checked on" names those on which tests/test_torch_compat.py passed. What a process group made in Python needs
+(its backends, its options) is in runtime/torch_compat_groups.py, under the same rules.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ import gc
 import importlib
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as _c10d
 
 from stalwart.errors import PeerGone
 
@@ -53,7 +53,7 @@ def torch_older_than(release: str) -> bool:
 WAIT_TIMED_OUT = "Operation timed out!"
 """What `Work.wait(timeout)` raises when the timeout passes before the collective completes (c10d's Work::wait):
 a plain RuntimeError, not a DistError, like gloo's own failures, so only the text tells a slow collective from a
-failed one. Checked on torch 2.13.0 (gloo)."""
+failed one. Checked on torch 2.4.1 and 2.13.0 (gloo)."""
 
 
 def is_wait_timeout(exc: BaseException) -> bool:
@@ -69,8 +69,8 @@ PEER_LOST_TEXTS = re.compile(
 )
 """What a collective raises, as a plain RuntimeError, when the other side of a connection is gone or silent: gloo's
 pair errors and timeouts, NCCL's remote errors and aborts. A user's bug (mismatched sizes, bad arguments) matches
-none of them and keeps its full traceback. Checked on torch 2.13.0 with gloo and a killed peer ("Connection closed
-by peer"); the NCCL texts are unchecked here."""
+none of them and keeps its full traceback. Checked on torch 2.4.1 and 2.13.0 with gloo and a killed peer
+("Connection closed by peer"); the NCCL texts are unchecked here."""
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -85,36 +85,11 @@ def is_peer_failure(exc: BaseException) -> bool:
 # ---- Process groups
 
 
-AllgatherOptions = _c10d.AllgatherOptions
-"""The options of an all-gather: the one collective's options class torch.distributed does not export (the others
-are `dist.AllreduceOptions` and the like), needed by a Python ProcessGroup (runtime/group.py) that is called
-without them. Checked on torch 2.13.0."""
-
-
-def register_backends(group: dist.ProcessGroup, made: Mapping[str, tuple[Any, Any]]) -> None:
-    """Give a ProcessGroup made in Python its backends, `made`: device ("cpu", "cuda") -> (BackendType, backend),
-    the CPU one its default. torch does this in C++ for the groups `init_process_group` makes and has no public
-    way for others; C++ callers ask a group for its backend by device. Relies on `ProcessGroup._register_backend`
-    and `_set_default_backend`. Checked on torch 2.13.0."""
-    for device, (kind, backend) in made.items():
-        group._register_backend(torch.device(device), kind, backend)
-    group._set_default_backend(made["cpu"][0])
-
-
-def nccl_options(timeout: timedelta) -> Any:
-    """ProcessGroupNCCL's options with collective timeout `timeout`: settable only through the private `_timeout`
-    of Backend.Options (no constructor argument, no public setter). Checked on torch 2.13.0 (the options object;
-    no NCCL backend made with it: no GPU there)."""
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    return options
-
-
 def abort_process_group() -> bool:
     """Abort the default group and every group made from it, without waiting on peers; False (nothing done) on a
     torch without `distributed_c10d._abort_process_group` (before 2.5), where the caller destroys the group
     instead. Why: NCCL's communicators must be aborted to unblock a survivor; `destroy_process_group` may wait.
-    Checked on torch 2.13.0."""
+    Checked on torch 2.4.1 (False) and 2.13.0."""
     from torch.distributed import distributed_c10d
 
     abort = getattr(distributed_c10d, "_abort_process_group", None)
@@ -129,7 +104,8 @@ def abort_process_group() -> bool:
 
 def ddp_bucket_layout(module: DistributedDataParallel) -> list[list[int]] | None:
     """The DDP `module`'s buckets as lists of parameter indices once it rebuilt them, else None: torch exposes no
-    layout (`_has_rebuilt_buckets`, `_build_params_for_reducer`, `_get_zeros_like_grad_buckets`). Checked on 2.13.0."""
+    layout (`_has_rebuilt_buckets`, `_build_params_for_reducer`, `_get_zeros_like_grad_buckets`). Checked on torch
+    2.4.1 and 2.13.0."""
     if not module._has_rebuilt_buckets:
         return None
     index = {id(p): i for i, p in enumerate(module._build_params_for_reducer()[0])}
@@ -146,7 +122,7 @@ def rebuild_ddp_reducer(
     `_build_debug_param_to_name_mapping`, `_ddp_init_helper`, `_comm_hooks`, `_has_rebuilt_buckets` and
     `_static_graph_delay_allreduce_enqueued`, the logger's `_set_static_graph`, `dist._register_comm_hook`.
     `layout` (`ddp_bucket_layout`'s): taken as rebuilt; `dist._compute_bucket_assignment_by_size` answers it to the
-    constructor for the call (reversed: the constructor reverses it). Checked on torch 2.13.0."""
+    constructor for the call (reversed: the constructor reverses it). Checked on torch 2.4.1 and 2.13.0."""
     module.reducer._remove_autograd_hooks()
     module.process_group = group
     params, sparse = module._build_params_for_reducer()
@@ -175,7 +151,7 @@ def live_ddp_modules() -> list[DistributedDataParallel]:
     """Every DDP wrapper alive in this process. torch keeps no registry of them, and a job tracks the module a
     wrapper wraps as often as the wrapper, so they are found among every object the collector tracks. type(), not
     isinstance(): isinstance asks a weakref proxy for its __class__, which a dead one raises on. Checked on torch
-    2.13.0."""
+    2.4.1 and 2.13.0."""
     from torch.nn.parallel import DistributedDataParallel
 
     return [obj for obj in gc.get_objects() if issubclass(type(obj), DistributedDataParallel)]
@@ -187,7 +163,7 @@ def live_ddp_modules() -> list[DistributedDataParallel]:
 def tensor_versions(tensors: Iterable[torch.Tensor]) -> list[int]:
     """Each tensor's version counter, which every in-place write through torch bumps (not one through `.data` or
     numpy): torch exposes it only as the private `Tensor._version` (autograd's check of saved tensors reads it).
-    Checked on torch 2.13.0."""
+    Checked on torch 2.4.1 and 2.13.0."""
     return [t._version for t in tensors]
 
 
@@ -195,7 +171,7 @@ def module_state_dict_extended(module: torch.nn.Module) -> bool:
     """Whether `module` itself (not its children) may put more than its parameters in its state_dict: a buffer,
     a None one too (it may be set later), or a state-dict hook. torch's `buffers()` leaves None ones out and no
     public call tells of hooks: relies on `Module._buffers`, `_state_dict_hooks` and `_state_dict_pre_hooks`.
-    Checked on torch 2.13.0."""
+    Checked on torch 2.4.1 and 2.13.0."""
     return bool(
         module._buffers or getattr(module, "_state_dict_hooks", None) or getattr(module, "_state_dict_pre_hooks", None)
     )
@@ -203,14 +179,15 @@ def module_state_dict_extended(module: torch.nn.Module) -> bool:
 
 def optimizer_state_dict_hooked(opt: torch.optim.Optimizer) -> bool:
     """Whether a state-dict pre- or post-hook is registered on `opt`: no public call tells; relies on
-    `Optimizer._optimizer_state_dict_pre_hooks` and `_optimizer_state_dict_post_hooks`. Checked on torch 2.13.0."""
+    `Optimizer._optimizer_state_dict_pre_hooks` and `_optimizer_state_dict_post_hooks`. Checked on torch 2.4.1 and
+    2.13.0."""
     return bool(opt._optimizer_state_dict_pre_hooks or opt._optimizer_state_dict_post_hooks)
 
 
 def register_first_step_pre_hook(opt: torch.optim.Optimizer, hook: Callable[..., Any]) -> RemovableHandle:
     """`opt.register_step_pre_hook(hook)`, run before the pre-hooks registered earlier: torch runs them in the
     order of the private `Optimizer._optimizer_step_pre_hooks` (an OrderedDict by handle id) and has no `prepend`.
-    Checked on torch 2.13.0."""
+    Checked on torch 2.4.1 and 2.13.0."""
     handle = opt.register_step_pre_hook(hook)
     cast("OrderedDict[int, Any]", opt._optimizer_step_pre_hooks).move_to_end(handle.id, last=False)
     return handle
@@ -218,7 +195,8 @@ def register_first_step_pre_hook(opt: torch.optim.Optimizer, hook: Callable[...,
 
 def scale_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, factor: float) -> None:
     """Scale the rates `scheduler.get_last_lr()` reports, the private `_last_lr` its steps set (no setter): a world
-    size change rescales them between steps, and what the scheduler reports must agree. Checked on torch 2.13.0."""
+    size change rescales them between steps, and what the scheduler reports must agree. Checked on torch 2.4.1 and
+    2.13.0."""
     last = getattr(scheduler, "_last_lr", None)
     if isinstance(last, list):
         scheduler._last_lr = [lr * factor for lr in last]
@@ -227,7 +205,7 @@ def scale_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, factor: float
 def carry_scheduler_mark(real_step: Callable[..., Any], step: Callable[..., Any]) -> None:
     """Give `step`, which stands in for an optimizer's `real_step`, the mark torch's LR schedulers put on the step
     they wrap (`_wrapped_by_lr_sched`): without it the scheduler's next step warns that `optimizer.step()` was
-    overridden after its initialization. Checked on torch 2.13.0."""
+    overridden after its initialization. Checked on torch 2.4.1 and 2.13.0."""
     if hasattr(real_step, "_wrapped_by_lr_sched"):
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
@@ -235,7 +213,7 @@ def carry_scheduler_mark(real_step: Callable[..., Any], step: Callable[..., Any]
 def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> Sequence[torch.Tensor]:
     """The 2-norm of each tensor, computed in `dtype` when given, as one fused operation: `torch._foreach_norm`,
     which clip_grad_norm_ uses (no public fused form). A torch whose `_foreach_norm` takes no dtype gets one norm
-    per tensor. Checked on torch 2.13.0 (dtype taken)."""
+    per tensor. Checked on torch 2.4.1 and 2.13.0 (dtype taken)."""
     if dtype is None:
         return torch._foreach_norm(tensors)
     try:
@@ -246,7 +224,7 @@ def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) 
 
 FIRST_STEP_IMPORTS = ("torch._dynamo",)
 """Modules torch imports at a process's first optimizer step, a large part of that step's time; a warm worker
-host imports them beforehand (supervisor/worker_host.py). Checked on torch 2.13.0 (a fresh interpreter's first
+host imports them beforehand (supervisor/worker_host.py). Checked on torch 2.4.1 and 2.13.0 (a fresh interpreter's first
 AdamW step imports torch._dynamo)."""
 
 
@@ -256,12 +234,13 @@ AdamW step imports torch._dynamo)."""
 WEIGHTS_ONLY_REFUSES_BYTES = torch_older_than("2.5")
 """Whether `torch.load(weights_only=True)` refuses a `bytes` value, which torch.save stores as a call of
 `_codecs.encode`: torch 2.4's does, later releases allow it (checkpoint/format/serialize.py allows it once where
-refused). By version: only a load that fails would tell. Checked on torch 2.13.0 (allowed)."""
+refused). By version: only a load that fails would tell. Checked on torch 2.4.1 (refused) and 2.13.0 (allowed)."""
 
 LIBUV_TAKES_LISTEN_FD = not torch_older_than("2.5")
 """Whether torch's default TCPStore server (libuv since torch 2.4) accepts a listening socket (`master_listen_fd`):
 torch 2.4's logs an error and raises NotImplementedError, so runtime/store.py starts the legacy server there (and
-falls back to it on that error with any torch). By version: only a store would tell. Checked on torch 2.13.0."""
+falls back to it on that error with any torch). By version: only a store would tell. Checked on torch 2.4.1 (refused)
+and 2.13.0."""
 
 _DTENSOR_CLASSES = ("DTensor", "Replicate", "Shard")
 
@@ -270,7 +249,7 @@ if not TYPE_CHECKING:
     def __getattr__(name: str) -> Any:
         """DTensor, Replicate and Shard, imported when first asked for (`torch.distributed.tensor` is a large
         import, which the launcher need not pay): public since torch 2.5; torch 2.4 has the same classes in the
-        private `torch.distributed._tensor`. Checked on torch 2.13.0 (the public module)."""
+        private `torch.distributed._tensor`. Checked on torch 2.4.1 (the private module) and 2.13.0 (the public one)."""
         if name not in _DTENSOR_CLASSES:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
         module = importlib.import_module("torch.distributed.tensor")  # torch 2.4's lacks them (tensor.parallel)
@@ -285,7 +264,7 @@ if not TYPE_CHECKING:
 def matches_machine_hostname(host: str) -> bool:
     """Whether `host` names this machine (torch's own guess whether an agent hosts the rendezvous store): torch
     elastic's private `rendezvous.utils._matches_machine_hostname`, kept so that stalwart's rendezvous decides as
-    torch's. Checked on torch 2.13.0."""
+    torch's. Checked on torch 2.4.1 and 2.13.0."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
     return bool(_matches_machine_hostname(host))
@@ -293,7 +272,8 @@ def matches_machine_hostname(host: str) -> bool:
 
 def static_master(params: Any) -> tuple[str | None, int | None]:
     """MASTER_ADDR and MASTER_PORT of a static rendezvous (torch's RendezvousParameters), as torchrun reads them
-    from its flags: the private `torch.distributed.launcher.api._get_addr_and_port`. Checked on torch 2.13.0."""
+    from its flags: the private `torch.distributed.launcher.api._get_addr_and_port`. Checked on torch 2.4.1 and
+    2.13.0."""
     from torch.distributed.launcher.api import _get_addr_and_port
 
     return _get_addr_and_port(params)
@@ -302,7 +282,7 @@ def static_master(params: Any) -> tuple[str | None, int | None]:
 def set_last_call(handler: Any, wait: timedelta) -> bool:
     """Make the next rounds of `handler` (torch's DynamicRendezvousHandler) wait `wait` for more nodes once the
     minimum is there: its `last_call_timeout`, fixed when made, is the private `_settings.timeout._last_call`.
-    False (left as it is) on a torch without it. Checked on torch 2.13.0."""
+    False (left as it is) on a torch without it. Checked on torch 2.4.1 and 2.13.0."""
     timeout = getattr(getattr(handler, "_settings", None), "timeout", None)
     if timeout is None or not hasattr(timeout, "_last_call"):
         return False
@@ -313,7 +293,8 @@ def set_last_call(handler: Any, wait: timedelta) -> bool:
 def rendezvous_gives_local_addr() -> bool:
     """Whether torch's rendezvous gives the workers rank 0's `--local-addr` as MASTER_ADDR (`RendezvousStoreInfo.build`
     takes `local_addr`). torch 2.4's names the host by `socket.getfqdn()` whatever --local-addr says, and
-    supervisor/rendezvous.py publishes the address itself. By feature. Checked on torch 2.13.0 (it does)."""
+    supervisor/rendezvous.py publishes the address itself. By feature. Checked on torch 2.4.1 (it does not) and
+    2.13.0 (it does)."""
     import inspect
 
     from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
@@ -338,7 +319,7 @@ class Contract:
     where: str
     """The stalwart module that relies on it."""
     why: str
-    checked_on: tuple[str, ...] = ("2.13.0",)
+    checked_on: tuple[str, ...] = ("2.4.1", "2.13.0")
     """The torch releases on which tests/test_torch_compat.py found it as described."""
 
 
@@ -354,9 +335,9 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract(
         _AGENT,
         "_stop_workers",
-        ("self", "worker_group"),
+        ("self", "worker_group", "..."),
         "stalwart.supervisor.agent",
-        f"{_OVERRIDE} (torch 2.4's also took is_restart)",
+        f"{_OVERRIDE}, whatever follows the worker group too (torch 2.4's takes is_restart)",
     ),
     Contract(_AGENT, "_monitor_workers", ("self", "worker_group"), "stalwart.supervisor.agent", _OVERRIDE),
     Contract(

@@ -1,5 +1,11 @@
 """The `dist.Work` objects the re-formable group (runtime/group.py) hands back: one not run, one whose failure is
 recorded on the group instead of raised, and one made of several (a coalesced collective run one tensor at a time).
+
+Each is kept alive by the group that gave it until its caller has been served (`Given`). Why: a caller in C++
+(DDP's reducer, torch's functional collectives) holds only the C++ part of a Python work, and torch 2.4 keeps the
+Python object alive for none of them: once the last Python reference goes, the C++ part loses the Python overrides
+and runs torch's base `Work` instead (a `get_future` that raises "not implemented", a `wait` that never returns).
+Later releases hold the Python object for as long as C++ holds the work; keeping it is harmless there.
 """
 
 from __future__ import annotations
@@ -17,7 +23,13 @@ POLL = timedelta(milliseconds=100)
 """How long an absorbing wait blocks before it looks whether the group has failed meanwhile."""
 
 
-class Absorber(Protocol):
+class Keeper(Protocol):
+    """What keeps a given work alive until its caller has been served: the group that gave it."""
+
+    def served(self, work: Given) -> None: ...
+
+
+class Absorber(Keeper, Protocol):
     """What a work reports a failure to: the group (ReformableGroup)."""
 
     @property
@@ -27,10 +39,30 @@ class Absorber(Protocol):
 
     def work_failed(self, exc: BaseException) -> None: ...
 
-    def pending(self, work: AbsorbingWork) -> None: ...
+    def give(self, work: Given) -> dist.Work: ...
 
 
-class DoneWork(dist.Work):
+class Given(dist.Work):
+    """A work of this module, kept by the group that gave it (`kept_by`) until its caller has been served: it
+    waited, or it took the future and the future completed (see the module docstring for why)."""
+
+    _keeper: Keeper | None = None
+
+    def kept_by(self, keeper: Keeper) -> None:
+        """`keeper` holds this work until `served` tells it the caller has what it came for."""
+        self._keeper = keeper
+
+    def release(self) -> None:
+        """The group has failed: complete now if not done (nothing to do for a work done when made)."""
+
+    def served(self) -> None:
+        """The caller has what it came for: the keeper may let go (the caller holds the work if it needs more)."""
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.served(self)
+
+
+class DoneWork(Given):
     """A collective that was not run (the group has failed): done at once, its tensors left as they are."""
 
     def __init__(self, result: Any) -> None:
@@ -39,9 +71,11 @@ class DoneWork(dist.Work):
         self._future.set_result(result)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        self.served()
         return True
 
     def get_future(self) -> Future[Any]:
+        self.served()
         return self._future
 
     def is_completed(self) -> bool:
@@ -51,20 +85,19 @@ class DoneWork(dist.Work):
         return True
 
 
-class AbsorbingWork(dist.Work):
-    """A collective of the real backend whose failure is recorded on the group instead of raised."""
+class AbsorbingWork(Given):
+    """A collective of the real backend whose failure is recorded on the group instead of raised. Given out by the
+    group when made, which completes it if the group fails first (`release`): a C++ waiter (DDP's reducer) is woken.
+    """
 
     def __init__(self, group: Absorber, work: dist.Work, result: Any) -> None:
         super().__init__()
         self._group, self._work, self._result = group, work, result
         self._future: Future[Any] = Future()
-        try:
-            inner = work.get_future()
-        except RuntimeError:  # gloo's reduce-scatter has none: completed by wait(), see get_future
-            return
-        inner.add_done_callback(self._settle)
-        if not self._future.done():
-            group.pending(self)  # completed by the group if it fails first: a C++ waiter (DDP's reducer) is woken
+        self._future_taken = False
+        with contextlib.suppress(RuntimeError):  # gloo's reduce-scatter has none: completed by wait(), get_future
+            work.get_future().add_done_callback(self._settle)
+        group.give(self)  # kept until served; a group that failed already releases it at once
 
     def release(self) -> None:
         """The group has failed: complete the future now, its tensors as they are, without waiting for the backend
@@ -82,6 +115,8 @@ class AbsorbingWork(dist.Work):
         if not self._future.done():  # once, by whichever of wait() and the callback is first
             with contextlib.suppress(RuntimeError):
                 self._future.set_result(self._result)
+        if self._future_taken:  # a caller that took the future (DDP's reducer) has what it waits for
+            self.served()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         try:
@@ -89,6 +124,7 @@ class AbsorbingWork(dist.Work):
         except Exception as exc:
             self._group.work_failed(exc)
         self._complete()
+        self.served()
         return True
 
     def _wait_unless_failed(self) -> None:
@@ -108,11 +144,14 @@ class AbsorbingWork(dist.Work):
                 return
 
     def get_future(self) -> Future[Any]:
+        self._future_taken = True
         if not self._future.done():
             try:
                 self._work.get_future()
             except RuntimeError:  # no future of its own: the caller gets a completed one, after the wait
                 self.wait()
+        if self._future.done():
+            self.served()
         return self._future
 
     def is_completed(self) -> bool:
@@ -122,7 +161,7 @@ class AbsorbingWork(dist.Work):
         return self._group.failed is None
 
 
-class AllOf(dist.Work):
+class AllOf(Given):
     """Several works as one: done when all are (a coalesced collective run as one collective per tensor)."""
 
     def __init__(self, works: list[dist.Work], result: Any) -> None:
@@ -136,6 +175,7 @@ class AllOf(dist.Work):
         if not self._future.done():
             with contextlib.suppress(RuntimeError):
                 self._future.set_result(self._result)
+        self.served()
         return True
 
     def get_future(self) -> Future[Any]:
