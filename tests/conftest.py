@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from launch_server import LaunchServer
 from stalwart.runtime.process import spawn
 from stalwart.telemetry.events import read_events
 
@@ -51,10 +53,15 @@ class Launch:
         self.workdir = workdir
         self.event_log = workdir / "events.jsonl"
         self.output_path = workdir / "output.log"
-        cmd = [*prefix, sys.executable, "-m", "stalwart", "run", "--event-log", str(self.event_log), *args]
+        argv = ["run", "--event-log", str(self.event_log), *args]
         self._out = open(self.output_path, "wb")  # noqa: SIM115 (closed in reap)
-        # SIGTERM to the launcher if the test process dies (killed pytest, a crashed xdist worker).
-        self.proc = spawn(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+        self.proc: Any
+        if prefix or os.environ.get("STALWART_TEST_NO_LAUNCH_SERVER"):
+            # SIGTERM to the launcher if the test process dies (killed pytest, a crashed xdist worker).
+            cmd = [*prefix, sys.executable, "-m", "stalwart", *argv]
+            self.proc = spawn(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+        else:  # forked with torch imported: tests/launch_server.py says why and what differs
+            self.proc = _launch_server().start(argv, env, workdir, self.output_path)
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         return [e for e in read_events(self.event_log) if kind is None or e["event"] == kind]
@@ -107,6 +114,18 @@ class Launch:
             if alive(e["worker_pid"]):
                 os.kill(e["worker_pid"], signal.SIGKILL)
         self._out.close()
+
+
+_SERVER: LaunchServer | None = None
+
+
+def _launch_server() -> LaunchServer:
+    """This test process's launch server, started at its first use (and again if it ended)."""
+    global _SERVER
+    if _SERVER is None or not _SERVER.alive():
+        _SERVER = LaunchServer(child_env())
+        atexit.register(_SERVER.close)
+    return _SERVER
 
 
 @pytest.fixture
