@@ -81,6 +81,7 @@ class LaunchServer:
             death_signal=signal.SIGKILL,
         )
         self._lock = threading.Condition()
+        self._starting = threading.Lock()
         self._pids: list[int] = []
         self._codes: dict[int, int] = {}
         self._gone = False
@@ -89,7 +90,7 @@ class LaunchServer:
     def start(self, argv: list[str], env: dict[str, str], cwd: Path, out: Path) -> ServedProcess:
         """Fork `stalwart <argv>` with `env`, in `cwd`, its stdout and stderr to `out` (created or truncated)."""
         request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd), "out": str(out)}) + "\n"
-        with self._lock:
+        with self._starting, self._lock:  # one request at a time: the answers come in the requests' order
             assert self._proc.stdin is not None
             self._proc.stdin.write(request.encode())
             self._proc.stdin.flush()
@@ -138,6 +139,7 @@ class LaunchServer:
                 else:
                     self._codes[message["exit"]] = message["code"]
                 self._lock.notify_all()
+        self._proc.stdout.close()
         with self._lock:
             self._gone = True
             self._lock.notify_all()
