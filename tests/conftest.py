@@ -243,6 +243,18 @@ SLOW_TESTS = {
         "test_a_long_stretch_marked_busy_is_not_a_hang",
         "test_a_stopped_survivor_is_killed_at_once_in_any_phase[kill@rank=0,step=8;",
     ),
+    # The quick tier's longest (409 s for 501 tests at f3f32f5, 2026-11-28); each kind keeps a quicker scenario there.
+    "test_reshard.py": (
+        "test_the_reshard_bench_loads_every_byte_at_another_world_size",
+        "test_fsdp2_state_of_4_ranks_reshards_from_node_memory_at_2_then_at_3",
+    ),
+    "test_chaos.py": ("test_your_own_scenario_file_with_time_and_poisson_faults",),
+    "test_bench_recovery.py": ("test_a_killed_rank_0_is_measured_from_its_survivor_rank_1",),
+    "test_group.py": ("test_survivors_absorb_a_peers_death_and_reform_in_their_loop",),
+    "test_straggler.py": ("test_a_clean_thousand_step_run_under_stalwart_run_flags_nobody",),
+    "test_preemption.py": ("test_sigterm_saves_at_an_agreed_step_and_the_next_launch_resumes_there",),
+    "test_preflight.py": ("test_stalwart_run_checks_the_node_first_and_a_failing_one_never_joins",),
+    "test_zygote.py": ("test_when_the_zygote_dies_workers_restart_as_new_interpreters",),
     "test_leftovers.py": (
         "test_sigkill_of_bench_recovery_in_its_torchrun_phase_leaves_nothing",
         "test_sigkill_of_bench_checkpoint_leaves_nothing",
