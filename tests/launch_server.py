@@ -11,7 +11,11 @@ server's start (no module of stalwart reads the environment when imported), and 
 The real entry point (`python -m stalwart run`) keeps its own tests: everything started through `spawn` or
 `subprocess` (the CLI, leftovers, demo, chaos and bench tests) and every launch with a prefix (network namespaces).
 
-Protocol over the server's stdin and stdout, one JSON object per line: a request {"argv", "env", "cwd", "out"}
+The tests' other `python -m stalwart <command>` calls (conftest.stalwart) are forked the same way: a command's
+result does not depend on how its interpreter started, and the ones whose subject is the start itself (the import
+tests, the leftovers, `stalwart run` under Slurm, the demo) keep new interpreters.
+
+Protocol over the server's stdin and stdout, one JSON object per line: a request {"argv", "env", "cwd", "out", "err"}
 is answered {"pid"}; each child's end is sent as {"exit": pid, "code": returncode as Popen gives it}. The server
 ends when its stdin closes (the test process is gone) or when the test process dies (a parent-death signal); its
 children, the launchers, then get SIGTERM from their own parent-death signal, as `spawn` arms it.
@@ -84,9 +88,13 @@ class LaunchServer:
         self._gone = False
         threading.Thread(target=self._read, name="launch-server-reader", daemon=True).start()
 
-    def start(self, argv: list[str], env: dict[str, str], cwd: Path, out: Path) -> ServedProcess:
-        """Fork `stalwart <argv>` with `env`, in `cwd`, its stdout and stderr to `out` (created or truncated)."""
-        request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd), "out": str(out)}) + "\n"
+    def start(
+        self, argv: list[str], env: dict[str, str], cwd: Path, out: Path, err: Path | None = None
+    ) -> ServedProcess:
+        """Fork `stalwart <argv>` with `env`, in `cwd`, its stdout to `out` and its stderr to `err` (or `out`),
+        each created or truncated."""
+        files = {"out": str(out), "err": str(err or out)}
+        request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd), **files}) + "\n"
         with self._starting, self._lock:  # one request at a time: the answers come in the requests' order
             assert self._proc.stdin is not None
             self._proc.stdin.write(request.encode())
@@ -185,12 +193,17 @@ def _become(request: dict[str, Any], server: int) -> list[str]:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = (
+        out
+        if request["err"] == request["out"]
+        else os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    )
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
-    os.close(null)
+    os.dup2(err, 2)
+    for fd in {out, err, null}:
+        os.close(fd)
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()

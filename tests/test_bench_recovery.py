@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from conftest import stalwart
 from stalwart.bench.recovery import _reference_run, measure_kills, survivor_of
 from stalwart.bench.recovery_goodput import SETTLE_S, PacedGoodput, steady_pace
 from stalwart.bench.recovery_run import _results
@@ -140,8 +140,7 @@ def test_a_killed_rank_0_is_measured_from_its_survivor_rank_1(tmp_path: Path) ->
 
 
 def test_a_bad_kill_rank_is_one_line() -> None:
-    out = subprocess.run([sys.executable, "-m", "stalwart", "bench", "recovery", "--kill-rank", "2"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = stalwart("bench", "recovery", "--kill-rank", "2", env=dict(os.environ), timeout=60)
     assert out.returncode == 2 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "--kill-rank" in lines[0], out.stderr
@@ -149,8 +148,7 @@ def test_a_bad_kill_rank_is_one_line() -> None:
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf", "five"])
 def test_a_bad_setup_time_is_one_line(value: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "stalwart", "bench", "recovery", f"--setup-s={value}"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = stalwart("bench", "recovery", f"--setup-s={value}", env=dict(os.environ), timeout=60)
     assert out.returncode == 2 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "--setup-s" in lines[0] and "seconds" in lines[0], out.stderr
@@ -159,8 +157,7 @@ def test_a_bad_setup_time_is_one_line(value: str) -> None:
 def test_a_dir_that_is_a_file_is_one_line(tmp_path: Path) -> None:
     taken = tmp_path / "a-file"
     taken.write_text("mine")
-    out = subprocess.run([sys.executable, "-m", "stalwart", "bench", "recovery", "--dir", str(taken)],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = stalwart("bench", "recovery", "--dir", str(taken), env=dict(os.environ), timeout=60)
     assert out.returncode != 0 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "--dir" in lines[0], out.stderr

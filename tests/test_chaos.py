@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import child_env
+from conftest import stalwart
 from stalwart.chaos import netns
 from stalwart.chaos.scenario import parse
 from stalwart.errors import ConfigError
 
 
 def _chaos(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "stalwart", "chaos", *args], capture_output=True, text=True,
-                          timeout=timeout, env=child_env())  # fmt: skip
+    return stalwart("chaos", *args, timeout=timeout)
 
 
 def test_a_scenario_becomes_step_faults_for_the_job_and_time_faults_for_the_harness() -> None:
@@ -108,9 +106,12 @@ def test_bad_command_lines_are_one_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_the_quick_suite_recovers_from_every_fault_type_bitwise(tmp_path: Path) -> None:
-    """Every fault type and the compound cases on the built-in job, in well under 5 minutes."""
-    out = _chaos("--suite", "quick", "--workdir", str(tmp_path), "--json", timeout=300)
+    """Every fault type and the compound cases on the built-in job. Bounded at 14 minutes, not the suite's 5 that
+    users are told to expect: in a fresh-clone run of the whole test suite on the 2-core VM it took 292 s, three
+    tests at a time (2026-11-28), and load alone must not fail it."""
+    out = _chaos("--suite", "quick", "--workdir", str(tmp_path), "--json", timeout=840)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(out.stdout)
     outcomes = {o["scenario"]: o for o in report["scenarios"]}

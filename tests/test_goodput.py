@@ -7,13 +7,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import child_env, tiny_args
+from conftest import child_env, stalwart, tiny_args
 from stalwart.telemetry.goodput import CATEGORIES, account
 
 
@@ -145,8 +144,7 @@ def test_stalwart_report_on_a_run_with_a_kill(launch: Any) -> None:
         tiny_args("--steps", "40", "--step-sleep", "0.03"), env=child_env(STALWART_FAULTS="kill@rank=1,step=20")
     )
     assert job.wait(180) == 0, job.output()
-    out = subprocess.run([sys.executable, "-m", "stalwart", "report", str(job.event_log), "--json"],
-                         capture_output=True, text=True, timeout=60, env=child_env())  # fmt: skip
+    out = stalwart("report", str(job.event_log), "--json", timeout=60)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     # Above 0 and below 1, whatever the load: how much of a 2 s run its start-up takes depends on the machine's load
@@ -157,8 +155,7 @@ def test_stalwart_report_on_a_run_with_a_kill(launch: Any) -> None:
     assert r["detection_s"] is not None and 0 <= r["detection_s"] < 5
     assert report["productive_s"] + sum(report["badput"].values()) == pytest.approx(report["wall_s"])
     assert report["html"] is None, "--json alone writes no page"
-    table = subprocess.run([sys.executable, "-m", "stalwart", "report", str(job.workdir)],
-                           capture_output=True, text=True, timeout=60, env=child_env())  # fmt: skip
+    table = stalwart("report", str(job.workdir), timeout=60)
     assert table.returncode == 0 and "goodput" in table.stdout and "kill" in table.stdout
     page = job.event_log.parent / "report.html"
     assert f"report: {page}" in " ".join(table.stdout.split()) and page.read_text().count("<svg") == 3
@@ -180,8 +177,7 @@ def _kill_run_log(tmp_path: Path) -> Path:
 
 
 def _report(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "stalwart", "report", *args], capture_output=True, text=True,
-                          timeout=120, env=child_env())  # fmt: skip
+    return stalwart("report", *args)
 
 
 def test_the_html_page_is_one_self_contained_file(tmp_path: Path) -> None:
@@ -331,13 +327,11 @@ def test_the_page_renders_in_headless_chromium(tmp_path: Path) -> None:
 
 def test_a_bad_path_is_one_clear_error(tmp_path: Path) -> None:
     for path, message in ((tmp_path / "nope", "does not exist"), (tmp_path, "holds no event log")):
-        out = subprocess.run([sys.executable, "-m", "stalwart", "report", str(path)], capture_output=True, text=True,
-                             timeout=60, env=child_env())  # fmt: skip
+        out = stalwart("report", str(path), timeout=60)
         assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1
     foreign = tmp_path / "other.jsonl"
     foreign.write_text('{"a": 1}\n')
-    out = subprocess.run([sys.executable, "-m", "stalwart", "report", str(foreign)], capture_output=True, text=True,
-                         timeout=60, env=child_env())  # fmt: skip
+    out = stalwart("report", str(foreign), timeout=60)
     assert out.returncode == 2 and "not a stalwart event log" in out.stderr
 
 

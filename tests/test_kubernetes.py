@@ -15,6 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from conftest import stalwart
 from stalwart.supervisor import exclusion, run_args
 
 MANIFEST = Path(__file__).parent.parent / "deploy" / "kubernetes" / "stalwart-job.yaml"
@@ -74,12 +75,10 @@ def test_an_excluded_node_is_named_as_the_scheduler_knows_it_with_the_commands_t
     code = "from stalwart.supervisor import exclusion; exclusion.exclude('GPU 3: XID 79', 'drain_node')"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
     assert list(json.loads(path.read_text())["nodes"]) == ["gke-pool-a-17"], "the node, not the pod's host name"
-    out = subprocess.run([sys.executable, "-m", "stalwart", "nodes", "list"], env=env, capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    out = stalwart("nodes", "list", env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "kubectl cordon gke-pool-a-17" in out.stdout
     assert 'scontrol update NodeName=gke-pool-a-17 State=DRAIN Reason="stalwart: GPU 3: XID 79"' in out.stdout
-    as_json = subprocess.run([sys.executable, "-m", "stalwart", "nodes", "list", "--json"], env=env,
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    as_json = stalwart("nodes", "list", "--json", env=env, timeout=60)
     [entry] = json.loads(as_json.stdout)
     assert entry["suggested"] == exclusion.scheduler_commands(exclusion.listed(path)[0])

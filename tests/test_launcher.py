@@ -16,14 +16,12 @@ from typing import Any
 
 import pytest
 
-from conftest import TINY, Launch, alive, child_env, tiny_args
+from conftest import TINY, Launch, alive, child_env, stalwart, tiny_args
 from stalwart.errors import EXIT_USER_ERROR
 
 
 def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "stalwart", *args], capture_output=True, text=True, timeout=120, env=child_env(), cwd=cwd
-    )
+    return stalwart(*args, cwd=cwd)
 
 
 def _one_error_line(stderr: str) -> str:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import child_env, tiny_args
+from conftest import child_env, stalwart, tiny_args
 from stalwart.detect import preflight
 
 
@@ -47,8 +46,7 @@ def test_a_device_far_below_its_peers_or_a_floor_fails() -> None:
 
 
 def _preflight(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "stalwart", "preflight", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=child_env(**env), timeout=120)
+    return stalwart("preflight", *args, env=child_env(**env))
 
 
 def test_stalwart_preflight_by_hand(tmp_path: Path) -> None:

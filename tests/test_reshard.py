@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.fsdp
 
-from conftest import TINY, alive, child_env, tiny_args
+from conftest import TINY, alive, child_env, stalwart, tiny_args
 
 fsdp2 = pytest.mark.skipif(
     not hasattr(torch.distributed.fsdp, "fully_shard"),
@@ -151,12 +151,23 @@ def test_the_reshard_bench_loads_every_byte_at_another_world_size(tmp_path: Path
     memory (its checks: every byte of the state is in the loaded shards, read from that tier), beside the floor; a
     --dir that cannot be made is one line."""
     import json
-    import subprocess
-    import sys
 
-    done = subprocess.run([sys.executable, "-m", "stalwart", "bench", "reshard", "--size", "2MB", "--from", "2",
-                           "--to", "1", "--dir", str(tmp_path), "--json"], capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    here = dict(os.environ)
+    done = stalwart(
+        "bench",
+        "reshard",
+        "--size",
+        "2MB",
+        "--from",
+        "2",
+        "--to",
+        "1",
+        "--dir",
+        str(tmp_path),
+        "--json",
+        env=here,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert [(r["to"], r["tier"]) for r in report["rounds"]] == [(1, "durable"), (1, "memory")]
@@ -164,11 +175,9 @@ def test_the_reshard_bench_loads_every_byte_at_another_world_size(tmp_path: Path
     assert report["state_bytes"] == 8 * 1024 * 4 * (2 * 10**6 // (8 * 1024 * 4))
     assert list(tmp_path.iterdir()) == [], "its directory is removed"
     (tmp_path / "file").write_text("")
-    bad = subprocess.run([sys.executable, "-m", "stalwart", "bench", "reshard", "--dir", str(tmp_path / "file" / "x")],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    bad = stalwart("bench", "reshard", "--dir", str(tmp_path / "file" / "x"), env=here)
     assert bad.returncode == 1 and "cannot be made" in bad.stderr and "Traceback" not in bad.stderr
-    tier = subprocess.run([sys.executable, "-m", "stalwart", "bench", "reshard", "--tiers", "disk"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    tier = stalwart("bench", "reshard", "--tiers", "disk", env=here)
     assert tier.returncode == 2 and "--tiers takes durable,memory" in tier.stderr and "Traceback" not in tier.stderr
 
 

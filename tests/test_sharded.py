@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.fsdp
 
-from conftest import Launch, child_env, tiny_args
+from conftest import Launch, child_env, stalwart, tiny_args
 from stalwart.checkpoint.format.sharded import checked_info, shard_extent
 from stalwart.errors import CheckpointCorruptError
 
@@ -57,10 +58,7 @@ def test_fsdp2_export_is_the_whole_model(launch: Any, fsdp_reference: dict[int, 
     job = launch(tiny_args("--steps", str(STEPS), "--fsdp"))
     assert job.wait(120) == 0, job.output()
     out = job.workdir / "exported"
-    done = subprocess.run(
-        [sys.executable, "-m", "stalwart", "ckpt", "export", str(job.workdir / "ckpt"), "--to", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = stalwart("ckpt", "export", str(job.workdir / "ckpt"), "--to", str(out), env=dict(os.environ))
     assert done.returncode == 0, done.stderr
     import torch.distributed.checkpoint as dcp
 
