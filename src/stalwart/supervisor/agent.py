@@ -31,24 +31,15 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from stalwart.detect.heartbeat import Beat, Board
 from stalwart.errors import EXIT_EVICTED, EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.runtime.process import process_state, stopped
-from stalwart.supervisor import exclusion, peer_check
+from stalwart.supervisor import exclusion, late_failures, peer_check
 from stalwart.supervisor.exclusion import Exclusion
 from stalwart.supervisor.exit_watch import ExitWatch
 from stalwart.supervisor.gpu_watch import GpuWatch, is_restart
 from stalwart.supervisor.host_pool import Host, HostContext, SparePool, running_in
+from stalwart.supervisor.late_failures import signal_name
 from stalwart.supervisor.peer_check import PeerCheck
 from stalwart.supervisor.zygote import Zygote
 from stalwart.telemetry.events import EventLog
-
-
-def signal_name(exitcode: int) -> str | None:
-    """'SIGKILL' for -9 (a death by signal, as multiprocessing reports it), else None."""
-    if exitcode >= 0:
-        return None
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return f"signal {-exitcode}"
 
 
 def _alive(pid: int) -> bool:
@@ -98,6 +89,7 @@ class StalwartAgent(LocalElasticAgent):
         self._reforming = False
         self._kept: dict[int, Host] = {}  # local rank -> re-armed survivor, for the next round
         self._failed_at: float | None = None
+        self._unreported: dict[int, tuple[int, int, int]] = {}  # see supervisor/late_failures.py
         self._pids: dict[int, int] = {}  # local rank -> pid of the current workers
         self._hung: dict[int, str] = {}  # global rank -> why it was killed as hung
         self._stopped_since: dict[int, int] = {}  # pid -> monotonic ns when it was first seen stopped
@@ -143,6 +135,8 @@ class StalwartAgent(LocalElasticAgent):
                 replaced=sorted(rank for pid, rank in rank_of.items() if pid not in kept),
                 seconds=round(time.monotonic() - self._failed_at, 4),
             )
+            late_failures.report(self._events, self._zygote, self._unreported, kept)
+            self._unreported = {}
             self._failed_at = None
         return pids
 
@@ -262,6 +256,11 @@ class StalwartAgent(LocalElasticAgent):
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._failed_at = time.monotonic()
             self._report_failure(result)
+            self._unreported = {
+                w.global_rank: (w.local_rank, self._pids[w.local_rank], self.restart_count)
+                for w in worker_group.workers
+                if w.global_rank not in result.failures and w.local_rank in self._pids
+            }
         return result
 
     def _act_on_gpu(self, worker_group: WorkerGroup, index: int, action: str, reason: str) -> None:
