@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Creates .venv (Python 3.11) and installs stalwart with its dev tools; does nothing when already up to date.
 # On a Linux x86_64 machine without an NVIDIA GPU it installs torch's CPU build (torch==X+cpu) when pip can find one
-# (CI's machine has it on its disk): about 1 GB installed against 5 GB for the CUDA build and its libraries, which a
-# machine without a GPU never loads. Measured on the 2-core VM, 2026-11-28: the CUDA build's install took most of
-# the set-up's 127-163 s. Elsewhere, or when pip finds no CPU build, the pinned release as PyPI has it.
+# (CI's machine has it on its disk): a 1.5 GB .venv against 5.3 GB with the CUDA build and the NVIDIA libraries a
+# machine without a GPU never loads, and about a tenth less CPU for each `import torch` (2-core VM, 2026-11-28).
+# Elsewhere, or when pip finds no CPU build, the pinned release as PyPI has it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=""

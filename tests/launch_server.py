@@ -9,7 +9,7 @@ the same `main`, its own environment, working directory, output file and session
 exit (atexit handlers, thread joins). What differs from a new interpreter: the imported modules come from the
 server's start (no module of stalwart reads the environment when imported), and the Python RNGs are seeded anew.
 The real entry point (`python -m stalwart run`) keeps its own tests: everything started through `spawn` or
-`subprocess` (the CLI, leftovers, demo, chaos and bench tests) and every launch with a prefix (network namespaces).
+`subprocess` (the leftovers, the demo, Slurm, the import tests) and every launch with a prefix (network namespaces).
 
 The tests' other `python -m stalwart <command>` calls (conftest.stalwart) are forked the same way: a command's
 result does not depend on how its interpreter started, and the ones whose subject is the start itself (the import
