@@ -20,10 +20,6 @@ from conftest import TINY, Launch, alive, child_env, stalwart, tiny_args
 from stalwart.errors import EXIT_USER_ERROR
 
 
-def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return stalwart(*args, cwd=cwd)
-
-
 def _one_error_line(stderr: str) -> str:
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1, f"expected one error line, got:\n{stderr}"
@@ -64,7 +60,7 @@ def _one_error_line(stderr: str) -> str:
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(args: list[str], expected: str, tmp_path: Path) -> None:
-    result = _cli(*args, cwd=tmp_path)
+    result = stalwart(*args, cwd=tmp_path)
     assert result.returncode == 2
     assert expected in _one_error_line(result.stderr)
     assert list(tmp_path.iterdir()) == [], "nothing is written for bad input"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -143,10 +142,6 @@ def _assert_state_equal(restored: dict[str, Any], expected: dict[str, Any]) -> N
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
 
 
-def _stalwart(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return stalwart(*args, env=env)
-
-
 @pytest.mark.timeout(90)
 def test_roundtrip_with_delta_and_retention(s3: S3, tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
@@ -264,7 +259,7 @@ def test_ckpt_cli_list_verify_inspect_on_s3(s3: S3, tmp_path: Path) -> None:
     assert env["AWS_ENDPOINT_URL"] == s3.endpoint
     url = s3.url("run")
 
-    listed = _stalwart("ckpt", "list", url, "--json", env=env)
+    listed = stalwart("ckpt", "list", url, "--json", env=env)
     assert listed.returncode == 0, listed.stderr
     rows = json.loads(listed.stdout)["checkpoints"]
     assert [(r["step"], r["status"], r["world_size"], r["kind"]) for r in rows] == [
@@ -274,11 +269,11 @@ def test_ckpt_cli_list_verify_inspect_on_s3(s3: S3, tmp_path: Path) -> None:
         t.numel() * t.element_size() for t in _model_state(2)["objects"]["m"].values()
     )
 
-    verified = _stalwart("ckpt", "verify", url, "--json", env=env)
+    verified = stalwart("ckpt", "verify", url, "--json", env=env)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert json.loads(verified.stdout)["checkpoints"] == {"1": [], "2": []}
 
-    inspected = _stalwart("ckpt", "inspect", url, "--json", env=env)
+    inspected = stalwart("ckpt", "inspect", url, "--json", env=env)
     assert inspected.returncode == 0, inspected.stderr
     summary = json.loads(inspected.stdout)
     assert (summary["step"], summary["world_size"], summary["kind"], summary["tensors"]) == (2, 1, "full", 3)
@@ -291,15 +286,15 @@ def test_ckpt_cli_list_verify_inspect_on_s3(s3: S3, tmp_path: Path) -> None:
     tampered[len(tampered) // 2] ^= 0xFF
     s3.client().put_object(Bucket=s3.bucket, Key=f"run/{data_key}", Body=bytes(tampered))
 
-    verified = _stalwart("ckpt", "verify", url, "--json", env=env)
+    verified = stalwart("ckpt", "verify", url, "--json", env=env)
     assert verified.returncode == 1, verified.stdout + verified.stderr
     problems = json.loads(verified.stdout)["checkpoints"]
     assert problems["1"] == [] and len(problems["2"]) == 1, problems
     assert f"{url}/{data_key}" in problems["2"][0] and "xxh3" in problems["2"][0]
-    table = _stalwart("ckpt", "verify", url, env=env)
+    table = stalwart("ckpt", "verify", url, env=env)
     assert table.returncode == 1 and "FAILED" in table.stdout and "xxh3" in table.stdout
 
-    missing = _stalwart("ckpt", "list", "s3://nobucket-xyz/run", env=env)
+    missing = stalwart("ckpt", "list", "s3://nobucket-xyz/run", env=env)
     assert missing.returncode == 2, missing.stdout + missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1 and "Traceback" not in missing.stderr, missing.stderr
     assert "s3://nobucket-xyz/run" in missing.stderr
