@@ -35,7 +35,7 @@ from stalwart.supervisor import exclusion, late_failures, peer_check
 from stalwart.supervisor.exclusion import Exclusion
 from stalwart.supervisor.exit_watch import ExitWatch
 from stalwart.supervisor.gpu_watch import GpuWatch, is_restart
-from stalwart.supervisor.host_pool import Host, HostContext, SparePool, running_in
+from stalwart.supervisor.host_pool import REARM_TIMEOUT_S, Host, HostContext, SparePool, running_in
 from stalwart.supervisor.late_failures import signal_name
 from stalwart.supervisor.peer_check import PeerCheck
 from stalwart.supervisor.zygote import Zygote
@@ -235,7 +235,14 @@ class StalwartAgent(LocalElasticAgent):
                 local_ranks=sorted(self._kept),
                 seconds=round(time.monotonic() - started, 4),
                 restart=self.restart_count,
+                stuck=sorted(ctx.stuck),
             )
+            if ctx.stuck:
+                ranks = ", ".join(str(r) for r in sorted(ctx.stuck))
+                self._say(
+                    f"local rank {ranks} did not leave the failed group in {REARM_TIMEOUT_S:.0f} s; replaced "
+                    "(where it was stuck: its threads' stacks, in the output above)"
+                )
         super()._stop_workers(worker_group, *args, **kwargs)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:

@@ -35,6 +35,7 @@ from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.recovery.reform import REFORM_SIGNAL
 from stalwart.runtime.env import HOST_STATUS_FD_ENV, HOST_WARM_ENV, KEPT_RANKS_ENV
 from stalwart.runtime.process import stopped
+from stalwart.supervisor import stack_dump
 from stalwart.supervisor.host_protocol import Activation, HostStatus
 from stalwart.supervisor.zygote import ForkedProcess, Zygote
 from stalwart.telemetry.events import EventLog
@@ -209,6 +210,8 @@ class HostContext:
         self._reform = reform
         self._bad_input_since: float | None = None
         self._ended: set[int] = set()  # ranks whose host was seen ended and its descendants ended
+        self.stuck: dict[int, int] = {}
+        """Local rank -> pid of the survivors the last `keep_rearmed` gave up on (their stacks are in their output)."""
 
     def pids(self) -> dict[int, int]:
         return {rank: host.pid for rank, host in self._workers.items()}
@@ -289,6 +292,8 @@ class HostContext:
             if not pending or time.monotonic() >= end:
                 break
             time.sleep(0.005)
+        self.stuck = {r: self._workers[r].pid for r in pending if self._workers[r].alive()}
+        stack_dump.request(list(self.stuck.values()))  # where each is stuck, before close() ends it
         kept = {r: h for r, h in self._workers.items() if h.poll_rearmed()}
         for rank in kept:
             del self._workers[rank]

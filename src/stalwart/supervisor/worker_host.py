@@ -36,6 +36,7 @@ from stalwart.recovery import reform, script_group
 from stalwart.runtime.env import HOST_STATUS_FD_ENV as STATUS_FD_ENV
 from stalwart.runtime.env import HOST_WARM_ENV as WARM_ENV
 from stalwart.runtime.process import die_with_parent
+from stalwart.supervisor import stack_dump
 from stalwart.supervisor.host_protocol import Activation, HostStatus
 
 
@@ -229,6 +230,7 @@ def _say(line: str) -> None:
 
 def _host(control_fd: int, status: int, *, warm: bool) -> None:
     """Warm up if a spare, say READY, and serve activations from `control_fd`; never returns."""
+    stack_dump.arm()  # before _serve's baseline of signal handlers, which then leaves it alone
     if warm:
         _warm_up_politely()
     if status >= 0:
