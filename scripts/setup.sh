@@ -31,6 +31,7 @@ uv_install() {
   if [ $# -gt 0 ] && .venv/bin/uv pip install "${args[@]}" -e '.[dev]' "$@" 2>/dev/null; then
     return 0
   fi
+  [ $# -eq 0 ] || echo "setup: uv could not install $1; the pinned torch as PyPI has it instead"
   .venv/bin/uv pip install "${args[@]}" -e '.[dev]'
 }
 stamp=".venv/.stalwart-installed"

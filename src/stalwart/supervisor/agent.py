@@ -240,8 +240,8 @@ class StalwartAgent(LocalElasticAgent):
             if ctx.stuck:
                 ranks = ", ".join(str(r) for r in sorted(ctx.stuck))
                 self._say(
-                    f"local rank {ranks} did not leave the failed group in {REARM_TIMEOUT_S:.0f} s; replaced "
-                    "(where it was stuck: its threads' stacks, in the output above)"
+                    f"local rank{'s' if len(ctx.stuck) > 1 else ''} {ranks} did not leave the failed group in "
+                    f"{REARM_TIMEOUT_S:.0f} s; replaced (where: the threads' stacks, in the output above)"
                 )
         super()._stop_workers(worker_group, *args, **kwargs)
 
