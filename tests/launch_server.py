@@ -221,6 +221,12 @@ if __name__ == "__main__":
     from stalwart.supervisor.worker_host import import_training_side
 
     import_training_side()
+    # Out of the collector's sight, as the launcher freezes what it imported before it forks its zygote: otherwise
+    # each fork's first full collection walks torch's objects and writes to every page it shares with the server.
+    import gc
+
+    gc.collect()
+    gc.freeze()
     server = os.getpid()
     request = _serve()
     if request is None:
