@@ -16,23 +16,47 @@ done
 [ -n "$PY" ] || { echo "setup: Python 3.11 or newer is needed (python3.11 not found)" >&2; exit 1; }
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $("$PY" --version)"
-  "$PY" -m venv .venv
+  # pip comes below, from uv: venv's own (ensurepip) took 10 s of the set-up's 53 (2-core VM, 2026-11-29).
+  "$PY" -m venv --without-pip .venv
 fi
+ensure_pip() {  # .venv's own pip, as `python -m venv` gives it
+  .venv/bin/python -m pip --version >/dev/null 2>&1 || .venv/bin/python -m ensurepip --quiet >/dev/null 2>&1
+}
 # uv installs the same set as pip in a tenth of the time: pip spends about a minute of CPU checking tens of
-# thousands of release files against the wheel tags (2-core VM, 2026-11-29: 40 s with uv against 175-194 s).
+# thousands of release files against the wheel tags (2-core VM, 2026-11-29: 5 s with uv against 175-194 s).
+# It comes from the machine's pip (pip >= 22.3 installs into another interpreter), else from .venv's own pip.
 # uv does not read pip's configuration, so pip's find-links (where a machine keeps wheels such as torch's CPU
-# build) are handed to it. --compile-bytecode: with PYTHONDONTWRITEBYTECODE set, as on the machines the suite
-# runs on, an uncompiled torch costs every new interpreter 9 s of CPU to import instead of 3.4 s.
+# build) are handed to it.
 uv_install() {
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check uv >/dev/null 2>&1 || return 1
-  local links="${PIP_FIND_LINKS:-$(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)}"
-  local args=(--python .venv/bin/python --quiet --compile-bytecode)
+  if ! "$PY" -m pip --python .venv/bin/python install --quiet --disable-pip-version-check uv >/dev/null 2>&1; then
+    ensure_pip && .venv/bin/python -m pip install --quiet --disable-pip-version-check uv >/dev/null 2>&1 || return 1
+  fi
+  local links="${PIP_FIND_LINKS:-$("$PY" -m pip config get global.find-links 2>/dev/null || true)}"
+  local args=(--python .venv/bin/python --quiet)
   for link in $links; do args+=(--find-links "$link"); done
   if [ $# -gt 0 ] && .venv/bin/uv pip install "${args[@]}" -e '.[dev]' "$@" 2>/dev/null; then
-    return 0
+    :
+  else
+    [ $# -eq 0 ] || echo "setup: uv could not install $1; the pinned torch as PyPI has it instead"
+    .venv/bin/uv pip install "${args[@]}" -e '.[dev]' || return 1
   fi
-  [ $# -eq 0 ] || echo "setup: uv could not install $1; the pinned torch as PyPI has it instead"
-  .venv/bin/uv pip install "${args[@]}" -e '.[dev]'
+  .venv/bin/uv pip install "${args[@]}" pip >/dev/null 2>&1 || ensure_pip || true
+}
+# Bytecode for what the suite's processes import, written once here by importing it: where PYTHONDONTWRITEBYTECODE
+# is set (as on the machines the suite runs on) no interpreter keeps what it compiles, and an uncompiled torch cost
+# each new one 9 s of CPU to import instead of 3.4 s. Two processes, one per half, on two cores: about 20 s, against
+# 34 s for uv's --compile-bytecode of every installed package (2-core VM, 2026-11-29). A module left out is
+# compiled by each process that imports it, as before.
+warm_imports() {
+  local torch_side="import torch, torch._dynamo, torch.distributed.run, torch.distributed.fsdp, torch.distributed.checkpoint
+import torch.distributed.tensor, stalwart.cli, stalwart.job, stalwart.supervisor.cli
+from stalwart.supervisor.worker_host import import_training_side
+import_training_side()"
+  local tools_side="import numpy, pytest, xdist, matplotlib.pyplot, s3fs, boto3, moto.server, rich, prometheus_client"
+  env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c "$torch_side" >/dev/null 2>&1 &
+  local first=$!
+  env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c "$tools_side" >/dev/null 2>&1 || true
+  wait "$first" || true
 }
 stamp=".venv/.stalwart-installed"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
@@ -48,6 +72,7 @@ print(next(d for d in dev if d.startswith("torch==")))')"
   echo "setup: installing stalwart and its dev dependencies into .venv (${cpu[0]:-$pin})"
   if ! uv_install "${cpu[@]}"; then
     echo "setup: uv could not install them; pip instead (about 3 min on a 2-core machine)"
+    ensure_pip
     .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
     log="$(mktemp)"
     if [ ${#cpu[@]} -eq 0 ] ||
@@ -56,6 +81,8 @@ print(next(d for d in dev if d.startswith("torch==")))')"
       .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
     fi
     rm -f "$log"
+  else
+    warm_imports  # pip compiles what it installs; uv does not
   fi
   echo "$want" > "$stamp"
 fi
