@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from launch_server import LaunchServer
 from stalwart.runtime.process import spawn
+from stalwart.supervisor.launch_server import LaunchServer
 from stalwart.telemetry.events import read_events
 
 TINY = Path(__file__).parent / "scripts" / "train_tiny.py"
@@ -63,7 +63,7 @@ class Launch:
             # SIGTERM to the launcher if the test process dies (killed pytest, a crashed xdist worker).
             cmd = [*prefix, sys.executable, "-m", "stalwart", *argv]
             self.proc = spawn(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
-        else:  # forked with torch imported: tests/launch_server.py says why and what differs
+        else:  # forked with torch imported: supervisor/launch_server.py says why and what differs
             self.proc = _launch_server().start(argv, env, workdir, self.output_path)
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
@@ -126,7 +126,7 @@ def _launch_server() -> LaunchServer:
     """This test process's launch server, started at its first use (and again if it ended)."""
     global _SERVER
     if _SERVER is None or not _SERVER.alive():
-        _SERVER = LaunchServer(child_env())
+        _SERVER = LaunchServer(child_env(), [sys.executable, "-u", str(Path(__file__).with_name("launch_server.py"))])
         atexit.register(_SERVER.close)
     return _SERVER
 

@@ -37,9 +37,16 @@ def _tree(root: int) -> dict[int, str]:
     return found
 
 
+GONE_WITHIN_S = 70
+"""A `stalwart run` whose parent died gets SIGTERM, and SIGTERM asks its workers for a last checkpoint within a
+grace of 30 s, then stops them within 30 s more (supervisor/launcher.py): a launcher that outlives its parent by
+seconds is correct. Seen: 1-3 s on a quiet VM, 8 s once, and more than 10 s beside the suite's other tests
+(2026-11-29). Nothing may be left after both bounds; the wait ends as soon as nothing is."""
+
+
 def _kill_and_check(cmd: list[str], cwd: Path, ready: str, min_processes: int) -> None:
     """Start `cmd`, wait until one of its descendants' command lines contains `ready` and at least
-    `min_processes` run, SIGKILL it, and require every process it ever started to be gone 10 s later."""
+    `min_processes` run, SIGKILL it, and require every process it ever started to be gone within GONE_WITHIN_S."""
     out = open(cwd / "output.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
     seen: dict[int, str] = {}
@@ -57,12 +64,12 @@ def _kill_and_check(cmd: list[str], cwd: Path, ready: str, min_processes: int) -
         seen.update(_tree(proc.pid))
         proc.kill()
         proc.wait()
-        until = time.monotonic() + 10
+        until = time.monotonic() + GONE_WITHIN_S
         while time.monotonic() < until and any(alive(p) for p in seen):
             seen.update({p: c for p, c in _tree_of_all(seen).items()})
             time.sleep(0.1)
         left = {p: c[:120] for p, c in seen.items() if alive(p)}
-        assert not left, f"still running 10 s after SIGKILL of {cmd[2:4]}: {left}"
+        assert not left, f"still running {GONE_WITHIN_S} s after SIGKILL of {cmd[2:4]}: {left}"
     finally:
         for pid in seen:
             if alive(pid):

@@ -1,0 +1,252 @@
+"""A launch server: one process that has imported `stalwart run`'s launcher and the training side once, and forks
+each `stalwart run` asked of it.
+
+Why: a `stalwart run` started as a new interpreter spends 4-6 s of CPU importing torch (the launcher) and the
+training side (its zygote) before it does anything (torch 2.13.0 on the 2-core VM, 2026-11-29). A tool that
+starts many of them one after another, `stalwart chaos` (a reference run, a faulted run, a relaunch after each
+node fault; the quick suite about twenty), pays that each time, on the machine its jobs train on. A fork of this
+server starts with both imported, as the launcher's own zygote does for its workers (supervisor/zygote.py), and
+then runs exactly what `python -m stalwart run ...` runs: the same `main`, its own environment, working
+directory, output file and, when asked, its own session, and the interpreter's normal exit (atexit handlers,
+thread joins). What differs from a new interpreter: the imported modules come from the server's start (no module
+of stalwart reads the environment when imported; fault injection is plugged in when a seam is first asked, by
+then from the child's environment), and the Python RNGs are seeded anew.
+
+The tests use the same server for every `stalwart` command they start (tests/launch_server.py): a command's
+result does not depend on how its interpreter started.
+
+Protocol over the server's stdin and stdout, one JSON object per line: a request {"argv", "env", "cwd", "out",
+"err", "append", "session"} is answered {"pid"}; each child's end is sent as {"exit": pid, "code": returncode as
+Popen gives it}. The server ends when its stdin closes (its client is gone) or when its client dies (a
+parent-death signal); its children, the launchers, then get SIGTERM from their own parent-death signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from stalwart.runtime.process import die_with_parent, spawn
+
+MODULE = "stalwart.supervisor.launch_server"
+
+
+class ServedProcess:
+    """The part of `subprocess.Popen`'s interface its users need, for a process the server forked."""
+
+    def __init__(self, server: LaunchServer, pid: int, args: list[str]) -> None:
+        self._server, self.pid, self.args = server, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        code = self._server.wait_exit(self.pid, deadline)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        self.returncode = code
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: never a signal to a PID that may have been reused
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class LaunchServer:
+    """The client's side: starts the server (`command`, by default this module's), sends requests, collects the
+    children's exit codes."""
+
+    def __init__(self, env: dict[str, str], command: list[str] | None = None) -> None:
+        self._proc = spawn(
+            command or [sys.executable, "-u", "-m", MODULE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            death_signal=signal.SIGKILL,
+        )
+        self._lock = threading.Condition()
+        self._starting = threading.Lock()
+        self._pids: list[int] = []
+        self._codes: dict[int, int] = {}
+        self._gone = False
+        threading.Thread(target=self._read, name="launch-server-reader", daemon=True).start()
+
+    def start(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: Path,
+        out: Path,
+        err: Path | None = None,
+        *,
+        append: bool = False,
+        session: bool = False,
+    ) -> ServedProcess:
+        """Fork `stalwart <argv>` with `env`, in `cwd`, its stdout to `out` and its stderr to `err` (or `out`),
+        each created, and truncated unless `append`; in a new session if `session` (as Popen's
+        start_new_session). Raises RuntimeError if the server has ended."""
+        files = {"out": str(out), "err": str(err or out)}
+        request = {"argv": argv, "env": env, "cwd": str(cwd), **files, "append": append, "session": session}
+        with self._starting, self._lock:  # one request at a time: the answers come in the requests' order
+            assert self._proc.stdin is not None
+            try:
+                self._proc.stdin.write((json.dumps(request) + "\n").encode())
+                self._proc.stdin.flush()
+            except OSError as exc:
+                raise RuntimeError("the launch server ended") from exc
+            while not self._pids and not self._gone:
+                self._lock.wait(1.0)
+            if self._gone:
+                raise RuntimeError("the launch server ended")
+            pid = self._pids.pop(0)
+        return ServedProcess(self, pid, ["stalwart", *argv])
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._lock:
+            return self._codes.get(pid)
+
+    def wait_exit(self, pid: int, deadline: float | None) -> int | None:
+        with self._lock:
+            while pid not in self._codes and not self._gone:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._lock.wait(left)
+            return self._codes.get(pid, -signal.SIGKILL)
+
+    def close(self) -> None:
+        """End the server (its stdin closes) and reap it; launchers still running get SIGTERM from their own
+        parent-death signal."""
+        with contextlib.suppress(OSError):
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def alive(self) -> bool:
+        return not self._gone and self._proc.poll() is None
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            message = json.loads(line)
+            with self._lock:
+                if "pid" in message:
+                    self._pids.append(message["pid"])
+                else:
+                    self._codes[message["exit"]] = message["code"]
+                self._lock.notify_all()
+        self._proc.stdout.close()
+        with self._lock:
+            self._gone = True
+            self._lock.notify_all()
+
+
+def prepare() -> int:
+    """In the server, before `serve`: what is imported stays for the process's life, out of the collector's
+    sight (as the launcher freezes what it imported before it forks its zygote), so that a fork's first full
+    collection neither walks torch's objects nor writes to every page it shares with the server. Its pid."""
+    gc.collect()
+    gc.freeze()
+    return os.getpid()
+
+
+def serve() -> dict[str, Any] | None:
+    """The server's loop: fork on each request, report each child's end. Returns the request in a child (which
+    then runs `stalwart` as its main program, after `become`), None when the client is gone."""
+    die_with_parent(signal.SIGKILL)
+    pending = b""
+    children: set[int] = set()
+    while True:
+        readable, _, _ = select.select([0], [], [], 0.02)
+        if readable:
+            data = os.read(0, 1 << 16)
+            if not data:
+                return None
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    return dict(request)
+                children.add(pid)
+                os.write(1, (json.dumps({"pid": pid}) + "\n").encode())
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                code = os.waitstatus_to_exitcode(status)
+                os.write(1, (json.dumps({"exit": pid, "code": code}) + "\n").encode())
+
+
+def become(request: dict[str, Any], server: int) -> list[str]:
+    """In a forked child: take the request's environment, directory, output and session, as `spawn` would give a
+    new `python -m stalwart` process; returns its arguments."""
+    import random
+
+    die_with_parent(signal.SIGTERM, parent=server)
+    if request.get("session"):
+        os.setsid()
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request.get("append") else os.O_TRUNC)
+    out = os.open(request["out"], mode, 0o644)
+    err = out if request["err"] == request["out"] else os.open(request["err"], mode, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    for fd in {out, err, null}:
+        os.close(fd)
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    import stalwart
+
+    sys.argv = [str(Path(stalwart.__file__).with_name("__main__.py")), *request["argv"]]  # as `python -m` sets it
+    sys.path[0] = request["cwd"]
+    return list(request["argv"])
+
+
+def _main() -> int:
+    """`stalwart run` only (the commands above the supervisor are not this layer's to import)."""
+    from stalwart.supervisor import cli
+    from stalwart.supervisor.worker_host import import_training_side
+
+    import_training_side()
+    server = prepare()
+    request = serve()
+    if request is None:
+        return 0
+    argv = become(request, server)
+    if argv[:1] != ["run"]:
+        sys.stderr.write(f"stalwart: error: this launch server runs `stalwart run` only, not {argv[:1]}\n")
+        return 2
+    return cli.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

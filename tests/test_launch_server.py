@@ -1,0 +1,66 @@
+"""supervisor/launch_server.py: `stalwart run` forked from a server that imported it once (what `stalwart chaos`
+launches with), in its own session and output, its exit status reported as Popen's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import child_env
+from stalwart.supervisor.launch_server import LaunchServer
+
+SCRIPT = """
+import os, sys, time
+print("worker of", os.environ["STALWART_TEST_MARK"], flush=True)
+time.sleep(float(sys.argv[1]))
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_served_run_has_its_session_environment_and_appended_output(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "output.log"
+    out.write_text("before\n")
+    server = LaunchServer(child_env())
+    try:
+        env = child_env(STALWART_TEST_MARK="this run")
+        run = ["run", "--nproc-per-node", "1", "--max-restarts", "0", str(script)]
+        proc = server.start([*run, "3", "0"], env, tmp_path, out, append=True, session=True)
+        deadline = time.monotonic() + 120
+        while "worker of" not in out.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, out.read_text()
+        assert os.getsid(proc.pid) == proc.pid, "a session of its own, as start_new_session gives"
+        assert _parent(proc.pid) == server._proc.pid, "forked by the server, not a new interpreter of ours"
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.1)
+        assert proc.wait(timeout=120) == 0
+        text = out.read_text()
+        assert text.startswith("before\n") and "worker of this run" in text, text
+
+        failed = server.start([*run, "0", "3"], env, tmp_path, tmp_path / "failed.log")
+        assert failed.wait(timeout=120) == 1, (tmp_path / "failed.log").read_text()
+    finally:
+        server.close()
+
+
+def test_the_products_server_runs_stalwart_run_only(tmp_path: Path) -> None:
+    server = LaunchServer(child_env())
+    try:
+        proc = server.start(["ckpt", "list", str(tmp_path)], child_env(), tmp_path, tmp_path / "out.log")
+        assert proc.wait(timeout=120) == 2
+        assert (tmp_path / "out.log").read_text().count("\n") == 1, "one line"
+    finally:
+        server.close()
+    assert not server.alive()
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
