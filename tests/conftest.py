@@ -131,6 +131,12 @@ def _launch_server() -> LaunchServer:
     return _SERVER
 
 
+def served_script(script: Path, args: list[str], env: dict[str, str], cwd: Path, out: Path) -> Any:
+    """`python SCRIPT ARGS...` forked from this test process's launch server (a Popen-like process, output to
+    `out`), for tests that start a script's ranks themselves: torch imported, as by a launcher's zygote."""
+    return _launch_server().start(["--script", str(script), *args], env, cwd, out)
+
+
 def stalwart(
     *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:

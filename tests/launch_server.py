@@ -1,5 +1,6 @@
 """The tests' launch server: supervisor/launch_server.py's, serving every `stalwart` command the tests start
-(conftest.Launch, conftest.stalwart), not `stalwart run` alone.
+(conftest.Launch, conftest.stalwart), not `stalwart run` alone, and scripts run as `python SCRIPT ARGS...` would
+(conftest.served_script).
 
 Why: a `stalwart run` started as a new interpreter spends about 4.6 s of CPU importing torch (the launcher) and the
 training side (its zygote) before it does anything (torch 2.13.0 on the 2-core VM, 2026-11-28), and the suite
@@ -11,6 +12,7 @@ the demo, Slurm, the import tests) and every launch with a prefix (network names
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 if __name__ == "__main__":
     # Imported once here; every fork has them. What `stalwart run` imports, and its zygote after it.
@@ -24,4 +26,11 @@ if __name__ == "__main__":
     request = launch_server.serve()
     if request is None:
         sys.exit(0)
-    sys.exit(main(launch_server.become(request, server)))
+    argv = launch_server.become(request, server)
+    if argv[:1] == ["--script"]:  # `python SCRIPT ARGS...` (conftest.served_script)
+        import runpy
+
+        sys.argv, sys.path[0] = argv[1:], str(Path(argv[1]).parent)
+        runpy.run_path(argv[1], run_name="__main__")
+        sys.exit(0)
+    sys.exit(main(argv))

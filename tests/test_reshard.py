@@ -69,28 +69,45 @@ def test_fsdp2_state_of_4_ranks_goes_on_at_2_then_at_3(launch: Any, tmp_path: Pa
     assert not [pid for pid in pids if alive(pid)], "no worker outlives its launcher"
 
 
-def _torchrun(workdir: Path, nproc: int, snapshots: Path, *args: str, code: int = 0) -> list[dict[str, Any]]:
-    """The tiny job under torchrun (no agent of ours) whose memory tier is `snapshots`, kept across its runs the
-    way a restarted node's agent keeps it; its events. Every process is reaped, also on failure. `code`: the exit
-    status expected (torchrun's: 1 when a worker failed)."""
-    import subprocess
-    import sys
+def _ranks(workdir: Path, nproc: int, snapshots: Path, *args: str, code: int = 0) -> list[dict[str, Any]]:
+    """The tiny job's `nproc` ranks with torchrun's environment and no launcher (no agent of ours): their memory
+    tier is `snapshots`, kept across the runs the way a restarted node's agent keeps it; their events. Each rank
+    is forked from the tests' launch server (conftest.served_script; as new interpreters under torchrun they were
+    14 imports of torch in this test, about 100 s of CPU). As torchrun does, the first rank that fails
+    ends the others. `code`: 0, or 1 where a rank must fail. Every process is reaped, also on failure."""
+    import socket
+    import time
 
-    from stalwart.runtime.process import spawn
+    from conftest import served_script
     from stalwart.telemetry.events import read_events
 
     workdir.mkdir(parents=True)
-    env = child_env(STALWART_SNAPSHOT_DIR=str(snapshots), STALWART_EVENT_LOG=str(workdir / "events.jsonl"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(TINY), "--ckpt", str(workdir.parent / "ckpt"), "--out", str(workdir / "out"), *args]  # fmt: skip
-    with open(workdir / "output.log", "wb") as out:
-        proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+    base = child_env(STALWART_SNAPSHOT_DIR=str(snapshots), STALWART_EVENT_LOG=str(workdir / "events.jsonl"))
+    with socket.socket() as probe:  # a free port for rank 0's store, as torchrun --standalone finds one
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    job = ["--ckpt", str(workdir.parent / "ckpt"), "--out", str(workdir / "out"), *args]
+    procs: list[Any] = []
     try:
-        ended = proc.wait(180)
+        for rank in range(nproc):
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                   "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0"}  # fmt: skip
+            procs.append(served_script(TINY, job, env, workdir, workdir / f"output-{rank}.log"))
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        (workdir / "output.log").write_text("".join(
+            (workdir / f"output-{rank}.log").read_text(errors="replace") for rank in range(len(procs))
+        ))  # fmt: skip
+    ended = 1 if any(p.returncode != 0 for p in procs) else 0
     assert ended == code, (workdir / "output.log").read_text()[-3000:]
     return list(read_events(workdir / "events.jsonl"))
 
@@ -107,15 +124,15 @@ def test_fsdp2_state_of_4_ranks_reshards_from_node_memory_at_2_then_at_3(tmp_pat
     dumps = tmp_path / "dumps"
     args, one = (*ARGS, "--ranks-per-node", "2"), (*ARGS, "--ranks-per-node", "1")
     try:
-        _torchrun(tmp_path / "four", 4, snapshots, "--steps", "10", *args, "--dump-dir", str(dumps / "4"))
+        _ranks(tmp_path / "four", 4, snapshots, "--steps", "10", *args, "--dump-dir", str(dumps / "4"))
         # The durable checkpoint of step 10 is gone: only node memory holds it (the durable one is of step 8).
         shutil.rmtree(tmp_path / "ckpt" / "step_00000010")
-        _torchrun(tmp_path / "refused", 2, snapshots, "--steps", "12", *one, code=1)
+        _ranks(tmp_path / "refused", 2, snapshots, "--steps", "12", *one, code=1)
         refused = (tmp_path / "refused" / "output.log").read_text()
         assert "stalwart: error: node memory holds step 10 of a job of 4 ranks and this job has 2" in refused
         resize = ("--allow-resize",)
-        two = _torchrun(tmp_path / "two", 2, snapshots, "--steps", "12", *one, *resize, "--dump-dir", str(dumps / "2"))
-        three = _torchrun(tmp_path / "three", 3, snapshots, "--steps", "14", *args, *resize,
+        two = _ranks(tmp_path / "two", 2, snapshots, "--steps", "12", *one, *resize, "--dump-dir", str(dumps / "2"))
+        three = _ranks(tmp_path / "three", 3, snapshots, "--steps", "14", *args, *resize,
                           "--dump-dir", str(dumps / "3"))  # fmt: skip
     finally:
         shutil.rmtree(snapshots, ignore_errors=True)
