@@ -83,7 +83,7 @@ class Zygote:
         # What the launcher has imported (torch) stays for its life: out of the collector's sight from here on, its
         # full collections no longer walk torch's objects (about 0.2 s each, on and off for the whole run), and the
         # zygote's own collection below walks only what it imports itself instead of writing to every page it
-        # shares with the launcher. Together about 1 s of CPU per `stalwart run` (tests/test_zygote.py, 2-core VM).
+        # shares with the launcher. Together about 1 s of CPU per `stalwart run` (2-core VM, 2026-11-29; benchmarks.md).
         gc.collect()
         gc.freeze()
         launcher = os.getpid()
