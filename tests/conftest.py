@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import fcntl
 import hashlib
 import json
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 from stalwart.runtime.process import spawn
+from stalwart.supervisor import launch_server
 from stalwart.supervisor.launch_server import LaunchServer
 from stalwart.telemetry.events import read_events
 
@@ -125,9 +125,8 @@ _SERVER: LaunchServer | None = None
 def _launch_server() -> LaunchServer:
     """This test process's launch server, started at its first use (and again if it ended)."""
     global _SERVER
-    if _SERVER is None or not _SERVER.alive():
-        _SERVER = LaunchServer(child_env(), [sys.executable, "-u", str(Path(__file__).with_name("launch_server.py"))])
-        atexit.register(_SERVER.close)
+    server = [sys.executable, "-u", str(Path(__file__).with_name("launch_server.py"))]
+    _SERVER = launch_server.started(_SERVER, child_env(), server)
     return _SERVER
 
 

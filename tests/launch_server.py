@@ -11,26 +11,23 @@ the demo, Slurm, the import tests) and every launch with a prefix (network names
 
 from __future__ import annotations
 
+import runpy
 import sys
 from pathlib import Path
 
+from stalwart.cli import main
+from stalwart.supervisor import cli as _run_cli  # noqa: F401 - imported once, before the forks
+from stalwart.supervisor import launch_server
+
+
+def _any_command(argv: list[str]) -> int:
+    """`stalwart <argv>`, or `python SCRIPT ARGS...` for `--script SCRIPT ARGS...` (conftest.served_script)."""
+    if argv[:1] != ["--script"]:
+        return main(argv)
+    sys.argv, sys.path[0] = argv[1:], str(Path(argv[1]).parent)
+    runpy.run_path(argv[1], run_name="__main__")
+    return 0
+
+
 if __name__ == "__main__":
-    # Imported once here; every fork has them. What `stalwart run` imports, and its zygote after it.
-    from stalwart.cli import main
-    from stalwart.supervisor import cli as _run_cli  # noqa: F401
-    from stalwart.supervisor import launch_server
-    from stalwart.supervisor.worker_host import import_training_side
-
-    import_training_side()
-    server = launch_server.prepare()
-    request = launch_server.serve()
-    if request is None:
-        sys.exit(0)
-    argv = launch_server.become(request, server)
-    if argv[:1] == ["--script"]:  # `python SCRIPT ARGS...` (conftest.served_script)
-        import runpy
-
-        sys.argv, sys.path[0] = argv[1:], str(Path(argv[1]).parent)
-        runpy.run_path(argv[1], run_name="__main__")
-        sys.exit(0)
-    sys.exit(main(argv))
+    sys.exit(launch_server.main(_any_command))

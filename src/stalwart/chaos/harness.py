@@ -15,7 +15,6 @@ skeleton) when the scenario expects an identical result.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -35,7 +34,7 @@ from stalwart.chaos.verdict import corrupt_newest
 from stalwart.detect.gpu_providers import add_to_script, write_script
 from stalwart.runtime.env import EVENT_LOG_ENV, EXCLUDE_FILE_ENV, FAULTS_ENV, GPU_POLL_ENV, GPU_TELEMETRY_ENV
 from stalwart.runtime.process import spawn
-from stalwart.supervisor import zygote
+from stalwart.supervisor import launch_server, zygote
 from stalwart.supervisor.launch_server import LaunchServer, ServedProcess
 from stalwart.telemetry.events import EventLog
 
@@ -68,10 +67,8 @@ def _launch_server() -> LaunchServer | None:
     global _SERVER
     if not zygote.enabled():
         return None
-    if _SERVER is None or not _SERVER.alive():
-        env = {k: v for k, v in os.environ.items() if k not in (FAULTS_ENV, EVENT_LOG_ENV)}
-        _SERVER = LaunchServer(env)
-        atexit.register(_SERVER.close)
+    env = {k: v for k, v in os.environ.items() if k not in (FAULTS_ENV, EVENT_LOG_ENV)}
+    _SERVER = launch_server.started(_SERVER, env)
     return _SERVER
 
 

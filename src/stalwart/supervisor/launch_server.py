@@ -23,6 +23,7 @@ parent-death signal); its children, the launchers, then get SIGTERM from their o
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import json
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +165,15 @@ class LaunchServer:
             self._lock.notify_all()
 
 
+def started(current: LaunchServer | None, env: dict[str, str], command: list[str] | None = None) -> LaunchServer:
+    """`current` while it runs, else a new server (`LaunchServer(env, command)`) closed at this process's exit."""
+    if current is not None and current.alive():
+        return current
+    server = LaunchServer(env, command)
+    atexit.register(server.close)
+    return server
+
+
 def prepare() -> int:
     """In the server, before `serve`: what is imported stays for the process's life, out of the collector's
     sight (as the launcher freezes what it imported before it forks its zygote), so that a fork's first full
@@ -231,9 +242,9 @@ def become(request: dict[str, Any], server: int) -> list[str]:
     return list(request["argv"])
 
 
-def _main() -> int:
-    """`stalwart run` only (the commands above the supervisor are not this layer's to import)."""
-    from stalwart.supervisor import cli
+def main(run: Callable[[list[str]], int]) -> int:
+    """The server's program: import, serve; in each forked child, `run` the request's arguments (from this module's
+    frames only: the child unwinds through nothing of a caller's). Its exit status."""
     from stalwart.supervisor.worker_host import import_training_side
 
     import_training_side()
@@ -241,7 +252,13 @@ def _main() -> int:
     request = serve()
     if request is None:
         return 0
-    argv = become(request, server)
+    return run(become(request, server))
+
+
+def _run_only(argv: list[str]) -> int:
+    """`stalwart run` only (the commands above the supervisor are not this layer's to import)."""
+    from stalwart.supervisor import cli
+
     if argv[:1] != ["run"]:
         sys.stderr.write(f"stalwart: error: this launch server runs `stalwart run` only, not {argv[:1]}\n")
         return 2
@@ -249,4 +266,6 @@ def _main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    from stalwart.supervisor import cli as _cli  # noqa: F401 - imported once, before the forks
+
+    sys.exit(main(_run_only))
