@@ -243,8 +243,9 @@ def become(request: dict[str, Any], server: int) -> list[str]:
 
 
 def main(run: Callable[[list[str]], int]) -> int:
-    """The server's program: import, serve; in each forked child, `run` the request's arguments (from this module's
-    frames only: the child unwinds through nothing of a caller's). Its exit status."""
+    """The server's program: import, serve; in each forked child, `run` the request's arguments. Its exit status.
+    Call it from a program's top level only (`sys.exit(main(...))`): a child returns through its caller's frames
+    and exits as that interpreter would."""
     from stalwart.supervisor.worker_host import import_training_side
 
     import_training_side()
