@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def die_with_parent(sig: int = signal.SIGKILL, *, parent: int | None = None) -> bool:
@@ -38,6 +39,13 @@ def die_with_parent(sig: int = signal.SIGKILL, *, parent: int | None = None) -> 
     if os.getppid() != expected:  # the parent died before the signal was armed
         os._exit(1)
     return True
+
+
+def name_process(name: bytes) -> None:
+    """Set this process's short name (/proc/self/comm, 15 bytes), which top and `ps -o comm` show: a process
+    forked without exec (the zygote, a persister forked ahead) is told apart from the one it was forked from."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
 
 def _arm_in_child(sig: int, parent: int) -> Callable[[], None]:

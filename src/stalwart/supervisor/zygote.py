@@ -24,7 +24,6 @@ host's two pipe ends (its activation stdin, its status pipe) as SCM_RIGHTS descr
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import json
 import os
@@ -38,7 +37,7 @@ import time
 from typing import IO, Any
 
 from stalwart.runtime.env import ZYGOTE_ENV
-from stalwart.runtime.process import die_with_parent, process_state
+from stalwart.runtime.process import die_with_parent, name_process, process_state
 
 REPLY_TIMEOUT_S = 60.0
 """How long the launcher waits for the zygote to fork a host (its first fork waits for its imports) before it
@@ -47,7 +46,6 @@ UNREPORTED_GRACE_S = 2.0
 """How long a host that ended may go without an exit code from the zygote before it is counted as running again
 (a zygote stopped by a signal must not stall the agent for ever)."""
 MAX_PACKET = 65536
-_PR_SET_NAME = 15
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -208,12 +206,6 @@ class ForkedProcess:
             os.kill(self.pid, signal.SIGKILL)
 
 
-def _name_process(name: bytes) -> None:
-    """Set this process's short name (/proc/self/comm, 15 bytes), which top and `ps -o comm` show."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
-
-
 def cuda_driver_loaded(maps: str | None = None) -> bool:
     """True if this process has the CUDA driver library mapped (something called into CUDA, even only to count
     devices): a forked child could then not use the GPU. `maps` is /proc/self/maps' text, read when None."""
@@ -257,7 +249,7 @@ class _Serve:
         import_training_side()
         # Named after the imports: torch 2.4 names the thread that imports it "pt_main_thread". The command line
         # is the launcher's; top and ps -o comm tell them apart.
-        _name_process(b"stalwart-zygote")
+        name_process(b"stalwart-zygote")
         # What is imported stays for the process's life: out of the collector's sight, a full collection in a
         # host (a re-forming survivor runs one to free its failed run) no longer walks torch's million objects
         # (230 ms), and the collector does not write to pages the hosts share with the zygote.
@@ -315,7 +307,7 @@ class _Serve:
     def _become_host(self, zygote: int) -> None:
         """Undo what is the zygote's own in a forked child: its session, signals, socket and random state."""
         os.setsid()  # as torch elastic starts workers: a signal to the group reaches the host's children
-        _name_process(os.path.basename(sys.executable).encode())  # as an interpreter started for it would be
+        name_process(os.path.basename(sys.executable).encode())  # as an interpreter started for it would be
         die_with_parent(signal.SIGKILL, parent=zygote)
         signal.set_wakeup_fd(-1)
         for fd in (self._wake_r, self._wake_w):

@@ -1,7 +1,8 @@
 """The training process's handle on its persister: submit a request, ask whether one is in flight, wait for it.
 
 The persister is a child process (see persister.py) started when the job starts, so its start-up overlaps the
-first training steps. A thread reads its replies; it only wakes when a persist finishes, so it costs the
+first training steps: under `stalwart run` the one its worker host forked ahead (forked.py), else a new
+interpreter. A thread reads its replies; it only wakes when a persist finishes, so it costs the
 training thread no GIL time. If the persister dies, the save in flight counts as failed, an event says so, and
 the next save starts a new one.
 """
@@ -15,13 +16,18 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, Any, TypeAlias
 
+from stalwart.checkpoint.save import forked
+from stalwart.checkpoint.save.forked import ForkedPersister
 from stalwart.checkpoint.save.persister import Persister
 from stalwart.checkpoint.save.request import PersistReply, PersistRequest
 from stalwart.telemetry.events import EventLog
 
 CLOSE_TIMEOUT_S = 30.0
+
+PersisterProcess: TypeAlias = subprocess.Popen[str] | ForkedPersister
+"""A persister in a process: started as an interpreter, or forked ahead by the worker host (forked.py)."""
 
 
 class Background:
@@ -33,7 +39,7 @@ class Background:
         self._lock = threading.Condition()
         self._in_flight: int | None = None
         self._last: PersistReply | None = None
-        self._proc: subprocess.Popen[str] | None = None
+        self._proc: PersisterProcess | None = None
         self._thread_queue: queue.Queue[PersistRequest | None] | None = None
         self._thread_persister: Persister | None = None
         self._started = False
@@ -54,11 +60,13 @@ class Background:
 
     def _start_process(self) -> None:
         log = {"path": str(self._events.path) if self._events.path else None, "common": self._events.common}
-        cmd = [sys.executable, "-m", "stalwart.checkpoint.save.persister", json.dumps(log)]
-        self._proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, close_fds=True
-        )
-        proc = self._proc
+        proc: PersisterProcess | None = forked.claim(log)  # the one the worker host forked ahead, if any
+        if proc is None:
+            cmd = [sys.executable, "-m", "stalwart.checkpoint.save.persister", json.dumps(log)]
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, close_fds=True
+            )
+        self._proc = proc
         assert proc.stdout is not None
         self._reader = threading.Thread(
             target=self._read_replies, args=(proc, proc.stdout), daemon=True, name="persister-replies"
@@ -77,7 +85,7 @@ class Background:
 
         threading.Thread(target=loop, daemon=True, name="persister").start()
 
-    def _read_replies(self, proc: subprocess.Popen[str], stream: IO[str]) -> None:
+    def _read_replies(self, proc: PersisterProcess, stream: IO[str]) -> None:
         with contextlib.suppress(OSError, ValueError):
             for line in stream:
                 with contextlib.suppress(json.JSONDecodeError):
@@ -205,7 +213,7 @@ class Background:
             except (AssertionError, OSError, ValueError) as exc:
                 self._fail(step, "persister_died", dead=proc, error=str(exc) or "no persister")
 
-    def _fail(self, step: int, event: str, dead: subprocess.Popen[str] | None = None, **fields: Any) -> None:
+    def _fail(self, step: int, event: str, dead: PersisterProcess | None = None, **fields: Any) -> None:
         """Report `step` failed. `dead` is a persister whose pipe broke: it is let go here, with the failure, so a
         save made as soon as this one is reported starts a new persister; the reader thread may notice the
         death only later, and then must neither report it again nor take the successor's save for it."""

@@ -1,9 +1,10 @@
 """The persist half of a save: from the staging area to durable storage, off the training thread.
 
-Each rank has one persister. By default it is a child process (`python -m stalwart.checkpoint.save.persister`) that
-imports no torch, so it starts in a fraction of a second, and takes no GIL time from training: hashing,
-compressing and writing run in another interpreter at a lower CPU priority. For a store only this process can
-see (`memory://`) it runs as a thread of the training process instead.
+Each rank has one persister. By default it is a child process that takes no GIL time from training: hashing,
+compressing and writing run in another interpreter at a lower CPU priority. Under `stalwart run` it is forked by
+the worker host before the script starts (forked.py, `serve`); otherwise it is started as
+`python -m stalwart.checkpoint.save.persister` (`main`), which imports no torch, so it starts in a fraction of a
+second. For a store only this process can see (`memory://`) it runs as a thread of the training process instead.
 
 A request names a step, the staging memory (a memfd of the training process, opened through /proc) and the
 tensors in it. The persister hashes every tensor (xxh3), writes the rank's data file and then its meta file,
@@ -266,7 +267,7 @@ def _writer(data: bytes) -> Callable[[BinaryIO], None]:
     return write
 
 
-def _yield_cpu() -> None:
+def yield_cpu() -> None:
     """Run only on CPU time training leaves idle (SCHED_IDLE; else the lowest nice level). GPU training leaves
     most of the CPU idle; on a CPU-bound job persisting slows down instead of the training steps."""
     try:
@@ -276,11 +277,9 @@ def _yield_cpu() -> None:
             os.nice(19)
 
 
-def main() -> None:
-    """The persister process: requests on stdin, replies on stdout, events to the job's event log."""
-    die_with_parent()  # a killed worker leaves no persister behind
-    _yield_cpu()
-    log = json.loads(sys.argv[1])
+def serve(log: dict[str, Any]) -> None:
+    """Requests on stdin, replies on stdout, events to the job's event log (`log`: its path and common fields);
+    returns when stdin closes or says quit and what was asked is done."""
     out_lock = threading.Lock()
 
     def reply(msg: PersistReply) -> None:
@@ -310,6 +309,13 @@ def main() -> None:
         persister.handle(req)
     persister.finish()
     events.close()
+
+
+def main() -> None:
+    """The persister process started as a new interpreter (checkpoint/save/background.py)."""
+    die_with_parent()  # a killed worker leaves no persister behind
+    yield_cpu()
+    serve(json.loads(sys.argv[1]))
 
 
 if __name__ == "__main__":
