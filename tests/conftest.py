@@ -59,12 +59,13 @@ class Launch:
         argv = ["run", "--event-log", str(self.event_log), *args]
         self._out = open(self.output_path, "wb")  # noqa: SIM115 (closed in reap)
         self.proc: Any
-        if prefix or os.environ.get("STALWART_TEST_NO_LAUNCH_SERVER"):
+        netns, rest = launch_server.split_netns([*prefix, "stalwart"])
+        if rest != ["stalwart"] or os.environ.get("STALWART_TEST_NO_LAUNCH_SERVER"):
             # SIGTERM to the launcher if the test process dies (killed pytest, a crashed xdist worker).
             cmd = [*prefix, sys.executable, "-m", "stalwart", *argv]
             self.proc = spawn(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
-        else:  # forked with torch imported: supervisor/launch_server.py says why and what differs
-            self.proc = _launch_server().start(argv, env, workdir, self.output_path)
+        else:  # forked with torch imported (into a host's namespace): supervisor/launch_server.py says why
+            self.proc = _launch_server().start(argv, env, workdir, self.output_path, netns=netns)
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         return [e for e in read_events(self.event_log) if kind is None or e["event"] == kind]
@@ -134,6 +135,26 @@ def served_script(script: Path, args: list[str], env: dict[str, str], cwd: Path,
     """`python SCRIPT ARGS...` forked from this test process's launch server (a Popen-like process, output to
     `out`), for tests that start a script's ranks themselves: torch imported, as by a launcher's zygote."""
     return _launch_server().start(["--script", str(script), *args], env, cwd, out)
+
+
+def served_python(
+    code: str, *args: str, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`python -c CODE ARGS...` as `subprocess.run(..., capture_output=True, text=True)` returns it, forked from
+    this test process's launch server: for code that needs a process of its own (a process group, memory another
+    process reads), not a fresh interpreter (that is `subprocess`'s)."""
+    with tempfile.TemporaryDirectory(prefix="stalwart-python-") as tmp:
+        script, out, err = Path(tmp) / "code.py", Path(tmp) / "stdout", Path(tmp) / "stderr"
+        script.write_text(code)
+        proc = _launch_server().start(["--script", str(script), *args], child_env(), cwd or Path.cwd(), out, err)
+        try:
+            code_ = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        read = lambda path: path.read_text(errors="replace")  # noqa: E731
+        return subprocess.CompletedProcess(["python", "-c", code, *args], code_, read(out), read(err))
 
 
 def stalwart(

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,9 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import alive, child_env
+from conftest import alive, child_env, served_script
 from stalwart.runtime import group as reformable
-from stalwart.runtime.process import spawn
 
 SCRIPT = Path(__file__).parent / "scripts" / "group_reform.py"
 
@@ -33,14 +30,13 @@ def _run(tmp_path: Path, kill_at: int | None) -> dict[int, dict[str, Any]]:
     tmp_path.mkdir(parents=True)
     port, port2 = _free_port(), _free_port()
     env = child_env(KILL_AT=str(kill_at if kill_at is not None else -1))
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Any] = []
     logs: list[Path] = []
 
-    def start(*args: str) -> None:
+    def start(*args: str) -> None:  # forked from the tests' launch server: torch imported, as a worker host has it
         log = tmp_path / f"rank{len(logs)}.log"
         logs.append(log)
-        with open(log, "wb") as out:
-            procs.append(spawn([sys.executable, str(SCRIPT), *args], stdout=out, stderr=subprocess.STDOUT, env=env))
+        procs.append(served_script(SCRIPT, list(args), env, tmp_path, log))
 
     try:
         for rank in range(2):

@@ -64,3 +64,35 @@ def test_the_products_server_runs_stalwart_run_only(tmp_path: Path) -> None:
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+NETNS_SCRIPT = """
+import os, socket, sys
+print(os.readlink("/proc/self/ns/net"), socket.if_nameindex(), flush=True)
+"""
+
+
+def test_a_run_asked_into_a_network_namespace_runs_in_it(tmp_path: Path) -> None:
+    """`netns`: the fork enters the namespace before it runs (as `ip netns exec` would, without a new interpreter);
+    one that does not exist ends that run with a line that names it, and the server serves on."""
+    from conftest import _launch_server
+    from stalwart.chaos import netns
+    from stalwart.supervisor.launch_server import split_netns
+
+    assert split_netns(["ip", "netns", "exec", "h0", "python", "-m", "x"]) == ("h0", ["python", "-m", "x"])
+    assert split_netns(["python", "-m", "x"]) == (None, ["python", "-m", "x"])
+    script = tmp_path / "where.py"
+    script.write_text(NETNS_SCRIPT)
+    server = _launch_server()
+    missing = server.start(["--script", str(script)], child_env(), tmp_path, tmp_path / "missing.log", netns="stw-none")
+    assert missing.wait(timeout=60) != 0
+    assert "no network namespace 'stw-none'" in (tmp_path / "missing.log").read_text()
+    if netns.available() is not None:
+        pytest.skip(f"network namespaces: {netns.available()}")
+    with netns.Hosts() as hosts:
+        host = hosts[0]
+        proc = server.start(["--script", str(script)], child_env(), tmp_path, tmp_path / "in.log", netns=host.namespace)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "in.log").read_text()
+    text = (tmp_path / "in.log").read_text()
+    assert text.split()[0] != os.readlink("/proc/self/ns/net"), "another namespace than the server's"
+    assert host.device in text, text  # the host's own interface, which only its namespace has

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import struct
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import served_python
 from stalwart.checkpoint.tiers.memory import HEADER, HEADER_BYTES, MemoryTier, _Pending
 from stalwart.checkpoint.tiers.slot import SlotHeader
 from stalwart.errors import CheckpointCorruptError
@@ -74,7 +73,7 @@ MemoryTier(sys.argv[1], 0, 1).snapshot(4, {"step": 4, "objects": {"m": {"w": tor
 
 
 def test_snapshots_outlive_the_process_that_wrote_them(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", WRITER, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    done = served_python(WRITER, str(tmp_path), timeout=60)
     assert done.returncode == 0, done.stderr
     got = MemoryTier(tmp_path, 0, 1).load(4)
     assert torch.equal(got.state["objects"]["m"]["w"], torch.full((3,), 4.0))

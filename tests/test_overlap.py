@@ -11,6 +11,7 @@ import pytest
 import torch
 from tests.conftest import open_checkpointer
 
+from conftest import served_python
 from stalwart.checkpoint.save.overlap import UpdateFence, storage_key
 from stalwart.checkpoint.save.staging import Staging
 from stalwart.errors import ConfigError
@@ -108,8 +109,6 @@ dist.destroy_process_group()
 
 def test_sharded_parameters_and_state_are_stable_by_their_local_shard(tmp_path: Path) -> None:
     """A checkpoint copies a DTensor's local shard (format/sharded.py), so the fence names the shards' storages."""
-    done = subprocess.run(
-        [sys.executable, "-c", SHARDED_STABLE, str(tmp_path)], capture_output=True, text=True, timeout=120
-    )
+    done = served_python(SHARDED_STABLE, str(tmp_path), timeout=120)
     assert done.returncode == 0, done.stderr
     assert "stable True" in done.stdout, done.stdout

@@ -5,8 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.fsdp
 
-from conftest import Launch, child_env, stalwart, tiny_args
+from conftest import Launch, child_env, served_python, stalwart, tiny_args
 from stalwart.checkpoint.format.sharded import checked_info, shard_extent
 from stalwart.errors import CheckpointCorruptError
 
@@ -170,7 +168,7 @@ dist.destroy_process_group()
 
 
 def test_partial_dtensor_is_refused_at_save_with_its_path(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", PARTIAL, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    done = served_python(PARTIAL, str(tmp_path), timeout=120)
     assert done.returncode == 0, done.stderr
     assert "refused: m/w is a DTensor with placement Partial" in done.stdout
 

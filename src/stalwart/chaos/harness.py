@@ -76,10 +76,11 @@ class _Launch:
     def __init__(self, cmd: list[str], directory: Path, env: dict[str, str], name: str = "output") -> None:
         path = directory / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | ServedProcess
-        server = _launch_server() if cmd[:3] == [sys.executable, "-m", "stalwart"] else None  # not under a prefix
+        netns, plain = launch_server.split_netns(cmd)  # a host's launch is forked into its namespace
+        server = _launch_server() if plain[:3] == [sys.executable, "-m", "stalwart"] else None
         if server is not None:
             with contextlib.suppress(RuntimeError):  # the server ended: a new interpreter instead
-                self.proc = server.start(cmd[3:], env, directory, path, append=True, session=True)
+                self.proc = server.start(plain[3:], env, directory, path, append=True, session=True, netns=netns)
                 return
         out = open(path, "ab")  # noqa: SIM115 - the child holds it; closed below
         self.proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=directory, start_new_session=True)

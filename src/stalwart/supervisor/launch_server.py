@@ -16,7 +16,8 @@ The tests use the same server for every `stalwart` command they start (tests/lau
 result does not depend on how its interpreter started.
 
 Protocol over the server's stdin and stdout, one JSON object per line: a request {"argv", "env", "cwd", "out",
-"err", "append", "session"} is answered {"pid"}; each child's end is sent as {"exit": pid, "code": returncode as
+"err", "append", "session"} (and "netns", a network namespace to enter, for a host of `stalwart chaos`'s
+two-node scenarios or the tests') is answered {"pid"}; each child's end is sent as {"exit": pid, "code": returncode as
 Popen gives it}. The server ends when its stdin closes (its client is gone) or when its client dies (a
 parent-death signal); its children, the launchers, then get SIGTERM from their own parent-death signal.
 """
@@ -34,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,12 +102,16 @@ class LaunchServer:
         *,
         append: bool = False,
         session: bool = False,
+        netns: str | None = None,
     ) -> ServedProcess:
         """Fork `stalwart <argv>` with `env`, in `cwd`, its stdout to `out` and its stderr to `err` (or `out`),
         each created, and truncated unless `append`; in a new session if `session` (as Popen's
-        start_new_session). Raises RuntimeError if the server has ended."""
+        start_new_session); in the named network namespace if `netns` (as under `ip netns exec NAME`). Raises
+        RuntimeError if the server has ended."""
         files = {"out": str(out), "err": str(err or out)}
         request = {"argv": argv, "env": env, "cwd": str(cwd), **files, "append": append, "session": session}
+        if netns is not None:
+            request["netns"] = netns
         with self._starting, self._lock:  # one request at a time: the answers come in the requests' order
             assert self._proc.stdin is not None
             try:
@@ -232,6 +237,8 @@ def become(request: dict[str, Any], server: int) -> list[str]:
     os.dup2(err, 2)
     for fd in {out, err, null}:
         os.close(fd)
+    if request.get("netns"):
+        _enter_netns(request["netns"])
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
@@ -240,6 +247,39 @@ def become(request: dict[str, Any], server: int) -> list[str]:
     sys.argv = [str(Path(stalwart.__file__).with_name("__main__.py")), *request["argv"]]  # as `python -m` sets it
     sys.path[0] = request["cwd"]
     return list(request["argv"])
+
+
+NETNS_EXEC = ("ip", "netns", "exec")
+"""The prefix that runs a command in a named network namespace (iproute2's), as chaos/netns.py's hosts do."""
+
+
+def split_netns(cmd: Sequence[str]) -> tuple[str | None, list[str]]:
+    """`ip netns exec NAME COMMAND...` -> (NAME, COMMAND); any other command -> (None, the command): a launch
+    under that prefix is forked into the namespace (`start(netns=NAME)`) instead of run by `ip`."""
+    if tuple(cmd[:3]) == NETNS_EXEC and len(cmd) > 4:
+        return cmd[3], list(cmd[4:])
+    return None, list(cmd)
+
+
+def _enter_netns(name: str) -> None:
+    """Move this process into the network namespace `ip netns add NAME` made (setns(2), as `ip netns exec` does;
+    its other step, a private /sys, matters to no part of stalwart: interfaces are looked up by netlink)."""
+    import ctypes
+
+    for directory in ("/run/netns", "/var/run/netns"):
+        with contextlib.suppress(FileNotFoundError):
+            fd = os.open(f"{directory}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+            break
+    else:
+        raise OSError(f"no network namespace {name!r} (ip netns add {name})")
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot enter network namespace {name!r}")
+    finally:
+        os.close(fd)
+
+
+_CLONE_NEWNET = 0x40000000
 
 
 def main(run: Callable[[list[str]], int]) -> int:
