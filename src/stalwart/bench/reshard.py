@@ -30,9 +30,10 @@ from rich.table import Table
 from stalwart.bench.common import GB, Progress, parse_size, positive_int, scratch_dir
 from stalwart.bench.reshard_worker import TENSORS, WIDTH
 from stalwart.errors import BenchError
-from stalwart.runtime.process import spawn
+from stalwart.runtime.process import Forked, fork_module, spawn
 
 TIMEOUT_S = 900.0
+WORKER = "stalwart.bench.reshard_worker"
 TIERS = ("durable", "memory")
 _SHM = Path("/dev/shm")
 
@@ -49,7 +50,7 @@ def _launch(phase: str, world: int, ckpt: Path, rows: int, root: Path, memory: P
     name = f"{phase}-{world}-{'memory' if memory is not None else 'durable'}"
     out = root / name
     port = _free_port()
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[subprocess.Popen[bytes] | Forked] = []
     logs = []
     try:
         for rank in range(world):
@@ -66,27 +67,16 @@ def _launch(phase: str, world: int, ckpt: Path, rows: int, root: Path, memory: P
             log = root / f"{name}-rank{rank}.log"
             logs.append(log)
             tier = ["--memory", str(memory)] if memory is not None else []
+            args = ["--phase", phase, "--ckpt", str(ckpt), "--rows", str(rows), "--out", str(out), *tier]
+            # Forked with torch imported where this process is one thread (runtime/process.py), else an interpreter:
+            # each rank measures its own load, not its start.
+            forked = fork_module(WORKER, args, env=env, out=log)
+            if forked is not None:
+                procs.append(forked)
+                continue
             with open(log, "wb") as sink:
                 procs.append(
-                    spawn(
-                        [
-                            sys.executable,
-                            "-m",
-                            "stalwart.bench.reshard_worker",
-                            "--phase",
-                            phase,
-                            "--ckpt",
-                            str(ckpt),
-                            "--rows",
-                            str(rows),
-                            "--out",
-                            str(out),
-                            *tier,
-                        ],
-                        stdout=sink,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                    )
+                    spawn([sys.executable, "-m", WORKER, *args], stdout=sink, stderr=subprocess.STDOUT, env=env)
                 )
         codes = [p.wait(TIMEOUT_S) for p in procs]
     except subprocess.TimeoutExpired as exc:

@@ -9,13 +9,20 @@ running.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import os
+import random
+import runpy
 import signal
 import subprocess
 import sys
+import threading
+import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
@@ -68,6 +75,122 @@ def spawn(cmd: list[str], *, death_signal: int = signal.SIGTERM, **popen: Any) -
     if sys.platform != "linux":
         return subprocess.Popen(cmd, **popen)
     return subprocess.Popen(cmd, preexec_fn=_arm_in_child(int(death_signal), os.getpid()), **popen)
+
+
+def single_threaded() -> bool:
+    """Whether this process runs one thread, native ones included (OpenMP's pool, gloo's, a library's): the one
+    state in which a fork copies no lock that another thread holds. False where that cannot be told (not Linux)."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+class Forked:
+    """A child forked from this process, handled as a `subprocess.Popen`: `pid`, `returncode`, `poll`, `wait`
+    (raising subprocess.TimeoutExpired), `kill`."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        """Its exit code as Popen gives it if it has ended (reaped here), else None."""
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped by someone else: its code is lost
+                    pid, status = self.pid, 0
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for it to end: a poll every 10 ms (no thread of this process is left blocked in waitpid)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"process {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        return code
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def fork_module(
+    module: str, args: list[str], *, env: dict[str, str], out: Path, err: Path | None = None
+) -> Forked | None:
+    """`python -m MODULE ARGS...` with `env`, its stdout to `out` and its stderr to `err` (or `out`), as a fork of
+    this process instead of a new interpreter: for a tool that starts workers importing what it has imported
+    already (torch: 3-6 s of CPU each on the 2-core VM). None where this process runs more than one thread (a
+    fork would copy their locks in whatever state they are): the caller then starts an interpreter. The child
+    dies with this process (SIGKILL), starts with the atexit handlers of its own only, and exits as an
+    interpreter would (its non-daemon threads joined, atexit run, streams flushed)."""
+    if not single_threaded():
+        return None
+    for stream in (sys.stdout, sys.stderr):  # nothing of ours written twice
+        with contextlib.suppress(Exception):
+            stream.flush()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        return Forked(pid)
+    code = 1
+    try:
+        die_with_parent(signal.SIGKILL, parent=parent)
+        mode = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        fds = [os.open(os.devnull, os.O_RDONLY), os.open(out, mode, 0o644)]
+        fds.append(fds[1] if err is None or err == out else os.open(err, mode, 0o644))
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in set(fds):
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(env)
+        atexit._clear()
+        random.seed()
+        sys.argv = [module, *args]
+        code = _run_module(module)
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        os._exit(code)
+
+
+def _run_module(module: str) -> int:
+    """Run `module` as __main__ and exit as an interpreter would; its exit status."""
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exit_status(exc.code)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    return code
+
+
+def exit_status(code: object) -> int:
+    """sys.exit's argument as the interpreter turns it into an exit status."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    with contextlib.suppress(BaseException):
+        print(code, file=sys.stderr)
+    return 1
 
 
 def first_line(exc: BaseException, *, with_type: bool = False) -> str:

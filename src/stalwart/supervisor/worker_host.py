@@ -35,7 +35,7 @@ from typing import IO, Any
 from stalwart.recovery import reform, script_group
 from stalwart.runtime.env import HOST_STATUS_FD_ENV as STATUS_FD_ENV
 from stalwart.runtime.env import HOST_WARM_ENV as WARM_ENV
-from stalwart.runtime.process import die_with_parent
+from stalwart.runtime.process import die_with_parent, exit_status
 from stalwart.supervisor import stack_dump
 from stalwart.supervisor.host_protocol import Activation, HostStatus
 
@@ -262,7 +262,7 @@ def run_forked(control_fd: int, status: int, *, warm: bool) -> int:
         _host(control_fd, status, warm=warm)
         code = 0
     except SystemExit as exc:
-        code = _exit_code(exc.code)
+        code = exit_status(exc.code)
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -275,17 +275,6 @@ def run_forked(control_fd: int, status: int, *, warm: bool) -> int:
         with contextlib.suppress(BaseException):
             stream.flush()
     return code
-
-
-def _exit_code(code: object) -> int:
-    """sys.exit's argument as the interpreter turns it into an exit status."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    with contextlib.suppress(BaseException):
-        print(code, file=sys.stderr)
-    return 1
 
 
 def main() -> None:

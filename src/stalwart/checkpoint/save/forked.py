@@ -25,55 +25,24 @@ import gc
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
-import time
 import traceback
 from typing import IO, Any
 
 from stalwart.checkpoint.save import persister
-from stalwart.runtime.process import die_with_parent, name_process
+from stalwart.runtime.process import Forked, die_with_parent, name_process, single_threaded
 
 NAME = b"stalwart-persist"
 """The forked child's short name (`ps -o comm`, top), which otherwise would be its host's."""
 
 
-class ForkedPersister:
-    """A forked persister as background.py uses a `subprocess.Popen`: its pipes, `wait`, `kill` and `pid`."""
+class ForkedPersister(Forked):
+    """A forked persister as background.py uses a `subprocess.Popen`: its pipes besides `Forked`'s."""
 
     def __init__(self, pid: int, stdin: IO[str], stdout: IO[str]) -> None:
-        self.pid = pid
+        super().__init__(pid)
         self.stdin = stdin
         self.stdout = stdout
-        self.returncode: int | None = None
-        self._lock = threading.Lock()
-
-    def poll(self) -> int | None:
-        """Its exit code if it has ended (reaped here), else None."""
-        with self._lock:
-            if self.returncode is None:
-                try:
-                    pid, status = os.waitpid(self.pid, os.WNOHANG)
-                except ChildProcessError:  # reaped by someone else: its code is lost
-                    pid, status = self.pid, 0
-                if pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
-            return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Wait for it to end (raises subprocess.TimeoutExpired after `timeout` seconds, as Popen does). A poll
-        every 10 ms: both callers wait only once it is ending (its stdout closed, or it was told to quit)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"persister {self.pid}", timeout or 0.0)
-            time.sleep(0.01)
-        return code
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
 
 
 _ahead: ForkedPersister | None = None
@@ -81,10 +50,10 @@ _forker = 0  # the pid of the process that forked `_ahead`: a fork of that proce
 
 
 def prefork() -> bool:
-    """Fork a persister that waits to be claimed. Only from a process that runs a single thread (the caller's
-    promise; checked as far as Python can see); returns whether one was forked."""
+    """Fork a persister that waits to be claimed, if this process runs a single thread (runtime/process.py);
+    returns whether one was forked."""
     global _ahead, _forker
-    if _ahead is not None or threading.active_count() != 1:
+    if _ahead is not None or not single_threaded():
         return False
     requests_r, requests_w = os.pipe()
     replies_r, replies_w = os.pipe()
