@@ -6,6 +6,7 @@ to the job's own event log so kill-to-next-step is measured on one clock (CLOCK_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.runtime.process import spawn
+from stalwart.supervisor import launch_server, zygote
+from stalwart.supervisor.launch_server import LaunchServer, ServedProcess
 from stalwart.telemetry.events import EventLog, read_events
 
 
@@ -75,26 +78,43 @@ def run_job(
         str(checkpoint_every),
     ]
     started = time.monotonic()
-    with open(run.log, "wb") as log:
-        # SIGTERM to the launcher if the demo dies, whatever killed it: it stops its workers and cleans up.
-        proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            _watch(run, proc, started + timeout_s, on_step)
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)  # the launcher stops its workers on SIGTERM
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    proc = _start(cmd, run.log)
+    try:
+        _watch(run, proc, started + timeout_s, on_step)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # the launcher stops its workers on SIGTERM
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     run.exitcode = proc.returncode
     run.seconds = time.monotonic() - started
     run.events = list(read_events(run.event_log))
     return run
 
 
-def _watch(run: JobRun, proc: subprocess.Popen[bytes], deadline: float, on_step: Callable[[int], None]) -> None:
+_SERVER: LaunchServer | None = None
+
+
+def _start(cmd: list[str], log: Path) -> subprocess.Popen[bytes] | ServedProcess:
+    """`cmd` (`python -m stalwart run ...`), its output to `log`: forked from a launch server where forking is on
+    (supervisor/launch_server.py), so that the demo's two runs pay the imports of torch and the training side once
+    (the second run then starts at once), else a new interpreter. Either way the launcher gets SIGTERM if the demo
+    dies, whatever killed it (directly, or through the server's end): it stops its workers and cleans up."""
+    global _SERVER
+    if zygote.enabled():
+        _SERVER = launch_server.started(_SERVER, dict(os.environ))
+        with contextlib.suppress(RuntimeError):  # the server ended: a new interpreter instead
+            return _SERVER.start(cmd[3:], dict(os.environ), Path.cwd(), log)
+    with open(log, "wb") as out:
+        return spawn(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def _watch(
+    run: JobRun, proc: subprocess.Popen[bytes] | ServedProcess, deadline: float, on_step: Callable[[int], None]
+) -> None:
     offset, pids, killed, best = 0, {}, False, 0
     while proc.poll() is None:
         if time.monotonic() > deadline:
