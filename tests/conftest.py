@@ -144,17 +144,10 @@ def served_python(
     this test process's launch server: for code that needs a process of its own (a process group, memory another
     process reads), not a fresh interpreter (that is `subprocess`'s)."""
     with tempfile.TemporaryDirectory(prefix="stalwart-python-") as tmp:
-        script, out, err = Path(tmp) / "code.py", Path(tmp) / "stdout", Path(tmp) / "stderr"
+        script = Path(tmp) / "code.py"
         script.write_text(code)
-        proc = _launch_server().start(["--script", str(script), *args], child_env(), cwd or Path.cwd(), out, err)
-        try:
-            code_ = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-        read = lambda path: path.read_text(errors="replace")  # noqa: E731
-        return subprocess.CompletedProcess(["python", "-c", code, *args], code_, read(out), read(err))
+        done = _served(["--script", str(script), *args], child_env(), cwd or Path.cwd(), timeout)
+    return subprocess.CompletedProcess(["python", "-c", code, *args], done.returncode, done.stdout, done.stderr)
 
 
 def stalwart(
@@ -169,9 +162,16 @@ def stalwart(
     if os.environ.get("STALWART_TEST_NO_LAUNCH_SERVER"):
         cmd = [sys.executable, "-m", "stalwart", *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-    with tempfile.TemporaryDirectory(prefix="stalwart-cli-") as tmp:
+    done = _served(list(args), env, cwd, timeout)
+    return subprocess.CompletedProcess(["stalwart", *args], done.returncode, done.stdout, done.stderr)
+
+
+def _served(argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """The tests' launch server's `argv` run to its end (killed after `timeout`, then TimeoutExpired), its stdout
+    and stderr read back as text."""
+    with tempfile.TemporaryDirectory(prefix="stalwart-served-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        proc = _launch_server().start(list(args), env, cwd, out, err)
+        proc = _launch_server().start(argv, env, cwd, out, err)
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -179,7 +179,7 @@ def stalwart(
             proc.wait()
             raise
         read = lambda path: path.read_text(errors="replace")  # noqa: E731
-        return subprocess.CompletedProcess(["stalwart", *args], code, read(out), read(err))
+        return subprocess.CompletedProcess(argv, code, read(out), read(err))
 
 
 @pytest.fixture

@@ -90,6 +90,9 @@ class Forked:
     """A child forked from this process, handled as a `subprocess.Popen`: `pid`, `returncode`, `poll`, `wait`
     (raising subprocess.TimeoutExpired), `kill`."""
 
+    POLL_S = 0.01
+    """How often `wait` looks: no thread of this process is left blocked in waitpid."""
+
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
@@ -108,16 +111,16 @@ class Forked:
             return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        """Wait for it to end: a poll every 10 ms (no thread of this process is left blocked in waitpid)."""
+        """Wait for it to end, looking every POLL_S."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while (code := self.poll()) is None:
             if deadline is not None and time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(f"process {self.pid}", timeout or 0.0)
-            time.sleep(0.01)
+            time.sleep(self.POLL_S)
         return code
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(self.pid, signal.SIGKILL)
 
 
@@ -167,8 +170,15 @@ def fork_module(
 
 def _run_module(module: str) -> int:
     """Run `module` as __main__ and exit as an interpreter would; its exit status."""
+    return run_as_main(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+
+
+def run_as_main(main: Callable[[], object]) -> int:
+    """Run `main` in a forked process as an interpreter runs its program: SystemExit's argument or an uncaught
+    exception (printed) becomes the exit status, then the interpreter's exit (non-daemon threads joined, atexit
+    run, the standard streams flushed). The caller ends the process with the status (os._exit)."""
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        main()
         code = 0
     except SystemExit as exc:
         code = exit_status(exc.code)
@@ -179,6 +189,9 @@ def _run_module(module: str) -> int:
         threading._shutdown()  # type: ignore[attr-defined]
     with contextlib.suppress(BaseException):
         atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
     return code
 
 

@@ -35,7 +35,7 @@ from typing import IO, Any
 from stalwart.recovery import reform, script_group
 from stalwart.runtime.env import HOST_STATUS_FD_ENV as STATUS_FD_ENV
 from stalwart.runtime.env import HOST_WARM_ENV as WARM_ENV
-from stalwart.runtime.process import die_with_parent, exit_status
+from stalwart.runtime.process import die_with_parent, run_as_main
 from stalwart.supervisor import stack_dump
 from stalwart.supervisor.host_protocol import Activation, HostStatus
 
@@ -254,27 +254,8 @@ def _host(control_fd: int, status: int, *, warm: bool) -> None:
 def run_forked(control_fd: int, status: int, *, warm: bool) -> int:
     """A host forked by the zygote (zygote.py): as `main`, and returns the exit code a new interpreter would have
     had. The caller ends the process with it: the zygote's frames below this one must never run on."""
-    import atexit
-    import traceback
-
     reform.ignore_requests()
-    try:
-        _host(control_fd, status, warm=warm)
-        code = 0
-    except SystemExit as exc:
-        code = exit_status(exc.code)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    # What an interpreter does at exit: wait for the script's non-daemon threads, run atexit, flush.
-    with contextlib.suppress(BaseException):
-        threading._shutdown()  # type: ignore[attr-defined]
-    with contextlib.suppress(BaseException):
-        atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(BaseException):
-            stream.flush()
-    return code
+    return run_as_main(lambda: _host(control_fd, status, warm=warm))
 
 
 def main() -> None:

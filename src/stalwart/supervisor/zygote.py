@@ -30,14 +30,13 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from typing import IO, Any
 
 from stalwart.runtime.env import ZYGOTE_ENV
-from stalwart.runtime.process import die_with_parent, name_process, process_state
+from stalwart.runtime.process import Forked, die_with_parent, name_process, process_state
 
 REPLY_TIMEOUT_S = 60.0
 """How long the launcher waits for the zygote to fork a host (its first fork waits for its imports) before it
@@ -165,13 +164,15 @@ class Zygote:
             os.waitpid(self.pid, 0)
 
 
-class ForkedProcess:
-    """The part of `subprocess.Popen` the agent uses, for a host whose parent is the zygote."""
+class ForkedProcess(Forked):
+    """The part of `subprocess.Popen` the agent uses, for a host whose parent is the zygote: its exit code comes
+    from the zygote, which reaps it."""
+
+    POLL_S = 0.005
 
     def __init__(self, pid: int, stdin: IO[bytes], zygote: Zygote) -> None:
-        self.pid = pid
+        super().__init__(pid)
         self.stdin: IO[bytes] | None = stdin
-        self.returncode: int | None = None
         self._zygote = zygote
         self._gone_since: float | None = None
 
@@ -192,18 +193,6 @@ class ForkedProcess:
         if self._gone_since is None:
             self._gone_since = now
         return now - self._gone_since < UNREPORTED_GRACE_S
-
-    def wait(self, timeout: float | None = None) -> int:
-        end = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if end is not None and time.monotonic() >= end:
-                raise subprocess.TimeoutExpired(f"host {self.pid}", timeout or 0.0)
-            time.sleep(0.005)
-        return code
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(self.pid, signal.SIGKILL)
 
 
 def cuda_driver_loaded(maps: str | None = None) -> bool:
