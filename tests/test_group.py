@@ -3,8 +3,10 @@ same processes, and ends bitwise identical to a run without it."""
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -141,3 +143,92 @@ def test_functional_collectives_run_through_the_group_and_are_absorbed(monkeypat
         assert ran[-1] == "_allgather_base" and len(ran) == 5 and group.failed is not None
     finally:
         dist.destroy_process_group()
+
+
+def _two_ranks(timeout: timedelta = timedelta(seconds=60)) -> list[reformable.ReformableGroup]:
+    """Ranks 0 and 1 of a re-formable group in this process (a thread makes rank 1's), over a TCPStore."""
+    server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timeout)
+    made: dict[int, reformable.ReformableGroup] = {}
+
+    def rank1() -> None:
+        client = dist.TCPStore("127.0.0.1", server.port, 2, is_master=False, timeout=timeout)
+        made[1] = reformable.ReformableGroup(client, 1, 2, timeout)
+
+    thread = threading.Thread(target=rank1)
+    thread.start()
+    made[0] = reformable.ReformableGroup(server, 0, 2, timeout)
+    thread.join(60)
+    return [made[0], made[1]]
+
+
+def _on_both(groups: list[reformable.ReformableGroup], run: Any) -> list[Any]:
+    """`run(group, rank)` on both ranks at once (rank 1 on a thread)."""
+    got: dict[int, Any] = {}
+    thread = threading.Thread(target=lambda: got.__setitem__(1, run(groups[1], 1)))
+    thread.start()
+    got[0] = run(groups[0], 0)
+    thread.join(60)
+    return [got[0], got[1]]
+
+
+def test_an_absorbed_reduce_scatter_is_gloo_s_own_bitwise() -> None:
+    """While failures are absorbed a reduce-scatter on CPU runs as an all-reduce (runtime/group.py says why); its
+    results are bitwise those of gloo's own, which runs outside the training loop: a step ends the same either way."""
+    groups = _two_ranks()
+
+    def both(group: reformable.ReformableGroup, rank: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(rank)
+        inputs = [torch.randn(n, generator=gen, dtype=dtype) * 1e3 for n, dtype in
+                  ((2 * 7, torch.float32), (2 * 50_001, torch.float32), (2 * 300, torch.bfloat16))]  # fmt: skip
+        got = []
+        for absorbing in (False, True):
+            group.absorb_failures(absorbing)
+            for x in inputs:
+                out = torch.empty(x.numel() // 2, dtype=x.dtype)
+                group._reduce_scatter_base(out, x).wait()
+                got.append(out)
+            listed = [torch.empty(3, 5)]
+            group.reduce_scatter(listed, [[inputs[1][:15].view(3, 5), inputs[1][-15:].view(3, 5)]]).wait()
+            got.append(listed[0])
+        return got
+
+    for rank, got in enumerate(_on_both(groups, both)):
+        plain, absorbed = got[: len(got) // 2], got[len(got) // 2 :]
+        for a, b in zip(plain, absorbed, strict=True):
+            assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                               b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32)), rank  # fmt: skip
+    assert all(group.failed is None for group in groups)
+
+
+def test_a_survivor_waiting_in_a_reduce_scatter_returns_when_its_group_fails() -> None:
+    """FSDP2's reduce-scatter waits from Python; rank 1 never joins it (a survivor on this node that met the failure
+    first, alive, with no connection error). Once rank 0's group is failed (the agent's ask to re-form), its wait
+    returns, the output as it was; gloo's own reduce-scatter waited on until the collective timeout."""
+    groups = _two_ranks()
+    zero, one = groups
+    zero.absorb_failures(True)
+    out = torch.full((4,), -1.0)
+    work = zero._reduce_scatter_base(out, torch.ones(8))
+    peer_gave_up = threading.Event()
+
+    def rank1_leaves_late(one: reformable.ReformableGroup) -> None:
+        """What ends the wait otherwise: rank 1's backend closed, long after the ask."""
+        if not returned.wait(30):
+            peer_gave_up.set()
+            one.abort_backends()
+
+    returned = threading.Event()
+    leaving = threading.Thread(target=rank1_leaves_late, args=(one,), daemon=True)
+    leaving.start()
+    threading.Timer(0.2, zero.fail, ("the agent asked",)).start()
+    work.wait()
+    returned.set()
+    assert not peer_gave_up.is_set(), "the wait lasted until the peer's connections closed"
+    assert "the agent asked" in str(zero.failed) and out.tolist() == [-1.0] * 4
+    leaving.join(60)
+    for group in groups:
+        group.abort_backends()
+    # Let go here: freed at the interpreter's exit instead, a gloo worker's callback dropped the last reference to
+    # its own backend, whose destructor joined that thread ("Resource deadlock avoided").
+    del work, zero, one, group, groups
+    gc.collect()

@@ -162,7 +162,8 @@ def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_bac
     for node in (first, joining):
         assert node.wait(180) == 0, node.output()
     assert not [pid for pid in workers.values() if alive(pid)], "the dead node's workers died with its agent"
-    assert len({e["worker_pid"] for e in first.events("worker_spawned")}) == 2, "the survivors stayed two processes"
+    spawned = {e["worker_pid"] for e in first.events("worker_spawned")}
+    assert len(spawned) == 2, f"the survivors stayed two processes:\n{first.output()}"
     resized = [e for e in first.events("world_resized") if e.get("rank") == 0]
     assert [(e["from"], e["to"], e["tier"]) for e in resized] == [(4, 2, "memory"), (2, 4, "memory")], resized
     assert resized[0]["step"] >= 10, "at most the step in flight is redone"

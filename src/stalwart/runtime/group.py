@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -203,7 +204,11 @@ class ReformableGroup(dist.ProcessGroup):
             out.view(-1, tensor.numel()).copy_(tensor.reshape(1, -1))
         return self.latest().give(DoneWork(result))
 
-    def _run(self, name: str, tensors: list[torch.Tensor], result: Any, *args: Any) -> dist.Work:
+    def _run(
+        self, name: str, tensors: list[torch.Tensor], result: Any, *args: Any, then: Callable[[], Any] | None = None
+    ) -> dist.Work:
+        """Run backend method `name` on the newest formation; `then`: what completes the collective once the
+        backend's part succeeded (runtime/works.AbsorbingWork), where it is absorbed."""
         group = self.latest()
         if group._joining:
             return self._local(name, result, args)
@@ -219,7 +224,7 @@ class ReformableGroup(dist.ProcessGroup):
         except Exception as exc:
             group.absorb(exc)
             return group.give(DoneWork(result))
-        return AbsorbingWork(group, work, result)  # given out by the group as it is made
+        return AbsorbingWork(group, work, result, then)  # given out by the group as it is made
 
     # The collectives torch's Python API and DDP/FSDP call, forwarded by name (the backends' signatures).
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
@@ -277,7 +282,7 @@ class ReformableGroup(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # torch < 2.13's name for it
 
     def _each(self, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> dist.Work:
-        works = [self._run(name, [i], [o], o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        works = [getattr(self, name)(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         return works[0] if len(works) == 1 else self.latest().give(AllOf(works, outputs))
 
     def all_to_all_single(
@@ -290,11 +295,41 @@ class ReformableGroup(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
+        if self._scatters_by_allreduce(outputs):
+            [output], [parts] = outputs, inputs
+            offset = sum(part.numel() for part in parts[: self.rank()])
+            return self._reduce_scatter_by_allreduce(output, parts, offset, outputs, opts)
         return self._run("reduce_scatter", outputs, outputs, outputs, inputs, opts)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
+        if self._scatters_by_allreduce([output]):
+            return self._reduce_scatter_by_allreduce(output, [input], self.rank() * output.numel(), [output], opts)
         return self._run("_reduce_scatter_base", [input], [output], output, input, opts)
+
+    def _scatters_by_allreduce(self, outputs: list[torch.Tensor]) -> bool:
+        """Whether a reduce-scatter is run as the all-reduce gloo makes of it (`_reduce_scatter_by_allreduce`):
+        for one CPU tensor while failures are absorbed (else gloo's own, whose waits raise as any group's do)."""
+        group = self.latest()
+        return group._absorbing and len(outputs) == 1 and outputs[0].device.type == "cpu"
+
+    def _reduce_scatter_by_allreduce(
+        self, output: torch.Tensor, parts: list[torch.Tensor], offset: int, result: Any, opts: Any
+    ) -> dist.Work:
+        """A reduce-scatter on gloo as what gloo runs for one: an all-reduce of a copy of the input, this rank's
+        part copied into `output` once it is done (bitwise the same: tests/test_group.py).
+
+        Why not gloo's own: its work does that copy inside `wait()`, which waits for the all-reduce ignoring the
+        timeout it is given, and it has no future. A survivor in FSDP2's reduce-scatter, whose peer on this node
+        met the failure first and left the collective alive, waited there until the collective timeout: the
+        absorbing wait's slices (runtime/works.py) never ended, and the agent replaced the survivor after 10 s.
+        Gloo's all-reduce ends a sliced wait on time and completes a future."""
+        buffer = torch.cat([part.reshape(-1) for part in parts])
+        mine = buffer[offset : offset + output.numel()].view(output.shape)
+        options = dist.AllreduceOptions()
+        options.reduceOp = opts.reduceOp
+        options.timeout = opts.timeout
+        return self._run("allreduce", [buffer], result, [buffer], options, then=lambda: output.copy_(mine))
 
     def alltoall_base(
         self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int], opts: Any = None

@@ -11,6 +11,8 @@ Later releases hold the Python object for as long as C++ holds the work; keeping
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -90,9 +92,14 @@ class AbsorbingWork(Given):
     group when made, which completes it if the group fails first (`release`): a C++ waiter (DDP's reducer) is woken.
     """
 
-    def __init__(self, group: Absorber, work: dist.Work, result: Any) -> None:
+    def __init__(self, group: Absorber, work: dist.Work, result: Any, then: Callable[[], Any] | None = None) -> None:
+        """`then`: what completes the collective once the backend's part succeeded (a reduce-scatter run as an
+        all-reduce copies its part out, runtime/group.py); run once, before the caller is served, and never for
+        a work released first (its caller has moved on)."""
         super().__init__()
         self._group, self._work, self._result = group, work, result
+        self._then = then
+        self._then_lock = threading.Lock()
         self._future: Future[Any] = Future()
         self._future_taken = False
         with contextlib.suppress(RuntimeError):  # gloo's reduce-scatter has none: completed by wait(), get_future
@@ -102,13 +109,24 @@ class AbsorbingWork(Given):
     def release(self) -> None:
         """The group has failed: complete the future now, its tensors as they are, without waiting for the backend
         (which may wait for a peer that left until the collective timeout). The step's update is dropped."""
+        with self._then_lock:
+            self._then = None
         self._complete()
+
+    def _succeeded(self) -> None:
+        """The backend's part is done and did not fail: `then`, once (from the backend's thread or the waiter's)."""
+        with self._then_lock:
+            then, self._then = self._then, None
+            if then is not None:
+                then()
 
     def _settle(self, inner: Future[Any]) -> None:
         try:
             inner.value()
         except Exception as exc:
             self._group.work_failed(exc)
+        else:
+            self._succeeded()
         self._complete()
 
     def _complete(self) -> None:
@@ -120,28 +138,32 @@ class AbsorbingWork(Given):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         try:
-            self._work.wait(timeout) if timeout is not None else self._wait_unless_failed()
+            done = self._work.wait(timeout) if timeout is not None else self._wait_unless_failed()
         except Exception as exc:
             self._group.work_failed(exc)
+        else:
+            if done:
+                self._succeeded()
         self._complete()
         self.served()
         return True
 
-    def _wait_unless_failed(self) -> None:
+    def _wait_unless_failed(self) -> bool:
         """Wait in slices of POLL, and give up once the group has failed. Why: a peer on this node that met the
         failure first leaves the collective, and gloo's wait for its part would block until the collective timeout
         (it is alive: nothing errors); the agent's request to re-form, a signal whose handler marks the group failed
         (recovery/in_loop.py), runs only between bytecodes, never inside that wait. Given up, the collective's
-        tensors stay as they are and the step's update is dropped, as for any absorbed failure."""
+        tensors stay as they are and the step's update is dropped, as for any absorbed failure. True: the
+        collective is done; False: given up."""
         while True:
             try:
                 self._work.wait(POLL)
-                return
+                return True
             except RuntimeError as exc:
                 if not is_wait_timeout(exc):
                     raise
             if self._group.failed is not None:
-                return
+                return False
 
     def get_future(self) -> Future[Any]:
         self._future_taken = True
