@@ -14,6 +14,8 @@ from stalwart.bench.recovery import _reference_run, measure_kills, survivor_of
 from stalwart.bench.recovery_goodput import SETTLE_S, PacedGoodput, steady_pace
 from stalwart.bench.recovery_run import _results
 
+SMALL = 128
+"""The job's model in the tests that run it: 3 layers of 128 x 128 (50k parameters)."""
 STEP = 0.1
 
 
@@ -126,8 +128,10 @@ def test_a_killed_rank_0_is_measured_from_its_survivor_rank_1(tmp_path: Path) ->
     # Rank 0 hosts the job's process-group store: its replacement serves the store the survivor waits for.
     lines: list[str] = []
     assert survivor_of(0) == 1 and survivor_of(1) == 0
-    expected = _reference_run("stalwart", tmp_path / "reference", 30 + 60, lines.append)  # measure_kills: +60
-    kills = measure_kills("stalwart", tmp_path / "kills", [30], lines.append, spares=1, rank=0)
+    # A small model (`--width`): what is measured is the recovery, and the default's compute was most of the
+    # test's CPU (2 ranks at ~85% for 180 steps of ~0.1 s).
+    expected = _reference_run("stalwart", tmp_path / "reference", 30 + 60, lines.append, width=SMALL)  # kills: +60
+    kills = measure_kills("stalwart", tmp_path / "kills", [30], lines.append, spares=1, rank=0, width=SMALL)
     assert "stalwart: killed rank 0 after step 30 (1/1)" in lines[-1]
     assert _results(tmp_path / "kills") == expected, "bitwise identical to the fault-free run"
     assert len(kills["kill_to_step_s"]) == len(kills["survivor_stall_s"]) == 1

@@ -87,7 +87,8 @@ def _tree_of_all(pids: dict[int, str]) -> dict[int, str]:
 
 def test_sigkill_of_bench_recovery_in_its_torchrun_phase_leaves_nothing(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "stalwart", "bench", "recovery", "--kills", "1", "--gap", "20", "--no-full",
-           "--goodput-seconds", "0", "--stock-trials", "0", "--spares", "0", "--dir", str(tmp_path)]  # fmt: skip
+           "--goodput-seconds", "0", "--stock-trials", "0", "--spares", "0", "--width", "128",
+           "--dir", str(tmp_path)]  # fmt: skip
     _kill_and_check(cmd, tmp_path, "torch.distributed.run", min_processes=4)
 
 

@@ -42,6 +42,7 @@ from stalwart.bench.recovery_goodput import (
 from stalwart.bench.recovery_run import (
     NPROC,
     RESTART_CHECKPOINT_EVERY,
+    WIDTH,
     Progress,
     Run,
     _first_step_after,
@@ -79,10 +80,11 @@ def measure_kills(
     spares: int = 2,
     rank: int = 1,
     setup_s: float = 0.0,
+    width: int = WIDTH,
 ) -> dict[str, Any]:
     """SIGKILLs of `rank` once the job has completed each step of `schedule`, one recovery at a time."""
     kills = len(schedule)
-    run = Run(system, workdir, steps=schedule[-1] + 60, spares=spares, setup_s=setup_s)
+    run = Run(system, workdir, steps=schedule[-1] + 60, spares=spares, setup_s=setup_s, width=width)
     run.start()
     marks: list[tuple[float, int]] = []
     try:
@@ -144,9 +146,11 @@ def measure_hang(
     spares: int = 2,
     rank: int = 1,
     setup_s: float = 0.0,
+    width: int = WIDTH,
 ) -> float | None:
     """Seconds from SIGSTOPping `rank` to the system's hang report; None if none came within `wait_s`."""
-    run = Run(system, workdir, steps=100_000, spares=spares, seconds=300 + wait_s + 120 + setup_s, setup_s=setup_s)
+    seconds = 300 + wait_s + 120 + setup_s
+    run = Run(system, workdir, steps=100_000, spares=spares, seconds=seconds, setup_s=setup_s, width=width)
     run.start()
     try:
         _wait(run, lambda: run.last_step() >= 60, 300, "step 60")
@@ -239,6 +243,7 @@ def run_bench(
     full: bool = True,
     kill_rank: int = 1,
     setup_s: float = 0.0,
+    width: int = WIDTH,
 ) -> dict[str, Any]:
     """Every system's figures on the same job and the same kills; `setup_s`: the seconds its script spends before
     its loop (what a failure costs a system that runs the script again)."""
@@ -248,7 +253,7 @@ def run_bench(
     with scratch_dir(parent, "stalwart-bench-recovery-") as root:
         schedule = kill_schedule(kills, gap, rng)
         progress(f"fault-free reference run of {schedule[-1] + 60} steps (stalwart run, no spares)")
-        ref = Run("stalwart", root / "reference", steps=schedule[-1] + 60, spares=0, setup_s=setup_s)
+        ref = Run("stalwart", root / "reference", steps=schedule[-1] + 60, spares=0, setup_s=setup_s, width=width)
         ref.start()
         try:
             _wait(ref, lambda: not ref.running(), 900, "the reference run")
@@ -264,10 +269,10 @@ def run_bench(
         for name in names:
             expected = reference
             if name == "torchft":  # its allreduce differs from DDP's: compare with its own fault-free run
-                expected = _reference_run(name, root / "torchft-reference", schedule[-1] + 60, progress, setup_s)
-            k = measure_kills(name, root / f"{name}-kills", schedule, progress, spares, kill_rank, setup_s)
+                expected = _reference_run(name, root / "torchft-reference", schedule[-1] + 60, progress, setup_s, width)
+            k = measure_kills(name, root / f"{name}-kills", schedule, progress, spares, kill_rank, setup_s, width)
             k["bitwise_identical"] = _results(root / f"{name}-kills") == expected
-            hang = measure_hang(name, root / f"{name}-hang", hang_wait, progress, spares, kill_rank, setup_s)
+            hang = measure_hang(name, root / f"{name}-hang", hang_wait, progress, spares, kill_rank, setup_s, width)
             good = None
             if goodput_seconds > 0:
                 progress(
@@ -283,6 +288,7 @@ def run_bench(
                     spares,
                     kill_rank,
                     setup_s,
+                    width,
                 )
             systems[name] = summarize(k, hang, good, reference_step_s)
             if name == "torchrun" and hang is None:
@@ -317,7 +323,7 @@ def run_bench(
     return {
         "job": {
             "nproc": NPROC,
-            "model": "3-layer MLP, 4.0M parameters, DDP, AdamW",
+            "model": f"3-layer MLP, {3 * (width * width + width) / 1e6:.1f}M parameters, DDP, AdamW",
             "checkpoint_every": {
                 "torchrun": RESTART_CHECKPOINT_EVERY,
                 "stalwart": CheckpointOptions.__dataclass_fields__["every"].default,
@@ -341,12 +347,15 @@ def run_bench(
         },
         "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]},
         "setup_s": setup_s,
+        "width": width,
     }
 
 
-def _reference_run(system: str, workdir: Path, steps: int, progress: Progress, setup_s: float = 0.0) -> dict[int, str]:
+def _reference_run(
+    system: str, workdir: Path, steps: int, progress: Progress, setup_s: float = 0.0, width: int = WIDTH
+) -> dict[int, str]:
     progress(f"{system}: fault-free reference run of {steps} steps")
-    run = Run(system, workdir, steps=steps, setup_s=setup_s)
+    run = Run(system, workdir, steps=steps, setup_s=setup_s, width=width)
     run.start()
     try:
         _wait(run, lambda: not run.running(), 900, f"{system}'s reference run")

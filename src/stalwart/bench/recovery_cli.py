@@ -1,10 +1,10 @@
 """`stalwart bench recovery`: torchrun, torchft and stalwart recovering the same job from the same failures.
 
-Runs the 2-worker CPU job (gloo, a 4M-parameter MLP, a checkpoint every 20 steps) under each system: SIGKILLs of
-a worker at random steps, a SIGSTOPped worker, and a goodput run with a worker killed every 30 s. stalwart runs
-twice: with its defaults (light memory snapshots every step, full copies on a cost budget) and as
-stalwart_full (a full memory snapshot every step, the defaults before the budget). Takes about 30 minutes with
-the defaults (the goodput runs are 5 minutes each); progress goes to stderr.
+Runs the 2-worker CPU job (gloo, a 4M-parameter MLP unless --width says otherwise, a checkpoint every 20 steps)
+under each system: SIGKILLs of a worker at random steps, a SIGSTOPped worker, and a goodput run with a worker
+killed every 30 s. stalwart runs twice: with its defaults (light memory snapshots every step, full copies on a
+cost budget) and as stalwart_full (a full memory snapshot every step, the defaults before the budget). Takes
+about 30 minutes with the defaults (the goodput runs are 5 minutes each); progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from rich.table import Table
 from stalwart.bench.common import positive_int, seconds
 from stalwart.bench.recovery import run_bench
 from stalwart.bench.recovery_goodput import SETTLE_S
+from stalwart.bench.recovery_run import WIDTH
 from stalwart.errors import BenchError
 from stalwart.telemetry.console import console as make_console
 
@@ -56,6 +57,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="seconds the job's script spends before its loop, as "
         "a real job's dataset indexing and model building do (default 0)",
     )
+    p.add_argument(
+        "--width",
+        type=positive_int,
+        default=WIDTH,
+        help=f"the job's model: 3 linear layers of WIDTH x WIDTH (default {WIDTH}: 4.0M parameters)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the kill steps (default 0)")
     p.add_argument("--dir", type=Path, help="where the runs write (default: a new temporary directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of tables")
@@ -80,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             full=not args.no_full,
             kill_rank=args.kill_rank,
             setup_s=args.setup_s,
+            width=args.width,
             parent=args.dir,
             progress=lambda line: err.print(f"bench: {line}"),
         )

@@ -27,6 +27,9 @@ FULL_EVERY_STEP = ["--snapshot-every", "1", "--replicated-snapshot-every", "1"]
 
 NPROC = 2
 
+WIDTH = 1152
+"""The job's model: 3 linear layers of WIDTH x WIDTH (4.0M parameters at 1152), `--width` of the bench."""
+
 
 RESTART_CHECKPOINT_EVERY = 20
 """The durable checkpoint cadence of the job under torchrun, whose recovery reloads it: at most 19 steps
@@ -47,6 +50,7 @@ class Run:
     stock: bool = False
     setup_s: float = 0.0
     """Seconds the job's script spends before its loop (`--setup-s`: dataset indexing, building the model)."""
+    width: int = WIDTH
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     offset: int = 0
@@ -62,6 +66,7 @@ class Run:
         env.update(STALWART_EVENT_LOG=str(self.log), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         until = [] if self.seconds is None else ["--until", f"{time.time() + self.seconds:.0f}"]
         setup = ["--setup-s", str(self.setup_s)] if self.setup_s else []
+        setup += ["--width", str(self.width)]
         job = [
             "-m",
             "stalwart.bench.recovery_job",

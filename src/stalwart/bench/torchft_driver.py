@@ -27,6 +27,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--until", type=float, help="stop the replicas and exit 0 at this time.time()")
     p.add_argument("--setup-s", type=float, default=0.0, help="as recovery_job.py's")
+    p.add_argument("--width", type=int, default=1152, help="as recovery_job.py's")
     args = p.parse_args()
     from torchft.coordination import LighthouseServer
 
@@ -51,6 +52,8 @@ def main() -> None:
             str(restarts[replica]),
             "--setup-s",
             str(args.setup_s),
+            "--width",
+            str(args.width),
         ]
         return spawn(cmd, env=env, death_signal=signal.SIGKILL)  # replicas die with this driver
 
