@@ -12,9 +12,10 @@ from conftest import served_python
 
 MODULE = textwrap.dedent(
     """
-    import atexit, os, sys
+    import atexit, os, signal, sys
     atexit.register(lambda: print("child's atexit ran", flush=True))
     print("argv", sys.argv[1:], "mark", os.environ.get("MARK"), flush=True)
+    print("cwd", os.getcwd(), "sigterm default", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
     print("to stderr", file=sys.stderr, flush=True)
     sys.exit(int(sys.argv[1]))
     """
@@ -22,17 +23,19 @@ MODULE = textwrap.dedent(
 
 DRIVER = textwrap.dedent(
     """
-    import atexit, json, sys, threading
+    import atexit, json, signal, sys, threading
     from pathlib import Path
     from stalwart.runtime.process import fork_module, single_threaded
 
     work = Path(sys.argv[1])
     sys.path.insert(0, str(work))
     atexit.register(lambda: print("parent's atexit ran", flush=True))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the parent's own handler (a bench's), not the child's
     seen = {"single": single_threaded()}
     child = fork_module("forkme", ["3"], env={"MARK": "set"}, out=work / "out.log", err=work / "err.log")
     seen["code"] = child.wait(60)
-    zero = fork_module("forkme", ["0"], env={}, out=work / "zero.log")
+    (work / "elsewhere").mkdir()
+    zero = fork_module("forkme", ["0"], env={}, out=work / "zero.log", cwd=work / "elsewhere")
     seen["zero"] = zero.wait(60)
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait)
@@ -54,5 +57,8 @@ def test_a_forked_module_has_its_own_environment_output_and_exit_status(tmp_path
     out = (tmp_path / "out.log").read_text()
     assert "argv ['3'] mark set" in out and "child's atexit ran" in out and "parent's atexit" not in out, out
     assert (tmp_path / "err.log").read_text() == "to stderr\n"
-    assert "to stderr" in (tmp_path / "zero.log").read_text(), "stderr to `out` when no `err`"
+    assert f"cwd {tmp_path} sigterm default True" in out, out
+    zero = (tmp_path / "zero.log").read_text()
+    assert "to stderr" in zero, "stderr to `out` when no `err`"
+    assert f"cwd {tmp_path / 'elsewhere'} " in zero, zero
     assert not (tmp_path / "never.log").exists()

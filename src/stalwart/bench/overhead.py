@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from typing import Any
 
 from stalwart.bench.common import Progress, machine_info, make_run_dir
 from stalwart.errors import BenchError
-from stalwart.runtime.process import spawn
+from stalwart.runtime.process import Forked, fork_module, spawn
 from stalwart.telemetry.events import read_events
 
 NEVER = 10**9
@@ -155,14 +156,21 @@ def _run(
         ]
     progress(f"{label}: started")
     clock = time.perf_counter()
-    with open(workdir / "output.log", "wb") as out:
-        proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
-        try:
-            code = proc.wait(RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired as exc:
-            proc.kill()
-            proc.wait()
-            raise BenchError(f"{label} ran for more than {RUN_TIMEOUT_S} s; stopped it") from exc
+    # The launcher (or the plain job) forked with torch imported where this process is one thread, else an
+    # interpreter: every run alike (runtime/process.py). Either way it gets SIGTERM if the bench dies.
+    output = workdir / "output.log"
+    proc: Forked | subprocess.Popen[bytes] | None = fork_module(
+        cmd[2], cmd[3:], env=env, out=output, cwd=workdir, death_signal=signal.SIGTERM
+    )
+    if proc is None:
+        with open(output, "wb") as out:
+            proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+    try:
+        code = proc.wait(RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        proc.kill()
+        proc.wait()
+        raise BenchError(f"{label} ran for more than {RUN_TIMEOUT_S} s; stopped it") from exc
     if code != 0 or not result.exists():
         tail = (workdir / "output.log").read_text(errors="replace").strip().splitlines()[-40:]
         sys.stderr.write("".join(f"  | {line}\n" for line in tail))

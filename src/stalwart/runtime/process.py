@@ -125,14 +125,23 @@ class Forked:
 
 
 def fork_module(
-    module: str, args: list[str], *, env: dict[str, str], out: Path, err: Path | None = None
+    module: str,
+    args: list[str],
+    *,
+    env: dict[str, str],
+    out: Path,
+    err: Path | None = None,
+    cwd: Path | None = None,
+    death_signal: int = signal.SIGKILL,
 ) -> Forked | None:
     """`python -m MODULE ARGS...` with `env`, its stdout to `out` and its stderr to `err` (or `out`), as a fork of
     this process instead of a new interpreter: for a tool that starts workers importing what it has imported
     already (torch: 3-6 s of CPU each on the 2-core VM). None where this process runs more than one thread (a
     fork would copy their locks in whatever state they are): the caller then starts an interpreter. The child
     dies with this process (SIGKILL), starts with the atexit handlers of its own only, and exits as an
-    interpreter would (its non-daemon threads joined, atexit run, streams flushed)."""
+    interpreter would (its non-daemon threads joined, atexit run, streams flushed). `cwd`: where it runs (this
+    process's directory by default); `death_signal`: what it gets when this process dies (SIGTERM lets a launcher
+    stop its own workers). Its signal handlers are Python's defaults, not this process's."""
     if not single_threaded():
         return None
     for stream in (sys.stdout, sys.stderr):  # nothing of ours written twice
@@ -144,7 +153,12 @@ def fork_module(
         return Forked(pid)
     code = 1
     try:
-        die_with_parent(signal.SIGKILL, parent=parent)
+        die_with_parent(death_signal, parent=parent)
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if cwd is not None:
+            os.chdir(cwd)
         mode = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         fds = [os.open(os.devnull, os.O_RDONLY), os.open(out, mode, 0o644)]
         fds.append(fds[1] if err is None or err == out else os.open(err, mode, 0o644))
