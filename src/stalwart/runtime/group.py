@@ -28,16 +28,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from stalwart.runtime import staged_scatter
 from stalwart.runtime.torch_compat import rebuild_ddp_reducer
 from stalwart.runtime.torch_compat_groups import AllgatherOptions, group_args, nccl_options, register_backends
-from stalwart.runtime.works import AbsorbingWork, AllOf, DoneWork, Given
+from stalwart.runtime.works import AbsorbingWork, AllOf, DoneWork, Given, Then
 
 KEEP_DONE_AT_MOST = 1024
 """How many works that are done but whose caller was never served (an async collective never waited on) a
@@ -204,11 +204,8 @@ class ReformableGroup(dist.ProcessGroup):
             out.view(-1, tensor.numel()).copy_(tensor.reshape(1, -1))
         return self.latest().give(DoneWork(result))
 
-    def _run(
-        self, name: str, tensors: list[torch.Tensor], result: Any, *args: Any, then: Callable[[], Any] | None = None
-    ) -> dist.Work:
-        """Run backend method `name` on the newest formation; `then`: what completes the collective once the
-        backend's part succeeded (runtime/works.AbsorbingWork), where it is absorbed."""
+    def _run(self, name: str, tensors: list[torch.Tensor], result: Any, *args: Any, then: Then = None) -> dist.Work:
+        """Backend method `name` on the newest formation; `then`: as AbsorbingWork's (runtime/works.py)."""
         group = self.latest()
         if group._joining:
             return self._local(name, result, args)
@@ -295,41 +292,21 @@ class ReformableGroup(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        if self._scatters_by_allreduce(outputs):
+        if staged_scatter.applies(self.latest()._absorbing, outputs):
             [output], [parts] = outputs, inputs
-            offset = sum(part.numel() for part in parts[: self.rank()])
-            return self._reduce_scatter_by_allreduce(output, parts, offset, outputs, opts)
+            return self._staged(output, parts, sum(part.numel() for part in parts[: self.rank()]), outputs, opts)
         return self._run("reduce_scatter", outputs, outputs, outputs, inputs, opts)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        if self._scatters_by_allreduce([output]):
-            return self._reduce_scatter_by_allreduce(output, [input], self.rank() * output.numel(), [output], opts)
+        if staged_scatter.applies(self.latest()._absorbing, [output]):
+            return self._staged(output, [input], self.rank() * output.numel(), [output], opts)
         return self._run("_reduce_scatter_base", [input], [output], output, input, opts)
 
-    def _scatters_by_allreduce(self, outputs: list[torch.Tensor]) -> bool:
-        """Whether a reduce-scatter is run as the all-reduce gloo makes of it (`_reduce_scatter_by_allreduce`):
-        for one CPU tensor while failures are absorbed (else gloo's own, whose waits raise as any group's do)."""
-        group = self.latest()
-        return group._absorbing and len(outputs) == 1 and outputs[0].device.type == "cpu"
-
-    def _reduce_scatter_by_allreduce(
-        self, output: torch.Tensor, parts: list[torch.Tensor], offset: int, result: Any, opts: Any
-    ) -> dist.Work:
-        """A reduce-scatter on gloo as what gloo runs for one: an all-reduce of a copy of the input, this rank's
-        part copied into `output` once it is done (bitwise the same: tests/test_group.py).
-
-        Why not gloo's own: its work does that copy inside `wait()`, which waits for the all-reduce ignoring the
-        timeout it is given, and it has no future. A survivor in FSDP2's reduce-scatter, whose peer on this node
-        met the failure first and left the collective alive, waited there until the collective timeout: the
-        absorbing wait's slices (runtime/works.py) never ended, and the agent replaced the survivor after 10 s.
-        Gloo's all-reduce ends a sliced wait on time and completes a future."""
-        buffer = torch.cat([part.reshape(-1) for part in parts])
-        mine = buffer[offset : offset + output.numel()].view(output.shape)
-        options = dist.AllreduceOptions()
-        options.reduceOp = opts.reduceOp
-        options.timeout = opts.timeout
-        return self._run("allreduce", [buffer], result, [buffer], options, then=lambda: output.copy_(mine))
+    def _staged(self, out: torch.Tensor, parts: list[torch.Tensor], offset: int, result: Any, opts: Any) -> dist.Work:
+        """A reduce-scatter run as the all-reduce gloo makes of it (runtime/staged_scatter.py says why)."""
+        staged = staged_scatter.stage(out, parts, offset, opts)
+        return self._run("allreduce", [staged.buffer], result, [staged.buffer], staged.options, then=staged.then)
 
     def alltoall_base(
         self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int], opts: Any = None

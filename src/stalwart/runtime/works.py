@@ -21,6 +21,9 @@ from torch.futures import Future
 
 from stalwart.runtime.torch_compat import is_wait_timeout
 
+Then = Callable[[], Any] | None
+"""What completes a collective once the backend's part succeeded (AbsorbingWork's `then`)."""
+
 POLL = timedelta(milliseconds=100)
 """How long an absorbing wait blocks before it looks whether the group has failed meanwhile."""
 
@@ -92,7 +95,7 @@ class AbsorbingWork(Given):
     group when made, which completes it if the group fails first (`release`): a C++ waiter (DDP's reducer) is woken.
     """
 
-    def __init__(self, group: Absorber, work: dist.Work, result: Any, then: Callable[[], Any] | None = None) -> None:
+    def __init__(self, group: Absorber, work: dist.Work, result: Any, then: Then = None) -> None:
         """`then`: what completes the collective once the backend's part succeeded (a reduce-scatter run as an
         all-reduce copies its part out, runtime/group.py); run once, before the caller is served, and never for
         a work released first (its caller has moved on)."""
