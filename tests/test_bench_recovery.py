@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,10 @@ def test_a_killed_rank_0_is_measured_from_its_survivor_rank_1(tmp_path: Path) ->
     # test's CPU (2 ranks at ~85% for 180 steps of ~0.1 s).
     expected = _reference_run("stalwart", tmp_path / "reference", 30 + 60, lines.append, width=SMALL)  # kills: +60
     kills = measure_kills("stalwart", tmp_path / "kills", [30], lines.append, spares=1, rank=0, width=SMALL)
-    assert "stalwart: killed rank 0 after step 30 (1/1)" in lines[-1]
+    # Killed once the bench saw step 30 done: the small model's steps are fast enough for a later one to be done by
+    # then (32 in a suite run).
+    killed_after = re.fullmatch(r"stalwart: killed rank 0 after step (\d+) \(1/1\)", lines[-1])
+    assert killed_after is not None and int(killed_after[1]) >= 30, lines[-1]
     assert _results(tmp_path / "kills") == expected, "bitwise identical to the fault-free run"
     assert len(kills["kill_to_step_s"]) == len(kills["survivor_stall_s"]) == 1
     assert 0 < kills["survivor_stall_s"][0] < 60 and 0 < kills["kill_to_step_s"][0] < 60
