@@ -25,7 +25,7 @@ DRIVER = textwrap.dedent(
     """
     import atexit, json, signal, sys, threading
     from pathlib import Path
-    from stalwart.runtime.process import fork_module, single_threaded
+    from stalwart.runtime.process import fork_module, single_threaded, start_module
 
     work = Path(sys.argv[1])
     sys.path.insert(0, str(work))
@@ -41,6 +41,8 @@ DRIVER = textwrap.dedent(
     thread = threading.Thread(target=stop.wait)
     thread.start()
     seen["with_a_thread"] = fork_module("forkme", ["0"], env={}, out=work / "never.log") is None
+    spawned = start_module("forkme", ["4"], env={"MARK": "new"}, out=work / "spawned.log", cwd=work)
+    seen["spawned"] = [type(spawned).__name__, spawned.wait(60)]
     stop.set()
     thread.join()
     print(json.dumps(seen), flush=True)
@@ -53,7 +55,9 @@ def test_a_forked_module_has_its_own_environment_output_and_exit_status(tmp_path
     done = served_python(DRIVER, str(tmp_path), cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     seen = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
-    assert seen == {"single": True, "code": 3, "zero": 0, "with_a_thread": True}, seen
+    assert seen == {"single": True, "code": 3, "zero": 0, "with_a_thread": True, "spawned": ["Popen", 4]}, seen
+    spawned = (tmp_path / "spawned.log").read_text()  # start_module's new interpreter, where a fork cannot be
+    assert "argv ['4'] mark new" in spawned and f"cwd {tmp_path} " in spawned and "to stderr" in spawned, spawned
     out = (tmp_path / "out.log").read_text()
     assert "argv ['3'] mark set" in out and "child's atexit ran" in out and "parent's atexit" not in out, out
     assert (tmp_path / "err.log").read_text() == "to stderr\n"

@@ -10,9 +10,9 @@ For a model plus AdamW state of a given size, one run measures
 Each system runs in a process of its own (`python -m stalwart.bench.checkpoint --system NAME`, which prints one
 JSON line): ru_maxrss is then the peak of that system alone, and a background writer or a leak of one system
 cannot slow the next. That process is a fork of the bench where the bench runs one thread (OMP_NUM_THREADS=1: no
-BLAS pool), else a new interpreter. A fork saves the 3-5 s of CPU each new one spends importing torch, and starts
-from less resident memory: 8 MB of state, torch 2.13 on the CPU (2026-11-29), setup_rss_mb 364 forked against 418
-as an interpreter, the growth during the saves (peak_rss_mb - setup_rss_mb) the same within 3 MB for every system.
+BLAS pool), else a new interpreter. Forks saved about 4 s of CPU each (the 8 MB run: 42.1 s -> 24.1 s for the
+five), and start from less resident memory: 8 MB of state, torch 2.13 on the CPU (2026-11-29), setup_rss_mb 364
+forked against 418 as an interpreter, the growth during the saves (peak - setup) the same within 3 MB per system.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,7 @@ from stalwart.bench.save_systems import (
     measure_floor,
 )
 from stalwart.errors import BenchError, ConfigError
-from stalwart.runtime.process import Forked, fork_module, spawn
+from stalwart.runtime.process import start_module
 
 FLOOR = "floor"
 SYSTEMS = ("torch_save", "dcp_save", "dcp_async_save", "stalwart")
@@ -199,11 +198,7 @@ def run_child(
     # Forked with torch imported where this process is one thread (runtime/process.py), else an interpreter: either
     # way the child dies with this process, whatever ends it (a measurement writes gigabytes). A fork's peak RSS
     # starts at this process's RSS then, about what a new interpreter has once it imported torch.
-    proc: Forked | subprocess.Popen[bytes] | None = fork_module(CHILD, args, env=dict(os.environ), out=out, err=err)
-    if proc is None:
-        with open(out, "wb") as stdout, open(err, "wb") as stderr:
-            cmd = [sys.executable, "-m", CHILD, *args]
-            proc = spawn(cmd, stdout=stdout, stderr=stderr, death_signal=signal.SIGKILL)
+    proc = start_module(CHILD, args, env=dict(os.environ), out=out, err=err)
     try:
         proc.wait(CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:

@@ -27,7 +27,7 @@ from typing import Any
 
 from stalwart.bench.common import Progress, machine_info, make_run_dir
 from stalwart.errors import BenchError
-from stalwart.runtime.process import Forked, fork_module, spawn
+from stalwart.runtime.process import start_module
 from stalwart.telemetry.events import read_events
 
 NEVER = 10**9
@@ -158,13 +158,7 @@ def _run(
     clock = time.perf_counter()
     # The launcher (or the plain job) forked with torch imported where this process is one thread, else an
     # interpreter: every run alike (runtime/process.py). Either way it gets SIGTERM if the bench dies.
-    output = workdir / "output.log"
-    proc: Forked | subprocess.Popen[bytes] | None = fork_module(
-        cmd[2], cmd[3:], env=env, out=output, cwd=workdir, death_signal=signal.SIGTERM
-    )
-    if proc is None:
-        with open(output, "wb") as out:
-            proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+    proc = start_module(cmd[2], cmd[3:], env=env, out=workdir / "output.log", cwd=workdir, death_signal=signal.SIGTERM)
     try:
         code = proc.wait(RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:

@@ -30,7 +30,7 @@ from rich.table import Table
 from stalwart.bench.common import GB, Progress, parse_size, positive_int, scratch_dir
 from stalwart.bench.reshard_worker import TENSORS, WIDTH
 from stalwart.errors import BenchError
-from stalwart.runtime.process import Forked, fork_module, spawn
+from stalwart.runtime.process import Forked, start_module
 
 TIMEOUT_S = 900.0
 WORKER = "stalwart.bench.reshard_worker"
@@ -70,14 +70,7 @@ def _launch(phase: str, world: int, ckpt: Path, rows: int, root: Path, memory: P
             args = ["--phase", phase, "--ckpt", str(ckpt), "--rows", str(rows), "--out", str(out), *tier]
             # Forked with torch imported where this process is one thread (runtime/process.py), else an interpreter:
             # each rank measures its own load, not its start.
-            forked = fork_module(WORKER, args, env=env, out=log)
-            if forked is not None:
-                procs.append(forked)
-                continue
-            with open(log, "wb") as sink:
-                procs.append(
-                    spawn([sys.executable, "-m", WORKER, *args], stdout=sink, stderr=subprocess.STDOUT, env=env)
-                )
+            procs.append(start_module(WORKER, args, env=env, out=log))
         codes = [p.wait(TIMEOUT_S) for p in procs]
     except subprocess.TimeoutExpired as exc:
         raise BenchError(f"{phase} at {world} ranks did not finish in {TIMEOUT_S:.0f} s") from exc

@@ -182,6 +182,28 @@ def fork_module(
         os._exit(code)
 
 
+def start_module(
+    module: str,
+    args: list[str],
+    *,
+    env: dict[str, str],
+    out: Path,
+    err: Path | None = None,
+    cwd: Path | None = None,
+    death_signal: int = signal.SIGKILL,
+) -> Forked | subprocess.Popen[bytes]:
+    """`python -m MODULE ARGS...` as `fork_module` starts it where this process is one thread, else as a new
+    interpreter with the same environment, output files, directory and death signal: for a tool whose children
+    would otherwise each import torch again (the benches)."""
+    forked = fork_module(module, args, env=env, out=out, err=err, cwd=cwd, death_signal=death_signal)
+    if forked is not None:
+        return forked
+    with open(out, "wb") as stdout, open(err if err is not None else os.devnull, "wb") as stderr:
+        target: Any = subprocess.STDOUT if err is None or err == out else stderr
+        cmd = [sys.executable, "-m", module, *args]
+        return spawn(cmd, stdout=stdout, stderr=target, env=env, cwd=cwd, death_signal=death_signal)
+
+
 def _run_module(module: str) -> int:
     """Run `module` as __main__ and exit as an interpreter would; its exit status."""
     return run_as_main(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
