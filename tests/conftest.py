@@ -327,7 +327,7 @@ SLOW_TESTS = {
     "test_bench_recovery.py": ("test_a_killed_rank_0_is_measured_from_its_survivor_rank_1",),
     "test_group.py": ("test_survivors_absorb_a_peers_death_and_reform_in_their_loop",),
     "test_straggler.py": (
-        "test_a_clean_thousand_step_run_under_stalwart_run_flags_nobody",
+        "test_a_clean_run_under_stalwart_run_flags_nobody",
         "test_an_evicted_straggler_is_replaced_and_the_run_ends_as_without_it",
     ),
     "test_preemption.py": ("test_sigterm_saves_at_an_agreed_step_and_the_next_launch_resumes_there",),
