@@ -116,17 +116,8 @@ def test_jitter_in_the_wait_is_not_a_rise(tmp_path: Path) -> None:
 def _straggler_job(
     launch: Any, steps: int, faults: str = "", *extra: str, name: str = "job", compute_s: float = 0.02
 ) -> Any:
-    args = (
-        "--steps",
-        str(steps),
-        "--compute-sleep",
-        str(compute_s),
-        "--every",
-        "1000",
-        "--snapshot-every",
-        "0",
-        *extra,
-    )
+    every = ("--every", "1000", "--snapshot-every", "0")
+    args = ("--steps", str(steps), "--compute-sleep", str(compute_s), *every, *extra)
     env = child_env(STALWART_FAULTS=faults) if faults else child_env()
     job = launch(tiny_args(*args, "--gbs", "6", nproc=3), env=env, name=name)
     assert job.wait(300) == 0, job.output()
