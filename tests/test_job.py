@@ -151,7 +151,9 @@ def test_lazy_modules_resume(tmp_path: Path) -> None:
 
 
 _FAILING_JOB = """
+import faulthandler
 import sys
+faulthandler.dump_traceback_later(90, exit=True)  # a hang fails the test with every thread's stack
 import torch.distributed as dist
 import stalwart
 from stalwart.errors import StalwartError

@@ -70,6 +70,13 @@ def _worker_error_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("stalwart: error:")]
 
 
+def _first_error(job: Any) -> str:
+    """The first `stalwart: error:` line of a launch's output; fails with the whole output when there is none."""
+    lines = _worker_error_lines(job.output())
+    assert lines, job.output()
+    return lines[0]
+
+
 def test_foreign_checkpoint_directory_is_refused_without_restarts(launch: Any, tmp_path: Path) -> None:
     foreign = tmp_path / "job" / "ckpt"
     foreign.mkdir(parents=True)
@@ -118,7 +125,7 @@ def test_checkpoint_directory_not_shared_by_all_ranks_is_refused(launch: Any) ->
 def test_state_that_cannot_be_checkpointed_stops_before_training(launch: Any) -> None:
     job = launch(tiny_args("--unsavable-on-rank", "0"))
     assert job.wait(120) == EXIT_USER_ERROR, job.output()
-    assert "numpy.float64" in _worker_error_lines(job.output())[0]
+    assert "numpy.float64" in _first_error(job)
     assert {e["restart"] for e in job.events("worker_spawned")} == {0}
     assert not job.events("step_done")
 
@@ -128,7 +135,7 @@ def test_unwritable_checkpoint_directory(launch: Any, tmp_path: Path) -> None:
     (tmp_path / "job" / "blocker").write_text("a file where a directory should be")
     job = launch([*tiny_args()[:-4], "--ckpt", "blocker/ckpt", "--out", "out"], name="job")
     assert job.wait(120) == EXIT_USER_ERROR, job.output()
-    assert "not writable" in _worker_error_lines(job.output())[0]
+    assert "not writable" in _first_error(job)
 
 
 def test_other_model_shape_and_world_size_are_refused(launch: Any, tmp_path: Path) -> None:
@@ -139,11 +146,11 @@ def test_other_model_shape_and_world_size_are_refused(launch: Any, tmp_path: Pat
 
     shape = launch(tiny_args("--steps", "12", "--hidden", "16"), name="job")
     assert shape.wait(120) == EXIT_USER_ERROR
-    assert "has shape (32, 8) in the checkpoint and (16, 8) in the model" in _worker_error_lines(shape.output())[0]
+    assert "has shape (32, 8) in the checkpoint and (16, 8) in the model" in _first_error(shape)
 
     resized = launch(tiny_args("--steps", "12", nproc=1), name="job")
     assert resized.wait(120) == EXIT_USER_ERROR
-    assert "written by 2 ranks and this job has 1" in _worker_error_lines(resized.output())[0]
+    assert "written by 2 ranks and this job has 1" in _first_error(resized)
     assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before, "refusals change nothing on disk"
 
 
