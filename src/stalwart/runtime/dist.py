@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -96,6 +97,19 @@ class Flag(IntMessage):
     value: int
 
 
+HELD_COLLECTIVES = 8
+"""How many of Comm's latest collectives keep their (small) tensors referenced from Python, and all of them until
+its group is destroyed. Why: a gloo worker thread drops a work's tensors just after `wait()` has returned, and
+when Python has already let go of such a tensor that last drop frees its Python object, which takes the GIL. On
+torch 2.4.1, destroying the group (`~ProcessGroupGloo`) joins the worker threads while holding the GIL: the two
+wait for each other forever (py-spy, 2026-11-29: a Job whose start failed at the foreign-directory check, hung
+in `Comm.close` one run in ten beside a busy core, its worker in `~AsyncBroadcastWork` -> `gil_scoped_acquire`).
+A tensor still referenced from Python is only released by the worker, which needs no GIL."""
+HELD_MAX_BYTES = 1 << 16
+"""Tensors larger than this (a replica's image) are not held: their collectives are followed by small ones before
+any close, and holding them would keep copies of a snapshot alive."""
+
+
 class Comm:
     """Barrier, gather and broadcast of small integers over stalwart's own gloo group."""
 
@@ -103,6 +117,7 @@ class Comm:
         self.rank = placement.rank
         self.world_size = placement.world_size
         self._group: dist.ProcessGroup | None = None
+        self._held: deque[tuple[torch.Tensor, ...]] = deque(maxlen=HELD_COLLECTIVES)
         if self.world_size > 1:
             # A second group costs one store round-trip at start; it keeps checkpoint traffic off NCCL.
             self._group = dist.new_group(backend="gloo", timeout=timeout)
@@ -110,8 +125,13 @@ class Comm:
     def close(self) -> None:
         """Destroy stalwart's group; a gloo group left alive at interpreter exit can abort the process."""
         if self._group is not None and dist.is_initialized():
-            dist.destroy_process_group(self._group)
+            dist.destroy_process_group(self._group)  # the tensors of its last works still held (HELD_COLLECTIVES)
         self._group = None
+        self._held.clear()
+
+    def _hold(self, *tensors: torch.Tensor) -> None:
+        """Keep a collective's small tensors referenced for HELD_COLLECTIVES collectives more (see there)."""
+        self._held.append(tuple(t for t in tensors if t.numel() * t.element_size() <= HELD_MAX_BYTES))
 
     def forget(self) -> None:
         """Drop the group without destroying it: after a peer's failure it is aborted with every other group."""
@@ -133,6 +153,7 @@ class Comm:
             return type(message).from_ints(self.broadcast_ints(ints))
         if self._group is not None:
             t = torch.tensor(ints, dtype=torch.int64)
+            self._hold(t)
             dist.broadcast(t, src=0, group=self._group)
             ints = [int(v) for v in t.tolist()]
         return type(message).from_ints(ints)
@@ -143,6 +164,7 @@ class Comm:
             return [list(values)]
         mine = torch.tensor(values, dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._hold(mine, *out)
         dist.all_gather(out, mine, group=self._group)
         return [t.tolist() for t in out]
 
@@ -153,6 +175,7 @@ class Comm:
             return lambda: [list(values)]
         mine = torch.tensor(values, dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._hold(mine, *out)
         work = dist.all_gather(out, mine, group=self._group, async_op=True)
 
         def result() -> list[list[int]]:
@@ -168,12 +191,14 @@ class Comm:
             return list(values)
         n = self.broadcast_int(len(values))
         t = torch.tensor(values if self.rank == 0 else [0] * n, dtype=torch.int64)
+        self._hold(t)
         dist.broadcast(t, src=0, group=self._group)
         return [int(v) for v in t.tolist()]
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
         """Rank `src`'s contents of `tensor` (same shape and dtype everywhere), in place on every rank."""
         if self._group is not None:
+            self._hold(tensor)
             dist.broadcast(tensor, src=src, group=self._group)
 
     def exchange(self, payload: bytes, send_to: int, recv_from: int) -> bytes:
@@ -183,9 +208,11 @@ class Comm:
             return payload
         length = torch.tensor([len(payload)], dtype=torch.int64)
         theirs = torch.empty(1, dtype=torch.int64)
+        self._hold(length, theirs)
         _wait_all([dist.isend(length, send_to, group=self._group), dist.irecv(theirs, recv_from, group=self._group)])
         out = torch.empty(int(theirs.item()), dtype=torch.uint8)
         mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+        self._hold(mine, out)
         pending = []
         if len(payload):
             pending.append(dist.isend(mine, send_to, group=self._group))
@@ -198,18 +225,24 @@ class Comm:
         """Send `payload` to rank `dst`, which calls `recv_bytes` (blocking, point to point)."""
         if self._group is None:
             return
-        dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst, group=self._group)
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        self._hold(length)
+        dist.send(length, dst, group=self._group)
         if payload:
-            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, group=self._group)
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            self._hold(data)
+            dist.send(data, dst, group=self._group)
 
     def send_tensor(self, tensor: torch.Tensor, dst: int) -> None:
         """Send `tensor` to rank `dst`, which receives it into a tensor of the same size and dtype (`recv_tensor`)."""
         if self._group is not None:
+            self._hold(tensor)
             dist.send(tensor, dst, group=self._group)
 
     def recv_tensor(self, tensor: torch.Tensor, src: int) -> None:
         """Into `tensor`, what rank `src` sends with `send_tensor`."""
         if self._group is not None:
+            self._hold(tensor)
             dist.recv(tensor, src, group=self._group)
 
     def recv_bytes(self, src: int) -> bytes:
@@ -217,8 +250,10 @@ class Comm:
         if self._group is None:
             return b""
         length = torch.empty(1, dtype=torch.int64)
+        self._hold(length)
         dist.recv(length, src, group=self._group)
         out = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._hold(out)
         if out.numel():
             dist.recv(out, src, group=self._group)
         return out.numpy().tobytes()
@@ -228,6 +263,7 @@ class Comm:
         if self._group is None:
             return value
         t = torch.tensor([value], dtype=torch.int64)
+        self._hold(t)
         dist.broadcast(t, src=0, group=self._group)
         return int(t.item())
 
