@@ -140,7 +140,17 @@ def test_a_killed_rank_0_is_measured_from_its_survivor_rank_1(tmp_path: Path) ->
     assert _results(tmp_path / "kills") == expected, "bitwise identical to the fault-free run"
     assert len(kills["kill_to_step_s"]) == len(kills["survivor_stall_s"]) == 1
     assert 0 < kills["survivor_stall_s"][0] < 60 and 0 < kills["kill_to_step_s"][0] < 60
-    assert kills["steps_lost"] in ([0], [1])
+    # The survivor keeps its live state unless light snapshots were judged over their budget before the kill: at
+    # this width they cost about 1 ms of a 10-16 ms step, over the 2% budget, and the judgement comes near step 32
+    # (fc41, 2026-11-29: killed after step 31, judged at 32, failed at 34). Then the run resumes from the newest full
+    # copy in node memory, as the policy intends: both outcomes are correct, and the result is bitwise the same.
+    (reforming,) = [e for e in _events(tmp_path / "kills") if e["event"] == "reforming"]
+    if reforming["kept_live_state"]:
+        assert kills["steps_lost"] in ([0], [1])
+    else:
+        assert reforming["why"] == "light snapshots are off", reforming
+        resumed = [e for e in _events(tmp_path / "kills") if e["event"] == "resumed"]
+        assert {e["tier"] for e in resumed} == {"memory"}, resumed
     killed = [e for e in _events(tmp_path / "kills") if e["event"] == "fault_injected"]
     assert [(e["rank"], e["fault"]) for e in killed] == [(0, "SIGKILL from outside")]
     pids = {(e["rank"], e["pid"]) for e in _events(tmp_path / "kills") if e["event"] == "worker_started"}
