@@ -98,8 +98,8 @@ class Flag(IntMessage):
 
 
 HELD_COLLECTIVES = 8
-"""How many of Comm's latest collectives keep their (small) tensors referenced from Python, and all of them until
-its group is destroyed. Why: a gloo worker thread drops a work's tensors just after `wait()` has returned, and
+"""How many of Comm's latest collectives keep their (small) tensors referenced from Python; `close` lets go of them
+only once the group is destroyed. Why: a gloo worker thread drops a work's tensors just after `wait()` has returned, and
 when Python has already let go of such a tensor that last drop frees its Python object, which takes the GIL. On
 torch 2.4.1, destroying the group (`~ProcessGroupGloo`) joins the worker threads while holding the GIL: the two
 wait for each other forever (py-spy, 2026-11-29: a Job whose start failed at the foreign-directory check, hung
