@@ -130,7 +130,7 @@ class Comm:
         self._held.clear()
 
     def _hold(self, *tensors: torch.Tensor) -> None:
-        """Keep a collective's small tensors referenced for HELD_COLLECTIVES collectives more (see there)."""
+        """Keep a collective's small tensors referenced until HELD_COLLECTIVES more calls of this (see there)."""
         self._held.append(tuple(t for t in tensors if t.numel() * t.element_size() <= HELD_MAX_BYTES))
 
     def forget(self) -> None:

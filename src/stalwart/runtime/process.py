@@ -198,10 +198,11 @@ def start_module(
     forked = fork_module(module, args, env=env, out=out, err=err, cwd=cwd, death_signal=death_signal)
     if forked is not None:
         return forked
-    with open(out, "wb") as stdout, open(err if err is not None else os.devnull, "wb") as stderr:
-        target: Any = subprocess.STDOUT if err is None or err == out else stderr
+    with contextlib.ExitStack() as files:
+        stdout = files.enter_context(open(out, "wb"))
+        stderr: Any = subprocess.STDOUT if err is None or err == out else files.enter_context(open(err, "wb"))
         cmd = [sys.executable, "-m", module, *args]
-        return spawn(cmd, stdout=stdout, stderr=target, env=env, cwd=cwd, death_signal=death_signal)
+        return spawn(cmd, stdout=stdout, stderr=stderr, env=env, cwd=cwd, death_signal=death_signal)
 
 
 def _run_module(module: str) -> int:
