@@ -4,7 +4,8 @@
 steps and at the end, and logs events; the same loop runs as one process, under `stalwart run` and `torchrun`.
 The Job is a facade: its loop reads as the phases of a step, each a call into a part with one job: the tracked
 state (job/state.py), the memory snapshots (job/snapshots.py), the detectors (job/detectors.py), the step-end
-decisions (job/step_end.py), restoring (recovery/restore.py) and rolling back (recovery/rollback.py).
+decisions (job/step_end.py), what a complete step does (job/completing.py), restoring (recovery/restore.py) and
+rolling back (recovery/rollback.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.detect.hang import hang_timer
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
 from stalwart.errors import ConfigError
-from stalwart.job import endings, joining, leaving, lifecycle, shrunk
+from stalwart.job import completing, endings, joining, lifecycle, shrunk
 from stalwart.job.config import JobConfig
 from stalwart.job.detectors import Detectors
 from stalwart.job.messages import RunName
@@ -39,7 +40,7 @@ from stalwart.job.step_hooks import StepHooks, step_hooks
 from stalwart.recovery import reform
 from stalwart.recovery.in_loop import InLoop
 from stalwart.recovery.restore import Restorer
-from stalwart.recovery.rollback import Rollback, RollbackRequest
+from stalwart.recovery.rollback import Rollback
 from stalwart.runtime.dist import Comm, Placement
 from stalwart.telemetry.events import EventLog
 
@@ -98,27 +99,60 @@ class Job:
             self._in_loop.join_if_peers_stayed(self.comm, staying=staying, grown_at=grown_at)
         self._heartbeat = Heartbeat.from_env(placement.local_rank)
         self._hang = hang_timer(config.detect.hang_timeout_s)
-        memory = MemoryTier.from_env(placement.rank, placement.world_size, placement.local_rank,
-                                     placement.local_world_size) if config.snapshot.every != 0 else None  # fmt: skip
+        memory = (
+            MemoryTier.from_env(placement.rank, placement.world_size, placement.local_rank, placement.local_world_size)
+            if config.snapshot.every != 0
+            else None
+        )
         self._detectors = Detectors(config, self.comm, self.events, self._heartbeat)
-        self._tracked = TrackedState(self.rank, self.world_size, self.events, self._detectors.loss_watch,
-                                     lr_scaling=config.recovery.lr_scaling)  # fmt: skip
+        self._tracked = TrackedState(
+            self.rank, self.world_size, self.events, self._detectors.loss_watch, lr_scaling=config.recovery.lr_scaling
+        )
         ck = config.checkpoint
         self.checkpointer = Checkpointer(
-            ck.dir, self.comm, self.events, keep_last=ck.keep_last, token=token, full_every=ck.full_every,
-            when_busy=ck.when_busy, persist_timeout_s=ck.persist_timeout_s, storage_options=ck.storage_options,
+            ck.dir,
+            self.comm,
+            self.events,
+            keep_last=ck.keep_last,
+            token=token,
+            full_every=ck.full_every,
+            when_busy=ck.when_busy,
+            persist_timeout_s=ck.persist_timeout_s,
+            storage_options=ck.storage_options,
             save_faults=self._hooks.save_faults,
-        )  # fmt: skip
+        )
         self._snapshots = Snapshots(
-            config.snapshot, memory, self._tracked, self.checkpointer, self.comm, self.events, self._hooks,
-            token=token, barrier_timeout_s=config.collective_timeout_s, local_world_size=placement.local_world_size,
+            config.snapshot,
+            memory,
+            self._tracked,
+            self.checkpointer,
+            self.comm,
+            self.events,
+            self._hooks,
+            token=token,
+            barrier_timeout_s=config.collective_timeout_s,
+            local_world_size=placement.local_world_size,
             absorb=self._in_loop.lose if self._in_loop is not None else None,
-        )  # fmt: skip
+        )
         self._restorer = Restorer(self.comm, self.events, self.checkpointer, memory, self._snapshots.replicas)
-        self._rollback = Rollback(self._restorer, self.checkpointer, memory, self.comm, self.events,
-                                  max_rollbacks=config.recovery.max_rollbacks)  # fmt: skip
-        self._step_end = StepEnd(config, self._detectors, self._snapshots, self._tracked, self.checkpointer,
-                                 self.comm, self.events, restart_count=placement.restart_count)  # fmt: skip
+        self._rollback = Rollback(
+            self._restorer,
+            self.checkpointer,
+            memory,
+            self.comm,
+            self.events,
+            max_rollbacks=config.recovery.max_rollbacks,
+        )
+        self._step_end = StepEnd(
+            config,
+            self._detectors,
+            self._snapshots,
+            self._tracked,
+            self.checkpointer,
+            self.comm,
+            self.events,
+            restart_count=placement.restart_count,
+        )
         self._optimizer_hooks = OptimizerHooks(self.checkpointer, self._snapshots)
         self._busy_step = False  # this step's time says nothing of normal steps (job.busy(), a skipped batch)
         self._saved_once = False
@@ -179,9 +213,13 @@ class Job:
         self.resumed_from = restored.step
         reform.drop_stash()  # the tracked objects hold their own copy now
         self.events.emit(
-            "resumed", step=restored.step, source=restored.source, tier=restored.tier, bytes=restored.bytes,
+            "resumed",
+            step=restored.step,
+            source=restored.source,
+            tier=restored.tier,
+            bytes=restored.bytes,
             seconds=time.monotonic() - started,
-        )  # fmt: skip
+        )
         return self.step
 
     def _load(self, restored: Restored) -> None:
@@ -233,7 +271,7 @@ class Job:
                     yield from self._body(self.step, self._hooks.batch(self.step, batch), first)
                 if self._in_loop is not None:
                     self._in_loop.check()
-                rolled_back = self._end_step(started, first, max_steps, loader)
+                rolled_back = completing.end_step(self, started, first, max_steps, loader)
             except Exception as exc:
                 if self._in_loop is None or not reform.is_reformable(exc) or not endings.can_go_back(self):
                     raise
@@ -254,38 +292,6 @@ class Job:
             self.state = JobState.FINISHED
             if self.is_main:
                 self.events.emit("job_finished", step=self.step)
-
-    def _end_step(self, started: float, first: bool, max_steps: int, loader: Iterable[Any] | None) -> bool:
-        """The loop body returned: the step is complete. Its snapshot, checks, log line and checkpoint; True when
-        the job rolled back instead (the caller restarts the loader from the restored position)."""
-        step_s = self._body_done(started)
-        live_s = self._snapshots.at_step_end(self.step)  # before any collective of this step's end
-        self._snapshots.publish()
-        rollback = self._step_end.rollback_wanted(self.step)
-        self._detectors.reads.step_ended()  # a loss the guard's read of this step did not take is read now
-        if rollback is not None and self._roll_back(rollback, loader):
-            self._busy_step = False
-            reform.allow_requests()
-            return True
-        if rollback is not None and self._snapshots.light_wanted():
-            self._snapshots.read_live(self.step)  # nothing to roll back to (a loss spike only reported)
-        warning = self._step_end.warning(self.step, measured=not self._busy_step)
-        self._busy_step = False
-        self._snapshots.take(self.step, live_s)
-        reform.allow_requests()  # a re-forming request deferred by the commit point is raised here
-        if first:  # the optimizer's state exists now: staging is allocated while the next steps run
-            with contextlib.suppress(Exception):
-                self.checkpointer.prepare(self._tracked.state(self.step))
-        if first or self.step % self.config.log_every == 0:
-            self._log_step(step_s)
-        self._checkpoint(max_steps, warning.reason)
-        if warning.evict is not None:
-            leaving.evict(self.step, warning.evict, self.rank, self.checkpointer, self.events, self._heartbeat,
-                          self._hang)  # fmt: skip
-        if self._step_end.preempt(self.step, max_steps):
-            leaving.preempt(self.step, self._last_saved == self.step, lambda: self.save(wait=True),
-                            self.checkpointer, self.events, self._heartbeat, is_main=self.is_main)  # fmt: skip
-        return False
 
     def _start(self) -> None:
         """The parts a run needs, once the state is loaded: re-forming in the loop, detectors, the GPU fence,
@@ -317,37 +323,6 @@ class Job:
             self._snapshots.disarm()
             if guard is not None:
                 guard.disarm()
-
-    def _body_done(self, started: float) -> float:
-        """The loop body is done: the step is complete. Returns its duration (from `started`, monotonic, to after
-        the fence), as the calibrations see it."""
-        # The agent's request to re-form (a peer failed) waits for this step's snapshot, so the step is kept
-        # wherever the peers hold it too (reform.defer_requests). A collective of the step's end still fails at
-        # once if a peer is gone.
-        reform.defer_requests()
-        self._optimizer_hooks.wait()  # a step without an optimizer step must not outrun the checkpoint's copy
-        self._move_to(self.step + 1)
-        step_s = time.monotonic() - started
-        if not self._busy_step:
-            self._hang.observe(step_s)
-            self._snapshots.schedule.observe_step(step_s)
-        return step_s
-
-    def _checkpoint(self, max_steps: int, risk: str | None) -> None:
-        """The checkpoint this step's end calls for: the run's last (durable before steps() returns), a regular one,
-        or one at a warning sign, before it turns into a failure."""
-        taken = None
-        if self.step == max_steps:
-            taken = self.save(wait=True)
-        elif self._step_end.checkpoint_due(self.step) or risk is not None:
-            regular = self._step_end.checkpoint_due(self.step)
-            taken = self.save()
-            if regular and self._step_end.interval is not None:
-                self._step_end.plan_checkpoints(self.step)
-            if taken:
-                self._snapshots.full_copy_served(self.step)
-        if risk is not None:  # (a regular one due at this step serves)
-            self.events.emit("risk_checkpoint", step=self.step, reason=risk, taken=taken)
 
     @contextlib.contextmanager
     def busy(self, seconds: float | None = None) -> Iterator[None]:
@@ -389,26 +364,6 @@ class Job:
             self._last_saved = self.step
         return taken
 
-    def _roll_back(self, request: RollbackRequest, loader: Iterable[Any] | None) -> bool:
-        """Go back to the newest good state and skip the batch (recovery/rollback.py). Collective. False when there
-        is nothing to go back to (a loss spike is then only reported)."""
-        started = time.monotonic()
-        self._detectors.reads.flush()  # what waits belongs to the steps being left: judged before they go
-        tracked = loader is None or any(obj is loader for obj in self._tracked.objects.values())
-        restored = self._rollback.restore(
-            request, self.step, loader_tracked=tracked, diverged=self._step_end.diverged,
-            on_start=lambda: self._heartbeat.beat(self.step, PHASE_RESUME, self._hang.grace()),
-        )  # fmt: skip
-        if restored is None:
-            return False
-        self._load(restored)
-        from_step = self.step
-        self._move_to(restored.step)
-        self._detectors.rolled_back(self.step)
-        self._snapshots.rolled_back(self.step)
-        self._rollback.done(request, from_step, restored, time.monotonic() - started)
-        return True
-
     def _tensors_to_flip(self) -> list[torch.Tensor]:
         """A bit flip's targets, once the copies reading them ended: the last snapshot holds the state before it."""
         self._optimizer_hooks.wait()
@@ -437,12 +392,6 @@ class Job:
     def abandon(self) -> None:
         """Drop this job after its group failed, without a collective (job/endings.py)."""
         endings.abandon(self)
-
-    def _log_step(self, step_s: float) -> None:
-        """A `step_done` event; the reported tensors are read in one read, with whatever waits for one."""
-        metrics = self._detectors.reads.read_items(self._metrics)
-        metrics.update(self._snapshots.log_fields())
-        self.events.emit("step_done", step=self.step, step_s=step_s, **metrics)
 
     def _announce(self, kind: str, details: dict[str, Any]) -> None:
         """A fault of the step hooks is about to fire: the event log says which, at which step."""
