@@ -306,12 +306,14 @@ SLOW_TESTS = {
         "test_no_reform_restarts_every_worker",
     ),
     "test_own_group.py": (
-        "test_a_kill_ends_bitwise_identical_whatever_way_the_script_made_its_group[url",
-        "test_a_kill_ends_bitwise_identical_whatever_way_the_script_made_its_group[store",
-        "test_a_kill_ends_bitwise_identical_whatever_way_the_script_made_its_group[env-after",
+        "test_a_kill_is_survived_in_the_loop_whatever_way_the_script_made_its_group[url",
+        "test_a_kill_is_survived_in_the_loop_whatever_way_the_script_made_its_group[store",
+        "test_a_kill_is_survived_in_the_loop_whatever_way_the_script_made_its_group[env-after",
         "test_a_stopped_rank_is_replaced",
         "test_a_killed_launcher_leaves_no_worker",
+        "test_two_kills[wait]",
     ),
+    "test_shrink.py": ("test_own_data_with_wait_for_replacement_ends_bitwise",),
     "test_hang.py": (
         "test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical[sleep]",
         "test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical[deadlock]",

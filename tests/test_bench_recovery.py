@@ -13,7 +13,7 @@ import pytest
 from conftest import stalwart
 from stalwart.bench.recovery import _reference_run, measure_kills, survivor_of
 from stalwart.bench.recovery_goodput import SETTLE_S, PacedGoodput, steady_pace
-from stalwart.bench.recovery_run import _results
+from stalwart.bench.recovery_run import JobShape, _results
 
 SMALL = 128
 """The job's model in the tests that run it: 3 layers of 128 x 128 (50k parameters)."""
@@ -131,8 +131,9 @@ def test_a_killed_rank_0_is_measured_from_its_survivor_rank_1(tmp_path: Path) ->
     assert survivor_of(0) == 1 and survivor_of(1) == 0
     # A small model (`--width`): what is measured is the recovery, and the default's compute was most of the
     # test's CPU (2 ranks at ~85% for 180 steps of ~0.1 s).
-    expected = _reference_run("stalwart", tmp_path / "reference", 30 + 60, lines.append, width=SMALL)  # kills: +60
-    kills = measure_kills("stalwart", tmp_path / "kills", [30], lines.append, spares=1, rank=0, width=SMALL)
+    small = JobShape(width=SMALL)
+    expected = _reference_run("stalwart", tmp_path / "reference", 30 + 60, lines.append, small)  # kills: +60
+    kills = measure_kills("stalwart", tmp_path / "kills", [30], lines.append, spares=1, rank=0, shape=small)
     # Killed once the bench saw step 30 done: the small model's steps are fast enough for a later one to be done by
     # then (32 in a suite run).
     killed_after = re.fullmatch(r"stalwart: killed rank 0 after step (\d+) \(1/1\)", lines[-1])

@@ -176,7 +176,52 @@ def test_shrinking_is_off_with_wait_for_replacement(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("STALWART_KEPT_RANKS", "0,2")
     monkeypatch.setenv("STALWART_WAIT_FOR_REPLACEMENT", "0")
     assert shrink.plan(0, 4) == Plan((0, 2), 4, 0)
-    assert shrink.plan(0, 3) is None, "W' must divide W"
-    assert shrink.defers_joining(4) and not shrink.defers_joining(3)
+    assert shrink.plan(0, 3) is None, "W' must divide W for the survivors to keep the global batch"
+    assert shrink.plan(0, 3, own_data=True) == Plan((0, 2), 3, 0, own_data=True), "own data: any W' < W"
+    assert shrink.plan(0, 3, own_data=True).shares == (0,), "a survivor draws only its own batches"
+    assert shrink.defers_joining(), "the replacement joins at its loop's start whatever W'"
     monkeypatch.setenv("STALWART_WAIT_FOR_REPLACEMENT", "1")
-    assert shrink.plan(0, 4) is None and not shrink.defers_joining(4)
+    assert shrink.plan(0, 4) is None and shrink.plan(0, 3, own_data=True) is None and not shrink.defers_joining()
+
+
+def test_survivors_with_their_own_data_train_on_with_a_smaller_global_batch(launch: Any) -> None:
+    """The script draws its own batches in its loop (no ResumableLoader): the survivor does not wait for the
+    replacement's set-up; it redoes the failed step with its own batch and trains on at one rank of two, DDP
+    averaging over the survivors (torchft's semantics: those steps' global batch is half). The replacement takes
+    the survivor's replicated state and its predecessor's own sampler, so the ranks end as replicas."""
+    env = child_env(STALWART_FAULTS="kill@rank=1,step=13", STALWART_WAIT_FOR_REPLACEMENT="0")
+    args = tiny_args(*ARGS, "--own-data", "--setup-s", "3", "--setup-log", "setups.log")
+    job = launch(args, env=env)
+    assert job.wait(180) == 0, job.output()
+    [shrunk] = job.events("shrunk")
+    assert (shrunk["rank"], shrunk["failed_at"], shrunk["step"], shrunk["world_size"]) == (0, 13, 13, 1), shrunk
+    assert (shrunk["own_data"], shrunk["shares"], shrunk["global_batch"]) == (True, [0], "1/2"), shrunk
+    [growing] = job.events("growing")
+    assert growing["shrunk_steps"] >= 1, "the survivor trained while the replacement ran its set-up"
+    line = f"stalwart: trained steps 13-{growing['step']} ({growing['shrunk_steps']} steps) on 1 of 2 ranks"
+    assert line in job.output() and "global batch was the survivors' own, 1/2" in job.output(), job.output()[-3000:]
+    shrunk_steps = [e["step"] for e in job.events("step_done") if e.get("world_size") == 1]
+    assert shrunk_steps == list(range(14, growing["step"] + 1)), "the failed step redone, then one step each"
+    results = job.results()
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert results[0]["sha256"] == results[1]["sha256"], "the ranks end as replicas"
+    first, second = job.worker_pids(restart=0), job.worker_pids(restart=1)
+    assert first[0] == second[0] and first[1] != second[1], "the survivor keeps its process"
+    counts = _setups(job)
+    assert set(counts.values()) == {1} and len(counts) == 3, f"set-up once per process: {counts}"
+    seen0 = results[0]["seen"]
+    assert len(seen0) == STEPS * 3, "the survivor saw its own batch of every step once (the failed one redone)"
+
+
+def test_own_data_with_wait_for_replacement_ends_bitwise(launch: Any, tmp_path_factory: Any) -> None:
+    """--wait-for-replacement keeps the exact behaviour: the survivor waits in its loop and the run ends bitwise
+    identical to one without the failure."""
+    reference = fault_free_results(tmp_path_factory.mktemp("own-data-reference"), *ARGS, "--own-data")
+    env = child_env(STALWART_FAULTS="kill@rank=1,step=13", STALWART_WAIT_FOR_REPLACEMENT="1")
+    job = launch(tiny_args(*ARGS, "--own-data", "--setup-s", "1"), env=env)
+    assert job.wait(180) == 0, job.output()
+    assert not job.events("shrunk") and job.events("reformed_in_loop")
+    results = job.results()
+    assert {r: (results[r]["step"], results[r]["sha256"]) for r in results} == {
+        r: (reference[r]["step"], reference[r]["sha256"]) for r in reference
+    }

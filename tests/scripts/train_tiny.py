@@ -43,6 +43,24 @@ class SeenSamples:
         self.ids = state["ids"].tolist()
 
 
+class OwnBatches:
+    """The script's own sampler (--own-data): each rank draws its batch's sample ids from a generator of its own, as
+    scripts that sample from a token file do. Tracked per rank, so a resume draws what the run would have drawn."""
+
+    def __init__(self, num_samples: int, per_rank: int, rank: int) -> None:
+        self.num_samples, self.per_rank = num_samples, per_rank
+        self.gen = torch.Generator().manual_seed(1000 + rank)
+
+    def draw(self) -> torch.Tensor:
+        return torch.randint(self.num_samples, (self.per_rank,), generator=self.gen)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"gen": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.gen.set_state(state["gen"])
+
+
 class _Holder:
     def __init__(self, state: dict) -> None:
         self.state = state
@@ -111,6 +129,7 @@ def main() -> None:
         help="append each step's samples here (a directory): step, the step this run resumed from, ids",
     )
     p.add_argument("--setup-log", default="", help="append this process's pid here each time the set-up runs")
+    p.add_argument("--own-data", action="store_true", help="each rank draws its own batches in the loop (no loader)")
     p.add_argument("--die-at", default="", help="STEP:PHASE (forward, backward, before_optimizer): rank 1 of the "
                    "first round dies there, the user's code killing its own process")  # fmt: skip
     p.add_argument("--fork-holder", default="", choices=("", "group", "session"),
@@ -192,7 +211,12 @@ def main() -> None:
         Samples(args.num_samples), global_batch_size=args.gbs, seed=3, num_workers=args.workers
     )
     seen = SeenSamples()
-    job.track(model=model, optim=optim, sched=sched, data=loader, seen=seen)
+    if args.own_data:
+        own = OwnBatches(args.num_samples, args.gbs // job.world_size, job.rank)
+        job.track(model=model, optim=optim, sched=sched, sampler=own, seen=seen)
+        data = Samples(args.num_samples)
+    else:
+        job.track(model=model, optim=optim, sched=sched, data=loader, seen=seen)
     if job.rank == args.unsavable_on_rank:
         import numpy as np
 
@@ -202,7 +226,8 @@ def main() -> None:
     if args.dump_dir and job.resume():
         _dump(model, optim, job, Path(args.dump_dir) / f"resumed-{job.step}.pt")
     shrunk_at = None  # the step from which the job ran at fewer than --grow-to ranks
-    for step, (ids, x) in job.steps(loader, max_steps=args.steps):
+    for step, drawn in job.steps(None if args.own_data else loader, max_steps=args.steps):
+        ids, x = _own(own, data) if args.own_data else drawn
         shrunk_at = None if job.world_size >= args.grow_to else step if shrunk_at is None else shrunk_at
         if shrunk_at is not None and step - shrunk_at == args.grow_wait_after:
             from stalwart.chaos.tiny_job import wait_to_grow
@@ -258,6 +283,12 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{job.rank}.json").write_text(json.dumps(result))
+
+
+def _own(own: OwnBatches, data: Samples) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's batch, drawn in the loop body (--own-data)."""
+    ids = own.draw()
+    return ids, data.x[ids]
 
 
 def _gathered(t: torch.Tensor) -> torch.Tensor:

@@ -40,9 +40,10 @@ from stalwart.bench.recovery_goodput import (
     measure_goodput,
 )
 from stalwart.bench.recovery_run import (
+    DEFAULT_SHAPE,
     NPROC,
     RESTART_CHECKPOINT_EVERY,
-    WIDTH,
+    JobShape,
     Progress,
     Run,
     _first_step_after,
@@ -79,12 +80,11 @@ def measure_kills(
     progress: Progress,
     spares: int = 2,
     rank: int = 1,
-    setup_s: float = 0.0,
-    width: int = WIDTH,
+    shape: JobShape = DEFAULT_SHAPE,
 ) -> dict[str, Any]:
     """SIGKILLs of `rank` once the job has completed each step of `schedule`, one recovery at a time."""
     kills = len(schedule)
-    run = Run(system, workdir, steps=schedule[-1] + 60, spares=spares, setup_s=setup_s, width=width)
+    run = Run(system, workdir, steps=schedule[-1] + 60, spares=spares, shape=shape)
     run.start()
     marks: list[tuple[float, int]] = []
     try:
@@ -145,12 +145,11 @@ def measure_hang(
     progress: Progress,
     spares: int = 2,
     rank: int = 1,
-    setup_s: float = 0.0,
-    width: int = WIDTH,
+    shape: JobShape = DEFAULT_SHAPE,
 ) -> float | None:
     """Seconds from SIGSTOPping `rank` to the system's hang report; None if none came within `wait_s`."""
-    seconds = 300 + wait_s + 120 + setup_s
-    run = Run(system, workdir, steps=100_000, spares=spares, seconds=seconds, setup_s=setup_s, width=width)
+    seconds = 300 + wait_s + 120 + shape.setup_s
+    run = Run(system, workdir, steps=100_000, spares=spares, seconds=seconds, shape=shape)
     run.start()
     try:
         _wait(run, lambda: run.last_step() >= 60, 300, "step 60")
@@ -242,18 +241,17 @@ def run_bench(
     spares: int = 2,
     full: bool = True,
     kill_rank: int = 1,
-    setup_s: float = 0.0,
-    width: int = WIDTH,
+    shape: JobShape = DEFAULT_SHAPE,
 ) -> dict[str, Any]:
-    """Every system's figures on the same job and the same kills; `setup_s`: the seconds its script spends before
-    its loop (what a failure costs a system that runs the script again)."""
+    """Every system's figures on the same job and the same kills; `shape.setup_s`: the seconds its script spends
+    before its loop (what a failure costs a system that runs the script again)."""
     if not 0 <= kill_rank < NPROC:
         raise BenchError(f"--kill-rank must be 0 or 1 (the job has {NPROC} ranks), not {kill_rank}")
     rng = random.Random(seed)
     with scratch_dir(parent, "stalwart-bench-recovery-") as root:
         schedule = kill_schedule(kills, gap, rng)
         progress(f"fault-free reference run of {schedule[-1] + 60} steps (stalwart run, no spares)")
-        ref = Run("stalwart", root / "reference", steps=schedule[-1] + 60, spares=0, setup_s=setup_s, width=width)
+        ref = Run("stalwart", root / "reference", steps=schedule[-1] + 60, spares=0, shape=shape)
         ref.start()
         try:
             _wait(ref, lambda: not ref.running(), 900, "the reference run")
@@ -269,10 +267,10 @@ def run_bench(
         for name in names:
             expected = reference
             if name == "torchft":  # its allreduce differs from DDP's: compare with its own fault-free run
-                expected = _reference_run(name, root / "torchft-reference", schedule[-1] + 60, progress, setup_s, width)
-            k = measure_kills(name, root / f"{name}-kills", schedule, progress, spares, kill_rank, setup_s, width)
+                expected = _reference_run(name, root / "torchft-reference", schedule[-1] + 60, progress, shape)
+            k = measure_kills(name, root / f"{name}-kills", schedule, progress, spares, kill_rank, shape)
             k["bitwise_identical"] = _results(root / f"{name}-kills") == expected
-            hang = measure_hang(name, root / f"{name}-hang", hang_wait, progress, spares, kill_rank, setup_s, width)
+            hang = measure_hang(name, root / f"{name}-hang", hang_wait, progress, spares, kill_rank, shape)
             good = None
             if goodput_seconds > 0:
                 progress(
@@ -287,8 +285,7 @@ def run_bench(
                     progress,
                     spares,
                     kill_rank,
-                    setup_s,
-                    width,
+                    shape,
                 )
             systems[name] = summarize(k, hang, good, reference_step_s)
             if name == "torchrun" and hang is None:
@@ -316,6 +313,12 @@ def run_bench(
                     "stalwart run with JobConfig(snapshot_every=1, replicated_snapshot_every=1): a full memory "
                     "snapshot every step, the defaults before the snapshot budget"
                 )
+            if name.startswith("stalwart") and shape.own_data:
+                systems[name]["note"] += (
+                    "; the job draws its own data, so the survivor trains on alone with its own batches while the "
+                    "replacement starts (a smaller global batch for those steps): not bitwise identical by design "
+                    "(--wait-for-replacement is)"
+                )
         if not torchft:
             systems["torchft"] = _torchft_entry()
         stock = stock_torchrun(root, stock_trials, 45.0, progress) if stock_trials else None
@@ -323,7 +326,8 @@ def run_bench(
     return {
         "job": {
             "nproc": NPROC,
-            "model": f"3-layer MLP, {3 * (width * width + width) / 1e6:.1f}M parameters, DDP, AdamW",
+            "model": f"3-layer MLP, {3 * (shape.width**2 + shape.width) / 1e6:.1f}M parameters, DDP, AdamW",
+            "data": "own (each rank draws its batches in its loop)" if shape.own_data else "ResumableLoader",
             "checkpoint_every": {
                 "torchrun": RESTART_CHECKPOINT_EVERY,
                 "stalwart": CheckpointOptions.__dataclass_fields__["every"].default,
@@ -346,16 +350,17 @@ def run_bench(
             ),
         },
         "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]},
-        "setup_s": setup_s,
-        "width": width,
+        "setup_s": shape.setup_s,
+        "width": shape.width,
+        "own_data": shape.own_data,
     }
 
 
 def _reference_run(
-    system: str, workdir: Path, steps: int, progress: Progress, setup_s: float = 0.0, width: int = WIDTH
+    system: str, workdir: Path, steps: int, progress: Progress, shape: JobShape = DEFAULT_SHAPE
 ) -> dict[int, str]:
     progress(f"{system}: fault-free reference run of {steps} steps")
-    run = Run(system, workdir, steps=steps, setup_s=setup_s, width=width)
+    run = Run(system, workdir, steps=steps, shape=shape)
     run.start()
     try:
         _wait(run, lambda: not run.running(), 900, f"{system}'s reference run")

@@ -23,7 +23,7 @@ from rich.table import Table
 from stalwart.bench.common import positive_int, seconds
 from stalwart.bench.recovery import run_bench
 from stalwart.bench.recovery_goodput import SETTLE_S
-from stalwart.bench.recovery_run import WIDTH
+from stalwart.bench.recovery_run import WIDTH, JobShape
 from stalwart.errors import BenchError
 from stalwart.telemetry.console import console as make_console
 
@@ -58,6 +58,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "a real job's dataset indexing and model building do (default 0)",
     )
     p.add_argument(
+        "--own-data",
+        action="store_true",
+        help="the job draws its own batches in its loop (its own generator per rank), as most scripts do, "
+        "instead of through stalwart's ResumableLoader",
+    )
+    p.add_argument(
         "--width",
         type=positive_int,
         default=WIDTH,
@@ -86,8 +92,7 @@ def run(args: argparse.Namespace) -> int:
             spares=max(0, args.spares),
             full=not args.no_full,
             kill_rank=args.kill_rank,
-            setup_s=args.setup_s,
-            width=args.width,
+            shape=JobShape(setup_s=args.setup_s, width=args.width, own_data=args.own_data),
             parent=args.dir,
             progress=lambda line: err.print(f"bench: {line}"),
         )
@@ -108,6 +113,7 @@ def _s(value: float | None) -> str:
 def print_report(console: Console, report: dict[str, Any]) -> None:
     killed = report["job"].get("killed_rank", 1)
     setup = f", {report['setup_s']:g} s of set-up before the loop" if report.get("setup_s") else ""
+    setup += ", each rank drawing its own data" if report.get("own_data") else ""
     title = f"recovery, {report['kills']} kills of rank {killed} per system ({report['job']['model']}{setup})"
     table = Table(title=title)
     for column in (

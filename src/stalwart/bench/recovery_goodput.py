@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stalwart.bench.recovery_run import WIDTH, Progress, Run, _note_kill
+from stalwart.bench.recovery_run import DEFAULT_SHAPE, JobShape, Progress, Run, _note_kill
 from stalwart.errors import BenchError
 from stalwart.telemetry.goodput import account
 
@@ -72,15 +72,14 @@ def measure_goodput(
     progress: Progress,
     spares: int = 2,
     rank: int = 1,
-    setup_s: float = 0.0,
-    width: int = WIDTH,
+    shape: JobShape = DEFAULT_SHAPE,
 ) -> PacedGoodput:
     """Productive time kept over wall time, with `rank` killed every `kill_every` seconds: the steps in the final
     history (a redone step counts once) times `step_s`, the median step of the fault-free run. Counting a fixed
     step time, not each step's own, charges a system for everything that slows its steps or runs between them
     (snapshots, spares starting up), not only for the time it is down. Returns that goodput, the same at the
     run's own steady pace (steady_pace), and where the wall time went in telemetry/goodput.py's categories."""
-    run = Run(system, workdir, steps=1_000_000, spares=spares, seconds=seconds + 120, setup_s=setup_s, width=width)
+    run = Run(system, workdir, steps=1_000_000, spares=spares, seconds=seconds + 120, shape=shape)
     run.start()
     started = run.started
     try:

@@ -2,10 +2,12 @@
 
 Sample i is drawn from a generator seeded by i and fed by a ResumableLoader (global batch: `--batch` per rank), so
 a run with failures must end with exactly the parameters of a run without, and stalwart's survivors can take a
-missing rank's slices of each batch while its replacement starts (recovery/shrink.py). It checkpoints every
+missing rank's slices of each batch while its replacement starts (recovery/shrink.py). With `--own-data` each rank
+draws its batch in the loop from a generator of its own (its state tracked per rank), so stalwart's survivors train
+on with their own batches meanwhile, a smaller global batch for those steps. It checkpoints every
 `--checkpoint-every` steps (durable, reloaded on restart under any launcher; JobConfig's default unless given) and
-logs every step, which is what the bench reads. At the end each rank writes
-`result-rank<R>.json` with the sha256 of its parameters.
+logs every step, which is what the bench reads. At the end each rank writes `result-rank<R>.json` with the sha256
+of its parameters.
 """
 
 from __future__ import annotations
@@ -36,6 +38,23 @@ class _SeededSamples(torch.utils.data.Dataset[torch.Tensor]):
         return torch.randn(self._width, generator=torch.Generator().manual_seed(i))
 
 
+class _OwnBatches:
+    """A rank's own sampler (`--own-data`): its batches from a generator seeded by its rank, its state tracked."""
+
+    def __init__(self, rank: int, batch: int, width: int) -> None:
+        self.batch, self.width = batch, width
+        self.gen = torch.Generator().manual_seed(7919 * (rank + 1))
+
+    def draw(self) -> torch.Tensor:
+        return torch.randn(self.batch, self.width, generator=self.gen)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"gen": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.gen.set_state(state["gen"])
+
+
 def _every(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
@@ -55,6 +74,7 @@ def main() -> None:
         default=0.0,
         help="seconds of set-up before the loop (a real job's dataset indexing, model building, compilation)",
     )
+    p.add_argument("--own-data", action="store_true", help="each rank draws its own batches in the loop")
     p.add_argument("--until", type=float, help="stop (exit 0, no result) at this time.time(): a bound on long runs")
     args = p.parse_args()
     die_with_parent()  # under torchrun too: a launcher killed with SIGKILL leaves no worker behind
@@ -79,11 +99,13 @@ def main() -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     global_batch = args.batch * job.world_size
     epoch = global_batch * min(args.steps, 1000)  # long runs go round epochs: a permutation stays small
-    loader = stalwart.ResumableLoader(_SeededSamples(epoch, w), global_batch_size=global_batch, seed=1)
-    job.track(model=model, optim=optim, data=loader)
-    for _, x in job.steps(loader, max_steps=args.steps):
+    own = _OwnBatches(job.rank, args.batch, w) if args.own_data else None
+    loader = None if own else stalwart.ResumableLoader(_SeededSamples(epoch, w), global_batch_size=global_batch, seed=1)
+    job.track(model=model, optim=optim, **({"sampler": own} if own else {"data": loader}))
+    for _, drawn in job.steps(loader, max_steps=args.steps):
         if args.until is not None and time.time() > args.until:
             return
+        x = own.draw() if own is not None else drawn
         loss = (ddp(x) - x).pow(2).mean()
         optim.zero_grad()
         loss.backward()

@@ -37,6 +37,25 @@ lost per kill. stalwart's runs keep JobConfig's default (every 100 steps): its r
 node memory, and what a user who changes nothing gets is what the bench measures (docs/benchmarks.md says so)."""
 
 
+@dataclass(frozen=True)
+class JobShape:
+    """What the bench's job is like: the same for every system of one bench run."""
+
+    setup_s: float = 0.0
+    """Seconds the job's script spends before its loop (`--setup-s`: dataset indexing, building the model)."""
+    width: int = WIDTH
+    own_data: bool = False
+    """Each rank draws its own batches in its loop (`--own-data`) instead of through a ResumableLoader."""
+
+    def job_args(self) -> list[str]:
+        """The recovery job's options for this shape (torchft's driver takes the first two)."""
+        setup = ["--setup-s", str(self.setup_s)] if self.setup_s else []
+        return [*setup, "--width", str(self.width), *(["--own-data"] if self.own_data else [])]
+
+
+DEFAULT_SHAPE = JobShape()
+
+
 @dataclass
 class Run:
     """One launch of the bench job under one system, watched through its event log."""
@@ -48,9 +67,7 @@ class Run:
     seconds: float | None = None
     """A bound on the job's wall time (the hang and goodput runs stop it themselves long before)."""
     stock: bool = False
-    setup_s: float = 0.0
-    """Seconds the job's script spends before its loop (`--setup-s`: dataset indexing, building the model)."""
-    width: int = WIDTH
+    shape: JobShape = DEFAULT_SHAPE
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     offset: int = 0
@@ -65,8 +82,7 @@ class Run:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
         env.update(STALWART_EVENT_LOG=str(self.log), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         until = [] if self.seconds is None else ["--until", f"{time.time() + self.seconds:.0f}"]
-        setup = ["--setup-s", str(self.setup_s)] if self.setup_s else []
-        setup += ["--width", str(self.width)]
+        setup = self.shape.job_args()
         job = [
             "-m",
             "stalwart.bench.recovery_job",
@@ -91,7 +107,7 @@ class Run:
                 "--steps",
                 str(self.steps),
                 *until,
-                *setup,
+                *[a for a in setup if a != "--own-data"],  # its job draws its own data
             ]
         elif self.system == "torchrun":
             if not self.stock:

@@ -41,7 +41,7 @@ def join_group(placement: Placement, timeout: timedelta) -> tuple[bool, bool]:
         script_group.notice_if_plain()
         return False, False
     in_loop = reform.in_loop()
-    deferred = script_group.placeholder_wanted(placement.world_size)
+    deferred = script_group.placeholder_wanted()
     return deferred, init_process_group(placement, timeout, reformable=in_loop, placeholder=deferred)
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import time
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +22,7 @@ from stalwart.data.loader import ResumableLoader
 from stalwart.detect.heartbeat import PHASE_STEP, Heartbeat
 from stalwart.errors import CheckpointCorruptError
 from stalwart.job import endings
+from stalwart.job.step_hooks import step_hooks
 from stalwart.recovery import reform, shrink
 from stalwart.runtime import group as reformable
 from stalwart.runtime.dist import Placement
@@ -46,13 +48,15 @@ def recover(
     """After a peer's failure inside the loop: returns the iterator to go on with, as reform_in_loop does."""
     if not _may_shrink(job, loader, max_steps):
         return endings.reform_in_loop(job, failure, loader, iterator, batch)
-    assert isinstance(loader, ResumableLoader) and job._in_loop is not None
+    assert job._in_loop is not None
+    own_data = _own_data(job, loader)
     started, failed_at = time.monotonic(), job.step
     undone: list[bool] = []
     endings.abandon(job, before_close=lambda: undone.append(_undo(job)))
     job._in_loop.leave(job.rank, reform.reason(failure))
     now = Placement.from_env()
-    plan = shrink.plan(now.rank, now.world_size) if undone == [True] and now.world_size == job.world_size else None
+    same_world = undone == [True] and now.world_size == job.world_size
+    plan = shrink.plan(now.rank, now.world_size, own_data=own_data) if same_world else None
     if plan is not None:
         try:  # the survivors were all activated together: a short wait for one another
             shrink.form(plan, timedelta(seconds=min(job.config.collective_timeout_s, FORM_TIMEOUT_S)))
@@ -62,21 +66,32 @@ def recover(
     if plan is None:
         return endings.reform_in_loop(job, failure, loader, iterator, batch, left=True)
     job._in_loop.rejoin()  # the DDP modules' fresh reducers on the survivors' group
-    yield from _train(job, loader, plan, max_steps, failed_at, started)
+    if own_data:  # the failed step is redone with the batch drawn for it; then the script's own iterator goes on
+        drawn_at, drawn = batch
+        own = itertools.chain([drawn], iterator) if iterator is not None and drawn_at == job.step else iterator
+        yield from _train_own(job, own, plan, max_steps, failed_at, started)
+    else:
+        assert isinstance(loader, ResumableLoader)
+        own = None
+        yield from _train(job, loader, plan, max_steps, failed_at, started)
     reform.abort_process_groups()
     shrink.forget_round(plan)
     job._grown_at = job.step
-    return endings.reform_in_loop(job, failure, loader, None, (job.step, None), left=True)
+    # (-1, None): nothing drawn to redo after growing; a tracked loader restarts from the grown step's position
+    return endings.reform_in_loop(job, failure, loader, own, (-1, None), left=True)
+
+
+def _own_data(job: Job, loader: Iterable[Any] | None) -> bool:
+    """Whether the script draws its own batches: no loader given to `steps()`, or one stalwart does not track as a
+    ResumableLoader (it cannot re-slice it among the survivors)."""
+    return not (isinstance(loader, ResumableLoader) and any(obj is loader for obj in job._tracked.objects.values()))
 
 
 def _may_shrink(job: Job, loader: Iterable[Any] | None, max_steps: int) -> bool:
     """The conditions of recovery/shrink.py that the job can judge before leaving its group."""
-    objects = job._tracked.objects
     return (
         shrink.wanted()
-        and isinstance(loader, ResumableLoader)
-        and any(obj is loader for obj in objects.values())
-        and not sharded.meshes_of(objects.values())
+        and not sharded.meshes_of(job._tracked.objects.values())
         and job.step + 1 < max_steps
         and job._snapshots.memory is not None
     )
@@ -108,18 +123,71 @@ def _undo(job: Job) -> bool:
 def _train(
     job: Job, loader: ResumableLoader, plan: shrink.Plan, max_steps: int, failed_at: int, started: float
 ) -> Iterator[tuple[int, Any]]:
-    """Steps of the full job at the survivors' size until the replacements reached their loop (or the step before
-    the last: the run's final checkpoint is taken by the whole job)."""
-    placement = Placement.from_env()
-    events = EventLog.from_env(rank=placement.rank, restart=placement.restart_count)
-    heartbeat = Heartbeat.from_env(placement.local_rank)
+    """Steps of the full job at the survivors' size, the global batch kept: each step is one loop body per slice
+    this survivor takes (its own and the missing ranks' it stands for), the update made in the last."""
     micro = shrink.MicroSteps(job._tracked.optimizers(), shrink.schedulers(job._tracked.objects), plan.scale)
+    loader.take_shares(plan.shares)
+    iterator = iter(loader)
+
+    def step() -> Generator[tuple[int, Any], None, bool]:
+        items = list(itertools.islice(iterator, len(plan.shares)))
+        if len(items) < len(plan.shares):
+            return False  # the data ran out: the whole job ends it
+        for index, item in enumerate(items):
+            micro.begin(index, len(items))
+            try:
+                yield job.step, item
+            finally:
+                micro.end()
+        return True
+
+    try:
+        yield from _shrunk_steps(job, plan, max_steps, failed_at, started, step)
+    finally:
+        micro.close()
+        loader.take_shares(None)
+
+
+def _train_own(
+    job: Job, iterator: Iterator[Any] | None, plan: shrink.Plan, max_steps: int, failed_at: int, started: float
+) -> Iterator[tuple[int, Any]]:
+    """Steps at the survivors' size with the script's own data: one loop body a step, as before the failure, each
+    survivor drawing its own batch (from `iterator`, or in the loop body when the script gave no loader); DDP
+    averages the gradients over the survivors."""
+
+    def step() -> Generator[tuple[int, Any], None, bool]:
+        item = next(iterator, _END) if iterator is not None else None
+        if item is _END:
+            return False  # the data ran out: the whole job ends it
+        yield job.step, item
+        return True
+
+    yield from _shrunk_steps(job, plan, max_steps, failed_at, started, step)
+
+
+_END = object()
+
+
+def _shrunk_steps(
+    job: Job,
+    plan: shrink.Plan,
+    max_steps: int,
+    failed_at: int,
+    started: float,
+    step: Callable[[], Generator[tuple[int, Any], None, bool]],
+) -> Iterator[tuple[int, Any]]:
+    """Steps of the job at the survivors' size (each `step()`'s loop bodies, False when the data ran out) until the
+    replacements reached their loop, or the step before the last: the run's final checkpoint is taken by the whole
+    job. Events at the start (`shrunk`, `world_resized`) and the end (`growing`), and one line from the lowest
+    survivor saying what the stretch did to the global batch."""
+    placement = Placement.from_env()
+    events = job.events = EventLog.from_env(rank=placement.rank, restart=placement.restart_count)
+    _round_hooks(job, placement)
+    heartbeat = Heartbeat.from_env(placement.local_rank)
     group = reformable.current()
     assert group is not None
     group.absorb_failures(True)
     asked = shrink.Asked()
-    loader.take_shares(plan.shares)
-    iterator = iter(loader)
     first = job.step
     seconds = round(time.monotonic() - started, 4)
     events.emit(
@@ -129,6 +197,8 @@ def _train(
         world_size=plan.size,
         full_world_size=plan.world_size,
         shares=list(plan.shares),
+        own_data=plan.own_data,
+        global_batch=_global_batch(plan),
         seconds=seconds,
     )
     lost = sorted(set(range(plan.world_size)) - set(plan.kept))
@@ -146,31 +216,56 @@ def _train(
             _check(group)
             if again:  # the round failed again (its replacement died): re-arm, train on in the next one
                 plan, events = _rearm(job, plan, asked, events)
+                job.events = events
+                _round_hooks(job, Placement.from_env())
                 continue
             if ready:
                 break
+            job._hooks.before_step(job.step)  # fault injection's seam (a kill), as in the loop of the whole job
             heartbeat.beat(job.step, PHASE_STEP, job._hang.grace())  # k slices a step: not the calibrated time
             step_started = time.monotonic()
-            items = list(itertools.islice(iterator, len(plan.shares)))
-            if len(items) < len(plan.shares):
-                break  # the data ran out: the whole job ends it
-            for index, item in enumerate(items):
-                micro.begin(index, len(items))
-                try:
-                    yield job.step, item
-                finally:
-                    micro.end()
+            if not (yield from step()):
+                break
             _check(group)
             job._move_to(job.step + 1)
             events.emit("step_done", step=job.step, step_s=time.monotonic() - step_started, world_size=plan.size)
-        events.emit("growing", step=job.step, shrunk_steps=job.step - first)
+        events.emit("growing", step=job.step, shrunk_steps=job.step - first, global_batch=_global_batch(plan))
+        if plan.shrunk_rank == 0:
+            _say(plan, first, job.step)
     finally:
-        micro.close()
         asked.close()
-        loader.take_shares(None)
         group.absorb_failures(False)
         heartbeat.close()
         events.close()
+
+
+def _round_hooks(job: Job, placement: Placement) -> None:
+    """The step hooks of this round (fault injection fires by rank, step and round), as `Job()` makes them."""
+    job._hooks = job._given_hooks or step_hooks(placement.rank, placement.restart_count, job._announce)
+
+
+def _global_batch(plan: shrink.Plan) -> str:
+    """What training shrunk does to each step's global batch (the events' `global_batch`)."""
+    if not plan.own_data:
+        return "kept"
+    return f"{plan.size}/{plan.world_size}"
+
+
+def _say(plan: shrink.Plan, first: int, last: int) -> None:
+    """One line for the person watching the run: the stretch trained shrunk and what it did to the global batch."""
+    if plan.own_data:
+        batch = (
+            f"those steps' global batch was the survivors' own, {plan.size}/{plan.world_size} of the full one (the "
+            "script draws its own data; --wait-for-replacement keeps every step whole)"
+        )
+    else:
+        batch = "each step's global batch was kept whole (the survivors took the missing ranks' slices)"
+    stream = sys.__stderr__ or sys.stderr
+    stream.write(
+        f"stalwart: trained steps {first}-{last} ({last - first} steps) on {plan.size} of {plan.world_size} ranks "
+        f"while rank(s) {list(plan.missing)} started again; {batch}\n"
+    )
+    stream.flush()
 
 
 def _rearm(job: Job, plan: shrink.Plan, asked: shrink.Asked, events: EventLog) -> tuple[shrink.Plan, EventLog]:
@@ -181,7 +276,7 @@ def _rearm(job: Job, plan: shrink.Plan, asked: shrink.Asked, events: EventLog) -
     reform.rearm()
     asked.asked = False
     now = Placement.from_env()
-    again = shrink.plan(now.rank, now.world_size)
+    again = shrink.plan(now.rank, now.world_size, own_data=plan.own_data)
     if again is None or again.kept != plan.kept or again.world_size != plan.world_size:
         raise shrink.ShrunkFailed(
             f"the next round keeps other ranks ({again.kept if again else 'none'}) than "

@@ -75,9 +75,9 @@ def given_store() -> dist.Store | None:
     return None
 
 
-def placeholder_wanted(world_size: int) -> bool:
+def placeholder_wanted() -> bool:
     """Whether a group made now is a placeholder: a replacement whose survivors may train on shrunk."""
-    return reform.in_loop() and shrink.defers_joining(world_size)
+    return reform.in_loop() and shrink.defers_joining()
 
 
 def notice_if_plain() -> None:
@@ -167,7 +167,7 @@ def _init_process_group(
         placement,
         timeout or DEFAULT_TIMEOUT,
         reformable=True,
-        placeholder=placeholder_wanted(placement.world_size),
+        placeholder=placeholder_wanted(),
         store=store,
     )
     return None

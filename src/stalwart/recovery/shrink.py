@@ -65,6 +65,9 @@ class Plan:
     """W: the full job's ranks."""
     rank: int
     """This survivor's rank in the full job."""
+    own_data: bool = False
+    """The script draws its own batches (no tracked ResumableLoader): each survivor goes on with its own, and the
+    global batch of the shrunk steps is the survivors' (W'/W of the full job's), as with torchft's fewer replicas."""
 
     @property
     def size(self) -> int:
@@ -81,7 +84,10 @@ class Plan:
 
     @property
     def shares(self) -> tuple[int, ...]:
-        """This survivor's own rank first, then the missing ranks it stands for (every W'-th one)."""
+        """This survivor's own rank first, then the missing ranks it stands for (every W'-th one); with own data
+        only its own."""
+        if self.own_data:
+            return (self.rank,)
         return (self.rank, *self.missing[self.shrunk_rank :: self.size])
 
     @property
@@ -107,22 +113,26 @@ def kept_ranks() -> tuple[int, ...] | None:
     return kept or None
 
 
-def plan(rank: int, world_size: int) -> Plan | None:
+def plan(rank: int, world_size: int, *, own_data: bool = False) -> Plan | None:
     """This survivor's plan for the round that just activated it; None when the job does not shrink (see the
-    module docstring: not wanted, no replacement, or W' not dividing W)."""
+    module docstring: not wanted, no replacement, or W' not dividing W where the survivors keep the global batch)."""
     kept = kept_ranks()
-    if not wanted() or kept is None or rank not in kept or len(kept) >= world_size or world_size % len(kept):
+    if not wanted() or kept is None or rank not in kept or len(kept) >= world_size:
         return None
-    return Plan(kept, world_size, rank)
+    if world_size % len(kept) and not own_data:
+        return None
+    return Plan(kept, world_size, rank, own_data)
 
 
-def defers_joining(world_size: int) -> bool:
+def defers_joining() -> bool:
     """Whether a `stalwart.Job()` made in this round joins the group only when its training loop starts (see the
-    module docstring): a replacement whose survivors may be training on shrunk. Every Job() of such a round does,
-    a kept process that runs its script again too (a survivor whose shrunk group failed): DDP's constructor then
-    runs its collectives locally on every new Job alike, and the restore brings the state."""
+    module docstring): a replacement whose survivors may be training on shrunk (whatever W', since survivors that
+    draw their own data shrink at any size). Every Job() of such a round does, a kept process that runs its script
+    again too (a survivor whose shrunk group failed): DDP's constructor then runs its collectives locally on every
+    new Job alike, and the restore brings the state. Survivors that wait instead meet the replacement when its
+    loop starts, as they would have met it at its restore."""
     kept = kept_ranks()
-    return wanted() and kept is not None and world_size % len(kept) == 0
+    return wanted() and kept is not None
 
 
 def _round_file(name: str) -> Path:
