@@ -314,6 +314,10 @@ SLOW_TESTS = {
         "test_two_kills[wait]",
     ),
     "test_shrink.py": ("test_own_data_with_wait_for_replacement_ends_bitwise",),
+    "test_warm_spares.py": (
+        "test_with_wait_for_replacement_a_warm_spare_ends_bitwise",
+        "test_a_warm_spare_given_another_rank_than_it_read_says_so",
+    ),
     "test_hang.py": (
         "test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical[sleep]",
         "test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical[deadlock]",

@@ -130,6 +130,7 @@ def main() -> None:
     )
     p.add_argument("--setup-log", default="", help="append this process's pid here each time the set-up runs")
     p.add_argument("--own-data", action="store_true", help="each rank draws its own batches in the loop (no loader)")
+    p.add_argument("--rank-from-env", action="store_true", help="read RANK in the set-up, as a sampler's rank is")
     p.add_argument("--die-at", default="", help="STEP:PHASE (forward, backward, before_optimizer): rank 1 of the "
                    "first round dies there, the user's code killing its own process")  # fmt: skip
     p.add_argument("--fork-holder", default="", choices=("", "group", "session"),
@@ -171,6 +172,8 @@ def main() -> None:
         time.sleep(args.setup_s / 2)
         _die()
     time.sleep(args.setup_s)
+    if args.rank_from_env:
+        print(f"set-up as rank {int(os.environ['RANK'])}", flush=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, args.hidden),

@@ -37,7 +37,7 @@ from stalwart.job.snapshots import Snapshots
 from stalwart.job.state import Stateful, TrackedState, read_skip_record
 from stalwart.job.step_end import StepEnd
 from stalwart.job.step_hooks import StepHooks, step_hooks
-from stalwart.recovery import reform
+from stalwart.recovery import reform, warm_spare
 from stalwart.recovery.in_loop import InLoop
 from stalwart.recovery.restore import Restorer
 from stalwart.recovery.rollback import Rollback
@@ -82,7 +82,8 @@ class Job:
         # Only now: an exit handler of a half-made Job met missing attributes, and its group was never destroyed.
         atexit.register(self.close)
         reform.register(self)
-        self.events.emit("worker_started", world_size=self.world_size, local_rank=self.placement.local_rank)
+        if not warm_spare.waiting():  # a warm spare says it started once it has a rank (job/joining.py)
+            self.events.emit("worker_started", world_size=self.world_size, local_rank=self.placement.local_rank)
 
     def _set_up(self, hooks: StepHooks | None, *, staying: bool = False) -> None:
         """Everything after joining the process group; `__init__` undoes what it made if any of it fails.

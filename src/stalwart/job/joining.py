@@ -1,4 +1,5 @@
-"""A replacement that joins late, and the job growing back to its full size (recovery/shrink.py says why).
+"""A replacement that joins late, and the job growing back to its full size (recovery/shrink.py says why); a warm
+spare is one that joins late after waiting, parked, for a rank (recovery/warm_spare.py).
 
 While the survivors of a failure train on shrunk, the replacement's `stalwart.Job()` makes only what the user's
 set-up needs (`set_up_placeholder`): its group is a placeholder that runs collectives locally (so DDP's constructor
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from stalwart.data.loader import ResumableLoader
 from stalwart.job.rng import capture_rng
 from stalwart.job.state import TrackedState
-from stalwart.recovery import reform, script_group, shrink
+from stalwart.recovery import reform, script_group, shrink, warm_spare
 from stalwart.runtime import group as reformable
 from stalwart.runtime.dist import Placement, init_process_group
 from stalwart.runtime.process import first_line
@@ -34,6 +35,8 @@ def join_group(placement: Placement, timeout: timedelta) -> tuple[bool, bool]:
     replacement whose survivors may train on shrunk defers it to its loop's start (`join_late`). A group the script
     made first is kept: under `stalwart run` its call made the re-formable group, a placeholder where this Job
     defers (recovery/script_group.py); any other group the script made is never swapped, whatever the mode."""
+    if warm_spare.waiting():
+        warm_spare.set_up_started()
     if dist.is_initialized():
         current = reformable.current()
         if current is not None and dist.group.WORLD is current:
@@ -49,7 +52,10 @@ def set_up_placeholder(job: Job, created: Any) -> None:
     """What a replacement's Job needs before its loop: its events, the tracked objects, the state (`created`: the
     JobState) and step."""
     placement = job.placement
-    job.events = EventLog.from_env(rank=placement.rank, restart=placement.restart_count)
+    if warm_spare.waiting():  # a spare's events carry no rank until it is given one
+        job.events = EventLog.from_env(role="warm_spare")
+    else:
+        job.events = EventLog.from_env(rank=placement.rank, restart=placement.restart_count)
     job._tracked = TrackedState(
         placement.rank, placement.world_size, job.events, None, lr_scaling=job.config.recovery.lr_scaling
     )
@@ -65,6 +71,9 @@ def join_late(job: Job) -> None:
     Nothing for a job that did not defer it."""
     if not job._deferred:
         return
+    spare = warm_spare.waiting()
+    if spare:  # parked until the agent gives this spare a lost rank
+        job.placement = warm_spare.park(job.events, job.placement)
     started = time.monotonic()
     objects = dict(job._tracked.objects)
     shrink.announce_ready(job.rank)
@@ -79,6 +88,8 @@ def join_late(job: Job) -> None:
     job._set_up(job._given_hooks)
     job._tracked.track(**objects)
     job._deferred = False
+    if spare:
+        job.events.emit("worker_started", world_size=job.world_size, local_rank=job.placement.local_rank, spare=True)
     job.events.emit("joined_late", world_size=job.world_size, seconds=round(time.monotonic() - started, 4))
 
 

@@ -230,7 +230,7 @@ def _shrunk_steps(
             job._move_to(job.step + 1)
             events.emit("step_done", step=job.step, step_s=time.monotonic() - step_started, world_size=plan.size)
         events.emit("growing", step=job.step, shrunk_steps=job.step - first, global_batch=_global_batch(plan))
-        if plan.shrunk_rank == 0:
+        if plan.shrunk_rank == 0 and job.step > first:
             _say(plan, first, job.step)
     finally:
         asked.close()

@@ -100,12 +100,13 @@ def enabled() -> bool:
     return os.environ.get(REFORM_ENV) == "1"
 
 
-_rearm: Callable[[], None] | None = None
+_rearm: Callable[[bool], None] | None = None
 
 
-def offer_rearm(rearm: Callable[[], None] | None) -> None:
-    """The worker host's way back to its agent while the script runs (supervisor/worker_host.py): `rearm()` says the
-    worker left its failed group, waits for the next round's activation and takes its environment. None: none."""
+def offer_rearm(rearm: Callable[[bool], None] | None) -> None:
+    """The worker host's way back to its agent while the script runs (supervisor/worker_host.py): `rearm(parked)`
+    says the worker left its failed group (or, `parked`, that a warm spare reached its loop), waits for the next
+    activation and takes its environment. None: none."""
     global _rearm
     _rearm = rearm
 
@@ -116,11 +117,12 @@ def in_loop() -> bool:
     return enabled() and _rearm is not None and os.environ.get(IN_LOOP_ENV, "1") == "1"
 
 
-def rearm() -> None:
-    """Tell the agent this worker left its group and wait for the next round; os.environ is then that round's."""
+def rearm(*, parked: bool = False) -> None:
+    """Tell the agent this worker left its group and wait for the next round; os.environ is then that round's.
+    `parked`: a warm spare reached its loop and waits to be given a rank (recovery/warm_spare.py)."""
     if _rearm is None:
         raise RuntimeError("re-arming needs a worker host (stalwart run)")
-    _rearm()
+    _rearm(parked)
 
 
 def is_reformable(exc: BaseException) -> bool:

@@ -35,7 +35,7 @@ from stalwart.errors import ConfigError
 from stalwart.recovery import reform, shrink
 from stalwart.runtime import group as reformable
 from stalwart.runtime.dist import Placement, init_process_group
-from stalwart.runtime.env import RESTART_COUNT_ENV
+from stalwart.runtime.env import RESTART_COUNT_ENV, WARM_SPARE_ENV
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 """The group's collective timeout when the script gives none: JobConfig.collective_timeout_s's default."""
@@ -76,8 +76,9 @@ def given_store() -> dist.Store | None:
 
 
 def placeholder_wanted() -> bool:
-    """Whether a group made now is a placeholder: a replacement whose survivors may train on shrunk."""
-    return reform.in_loop() and shrink.defers_joining()
+    """Whether a group made now is a placeholder: a replacement whose survivors may train on shrunk, or a warm spare
+    that has no rank yet (recovery/warm_spare.py)."""
+    return reform.in_loop() and (shrink.defers_joining() or os.environ.get(WARM_SPARE_ENV) == "1")
 
 
 def notice_if_plain() -> None:

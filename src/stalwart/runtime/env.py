@@ -36,6 +36,11 @@ ELASTIC_ENV = "STALWART_ELASTIC"
 """1 under `stalwart run --nnodes MIN:MAX` (MIN < MAX): the world size may change between restarts."""
 SPARES_ENV = "STALWART_SPARES"
 """The default of `stalwart run --spares`."""
+WARM_SPARES_ENV = "STALWART_WARM_SPARES"
+"""1: the default of `stalwart run --warm-spares`."""
+WARM_SPARE_ENV = "STALWART_WARM_SPARE"
+"""1 in a warm spare's run of the script: its Job parks at `job.steps()` until it is given a rank
+(recovery/warm_spare.py)."""
 
 # -- between the agent and a host process (supervisor/) ----------------------------------------------------------
 HOST_STATUS_FD_ENV = "STALWART_HOST_FD"

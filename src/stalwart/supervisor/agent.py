@@ -120,7 +120,7 @@ class StalwartAgent(LocalElasticAgent):
             plan.update(zip(missing, spares, strict=False))
             one_node = worker_group.group_world_size == 1
             survivors = {r for r, host in plan.items() if host.pid in kept} if one_node else set()
-            with running_in(plan, reform=self._reform, zygote=self._zygote, kept=survivors):
+            with running_in(plan, reform=self._reform, zygote=self._zygote, kept=survivors, spares=self._spares):
                 pids = super()._start_workers(worker_group)
             if self._spares is not None and len(spares) < len(missing):
                 self._spares.schedule_refill()  # after the start, so spares do not slow it down

@@ -33,7 +33,7 @@ from typing import Any
 
 from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.recovery.reform import REFORM_SIGNAL
-from stalwart.runtime.env import HOST_STATUS_FD_ENV, HOST_WARM_ENV, KEPT_RANKS_ENV
+from stalwart.runtime.env import HOST_STATUS_FD_ENV, HOST_WARM_ENV, KEPT_RANKS_ENV, WARM_SPARE_ENV
 from stalwart.runtime.process import stopped
 from stalwart.supervisor import stack_dump
 from stalwart.supervisor.host_protocol import Activation, HostStatus
@@ -41,6 +41,8 @@ from stalwart.supervisor.zygote import ForkedProcess, Zygote
 from stalwart.telemetry.events import EventLog
 
 REFILL_DELAY_S = 5.0
+WARM_FAILURES_MAX = 3
+"""Warm spares that died in the script's set-up, one after another, before spares stay hot (SparePool)."""
 REARM_TIMEOUT_S = 10.0
 """How long survivors get to leave their failed group before they are killed and replaced. A survivor blocked
 in a collective leaves when it fails, at once once the peer's sockets are closed; this bounds a stuck one."""
@@ -72,6 +74,9 @@ class Host:
         self._buffer = b""
         self.ready = not warm
         self.rearmed = False
+        self.parking = False
+        """A warm spare running the script's set-up (recovery/warm_spare.py); `parked` once at its loop."""
+        self.parked = False
 
     @property
     def pid(self) -> int:
@@ -103,10 +108,17 @@ class Host:
                 self.ready = True
             elif status is HostStatus.REARMED:
                 self.rearmed = True
+            elif status is HostStatus.PARKED:
+                self.parked = True
 
     def poll_ready(self) -> bool:
         self._read_status()
         return self.ready and self.alive()
+
+    def poll_parked(self) -> bool:
+        """True once a warm spare's run of the script waits at its loop for a rank."""
+        self._read_status()
+        return self.parked and self.alive()
 
     def poll_rearmed(self) -> bool:
         """True once the worker in this host left its failed group and waits to be activated again."""
@@ -151,12 +163,28 @@ class Host:
 
 
 class SparePool:
-    def __init__(self, target: int, events: EventLog, zygote: Zygote | None = None) -> None:
+    """The node's spares: hot (torch imported) or, with `warm_script`, warm: each runs the script's set-up up to its
+    training loop as soon as a worker's activation is known (`remember`), and parks there (recovery/warm_spare.py).
+    A spare whose set-up failed WARM_FAILURES_MAX times in a row turns warming off: the spares stay hot."""
+
+    def __init__(
+        self, target: int, events: EventLog, zygote: Zygote | None = None, *, warm_script: bool = False
+    ) -> None:
         self.target = target
         self._events = events
         self.zygote = zygote
         self._idle: list[Host] = []
         self._refill_at: float | None = None
+        self.warm_script = warm_script
+        self._template: Activation | None = None
+        self._failed_set_ups = 0
+
+    def remember(self, argv: list[str], env: dict[str, str]) -> None:
+        """A worker's activation of the round just started: what a warm spare runs the script with, marked as a
+        spare's (its Job parks at the loop's start until it is given a rank)."""
+        if self.warm_script:
+            spare_env = {k: v for k, v in env.items() if k != KEPT_RANKS_ENV}
+            self._template = Activation(list(argv), {**spare_env, WARM_SPARE_ENV: "1"})
 
     def schedule_refill(self, delay: float = REFILL_DELAY_S) -> None:
         if self.target > 0:
@@ -166,8 +194,10 @@ class SparePool:
         """Drop dead spares and start missing ones once a refill is due (called every monitor interval)."""
         for spare in [s for s in self._idle if s.proc.poll() is not None]:
             self._idle.remove(spare)
-            self._events.emit("spare_died", spare_pid=spare.pid, exitcode=spare.proc.returncode)
+            self._events.emit("spare_died", spare_pid=spare.pid, exitcode=spare.proc.returncode, parking=spare.parking)
+            self._spare_ended(spare)
             self.schedule_refill()
+        self._park_ready()
         if self._refill_at is None or time.monotonic() < self._refill_at:
             return
         self._refill_at = None
@@ -179,9 +209,33 @@ class SparePool:
         if started:
             self._events.emit("spares_started", spare_pids=started, target=self.target)
 
+    def _park_ready(self) -> None:
+        """Send each ready spare not yet running the script the template activation (warm spares only)."""
+        if not self.warm_script or self._template is None:
+            return
+        for spare in self._idle:
+            if not spare.parking and spare.poll_ready():
+                spare.parking = spare.activate(self._template.argv, self._template.env)
+            elif spare.parking and spare.poll_parked():
+                self._failed_set_ups = 0
+
+    def _spare_ended(self, spare: Host) -> None:
+        """A spare died while idle: one that died in the script's set-up counts towards turning warming off."""
+        if not spare.parking or spare.parked:
+            return
+        self._failed_set_ups += 1
+        if self._failed_set_ups >= WARM_FAILURES_MAX and self.warm_script:
+            self.warm_script = False
+            self._events.emit("warm_spares_off", failures=self._failed_set_ups)
+            _say(
+                f"stalwart: {self._failed_set_ups} warm spares in a row died in the script's set-up (their output "
+                "is above); spares stay hot from now on (torch imported, the set-up run when one is used)"
+            )
+
     def take(self, n: int, *, all_or_none: bool = True) -> list[Host]:
-        """Up to `n` ready spares; with `all_or_none`, none unless `n` are ready."""
-        ready = [s for s in self._idle if s.poll_ready()]
+        """Up to `n` ready spares, parked ones first, then those still in their set-up; with `all_or_none`, none
+        unless `n` are ready."""
+        ready = sorted((s for s in self._idle if s.poll_ready()), key=lambda s: (not s.poll_parked(), not s.parking))
         if n <= 0 or (all_or_none and len(ready) < n):
             return []
         chosen = ready[:n]
@@ -317,12 +371,18 @@ class HostContext:
 
 @contextlib.contextmanager
 def running_in(
-    plan: dict[int, Host], *, reform: bool, zygote: Zygote | None = None, kept: set[int] | None = None
+    plan: dict[int, Host],
+    *,
+    reform: bool,
+    zygote: Zygote | None = None,
+    kept: set[int] | None = None,
+    spares: SparePool | None = None,
 ) -> Iterator[None]:
     """While active, torch elastic's `start_processes` activates the hosts of `plan` (local rank -> host)
     instead of spawning processes. A host that cannot be activated (it died meanwhile) is replaced by a cold one.
     `kept`: the local ranks whose hosts are survivors of a one-node job; every worker learns their global ranks
-    (KEPT_RANKS_ENV), so survivors can train on shrunk while the replacements start (recovery/shrink.py)."""
+    (KEPT_RANKS_ENV), so survivors can train on shrunk while the replacements start (recovery/shrink.py).
+    `spares`: told the node's last local rank's activation, which warm spares run the script's set-up with."""
     import torch.distributed.elastic.agent.server.local_elastic_agent as lea
 
     real = lea.start_processes
@@ -338,6 +398,8 @@ def running_in(
             if kept and len(kept) < len(envs):
                 env[KEPT_RANKS_ENV] = survivors
             argv = [str(a) for a in args[rank]]
+            if spares is not None and rank == max(envs):
+                spares.remember(argv, env)
             host = plan.pop(rank, None) or Host(warm=False, zygote=zygote)
             if not host.activate(argv, env):
                 host.kill()
@@ -353,3 +415,9 @@ def running_in(
         yield
     finally:
         lea.start_processes = real
+
+
+def _say(line: str) -> None:
+    stream = sys.__stderr__ or sys.stderr
+    stream.write(line + "\n")
+    stream.flush()

@@ -2,7 +2,8 @@
 
 Two pipes per host. The agent writes one `Activation` per line on the host's stdin: become this worker. The host
 writes `HostStatus` lines on a status pipe (its descriptor in STALWART_HOST_FD): READY once a hot spare has
-warmed up, REARMED when its worker left a failed group and waits for the next activation.
+warmed up, REARMED when its worker left a failed group and waits for the next activation, PARKED when a warm
+spare's run of the script reached its training loop and waits to be given a rank (recovery/warm_spare.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ class HostStatus(enum.Enum):
     """A hot spare imported torch and stepped an optimizer: activating it costs no Python start-up."""
     REARMED = "rearmed"
     """The worker's run ended because a peer failed; the process waits to be activated again (L1)."""
+    PARKED = "parked"
+    """A warm spare ran the script's set-up and waits at `job.steps()` for a rank's activation."""
 
     def encode(self) -> bytes:
         return self.value.encode() + b"\n"

@@ -260,7 +260,7 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
     os.environ[HEARTBEAT_ENV] = str(board.path)
     os.environ.setdefault(LAUNCH_TIME_ENV, repr(time.time()))  # a relaunched node keeps a scheduler's value
     snapshots = board.path.with_name(SNAPSHOTS_PREFIX + board.path.name.removeprefix(BOARD_PREFIX))
-    pool = SparePool(args.spares, events, zygote)
+    pool = SparePool(args.spares, events, zygote, warm_script=args.warm_spares)
     try:
         snapshots.mkdir(mode=0o700)
         os.environ[SNAPSHOT_DIR_ENV] = str(snapshots)

@@ -22,6 +22,7 @@ from stalwart.runtime.env import (
     REFORM_ENV,
     SPARES_ENV,
     WAIT_FOR_REPLACEMENT_ENV,
+    WARM_SPARES_ENV,
 )
 from stalwart.supervisor import preflight_gate, slurm
 from stalwart.supervisor.preempt_notice import check_source
@@ -70,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=int(os.environ.get(SPARES_ENV, "0")),
         help="hot spare processes this agent keeps ready (torch imported, started at the lowest CPU priority); a "
         "worker that dies is replaced by a ready spare instead of a new interpreter (default 0)",
+    )
+    parser.add_argument(
+        "--warm-spares",
+        action="store_true",
+        default=os.environ.get(WARM_SPARES_ENV) == "1",
+        help="the spares run the script's set-up before they are needed, up to job.steps(), and wait there; a "
+        "lost rank's spare then joins with the survivors' state at their next step, whatever the set-up costs "
+        "(needs --spares N and re-forming; one node). The script must not keep the rank it reads before "
+        "job.steps() in objects it does not track (docs/architecture.md)",
     )
     parser.add_argument(
         "--no-reform",
@@ -203,6 +213,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--spares runs Python scripts in pre-started interpreters; it cannot be used with --no-python"
         )
+    if args.warm_spares and not args.spares:
+        raise ConfigError("--warm-spares needs spares to warm: add --spares N (N >= 1)")
+    if args.warm_spares and args.no_reform:
+        raise ConfigError("--warm-spares needs re-forming in place (a spare joins the survivors); drop --no-reform")
     if args.spares and _spawned_only(args):
         raise ConfigError(
             f"--spares cannot be combined with {_spawned_only(args)} (workers in pre-started spares "
@@ -217,6 +231,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ConfigError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {args.nnodes}")
     if max_nodes > 1 and args.rdzv_backend != "static" and not args.rdzv_endpoint and not args.standalone:
         raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
+    if args.warm_spares and max_nodes > 1:
+        raise ConfigError("--warm-spares works on one node for now (--nnodes 1); use --spares N alone on several")
     script = args.training_script
     if args.module:
         try:

@@ -179,7 +179,7 @@ def _run_once(argv: list[str], control: IO[str], status: int) -> bool:
     again at once, in the same round."""
     lost: str | None = None
     again = False
-    reform.offer_rearm((lambda: _rearm_in_loop(control, status)) if status >= 0 else None)
+    reform.offer_rearm((lambda parked: _rearm_in_loop(control, status, parked)) if status >= 0 else None)
     if reform.in_loop():  # the script's own init_process_group makes the re-formable group
         script_group.adopt()
     try:
@@ -200,24 +200,25 @@ def _run_once(argv: list[str], control: IO[str], status: int) -> bool:
     return again
 
 
-def _rearm_in_loop(control: IO[str], status: int) -> None:
+def _rearm_in_loop(control: IO[str], status: int, parked: bool) -> None:
     """A survivor that stays in its training loop (recovery/in_loop.py) re-arms from inside the script: as a run that
-    ended, but the next activation's environment is taken in place and the script goes on."""
+    ended, but the next activation's environment is taken in place and the script goes on. `parked`: a warm spare
+    at its loop's start says PARKED instead (recovery/warm_spare.py), and waits alike."""
     from stalwart.errors import EXIT_PEER_LOST
 
-    _report_rearmed(status)
+    _report_rearmed(status, HostStatus.PARKED if parked else HostStatus.REARMED)
     line = control.readline()
     if not line:  # the agent no longer needs this worker (the job ends, or its round failed)
         os._exit(EXIT_PEER_LOST)
     _apply(Activation.decode(line))  # its argv is the script already running
 
 
-def _report_rearmed(status: int) -> None:
-    """REARMED on the status pipe; an agent that is gone ends the worker."""
+def _report_rearmed(status: int, said: HostStatus = HostStatus.REARMED) -> None:
+    """REARMED (or `said`) on the status pipe; an agent that is gone ends the worker."""
     from stalwart.errors import EXIT_PEER_LOST
 
     try:
-        os.write(status, HostStatus.REARMED.encode())
+        os.write(status, said.encode())
     except OSError:
         os._exit(EXIT_PEER_LOST)
 

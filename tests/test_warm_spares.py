@@ -1,0 +1,98 @@
+"""Warm spares (recovery/warm_spare.py): with `--spares N --warm-spares` a spare runs the script's set-up before any
+rank fails and parks at `job.steps()`; a lost rank's spare joins at the survivors' next step boundary with their
+live state, so no process runs the set-up after the failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+
+from conftest import alive, child_env, fault_free_results, tiny_args
+
+STEPS = 300
+ARGS = ("--steps", str(STEPS), "--step-sleep", "0.05", "--no-randomness", "--setup-s", "3")
+
+
+def _launch_with_warm_spare(launch: Any, wait: bool, *extra: str) -> Any:
+    env = child_env(STALWART_WAIT_FOR_REPLACEMENT="1" if wait else "0")
+    return launch(["--spares", "1", "--warm-spares", *tiny_args(*ARGS, "--setup-log", "setups.log", *extra)], env=env)
+
+
+def _kill_once_a_spare_parked(job: Any, rank: int) -> tuple[int, int]:
+    """SIGKILL `rank` from outside once a warm spare is parked; (the spare's pid, the killed pid)."""
+    [parked] = job.wait_for(lambda: job.events("spare_parked"), 120, "a warm spare to park")
+    victim = job.worker_pids(restart=0)[rank]
+    os.kill(victim, signal.SIGKILL)
+    return parked["pid"], victim
+
+
+def _setups(job: Any) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for pid in (job.workdir / "setups.log").read_text().split():
+        counts[int(pid)] = counts.get(int(pid), 0) + 1
+    return counts
+
+
+def _the_spare_became(job: Any, spare: int, rank: int) -> None:
+    """The parked spare's process is the lost rank's replacement; every process ran the set-up once."""
+    started = [e for e in job.events("worker_started") if e.get("spare")]
+    assert [(e["pid"], e["rank"], e["restart"]) for e in started][:1] == [(spare, rank, 1)], started
+    assert job.worker_pids(restart=1)[rank] == spare
+    assert [e["rank"] for e in job.events("joined_late")][:1] == [rank]
+    counts = _setups(job)
+    assert set(counts.values()) == {1}, f"each process ran the set-up once: {counts}"
+    assert spare in counts and len(counts) >= 3, counts
+    assert not [e for e in job.events("spare_died")], "no spare died"
+
+
+def test_a_warm_spare_takes_the_lost_rank_without_a_set_up(launch: Any) -> None:
+    """The default mode: the survivor trains on shrunk for at most a step or two (the spare is ready at once), then
+    the spare joins with the survivor's state; the ranks end as replicas. The spare ran its set-up as rank 1, the
+    rank it is given: nothing to say about the rank it read."""
+    job = _launch_with_warm_spare(launch, False, "--rank-from-env")
+    spare, _ = _kill_once_a_spare_parked(job, rank=1)
+    assert job.wait(240) == 0, job.output()[-3000:]
+    results = job.results()
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert results[0]["sha256"] == results[1]["sha256"], "the ranks end as replicas"
+    _the_spare_became(job, spare, rank=1)
+    assert "a warm spare became rank" not in job.output()
+    # The survivor's live state when it kept it (the job grew back); else node memory's newest copy: light
+    # snapshots over their budget are turned off (reforming's why), as the policy intends. Never the durable tier.
+    [resumed] = [e for e in job.events("resumed") if e["pid"] == spare]
+    assert resumed["tier"] in ("peer", "memory") and resumed["rank"] == 1, resumed
+    pids = {e["worker_pid"] for e in job.events("worker_spawned")}
+    assert not [pid for pid in pids if alive(pid)], "no worker outlives the launcher"
+
+
+def test_a_warm_spare_given_another_rank_than_it_read_says_so(launch: Any) -> None:
+    """Rank 0 lost: the spare, set up as rank 1 (the node's last local rank), becomes rank 0 and says in one line
+    that its set-up read rank 1 (the script reads RANK before its loop)."""
+    job = _launch_with_warm_spare(launch, False, "--rank-from-env")
+    spare, _ = _kill_once_a_spare_parked(job, rank=0)
+    assert job.wait(240) == 0, job.output()[-3000:]
+    _the_spare_became(job, spare, rank=0)
+    lines = [line for line in job.output().splitlines() if "a warm spare became rank 0" in line]
+    assert len(lines) == 1 and "which it read there (os.environ['RANK'])" in lines[0], job.output()[-3000:]
+
+
+def test_with_wait_for_replacement_a_warm_spare_ends_bitwise(launch: Any, tmp_path_factory: Any) -> None:
+    reference = fault_free_results(tmp_path_factory.mktemp("warm-reference"), *ARGS[:-2])
+    job = _launch_with_warm_spare(launch, True)
+    spare, _ = _kill_once_a_spare_parked(job, rank=1)
+    assert job.wait(240) == 0, job.output()[-3000:]
+    assert not job.events("shrunk"), "the survivor waited for the spare"
+    _the_spare_became(job, spare, rank=1)
+    results = job.results()
+    assert {r: results[r]["sha256"] for r in results} == {r: reference[r]["sha256"] for r in reference}
+
+
+@pytest.mark.parametrize("flags", [("--warm-spares",), ("--warm-spares", "--spares", "1", "--no-reform")])
+def test_warm_spares_without_what_they_need_is_one_line(launch: Any, flags: tuple[str, ...]) -> None:
+    job = launch([*flags, *tiny_args("--steps", "1")], env=child_env())
+    assert job.wait(60) == 2, job.output()
+    lines = [line for line in job.output().splitlines() if line.strip()]
+    assert len(lines) == 1 and "--warm-spares" in lines[0], lines
