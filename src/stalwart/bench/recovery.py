@@ -353,6 +353,7 @@ def run_bench(
         "setup_s": shape.setup_s,
         "width": shape.width,
         "own_data": shape.own_data,
+        "warm_spares": shape.warm_spares,
     }
 
 

@@ -64,6 +64,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "instead of through stalwart's ResumableLoader",
     )
     p.add_argument(
+        "--warm-spares",
+        action="store_true",
+        help="stalwart's spares (--spares) run the job's set-up before they are needed (stalwart run --warm-spares)",
+    )
+    p.add_argument(
         "--width",
         type=positive_int,
         default=WIDTH,
@@ -92,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
             spares=max(0, args.spares),
             full=not args.no_full,
             kill_rank=args.kill_rank,
-            shape=JobShape(setup_s=args.setup_s, width=args.width, own_data=args.own_data),
+            shape=JobShape(
+                setup_s=args.setup_s, width=args.width, own_data=args.own_data, warm_spares=args.warm_spares
+            ),
             parent=args.dir,
             progress=lambda line: err.print(f"bench: {line}"),
         )
@@ -114,6 +121,7 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     killed = report["job"].get("killed_rank", 1)
     setup = f", {report['setup_s']:g} s of set-up before the loop" if report.get("setup_s") else ""
     setup += ", each rank drawing its own data" if report.get("own_data") else ""
+    setup += ", warm spares" if report.get("warm_spares") else ""
     title = f"recovery, {report['kills']} kills of rank {killed} per system ({report['job']['model']}{setup})"
     table = Table(title=title)
     for column in (

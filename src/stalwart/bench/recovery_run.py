@@ -46,6 +46,8 @@ class JobShape:
     width: int = WIDTH
     own_data: bool = False
     """Each rank draws its own batches in its loop (`--own-data`) instead of through a ResumableLoader."""
+    warm_spares: bool = False
+    """stalwart's spares run the script's set-up before they are needed (`stalwart run --warm-spares`)."""
 
     def job_args(self) -> list[str]:
         """The recovery job's options for this shape (torchft's driver takes the first two)."""
@@ -136,6 +138,7 @@ class Run:
                 "100",
                 "--spares",
                 str(self.spares),
+                *(["--warm-spares"] if self.shape.warm_spares and self.spares else []),
                 "--event-log",
                 str(self.log),
                 *job,
