@@ -313,10 +313,17 @@ SLOW_TESTS = {
         "test_a_killed_launcher_leaves_no_worker",
         "test_two_kills[wait]",
     ),
-    "test_shrink.py": ("test_own_data_with_wait_for_replacement_ends_bitwise",),
+    "test_shrink.py": (
+        "test_own_data_with_wait_for_replacement_ends_bitwise",
+        "test_own_data_survives_a_death_in_every_phase_of_a_step[backward]",
+        "test_own_data_survives_a_death_in_every_phase_of_a_step[before_optimizer]",
+        "test_own_data_survives_a_stop_then_a_kill",
+    ),
     "test_warm_spares.py": (
         "test_with_wait_for_replacement_a_warm_spare_ends_bitwise",
         "test_a_warm_spare_given_another_rank_than_it_read_says_so",
+        "test_a_spare_killed_while_parked_is_replaced_by_a_new_one",
+        "test_two_ranks_lost_at_once_with_one_warm_spare",
     ),
     "test_hang.py": (
         "test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical[sleep]",

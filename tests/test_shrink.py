@@ -225,3 +225,33 @@ def test_own_data_with_wait_for_replacement_ends_bitwise(launch: Any, tmp_path_f
     assert {r: (results[r]["step"], results[r]["sha256"]) for r in results} == {
         r: (reference[r]["step"], reference[r]["sha256"]) for r in reference
     }
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "before_optimizer"])
+def test_own_data_survives_a_death_in_every_phase_of_a_step(launch: Any, phase: str) -> None:
+    """Rank 1 kills itself inside step 13's forward, backward (DDP's all-reduce of other buckets in flight) or
+    before its optimizer step: the survivor's step fails or its update is dropped, it undoes the step from its
+    snapshot, redoes it with its own batch and trains on shrunk; the job grows back and ends as replicas."""
+    env = child_env(STALWART_WAIT_FOR_REPLACEMENT="0")
+    job = launch(tiny_args(*ARGS, "--own-data", "--setup-s", "1", "--die-at", f"13:{phase}"), env=env)
+    assert job.wait(180) == 0, job.output()
+    [shrunk] = job.events("shrunk")
+    assert shrunk["own_data"] and shrunk["step"] == 13, shrunk
+    results = job.results()
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert results[0]["sha256"] == results[1]["sha256"], "the ranks end as replicas"
+    assert len(results[0]["seen"]) == STEPS * 3, "the survivor saw its own batch of every step once"
+
+
+def test_own_data_survives_a_stop_then_a_kill(launch: Any) -> None:
+    """Rank 1 stopped (SIGSTOP: the agent kills it as hung), the survivor trains on; then rank 0 is killed in the
+    next round, while it trains alone or after the job grew back (whichever came first). The run ends at its last
+    step with the ranks as replicas."""
+    faults = "hang@rank=1,step=12,how=sigstop;kill@rank=0,step=30,restart=1"
+    env = child_env(STALWART_FAULTS=faults, STALWART_WAIT_FOR_REPLACEMENT="0")
+    job = launch(tiny_args(*ARGS, "--own-data"), env=env)
+    assert job.wait(240) == 0, job.output()
+    assert job.events("shrunk"), "the survivor of the stop trained on"
+    results = job.results()
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert results[0]["sha256"] == results[1]["sha256"], "the ranks end as replicas"

@@ -12,8 +12,9 @@ import pytest
 
 from conftest import alive, child_env, fault_free_results, tiny_args
 
-STEPS = 300
-ARGS = ("--steps", str(STEPS), "--step-sleep", "0.05", "--no-randomness", "--setup-s", "3")
+STEPS = 200
+ARGS = ("--steps", str(STEPS), "--step-sleep", "0.05", "--no-randomness", "--setup-s", "1")
+"""About 10 s of steps: a spare parks after the pool's refill delay (5 s) and its set-up, then a rank is killed."""
 
 
 def _launch_with_warm_spare(launch: Any, wait: bool, *extra: str) -> Any:
@@ -96,3 +97,40 @@ def test_warm_spares_without_what_they_need_is_one_line(launch: Any, flags: tupl
     assert job.wait(60) == 2, job.output()
     lines = [line for line in job.output().splitlines() if line.strip()]
     assert len(lines) == 1 and "--warm-spares" in lines[0], lines
+
+
+def test_a_spare_killed_while_parked_is_replaced_by_a_new_one(launch: Any) -> None:
+    """A parked spare's death is the pool's business: it starts another (after its refill delay), which runs the
+    set-up and parks; the next lost rank takes that one."""
+    job = _launch_with_warm_spare(launch, False, "--steps", "500")  # two spares' set-ups, one after the other
+    [first] = job.wait_for(lambda: job.events("spare_parked"), 120, "a warm spare to park")
+    os.kill(first["pid"], signal.SIGKILL)
+    second = job.wait_for(
+        lambda: [e for e in job.events("spare_parked") if e["pid"] != first["pid"]], 120, "another spare to park"
+    )[0]
+    victim = job.worker_pids(restart=0)[1]
+    os.kill(victim, signal.SIGKILL)
+    assert job.wait(240) == 0, job.output()[-3000:]
+    [died] = job.events("spare_died")
+    assert died["spare_pid"] == first["pid"] and died["parking"], died
+    assert job.worker_pids(restart=1)[1] == second["pid"], "the new spare took the lost rank"
+    assert "warm spares in a row died" not in job.output(), "a parked spare's death is no failed set-up"
+
+
+def test_two_ranks_lost_at_once_with_one_warm_spare(launch: Any) -> None:
+    """Ranks 1 and 2 of 3 killed together: one takes the parked spare, the other a new process that runs the
+    set-up; the survivor trains on meanwhile and the job grows back to 3."""
+    env = child_env(STALWART_WAIT_FOR_REPLACEMENT="0")
+    args = tiny_args(*ARGS, "--setup-log", "setups.log", "--gbs", "6", nproc=3)
+    job = launch(["--spares", "1", "--warm-spares", *args], env=env)
+    [parked] = job.wait_for(lambda: job.events("spare_parked"), 120, "a warm spare to park")
+    first = job.worker_pids(restart=0)
+    for rank in (1, 2):
+        os.kill(first[rank], signal.SIGKILL)
+    assert job.wait(240) == 0, job.output()[-3000:]
+    results = job.results()
+    assert sorted(results) == [0, 1, 2] and len({r["sha256"] for r in results.values()}) == 1, results
+    final = job.worker_pids(restart=max(e["restart"] for e in job.events("worker_spawned")))
+    assert parked["pid"] in final.values() and final[0] == first[0], (parked, final)
+    counts = _setups(job)
+    assert set(counts.values()) == {1}, f"each process ran the set-up once: {counts}"

@@ -87,15 +87,24 @@ def measure_kills(
     run = Run(system, workdir, steps=schedule[-1] + 60, spares=spares, shape=shape)
     run.start()
     marks: list[tuple[float, int]] = []
+    killed: set[int | None] = {None}
     try:
         for target in schedule:
-            _wait(run, lambda t=target: run.last_step() >= t, 300, f"step {target}")  # type: ignore[misc]
+            # A replacement says it started when its Job starts; a warm spare once it has a rank (after its set-up,
+            # when it was taken before it parked), and survivors training on shrunk may pass `target` before that.
+            def ready(t: int = target) -> bool:
+                return run.last_step() >= t and run.worker_pid(rank) not in killed
+
+            _wait(run, ready, 300, f"step {target} and a live rank {rank}")
             pid = run.worker_pid(rank)
-            if pid is None:
-                raise BenchError(f"{system}: no pid for rank {rank}")
+            assert pid is not None
             done = run.last_step()
             mono = _note_kill(run, "SIGKILL from outside", rank, done)
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                raise BenchError(f"{system}: rank {rank} (pid {pid}) ended before the bench killed it") from None
+            killed.add(pid)
             marks.append((mono, done))
             progress(f"{system}: killed rank {rank} after step {done} ({len(marks)}/{kills})")
             _wait(run, _stepped_in_round(run, len(marks)), 300, "recovery")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stalwart.checkpoint.format import sharded
 from stalwart.data.loader import ResumableLoader
 from stalwart.job.rng import capture_rng
 from stalwart.job.state import TrackedState
@@ -73,7 +74,8 @@ def join_late(job: Job) -> None:
         return
     spare = warm_spare.waiting()
     if spare:  # parked until the agent gives this spare a lost rank
-        job.placement = warm_spare.park(job.events, job.placement)
+        shards = bool(sharded.meshes_of(job._tracked.objects.values()))
+        job.placement = warm_spare.park(job.events, job.placement, sharded=shards)
     started = time.monotonic()
     objects = dict(job._tracked.objects)
     shrink.announce_ready(job.rank)

@@ -20,7 +20,6 @@ from stalwart.checkpoint.format import sharded
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.data.loader import ResumableLoader
 from stalwart.detect.heartbeat import PHASE_STEP, Heartbeat
-from stalwart.errors import CheckpointCorruptError
 from stalwart.job import endings
 from stalwart.job.step_hooks import step_hooks
 from stalwart.recovery import reform, shrink
@@ -45,25 +44,42 @@ def recover(
     batch: tuple[int, Any],
     max_steps: int,
 ) -> Generator[tuple[int, Any], None, Iterator[Any] | None]:
-    """After a peer's failure inside the loop: returns the iterator to go on with, as reform_in_loop does."""
-    if not _may_shrink(job, loader, max_steps):
+    """After a peer's failure inside the loop: returns the iterator to go on with, as reform_in_loop does. When the
+    survivors wait for the replacement instead of training on, the `reforming` event (or, once the job was left,
+    a `waiting_for_replacement` event) says why."""
+    why = _why_not_shrink(job, loader, max_steps)
+    if why is not None:
+        job.events.emit("waiting_for_replacement", step=job.step, why=why)
         return endings.reform_in_loop(job, failure, loader, iterator, batch)
     assert job._in_loop is not None
     own_data = _own_data(job, loader)
     started, failed_at = time.monotonic(), job.step
-    undone: list[bool] = []
+    undone: list[int | None] = []
     endings.abandon(job, before_close=lambda: undone.append(_undo(job)))
     job._in_loop.leave(job.rank, reform.reason(failure))
     now = Placement.from_env()
-    same_world = undone == [True] and now.world_size == job.world_size
+    same_world = undone not in ([], [None]) and now.world_size == job.world_size
+    if same_world and undone[0] != job.step:
+        job._move_to(undone[0])  # back to its newest snapshot: the failure came before the step's own
     plan = shrink.plan(now.rank, now.world_size, own_data=own_data) if same_world else None
+    why = (
+        f"no snapshot of step {job.step} or before in node memory to undo the failed step from"
+        if undone in ([], [None])
+        else "the next round has another world size"
+        if not same_world
+        else "not wanted, no replacement named, or the survivors do not divide the world size"
+        if plan is None
+        else None
+    )
     if plan is not None:
         try:  # the survivors were all activated together: a short wait for one another
             shrink.form(plan, timedelta(seconds=min(job.config.collective_timeout_s, FORM_TIMEOUT_S)))
         except Exception:  # a survivor that did not come (a host that died as it was activated): wait instead
             reform.abort_process_groups()
-            plan = None
+            plan, why = None, "the survivors' own group did not form"
     if plan is None:
+        with contextlib.closing(EventLog.from_env(rank=now.rank, restart=now.restart_count)) as events:
+            events.emit("waiting_for_replacement", step=job.step, why=why)
         return endings.reform_in_loop(job, failure, loader, iterator, batch, left=True)
     job._in_loop.rejoin()  # the DDP modules' fresh reducers on the survivors' group
     if own_data:  # the failed step is redone with the batch drawn for it; then the script's own iterator goes on
@@ -87,37 +103,49 @@ def _own_data(job: Job, loader: Iterable[Any] | None) -> bool:
     return not (isinstance(loader, ResumableLoader) and any(obj is loader for obj in job._tracked.objects.values()))
 
 
-def _may_shrink(job: Job, loader: Iterable[Any] | None, max_steps: int) -> bool:
-    """The conditions of recovery/shrink.py that the job can judge before leaving its group."""
-    return (
-        shrink.wanted()
-        and not sharded.meshes_of(job._tracked.objects.values())
-        and job.step + 1 < max_steps
-        and job._snapshots.memory is not None
-    )
+def _why_not_shrink(job: Job, loader: Iterable[Any] | None, max_steps: int) -> str | None:
+    """Why the survivors cannot train on shrunk, of the conditions of recovery/shrink.py the job can judge before
+    leaving its group; None when they may."""
+    if not shrink.wanted():
+        return "--wait-for-replacement"
+    if sharded.meshes_of(job._tracked.objects.values()):
+        return "the job holds sharded state (FSDP2)"
+    if job.step + 1 >= max_steps:
+        return "the failure came at the last step"
+    if job._snapshots.memory is None:
+        return "no node memory (snapshot_every=0)"
+    return None
 
 
-def _undo(job: Job) -> bool:
+def _undo(job: Job) -> int | None:
     """Put this survivor's tracked objects back at the last completed step, from its own snapshot of that step in
     node memory: a light one (the per-rank part) with its live tensors (recovery/reform.Stash), else a full one (the
-    replicated tensors its local peers copied are read from their slots). No collective. Whether it did."""
+    replicated tensors its local peers copied are read from their slots). Without one of that step (the failure
+    came in the step's end, before its snapshot; or snapshots are taken every few steps), the newest full one before
+    it: those steps are redone. No collective. The step it went back to; None if it could not."""
     stash, memory, step = reform.stashed(), job._snapshots.memory, job.step
     if memory is None:
-        return False
+        return None
+    snapshot = None
+    if stash is not None and stash.step == step:
+        with contextlib.suppress(Exception):
+            wanted, content = memory.light(step)
+            if all(tid in stash.tensors for tid in wanted):
+                snapshot = memory.load_light(step, content, stash.tensors, stash.skeleton)
+    # No light snapshot of the step (or no live state): a full one, the newest that reads back whole (one whose
+    # copy the failure interrupted does not).
+    for older in [] if snapshot is not None else [s for s in memory.steps() if s <= step]:
+        with contextlib.suppress(Exception):
+            snapshot, step = memory.load(older), older
+            break
+    if snapshot is None:
+        return None
     try:
-        snapshot = None
-        if stash is not None and stash.step == step:
-            with contextlib.suppress(CheckpointCorruptError):
-                wanted, content = memory.light(step)
-                if all(tid in stash.tensors for tid in wanted):
-                    snapshot = memory.load_light(step, content, stash.tensors, stash.skeleton)
-        if snapshot is None:  # no light snapshot of the step (or no live state): a full one
-            snapshot = memory.load(step)
         where = f"this rank's snapshot of step {step}"
         job._tracked.load(Restored(step, job.world_size, snapshot.state, where, snapshot.bytes, tier="memory"))
     except Exception:
-        return False
-    return True
+        return None
+    return step
 
 
 def _train(

@@ -139,10 +139,11 @@ def _own_threads() -> list[int]:
         return [threading.get_native_id()]
 
 
-def park(events: Any, provisional: Placement) -> Placement:
+def park(events: Any, provisional: Placement, *, sharded: bool = False) -> Placement:
     """At `job.steps()`: tell the agent this spare is parked and wait for a rank's activation (its environment
     becomes os.environ). Returns that rank's placement; says in one line what the set-up read of the rank it ran
-    as, when it is given another."""
+    as, when it is given another. `sharded`: the set-up sharded state (FSDP2) as the rank it ran as; given another,
+    the spare runs the script again as that rank (RunAgainInRound), its start-up spared but not its set-up."""
     global _reads
     reads, _reads = _reads, None
     set_up_s = time.monotonic() - reads.since if reads is not None else None
@@ -154,6 +155,11 @@ def park(events: Any, provisional: Placement) -> Placement:
         if not _set_policy(_own_threads(), os.SCHED_OTHER):
             _say("stalwart: a warm spare could not leave idle CPU priority (SCHED_IDLE); its steps may be slow")
     placement = Placement.from_env()
+    if sharded and placement.rank != provisional.rank:
+        raise reform.RunAgainInRound(
+            f"a warm spare set up as rank {provisional.rank} holds state sharded for that rank and was given rank "
+            f"{placement.rank}: its set-up runs again"
+        )
     if seen and (placement.rank, placement.local_rank) != (provisional.rank, provisional.local_rank):
         _say(
             f"stalwart: a warm spare became rank {placement.rank} (local rank {placement.local_rank}) after its "
