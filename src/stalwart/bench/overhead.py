@@ -37,6 +37,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "memory_only": {"checkpoint_every": NEVER},
     "memory_every_step": {"snapshot_every": 1, "checkpoint_every": NEVER},
     "default_spares": {},
+    "default_warm_spares": {},
     "no_guard": {"nonfinite_grads": "off", "grad_spike": "off"},
     "no_detectors": {
         "nonfinite_grads": "off",
@@ -48,8 +49,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
 """JobConfig keywords per configuration. memory_every_step is what the memory tier cost before the budget;
 no_guard is the default without the numeric guard (detect/numeric.py), no_detectors without any of the
 in-job detectors (guard, stragglers, replica divergence): their cost is the difference to the default."""
-LAUNCHER: dict[str, list[str]] = {"default_spares": ["--spares", "2"]}
-"""`stalwart run` options beyond the defaults: two hot spares warming up (at idle priority) while the job trains."""
+LAUNCHER: dict[str, list[str]] = {
+    "default_spares": ["--spares", "2"],
+    "default_warm_spares": ["--spares", "2", "--warm-spares"],
+}
+"""`stalwart run` options beyond the defaults: two hot spares warming up (at idle priority) while the job trains;
+two warm ones, which also run the job's set-up (at idle priority) and park at its loop."""
 RUN_TIMEOUT_S = 900
 
 

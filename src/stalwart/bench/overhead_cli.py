@@ -2,7 +2,8 @@
 
 Runs one rank of an MLP with AdamW without stalwart and under `stalwart run` with its defaults, with the
 durable tier alone, with the memory tier alone (budgeted interval), with a memory snapshot every step and with
-two hot spares warming up beside it (`--spares 2`), and
+two hot spares warming up beside it (`--spares 2`), with two warm spares that also run the job's set-up and park
+(`--warm-spares`), and
 prints each configuration's median step time over the plain one (the ratio), the time stalwart takes on the
 training thread between steps (inline), the snapshot interval it chose, and the floor: one copy of the state
 into host memory, what a snapshot every step costs at the least.
