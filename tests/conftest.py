@@ -324,6 +324,7 @@ SLOW_TESTS = {
         "test_a_warm_spare_given_another_rank_than_it_read_says_so",
         "test_a_spare_killed_while_parked_is_replaced_by_a_new_one",
         "test_two_ranks_lost_at_once_with_one_warm_spare",
+        "test_a_warm_spare_with_sharded_state_given_another_rank_runs_its_set_up_again",
     ),
     "test_hang.py": (
         "test_hung_rank_is_detected_killed_and_the_job_ends_bitwise_identical[sleep]",

@@ -102,7 +102,7 @@ def test_warm_spares_without_what_they_need_is_one_line(launch: Any, flags: tupl
 def test_a_spare_killed_while_parked_is_replaced_by_a_new_one(launch: Any) -> None:
     """A parked spare's death is the pool's business: it starts another (after its refill delay), which runs the
     set-up and parks; the next lost rank takes that one."""
-    job = _launch_with_warm_spare(launch, False, "--steps", "500")  # two spares' set-ups, one after the other
+    job = _launch_with_warm_spare(launch, False, "--steps", "400")  # two spares' set-ups, one after the other
     [first] = job.wait_for(lambda: job.events("spare_parked"), 120, "a warm spare to park")
     os.kill(first["pid"], signal.SIGKILL)
     second = job.wait_for(
@@ -134,3 +134,23 @@ def test_two_ranks_lost_at_once_with_one_warm_spare(launch: Any) -> None:
     assert parked["pid"] in final.values() and final[0] == first[0], (parked, final)
     counts = _setups(job)
     assert set(counts.values()) == {1}, f"each process ran the set-up once: {counts}"
+
+
+def test_a_warm_spare_with_sharded_state_given_another_rank_runs_its_set_up_again(
+    launch: Any, tmp_path_factory: Any
+) -> None:
+    """FSDP2: the spare's set-up sharded the model for the rank it ran as (1); given rank 0 it runs the script again
+    as rank 0 in the same process (its start-up spared, not its set-up), and the run ends bitwise identical (sharded
+    state waits for the replacement; the lost rank's shards come from node memory)."""
+    fsdp = ("--steps", str(STEPS), "--step-sleep", "0.05", "--no-randomness", "--fsdp")
+    reference = fault_free_results(tmp_path_factory.mktemp("warm-fsdp-reference"), *fsdp)
+    env = child_env(STALWART_WAIT_FOR_REPLACEMENT="0")
+    extra = ("--setup-s", "1", "--setup-log", "setups.log")
+    job = launch(["--spares", "1", "--warm-spares", *tiny_args(*fsdp, *extra)], env=env)
+    spare, _ = _kill_once_a_spare_parked(job, rank=0)
+    assert job.wait(240) == 0, job.output()[-3000:]
+    assert "holds state sharded for that rank and was given rank 0: its set-up runs again" in job.output()
+    assert job.worker_pids(restart=1)[0] == spare
+    assert _setups(job)[spare] == 2, "the spare's set-up ran as rank 1, then again as rank 0"
+    results = job.results()
+    assert {r: results[r]["sha256"] for r in results} == {r: reference[r]["sha256"] for r in reference}
