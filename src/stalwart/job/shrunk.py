@@ -140,6 +140,8 @@ def _undo(job: Job) -> int | None:
             break
     if snapshot is None:
         return None
+    if step != job.step:  # the live tensors are about to hold an older step: the stash of the failed one is void
+        reform.drop_stash()
     try:
         where = f"this rank's snapshot of step {step}"
         job._tracked.load(Restored(step, job.world_size, snapshot.state, where, snapshot.bytes, tier="memory"))

@@ -15,7 +15,8 @@ spare runs its set-up as the node's last local rank and may be given another. Tr
 replacement takes its lost rank's own objects and generators from node memory (job/joining.py). A
 `DistributedSampler(rank=...)`, a seed offset or a device index made from the rank are not; a spare that read its
 rank (os.environ's RANK or LOCAL_RANK, `torch.distributed.get_rank()`) before its loop and is given another says so
-in one line.
+in one line. The spare's run of the script is watched, and runs at idle CPU priority, from its first line
+(supervisor/worker_host.py; `stalwart.Job()` too, outside a worker host).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import sys
 import threading
 from typing import IO, Any
 
-from stalwart.recovery import reform, script_group
+from stalwart.recovery import reform, script_group, warm_spare
 from stalwart.runtime.env import HOST_STATUS_FD_ENV as STATUS_FD_ENV
 from stalwart.runtime.env import HOST_WARM_ENV as WARM_ENV
 from stalwart.runtime.process import die_with_parent, run_as_main
@@ -182,6 +182,8 @@ def _run_once(argv: list[str], control: IO[str], status: int) -> bool:
     reform.offer_rearm((lambda parked: _rearm_in_loop(control, status, parked)) if status >= 0 else None)
     if reform.in_loop():  # the script's own init_process_group makes the re-formable group
         script_group.adopt()
+    if warm_spare.waiting():  # from the script's first line: idle priority, its reads of the rank noted
+        warm_spare.set_up_started()
     try:
         with reform.interruptible():
             _run_script(argv)
