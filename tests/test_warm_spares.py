@@ -154,3 +154,29 @@ def test_a_warm_spare_with_sharded_state_given_another_rank_runs_its_set_up_agai
     assert _setups(job)[spare] == 2, "the spare's set-up ran as rank 1, then again as rank 0"
     results = job.results()
     assert {r: results[r]["sha256"] for r in results} == {r: reference[r]["sha256"] for r in reference}
+
+
+def test_leaving_idle_priority_covers_the_threads_and_children_made_in_the_set_up() -> None:
+    """A spare's set-up runs at SCHED_IDLE; what it started then (torch's threads, a DataLoader's kept workers)
+    inherited it and must leave it with the spare when it is given a rank."""
+    import threading
+    import time
+
+    from stalwart.recovery import warm_spare
+
+    main = threading.get_native_id()
+    assert warm_spare._set_policy([main], os.SCHED_IDLE)
+    child = os.fork()
+    if child == 0:
+        time.sleep(30)
+        os._exit(0)
+    try:
+        assert os.sched_getscheduler(child) == os.SCHED_IDLE, "a child inherits the set-up's priority"
+        threads = warm_spare._own_threads()
+        assert main in threads and child in threads
+        assert warm_spare._set_policy(threads, os.SCHED_OTHER)
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER and os.sched_getscheduler(child) == os.SCHED_OTHER
+    finally:
+        warm_spare._set_policy([main], os.SCHED_OTHER)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

@@ -133,11 +133,24 @@ def _set_policy(threads: list[int], policy: int) -> bool:
 
 
 def _own_threads() -> list[int]:
-    """This process's threads, the ones torch started during the set-up too (they inherited its priority)."""
-    try:
-        return [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:
-        return [threading.get_native_id()]
+    """This process's threads, the ones torch started during the set-up too (they inherited its priority), and
+    those of the processes it started then (DataLoader workers kept for the run), which inherited it as well."""
+    found: list[int] = []
+    pids = [os.getpid()]
+    while pids:
+        pid = pids.pop()
+        try:
+            tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        found += tids
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    pids += [int(child) for child in f.read().split()]
+            except (OSError, ValueError):
+                continue
+    return found or [threading.get_native_id()]
 
 
 def park(events: Any, provisional: Placement, *, sharded: bool = False) -> Placement:
