@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import sys
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from datetime import timedelta
@@ -25,6 +24,7 @@ from stalwart.job.step_hooks import step_hooks
 from stalwart.recovery import reform, shrink
 from stalwart.runtime import group as reformable
 from stalwart.runtime.dist import Placement
+from stalwart.runtime.process import say
 from stalwart.telemetry.events import EventLog
 
 Job = Any
@@ -62,15 +62,13 @@ def recover(
     if same_world and undone[0] != job.step:
         job._move_to(undone[0])  # back to its newest snapshot: the failure came before the step's own
     plan = shrink.plan(now.rank, now.world_size, own_data=own_data) if same_world else None
-    why = (
-        f"no snapshot of step {job.step} or before in node memory to undo the failed step from"
-        if undone in ([], [None])
-        else "the next round has another world size"
-        if not same_world
-        else "not wanted, no replacement named, or the survivors do not divide the world size"
-        if plan is None
-        else None
-    )
+    why = None
+    if undone in ([], [None]):
+        why = f"no snapshot of step {job.step} or before in node memory to undo the failed step from"
+    elif not same_world:
+        why = "the next round has another world size"
+    elif plan is None:
+        why = "not wanted, no replacement named, or the survivors do not divide the world size"
     if plan is not None:
         try:  # the survivors were all activated together: a short wait for one another
             shrink.form(plan, timedelta(seconds=min(job.config.collective_timeout_s, FORM_TIMEOUT_S)))
@@ -261,7 +259,7 @@ def _shrunk_steps(
             events.emit("step_done", step=job.step, step_s=time.monotonic() - step_started, world_size=plan.size)
         events.emit("growing", step=job.step, shrunk_steps=job.step - first, global_batch=_global_batch(plan))
         if plan.shrunk_rank == 0 and job.step > first:
-            _say(plan, first, job.step)
+            _say_stretch(plan, first, job.step)
     finally:
         asked.close()
         group.absorb_failures(False)
@@ -281,7 +279,7 @@ def _global_batch(plan: shrink.Plan) -> str:
     return f"{plan.size}/{plan.world_size}"
 
 
-def _say(plan: shrink.Plan, first: int, last: int) -> None:
+def _say_stretch(plan: shrink.Plan, first: int, last: int) -> None:
     """One line for the person watching the run: the stretch trained shrunk and what it did to the global batch."""
     if plan.own_data:
         batch = (
@@ -290,12 +288,10 @@ def _say(plan: shrink.Plan, first: int, last: int) -> None:
         )
     else:
         batch = "each step's global batch was kept whole (the survivors took the missing ranks' slices)"
-    stream = sys.__stderr__ or sys.stderr
-    stream.write(
+    say(
         f"stalwart: trained steps {first}-{last} ({last - first} steps) on {plan.size} of {plan.world_size} ranks "
-        f"while rank(s) {list(plan.missing)} started again; {batch}\n"
+        f"while rank(s) {list(plan.missing)} started again; {batch}"
     )
-    stream.flush()
 
 
 def _rearm(job: Job, plan: shrink.Plan, asked: shrink.Asked, events: EventLog) -> tuple[shrink.Plan, EventLog]:

@@ -27,7 +27,6 @@ cannot see past).
 from __future__ import annotations
 
 import signal
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import FrameType
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from stalwart.recovery import ddp_layout, reform
 from stalwart.runtime import group as reformable
 from stalwart.runtime.dist import Comm
+from stalwart.runtime.process import say
 from stalwart.runtime.signal_watch import SignalWatch
 from stalwart.runtime.torch_compat import live_ddp_modules, register_first_step_pre_hook
 
@@ -172,9 +172,7 @@ class InLoop:
         """Leave the failed group and wait for the next round: every process group is aborted (the re-formable
         group's objects forward to the next formation's), the agent learns this worker re-armed, and os.environ
         becomes the new round's."""
-        stream = sys.__stderr__ or sys.stderr
-        stream.write(f"stalwart: rank {rank}: {why}; re-forming in place, inside the training loop\n")
-        stream.flush()
+        say(f"stalwart: rank {rank}: {why}; re-forming in place, inside the training loop")
         self.close()
         self.group.abort_backends()
         reform.abort_process_groups()

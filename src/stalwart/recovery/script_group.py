@@ -24,7 +24,6 @@ keeps torch's own group, and the Job says at start what that costs (`notice_if_p
 from __future__ import annotations
 
 import os
-import sys
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +35,7 @@ from stalwart.recovery import reform, shrink
 from stalwart.runtime import group as reformable
 from stalwart.runtime.dist import Placement, init_process_group
 from stalwart.runtime.env import RESTART_COUNT_ENV, WARM_SPARE_ENV
+from stalwart.runtime.process import say
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 """The group's collective timeout when the script gives none: JobConfig.collective_timeout_s's default."""
@@ -92,13 +92,11 @@ def notice_if_plain() -> None:
         return
     _noticed = True
     backend = dist.get_backend()
-    stream = sys.__stderr__ or sys.stderr
-    stream.write(
+    say(
         f"stalwart: rank {os.environ.get('RANK', '?')}: the script's own process group ({backend}) cannot be "
         "re-formed in place, so after a peer's failure the survivors run the script again (its set-up) instead "
-        "of staying in their loop; make the group with backend gloo or nccl, or let stalwart.Job() make it\n"
+        "of staying in their loop; make the group with backend gloo or nccl, or let stalwart.Job() make it"
     )
-    stream.flush()
 
 
 class _ScriptStore(dist.TCPStore):

@@ -35,6 +35,7 @@ from torch.distributed import distributed_c10d as c10d
 from stalwart.recovery import reform
 from stalwart.runtime.dist import Placement
 from stalwart.runtime.env import WARM_SPARE_ENV
+from stalwart.runtime.process import say
 
 _RANK_KEYS = frozenset({"RANK", "LOCAL_RANK"})
 
@@ -167,7 +168,7 @@ def park(events: Any, provisional: Placement, *, sharded: bool = False) -> Place
     finally:
         seen = reads.stop() if reads is not None else []
         if not _set_policy(_own_threads(), os.SCHED_OTHER):
-            _say("stalwart: a warm spare could not leave idle CPU priority (SCHED_IDLE); its steps may be slow")
+            say("stalwart: a warm spare could not leave idle CPU priority (SCHED_IDLE); its steps may be slow")
     placement = Placement.from_env()
     if sharded and placement.rank != provisional.rank:
         raise reform.RunAgainInRound(
@@ -175,16 +176,10 @@ def park(events: Any, provisional: Placement, *, sharded: bool = False) -> Place
             f"{placement.rank}: its set-up runs again"
         )
     if seen and (placement.rank, placement.local_rank) != (provisional.rank, provisional.local_rank):
-        _say(
+        say(
             f"stalwart: a warm spare became rank {placement.rank} (local rank {placement.local_rank}) after its "
             f"set-up ran as rank {provisional.rank}, which it read there ({', '.join(seen)}): objects built from it "
             "that stalwart does not track (a DistributedSampler, a seed offset, a device index) still hold rank "
             f"{provisional.rank}; track them with job.track() or read the rank after job.steps() starts"
         )
     return placement
-
-
-def _say(line: str) -> None:
-    stream = sys.__stderr__ or sys.stderr
-    stream.write(line + "\n")
-    stream.flush()

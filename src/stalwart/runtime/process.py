@@ -243,6 +243,14 @@ def exit_status(code: object) -> int:
     return 1
 
 
+def say(line: str) -> None:
+    """One line to the process's own stderr, flushed: what a worker or the agent tells the person watching. The
+    real stream, since torch's init_process_group may have swapped sys.stderr for a buffer it prints later."""
+    stream = sys.__stderr__ or sys.stderr
+    stream.write(line + "\n")
+    stream.flush()
+
+
 def first_line(exc: BaseException, *, with_type: bool = False) -> str:
     """The first line of an exception's message (its type's name if it has none), for one-line reports."""
     text = str(exc).strip()

@@ -34,7 +34,7 @@ from typing import Any
 from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.recovery.reform import REFORM_SIGNAL
 from stalwart.runtime.env import HOST_STATUS_FD_ENV, HOST_WARM_ENV, KEPT_RANKS_ENV, WARM_SPARE_ENV
-from stalwart.runtime.process import stopped
+from stalwart.runtime.process import say, stopped
 from stalwart.supervisor import stack_dump
 from stalwart.supervisor.host_protocol import Activation, HostStatus
 from stalwart.supervisor.zygote import ForkedProcess, Zygote
@@ -227,7 +227,7 @@ class SparePool:
         if self._failed_set_ups >= WARM_FAILURES_MAX and self.warm_script:
             self.warm_script = False
             self._events.emit("warm_spares_off", failures=self._failed_set_ups)
-            _say(
+            say(
                 f"stalwart: {self._failed_set_ups} warm spares in a row died in the script's set-up (their output "
                 "is above); spares stay hot from now on (torch imported, the set-up run when one is used)"
             )
@@ -415,9 +415,3 @@ def running_in(
         yield
     finally:
         lea.start_processes = real
-
-
-def _say(line: str) -> None:
-    stream = sys.__stderr__ or sys.stderr
-    stream.write(line + "\n")
-    stream.flush()

@@ -35,7 +35,7 @@ from typing import IO, Any
 from stalwart.recovery import reform, script_group, warm_spare
 from stalwart.runtime.env import HOST_STATUS_FD_ENV as STATUS_FD_ENV
 from stalwart.runtime.env import HOST_WARM_ENV as WARM_ENV
-from stalwart.runtime.process import die_with_parent, run_as_main
+from stalwart.runtime.process import die_with_parent, run_as_main, say
 from stalwart.supervisor import stack_dump
 from stalwart.supervisor.host_protocol import Activation, HostStatus
 
@@ -197,7 +197,7 @@ def _run_once(argv: list[str], control: IO[str], status: int) -> bool:
     if lost is None:
         sys.exit(0)
     # Outside the except block, so that the failed run's frames (model, optimizer, buckets) can be freed.
-    _say(f"stalwart: rank {os.environ.get('RANK', '?')}: {lost}{'' if again else '; re-forming in place'}")
+    say(f"stalwart: rank {os.environ.get('RANK', '?')}: {lost}{'' if again else '; re-forming in place'}")
     reform.abandon()
     return again
 
@@ -223,12 +223,6 @@ def _report_rearmed(status: int, said: HostStatus = HostStatus.REARMED) -> None:
         os.write(status, said.encode())
     except OSError:
         os._exit(EXIT_PEER_LOST)
-
-
-def _say(line: str) -> None:
-    stream = sys.__stderr__ or sys.stderr
-    stream.write(line + "\n")
-    stream.flush()
 
 
 def _host(control_fd: int, status: int, *, warm: bool) -> None:
