@@ -126,7 +126,7 @@ def test_module_buffers_are_not_compared(tmp_path: Path) -> None:
     for _ in job.steps(max_steps=1):
         model(torch.randn(5, 3)).sum().backward()
         optim.step()
-    compared = {t.data_ptr() for t in job._tracked.replicated_tensors()}
+    compared = {t.data_ptr() for t in job.tracked.replicated_tensors()}
     job.close()
     assert all(p.data_ptr() in compared for p in model.parameters())
     assert not any(b.data_ptr() in compared for b in model.buffers())

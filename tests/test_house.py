@@ -132,7 +132,7 @@ def test_product_layers_name_no_environment_variable_of_their_own() -> None:
 
 
 def test_the_job_s_step_changes_in_one_place() -> None:
-    """Completed steps move forward, back (a rollback) and to a resumed step only through Job._move_to."""
+    """Completed steps move forward, back (a rollback) and to a resumed step only through Job.move_to."""
     tree = ast.parse((SRC / "job" / "job.py").read_text())
     setters = []
     for func in ast.walk(tree):
@@ -145,7 +145,25 @@ def test_the_job_s_step_changes_in_one_place() -> None:
                 for t in ast.walk(target):
                     if isinstance(t, ast.Attribute) and t.attr == "step" and getattr(t.value, "id", "") == "self":
                         setters.append(func.name)
-    assert sorted(setters) == ["_move_to", "_set_up"], setters  # _set_up: its first value, 0
+    assert sorted(setters) == ["move_to", "set_up_parts"], setters  # set_up_parts: its first value, 0
+
+
+def test_no_module_but_the_job_s_own_touches_its_private_attributes() -> None:
+    """The Job's parts are reached through its typed `parts` and `membership` (job/parts.JobView), never through
+    `job._something` or `job.__dict__` from another module."""
+    touches = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path == SRC / "job" / "job.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "job"
+                and node.attr.startswith("_")
+            ):
+                touches.append(f"{path.relative_to(SRC)}:{node.lineno}: job.{node.attr}")
+    assert not touches, "\n".join(touches)
 
 
 def test_every_option_has_one_home() -> None:

@@ -282,12 +282,12 @@ def test_the_loss_spike_window_travels_with_the_checkpoint(tmp_path: Path) -> No
         return job
 
     first = run(30)
-    assert first._detectors.loss_watch is not None and len(first._detectors.loss_watch._losses) == 30
+    assert first.parts.detectors.loss_watch is not None and len(first.parts.detectors.loss_watch._losses) == 30
     resumed = stalwart.Job(tmp_path / "ckpt", checkpoint_every=1000)
     resumed.track(model=torch.nn.Linear(2, 1))
     resumed.resume()
-    assert resumed._detectors.loss_watch is not None
-    assert list(resumed._detectors.loss_watch._losses) == list(first._detectors.loss_watch._losses)
+    assert resumed.parts.detectors.loss_watch is not None
+    assert list(resumed.parts.detectors.loss_watch._losses) == list(first.parts.detectors.loss_watch._losses)
     resumed.close()
 
 
@@ -335,4 +335,4 @@ def test_the_job_reads_a_value_to_the_host_at_most_once_a_step(
     per_step = {b - a for a, b in itertools.pairwise(at_start[2:])}  # after the first, logged, step
     assert per_step == ({1} if checks == "defaults" else {0}), per_step
     if checks == "defaults":
-        assert len(job._detectors.loss_watch._losses) == 30, "every reported loss was judged"  # type: ignore[union-attr]
+        assert len(job.parts.detectors.loss_watch._losses) == 30, "every reported loss was judged"  # type: ignore[union-attr]

@@ -26,46 +26,45 @@ import torch.distributed as dist
 from stalwart.checkpoint.format import sharded
 from stalwart.data.loader import ResumableLoader
 from stalwart.detect.heartbeat import PHASE_RESUME
+from stalwart.job.parts import JobView
 from stalwart.recovery import reform
 from stalwart.recovery.in_loop import InLoop, NewWorldForShards, NothingToGoBackTo
 from stalwart.runtime.dist import Placement, init_process_group
 
-Job = Any
-"""A `stalwart.Job` (job/job.py imports this module, so the type cannot be imported back)."""
 
-
-def close(job: Job) -> None:
+def close(job: JobView) -> None:
     """Every part, the process group last (if the job made it), the event log after it."""
-    if job._deferred:  # a replacement that never reached its loop (job/joining.py): it made only these
+    if job.membership.deferred:  # a replacement that never reached its loop (job/joining.py): it made only these
         close_partial(job)
         return
-    for close_part in (job._snapshots.close_commit, job._optimizer_hooks.close, job._detectors.close):
+    for close_part in (job.parts.snapshots.close_commit, job.parts.optimizer_hooks.close, job.parts.detectors.close):
         close_part()
-    job._heartbeat.close()
-    if job._snapshots.memory is not None:
-        job._snapshots.memory.close()
+    job.parts.heartbeat.close()
+    if job.parts.snapshots.memory is not None:
+        job.parts.snapshots.memory.close()
     job.checkpointer.close()
     job.comm.close()
-    if job._owns_process_group and dist.is_initialized():
+    if job.membership.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
-        job._owns_process_group = False
+        job.membership.owns_process_group = False
     job.events.close()
 
 
-def close_partial(job: Job) -> None:
-    """After a failed `Job._set_up`: close what it made (a Job the caller never got), then leave the group."""
-    for name in ("checkpointer", "_heartbeat", "comm", "events"):
-        part = job.__dict__.get(name)
+def close_partial(job: JobView) -> None:
+    """After a failed `Job()`: close what it made (a Job the caller never got; job/parts.make_parts closes its own
+    when one of them fails), then leave the group."""
+    for name in ("comm", "events"):
+        part = getattr(job, name, None)
         if part is not None:
             with contextlib.suppress(Exception):
                 part.close()
-    if job._owns_process_group and dist.is_initialized():
+    if job.membership.owns_process_group and dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        job._owns_process_group = False
+        job.membership.owns_process_group = False
 
 
-def abandon(job: Job, before_close: Callable[[], None] | None = None) -> None:
+def abandon(job: JobView, before_close: Callable[[], None] | None = None) -> None:
     """Drop `job` after its group failed, without a collective: the persister is killed, so a save in flight never
     commits, the live state is kept for the next formation when it still holds the last completed step, and nothing
     runs at interpreter exit. The process groups are aborted by the caller, all at once. `before_close`: runs once
@@ -75,45 +74,45 @@ def abandon(job: Job, before_close: Callable[[], None] | None = None) -> None:
         job.checkpointer.abandon()  # first: the persister dies before anything else can go wrong
     running = job.state.value == "running"
     outside = None if running else f"the job was {job.state.value}, not inside its training loop"
-    lost = job._snapshots.keep_live_state(job.step, outside)
+    lost = job.parts.snapshots.keep_live_state(job.step, outside)
     closers = [
-        job._snapshots.close_commit,
-        job._optimizer_hooks.close,
-        job._detectors.close,
-        job._heartbeat.close,
+        job.parts.snapshots.close_commit,
+        job.parts.optimizer_hooks.close,
+        job.parts.detectors.close,
+        job.parts.heartbeat.close,
         job.comm.forget,
     ]
-    if job._in_loop is not None:
-        closers.append(job._in_loop.close)
+    if job.parts.in_loop is not None:
+        closers.append(job.parts.in_loop.close)
     for close in closers:
         with contextlib.suppress(Exception):
             close()
     if before_close is not None:
         before_close()
-    memory = job._snapshots.memory
+    memory = job.parts.snapshots.memory
     if memory is not None:
         with contextlib.suppress(Exception):
             memory.close(wait_s=0.0)  # a snapshot's copy on a GPU that may hang: only if already done
-    job._owns_process_group = False
+    job.membership.owns_process_group = False
     with contextlib.suppress(Exception):
         why = {} if lost is None else {"why": lost}
         job.events.emit("reforming", step=job.step, kept_live_state=lost is None, **why)
     job.events.close()
 
 
-def can_go_back(job: Job) -> bool:
+def can_go_back(job: JobView) -> bool:
     """Whether a survivor has a state to go back to, as far as it knows: it resumed from one, holds a memory
     snapshot, or finds a committed checkpoint (listed only once it has taken one: a save in flight commits later).
     Without one (a failure before the first), re-forming in the loop could only end in NothingToGoBackTo and a
     second round; the script is run again at once instead (recovery/reform.py)."""
-    memory = job._snapshots.memory
+    memory = job.parts.snapshots.memory
     if job.resumed_from is not None or (memory is not None and (memory.steps() or memory.steps(light=True))):
         return True
-    return job._last_saved is not None and job.checkpointer.newest_committed() >= 0
+    return job.parts.last_saved is not None and job.checkpointer.newest_committed() >= 0
 
 
 def reform_in_loop(
-    job: Job,
+    job: JobView,
     failure: Exception,
     loader: Iterable[Any] | None,
     iterator: Iterator[Any] | None,
@@ -129,10 +128,10 @@ def reform_in_loop(
     same batch again when its step is redone, the iterator as it is when the restored step is the next one (an
     untracked loader cannot go back further). `left`: the job was abandoned and its worker re-armed already
     (job/shrunk.py)."""
-    in_loop = job._in_loop
+    in_loop = job.parts.in_loop
     assert in_loop is not None
     failed_at, started, ran = job.step, time.monotonic(), job.state.value == "running"
-    objects = dict(job._tracked.objects)
+    objects = dict(job.tracked.objects)
     while True:
         try:
             ddp_modules = _reform_once(job, in_loop, failure, objects, left=left)
@@ -146,7 +145,7 @@ def reform_in_loop(
     if job.resumed_from is None and ran:
         why = f"no snapshot or checkpoint to go back to from step {failed_at}; running the script again"
         raise NothingToGoBackTo(why)
-    job._start()
+    job.start_parts()
     job.events.emit(
         "reformed_in_loop",
         failed_at=failed_at,
@@ -163,7 +162,7 @@ def reform_in_loop(
     return iterator
 
 
-def _reform_once(job: Job, in_loop: InLoop, failure: Exception, objects: dict[str, Any], *, left: bool) -> int:
+def _reform_once(job: JobView, in_loop: InLoop, failure: Exception, objects: dict[str, Any], *, left: bool) -> int:
     """One attempt: leave (unless `left`), wait for the next round, make the parts anew and restore. Returns the DDP
     modules reset."""
     if not left:
@@ -180,12 +179,12 @@ def _reform_once(job: Job, in_loop: InLoop, failure: Exception, objects: dict[st
             if isinstance(obj, ResumableLoader):
                 obj.rebind(job.placement.rank, job.placement.world_size)
     timeout = timedelta(seconds=job.config.collective_timeout_s)
-    job._owns_process_group = init_process_group(job.placement, timeout, reformable=True)
-    job._set_up(job._given_hooks, staying=True)
-    job._tracked.track(**objects)
+    job.membership.owns_process_group = init_process_group(job.placement, timeout, reformable=True)
+    job.set_up_parts(staying=True)
+    job.tracked.track(**objects)
     ddp_modules = in_loop.rejoin()
     atexit.register(job.close)
     reform.register(job)
-    job._heartbeat.beat(job.step, PHASE_RESUME, job._hang.grace())  # the restore may wait for the replacement
+    job.parts.heartbeat.beat(job.step, PHASE_RESUME, job.parts.hang.grace())  # the restore may wait for the replacement
     job.resume()
     return ddp_modules

@@ -23,24 +23,15 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.load.rank_state import Restored
-from stalwart.checkpoint.manager import Checkpointer
-from stalwart.checkpoint.tiers.memory import MemoryTier
-from stalwart.detect.hang import hang_timer
-from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, Heartbeat
+from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP
 from stalwart.errors import ConfigError
 from stalwart.job import completing, endings, joining, lifecycle, shrunk
 from stalwart.job.config import JobConfig
-from stalwart.job.detectors import Detectors
 from stalwart.job.messages import RunName
-from stalwart.job.optimizer_hooks import OptimizerHooks
-from stalwart.job.snapshots import Snapshots
-from stalwart.job.state import Stateful, TrackedState, read_skip_record
-from stalwart.job.step_end import StepEnd
+from stalwart.job.parts import Membership, make_parts
+from stalwart.job.state import Stateful, read_skip_record
 from stalwart.job.step_hooks import StepHooks, step_hooks
 from stalwart.recovery import reform, warm_spare
-from stalwart.recovery.in_loop import InLoop
-from stalwart.recovery.restore import Restorer
-from stalwart.recovery.rollback import Rollback
 from stalwart.runtime.dist import Comm, Placement
 from stalwart.telemetry.events import EventLog
 
@@ -69,13 +60,13 @@ class Job:
         self.config = JobConfig.of(checkpoint_dir, **options)
         self.placement = Placement.from_env()
         timeout = timedelta(seconds=self.config.collective_timeout_s)
-        self._deferred, self._owns_process_group = joining.join_group(self.placement, timeout)
-        self._given_hooks = hooks
+        self.membership = Membership(hooks)
+        self.membership.deferred, self.membership.owns_process_group = joining.join_group(self.placement, timeout)
         try:
-            if self._deferred:
+            if self.membership.deferred:
                 joining.set_up_placeholder(self, JobState.CREATED)
             else:
-                self._set_up(hooks)
+                self.set_up_parts()
         except BaseException:
             endings.close_partial(self)  # what it made (a Job the caller never got), then the group
             raise
@@ -85,83 +76,25 @@ class Job:
         if not warm_spare.waiting():  # a warm spare says it started once it has a rank (job/joining.py)
             self.events.emit("worker_started", world_size=self.world_size, local_rank=self.placement.local_rank)
 
-    def _set_up(self, hooks: StepHooks | None, *, staying: bool = False) -> None:
-        """Everything after joining the process group; `__init__` undoes what it made if any of it fails.
-        `staying`: a survivor makes its parts anew inside its loop (job/endings.py)."""
-        config, placement = self.config, self.placement
+    def set_up_parts(self, *, staying: bool = False) -> None:
+        """Everything after joining the process group, made by job/parts.make_parts; `__init__` undoes what it made
+        if any of it fails. `staying`: a survivor makes its parts anew inside its loop (job/endings.py), a
+        replacement once it joined late (job/joining.py): the state is CREATED again, to be restored."""
+        config, placement, membership = self.config, self.placement, self.membership
         self.comm = Comm(placement, timedelta(seconds=config.collective_timeout_s))
         self.events = EventLog.from_env(rank=placement.rank, restart=placement.restart_count)
         name = self.comm.broadcast(RunName(placement.restart_count, secrets.randbits(48)))
         token = f"{name.restart}x{name.token:012x}"  # names this run's files
-        self._hooks = hooks or step_hooks(self.rank, placement.restart_count, self._announce)
-        self._in_loop = InLoop.of_process()
-        if self._in_loop is not None:  # a replacement whose peers stayed in their loop joins them quietly
-            grown_at = self.__dict__.pop("_grown_at", None)  # survivors that trained on shrunk (job/shrunk.py)
-            self._in_loop.join_if_peers_stayed(self.comm, staying=staying, grown_at=grown_at)
-        self._heartbeat = Heartbeat.from_env(placement.local_rank)
-        self._hang = hang_timer(config.detect.hang_timeout_s)
-        memory = (
-            MemoryTier.from_env(placement.rank, placement.world_size, placement.local_rank, placement.local_world_size)
-            if config.snapshot.every != 0
-            else None
+        hooks = membership.given_hooks or step_hooks(self.rank, placement.restart_count, self.announce_fault)
+        grown_at, membership.grown_at = membership.grown_at, None
+        self.parts = make_parts(
+            config, placement, self.comm, self.events, hooks, token, staying=staying, grown_at=grown_at
         )
-        self._detectors = Detectors(config, self.comm, self.events, self._heartbeat)
-        self._tracked = TrackedState(
-            self.rank, self.world_size, self.events, self._detectors.loss_watch, lr_scaling=config.recovery.lr_scaling
-        )
-        ck = config.checkpoint
-        self.checkpointer = Checkpointer(
-            ck.dir,
-            self.comm,
-            self.events,
-            keep_last=ck.keep_last,
-            token=token,
-            full_every=ck.full_every,
-            when_busy=ck.when_busy,
-            persist_timeout_s=ck.persist_timeout_s,
-            storage_options=ck.storage_options,
-            save_faults=self._hooks.save_faults,
-        )
-        self._snapshots = Snapshots(
-            config.snapshot,
-            memory,
-            self._tracked,
-            self.checkpointer,
-            self.comm,
-            self.events,
-            self._hooks,
-            token=token,
-            barrier_timeout_s=config.collective_timeout_s,
-            local_world_size=placement.local_world_size,
-            absorb=self._in_loop.lose if self._in_loop is not None else None,
-        )
-        self._restorer = Restorer(self.comm, self.events, self.checkpointer, memory, self._snapshots.replicas)
-        self._rollback = Rollback(
-            self._restorer,
-            self.checkpointer,
-            memory,
-            self.comm,
-            self.events,
-            max_rollbacks=config.recovery.max_rollbacks,
-        )
-        self._step_end = StepEnd(
-            config,
-            self._detectors,
-            self._snapshots,
-            self._tracked,
-            self.checkpointer,
-            self.comm,
-            self.events,
-            restart_count=placement.restart_count,
-        )
-        self._optimizer_hooks = OptimizerHooks(self.checkpointer, self._snapshots)
-        self._busy_step = False  # this step's time says nothing of normal steps (job.busy(), a skipped batch)
-        self._saved_once = False
-        self._last_saved: int | None = None
-        self._metrics: dict[str, Any] = {}
+        self.tracked = self.parts.tracked
+        self.checkpointer = self.parts.checkpointer
         self.state = JobState.CREATED
         self.step = 0
-        """Completed steps: changed only by `_move_to`."""
+        """Completed steps: changed only by `move_to`."""
         self.resumed_from: int | None = None
 
     @property
@@ -181,9 +114,9 @@ class Job:
         """Register objects with state_dict/load_state_dict (model, optimizer, scheduler, loader, your own)."""
         if self.state is not JobState.CREATED:
             raise ConfigError("track() must be called before steps() or resume()")
-        self._tracked.track(**objects)
+        self.tracked.track(**objects)
 
-    def _move_to(self, step: int) -> None:
+    def move_to(self, step: int) -> None:
         """The one place the step count changes: a completed step, a resume, a rollback."""
         self.step = step
 
@@ -192,25 +125,25 @@ class Job:
         if self.state is not JobState.CREATED:
             return self.step
         joining.join_late(self)  # a replacement that deferred joining (job/joining.py); else nothing
-        self._heartbeat.beat(self.step, PHASE_RESUME, self._hang.grace())
+        self.parts.heartbeat.beat(self.step, PHASE_RESUME, self.parts.hang.grace())
         started = time.monotonic()
-        self._tracked.check_loadable()
-        self.checkpointer.replicated = self._tracked.choose_replicated(self.config.recovery.replicated)
+        self.tracked.check_loadable()
+        self.checkpointer.replicated = self.tracked.choose_replicated(self.config.recovery.replicated)
         allow = lifecycle.world_size_change_allowed(self.config.recovery.allow_world_size_change)
-        self._rollback.skips = read_skip_record(self.comm, self.checkpointer)
+        self.parts.rollback.skips = read_skip_record(self.comm, self.checkpointer)
         grown = joining.grow(self)  # after training on shrunk (job/shrunk.py)
         restored = (
-            None if grown else self._restorer.restore(allow_world_size_change=allow, meshes=self._tracked.meshes())
+            None if grown else self.parts.restorer.restore(allow_world_size_change=allow, meshes=self.tracked.meshes())
         )
         self.state = JobState.RUNNING
-        if self._in_loop is not None:
-            self._in_loop.joined(self.comm)  # a replacement's collectives run for real; DDP buckets laid out alike
+        if self.parts.in_loop is not None:
+            self.parts.in_loop.joined(self.comm)  # a replacement's collectives run for real; DDP buckets laid out alike
         if restored is None and not grown:
             self.events.emit("fresh_start")
         if restored is None:
             return self.step
-        self._load(restored)
-        self._move_to(restored.step)
+        self.load_restored(restored)
+        self.move_to(restored.step)
         self.resumed_from = restored.step
         reform.drop_stash()  # the tracked objects hold their own copy now
         self.events.emit(
@@ -223,10 +156,10 @@ class Job:
         )
         return self.step
 
-    def _load(self, restored: Restored) -> None:
+    def load_restored(self, restored: Restored) -> None:
         """Into the tracked objects, after the copies still reading them (a rollback writes them in place)."""
-        self._tracked.load(restored)
-        self._last_saved = restored.step if restored.tier == "durable" else None
+        self.tracked.load(restored)
+        self.parts.last_saved = restored.step if restored.tier == "durable" else None
 
     def steps(self, loader: Iterable[Any] | None = None, *, max_steps: int) -> Iterator[tuple[int, Any]]:
         """Yield (step, batch) from the resumed step up to `max_steps`, checkpointing as configured.
@@ -238,43 +171,46 @@ class Job:
             raise ConfigError(f"max_steps must be >= 0, got {max_steps}")
         try:
             self.resume()
-            self._start()
+            self.start_parts()
         except Exception as exc:  # a peer lost in the first restore: re-form before the loop
-            if self._in_loop is None or not reform.is_reformable(exc):
+            # (A replacement that failed before it joined has no parts: its failure is raised.)
+            if "parts" not in self.__dict__ or self.parts.in_loop is None or not reform.is_reformable(exc):
                 raise
             endings.reform_in_loop(self, exc, None, None, (self.step, None))
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
-        if 0 < self.step == max_steps and self._last_saved != self.step:
+        if 0 < self.step == max_steps and self.parts.last_saved != self.step:
             # Resumed at the last step from node memory or a survivor (a failure during the run's final save):
             # that save is made now, so the run's last checkpoint is durable before steps() returns all the same.
             self.save(wait=True)
         first = True
         while self.step < max_steps:
             # The heartbeat promises the next one within the step timeout; the agent kills a worker that breaks it.
-            self._heartbeat.beat(self.step, PHASE_STEP, self._hang.step_timeout())
-            self._hooks.before_step(self.step)
+            self.parts.heartbeat.beat(self.step, PHASE_STEP, self.parts.hang.step_timeout())
+            self.parts.hooks.before_step(self.step)
             started = time.monotonic()
-            if self._detectors.stragglers is not None:
-                self._detectors.stragglers.step_started(started)
-            self._hooks.step_started(self.step, self._tensors_to_flip)
+            if self.parts.detectors.stragglers is not None:
+                self.parts.detectors.stragglers.step_started(started)
+            self.parts.hooks.step_started(self.step, self._tensors_to_flip)
             batch = next(iterator, _END) if iterator is not None else None
             if batch is _END:  # not None: a loader may yield None as a batch
                 self.events.emit("data_exhausted", step=self.step)
-                if self.step != self._last_saved:
+                if self.step != self.parts.last_saved:
                     self.save(wait=True)
                 break
             drawn_at, failure = self.step, None  # the step `batch` is for
             try:
-                if self.step in self._rollback.skips:  # a rollback skipped this batch: drawn, never seen by the loop
+                if (
+                    self.step in self.parts.rollback.skips
+                ):  # a rollback skipped this batch: drawn, never seen by the loop
                     self.events.emit("batch_skipped", step=self.step)
-                    self._busy_step = True  # no work: keep it out of the step-time calibrations
+                    self.parts.busy_step = True  # no work: keep it out of the step-time calibrations
                 else:
-                    yield from self._body(self.step, self._hooks.batch(self.step, batch), first)
-                if self._in_loop is not None:
-                    self._in_loop.check()
+                    yield from self._body(self.step, self.parts.hooks.batch(self.step, batch), first)
+                if self.parts.in_loop is not None:
+                    self.parts.in_loop.check()
                 rolled_back = completing.end_step(self, started, first, max_steps, loader)
             except Exception as exc:
-                if self._in_loop is None or not reform.is_reformable(exc) or not endings.can_go_back(self):
+                if self.parts.in_loop is None or not reform.is_reformable(exc) or not endings.can_go_back(self):
                     raise
                 failure = exc
             if failure is not None:  # re-form (or train on shrunk meanwhile: job/shrunk.py), then redo the step
@@ -285,35 +221,35 @@ class Job:
                 iterator = iter(loader) if loader is not None else None  # from the restored data position
                 continue
             first = False
-        if self._in_loop is not None:
-            self._in_loop.stop()  # a failed collective after the loop raises, as without stalwart
-        self._detectors.reads.flush()  # the last step's loss is judged before steps() returns
-        self._heartbeat.beat(self.step, PHASE_DONE, None)  # after the loop the worker is not watched
+        if self.parts.in_loop is not None:
+            self.parts.in_loop.stop()  # a failed collective after the loop raises, as without stalwart
+        self.parts.detectors.reads.flush()  # the last step's loss is judged before steps() returns
+        self.parts.heartbeat.beat(self.step, PHASE_DONE, None)  # after the loop the worker is not watched
         if self.state is not JobState.FINISHED:
             self.state = JobState.FINISHED
             if self.is_main:
                 self.events.emit("job_finished", step=self.step)
 
-    def _start(self) -> None:
+    def start_parts(self) -> None:
         """The parts a run needs, once the state is loaded: re-forming in the loop, detectors, the GPU fence,
         re-forming's deferral, the snapshots' commit point, the checkpoint interval."""
-        if self._in_loop is not None:
-            self._in_loop.start(self._tracked.optimizers())
-        self._detectors.start_guard(self._tracked)  # its pre-hook first: it decides whether the update happens
-        self._optimizer_hooks.start(self._tracked.optimizers(), overlap=self.config.checkpoint.overlap)
-        self._detectors.start(self._tracked, self.step)
-        self._snapshots.start(self.step)
-        self._step_end.start(self.step)
+        if self.parts.in_loop is not None:
+            self.parts.in_loop.start(self.tracked.optimizers())
+        self.parts.detectors.start_guard(self.tracked)  # its pre-hook first: it decides whether the update happens
+        self.parts.optimizer_hooks.start(self.tracked.optimizers(), overlap=self.config.checkpoint.overlap)
+        self.parts.detectors.start(self.tracked, self.step)
+        self.parts.snapshots.start(self.step)
+        self.parts.step_end.start(self.step)
 
     def _body(self, step: int, batch: Any, first: bool) -> Iterator[tuple[int, Any]]:
         """The user's loop body for the step after `step` completed steps, with the guard and the commit point
         armed around it."""
-        guard = self._detectors.guard
+        guard = self.parts.detectors.guard
         if guard is not None:
             guard.arm(step)
-        if self._in_loop is not None:
-            self._in_loop.arm()
-        self._snapshots.arm(step, first)
+        if self.parts.in_loop is not None:
+            self.parts.in_loop.arm()
+        self.parts.snapshots.arm(step, first)
         try:
             yield step, batch
         except GeneratorExit:
@@ -321,7 +257,7 @@ class Job:
                 reform.allow_requests()  # the loop was left: nothing to finish, nothing to re-form
             raise
         finally:
-            self._snapshots.disarm()
+            self.parts.snapshots.disarm()
             if guard is not None:
                 guard.disarm()
 
@@ -333,19 +269,19 @@ class Job:
             with job.busy():
                 evaluate(model)
         """
-        self._heartbeat.beat(self.step, PHASE_STEP, seconds if seconds is not None else self._hang.grace())
-        self._busy_step = True  # this step's time says nothing about normal steps: keep it out of calibration
+        self.parts.heartbeat.beat(self.step, PHASE_STEP, seconds if seconds is not None else self.parts.hang.grace())
+        self.parts.busy_step = True  # this step's time says nothing about normal steps: keep it out of calibration
         try:
             yield
         finally:
-            self._heartbeat.beat(self.step, PHASE_STEP, self._hang.step_timeout())
+            self.parts.heartbeat.beat(self.step, PHASE_STEP, self.parts.hang.step_timeout())
 
     def report(self, **metrics: Any) -> None:
         """Record metrics for the current step (e.g. loss). Tensors are read only when logged, which keeps the
         device from synchronising every step; the loss for the spike check rides along with the step's one read
         (detect/host_reads.py)."""
-        self._metrics = metrics
-        self._detectors.report_loss(metrics.get("loss"))
+        self.parts.metrics = metrics
+        self.parts.detectors.report_loss(metrics.get("loss"))
 
     def save(self, *, wait: bool = False) -> bool:
         """Checkpoint the full training state now. Collective: every rank calls it at the same step.
@@ -356,19 +292,21 @@ class Job:
         """
         # A save that may wait on the store (waited, or the first: staging is allocated) gets the grace period;
         # any other stalls only for a memory copy and keeps the step timeout, so a hang in it is still caught.
-        waits = wait or self.config.checkpoint.when_busy == "wait" or not self._saved_once
-        self._heartbeat.beat(self.step, PHASE_SAVE, self._hang.grace() if waits else self._hang.step_timeout())
-        self._saved_once = True
+        waits = wait or self.config.checkpoint.when_busy == "wait" or not self.parts.saved_once
+        self.parts.heartbeat.beat(
+            self.step, PHASE_SAVE, self.parts.hang.grace() if waits else self.parts.hang.step_timeout()
+        )
+        self.parts.saved_once = True
         self.checkpointer.poll()
-        taken = self.checkpointer.save(self.step, self._tracked.state(self.step), wait=wait)
+        taken = self.checkpointer.save(self.step, self.tracked.state(self.step), wait=wait)
         if taken:
-            self._last_saved = self.step
+            self.parts.last_saved = self.step
         return taken
 
     def _tensors_to_flip(self) -> list[torch.Tensor]:
         """A bit flip's targets, once the copies reading them ended: the last snapshot holds the state before it."""
-        self._optimizer_hooks.wait()
-        return self._tracked.replicated_tensors()
+        self.parts.optimizer_hooks.wait()
+        return self.tracked.replicated_tensors()
 
     @property
     def detector_seconds(self) -> float:
@@ -378,12 +316,12 @@ class Job:
     @property
     def detector_breakdown(self) -> dict[str, float]:
         """`detector_seconds` by detector: guard, divergence, loss, nonfinite_params, straggler, risk."""
-        return self._detectors.breakdown()
+        return self.parts.detectors.breakdown()
 
     @property
     def skipped_steps(self) -> list[int]:
         """Steps of this process whose update the numeric guard skipped (completed steps before each)."""
-        return list(self._detectors.guard.skipped) if self._detectors.guard is not None else []
+        return list(self.parts.detectors.guard.skipped) if self.parts.detectors.guard is not None else []
 
     def close(self) -> None:
         """Stop the persister and release the process groups this job created (also run at interpreter exit).
@@ -394,6 +332,6 @@ class Job:
         """Drop this job after its group failed, without a collective (job/endings.py)."""
         endings.abandon(self)
 
-    def _announce(self, kind: str, details: dict[str, Any]) -> None:
+    def announce_fault(self, kind: str, details: dict[str, Any]) -> None:
         """A fault of the step hooks is about to fire: the event log says which, at which step."""
         self.events.emit("fault_injected", fault=kind, step=self.step, **details)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from stalwart.checkpoint.format import sharded
 from stalwart.data.loader import ResumableLoader
+from stalwart.job.parts import JobView
 from stalwart.job.rng import capture_rng
 from stalwart.job.state import TrackedState
 from stalwart.recovery import reform, script_group, shrink, warm_spare
@@ -26,9 +27,6 @@ from stalwart.runtime import group as reformable
 from stalwart.runtime.dist import Placement, init_process_group
 from stalwart.runtime.process import first_line
 from stalwart.telemetry.events import EventLog
-
-Job = Any
-"""A `stalwart.Job` (job/job.py imports this module)."""
 
 
 def join_group(placement: Placement, timeout: timedelta) -> tuple[bool, bool]:
@@ -49,7 +47,7 @@ def join_group(placement: Placement, timeout: timedelta) -> tuple[bool, bool]:
     return deferred, init_process_group(placement, timeout, reformable=in_loop, placeholder=deferred)
 
 
-def set_up_placeholder(job: Job, created: Any) -> None:
+def set_up_placeholder(job: JobView, created: Any) -> None:
     """What a replacement's Job needs before its loop: its events, the tracked objects, the state (`created`: the
     JobState) and step."""
     placement = job.placement
@@ -57,59 +55,60 @@ def set_up_placeholder(job: Job, created: Any) -> None:
         job.events = EventLog.from_env(role="warm_spare")
     else:
         job.events = EventLog.from_env(rank=placement.rank, restart=placement.restart_count)
-    job._tracked = TrackedState(
+    job.tracked = TrackedState(
         placement.rank, placement.world_size, job.events, None, lr_scaling=job.config.recovery.lr_scaling
     )
-    job._in_loop = None
     job.state = created
     job.step = 0
     job.resumed_from = None
 
 
-def join_late(job: Job) -> None:
+def join_late(job: JobView) -> None:
     """The replacement reached its loop: announce it, then join the job's group (it waits there for the survivors
     to come at their next step boundary) and make every part, as `Job()` makes them for a worker that joins at once.
     Nothing for a job that did not defer it."""
-    if not job._deferred:
+    if not job.membership.deferred:
         return
     spare = warm_spare.waiting()
     if spare:  # parked until the agent gives this spare a lost rank
-        shards = bool(sharded.meshes_of(job._tracked.objects.values()))
+        shards = bool(sharded.meshes_of(job.tracked.objects.values()))
         job.placement = warm_spare.park(job.events, job.placement, sharded=shards)
     started = time.monotonic()
-    objects = dict(job._tracked.objects)
+    objects = dict(job.tracked.objects)
     shrink.announce_ready(job.rank)
     job.events.close()
     reform.abort_process_groups()  # the placeholder
-    job._owns_process_group = init_process_group(
+    job.membership.owns_process_group = init_process_group(
         job.placement,
         timedelta(seconds=job.config.collective_timeout_s),
         reformable=True,
         store=script_group.given_store(),  # the script's store holds the round's port on rank 0
     )
-    job._set_up(job._given_hooks)
-    job._tracked.track(**objects)
-    job._deferred = False
+    job.set_up_parts()
+    job.tracked.track(**objects)
+    job.membership.deferred = False
     if spare:
         job.events.emit("worker_started", world_size=job.world_size, local_rank=job.placement.local_rank, spare=True)
     job.events.emit("joined_late", world_size=job.world_size, seconds=round(time.monotonic() - started, 4))
 
 
-def grow(job: Job) -> bool:
+def grow(job: JobView) -> bool:
     """In `Job.resume`: when the survivors trained on shrunk, the job takes the lowest survivor's state at the step
     they reached and returns True; False otherwise (the usual restore). A replacement's per-rank objects and random
     generators are its own rank's (`_take_own_parts`), not the survivor's."""
-    in_loop = job._in_loop
+    in_loop = job.parts.in_loop
     plan = in_loop.grow if in_loop is not None else None
     if plan is None:
         return False
     started = time.monotonic()
-    restored = job._restorer.hand_over(plan.step, plan.source, plan.receivers, lambda: job._tracked.state(plan.step))
+    restored = job.parts.restorer.hand_over(
+        plan.step, plan.source, plan.receivers, lambda: job.tracked.state(plan.step)
+    )
     own_parts = None
     if restored is not None:
         own_parts = _take_own_parts(job, restored.state, plan.step)
-        job._load(restored)
-    job._move_to(plan.step)
+        job.load_restored(restored)
+    job.move_to(plan.step)
     job.resumed_from = plan.step
     reform.drop_stash()
     job.events.emit(
@@ -142,7 +141,7 @@ class _AnyTensor(dict[str, Any]):
         return torch.empty(0)
 
 
-def _take_own_parts(job: Job, state: dict[str, Any], step: int) -> str:
+def _take_own_parts(job: JobView, state: dict[str, Any], step: int) -> str:
     """Into `state` (the survivor's), this rank's own per-rank objects, random generators and detector history
     from the newest snapshot its predecessor left in node memory (at most `step`): the survivors stood in for the
     missing rank while the job ran shrunk, so what the missing rank's own objects recorded until its failure
@@ -150,11 +149,11 @@ def _take_own_parts(job: Job, state: dict[str, Any], step: int) -> str:
     generators and takes the survivor's per-rank objects. A ResumableLoader is the survivor's either way: its
     position is global. Returns where they came from (the `resumed` event's `own_parts`)."""
     own, source = None, "none in node memory"
-    memory = job._snapshots.memory
+    memory = job.parts.snapshots.memory
     if memory is not None:
         full = [s for s in memory.steps() if s <= step]
         light = [s for s in memory.steps(light=True) if s <= step]
-        replicated = {n: v for n, v in state["objects"].items() if n in job._tracked.replicated}
+        replicated = {n: v for n, v in state["objects"].items() if n in job.tracked.replicated}
         try:
             if light and (not full or light[0] > full[0]):
                 source = f"light snapshot of step {light[0]}"
@@ -168,10 +167,10 @@ def _take_own_parts(job: Job, state: dict[str, Any], step: int) -> str:
     if own is None:
         state["rng"] = capture_rng()
         return f"the survivor's, with this process's own generators: {source}"
-    objects = job._tracked.objects
+    objects = job.tracked.objects
     for name in state["objects"]:
         # A ResumableLoader's position is global: the survivor's is the job's.
-        mine = name not in job._tracked.replicated and not isinstance(objects.get(name), ResumableLoader)
+        mine = name not in job.tracked.replicated and not isinstance(objects.get(name), ResumableLoader)
         if mine and name in own["objects"]:
             state["objects"][name] = own["objects"][name]
     state["rng"] = own["rng"]

@@ -20,6 +20,7 @@ from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.data.loader import ResumableLoader
 from stalwart.detect.heartbeat import PHASE_STEP, Heartbeat
 from stalwart.job import endings
+from stalwart.job.parts import JobView
 from stalwart.job.step_hooks import step_hooks
 from stalwart.recovery import reform, shrink
 from stalwart.runtime import group as reformable
@@ -27,17 +28,13 @@ from stalwart.runtime.dist import Placement
 from stalwart.runtime.process import say
 from stalwart.telemetry.events import EventLog
 
-Job = Any
-"""A `stalwart.Job` (job/job.py imports this module)."""
-
-
 FORM_TIMEOUT_S = 30.0
 """How long the survivors wait for one another to form their own group before they wait for the replacement
 instead (all of them fall back alike: each times out)."""
 
 
 def recover(
-    job: Job,
+    job: JobView,
     failure: Exception,
     loader: Iterable[Any] | None,
     iterator: Iterator[Any] | None,
@@ -51,19 +48,20 @@ def recover(
     if why is not None:
         job.events.emit("waiting_for_replacement", step=job.step, why=why)
         return endings.reform_in_loop(job, failure, loader, iterator, batch)
-    assert job._in_loop is not None
+    assert job.parts.in_loop is not None
     own_data = _own_data(job, loader)
     started, failed_at = time.monotonic(), job.step
     undone: list[int | None] = []
     endings.abandon(job, before_close=lambda: undone.append(_undo(job)))
-    job._in_loop.leave(job.rank, reform.reason(failure))
+    job.parts.in_loop.leave(job.rank, reform.reason(failure))
     now = Placement.from_env()
-    same_world = undone not in ([], [None]) and now.world_size == job.world_size
-    if same_world and undone[0] != job.step:
-        job._move_to(undone[0])  # back to its newest snapshot: the failure came before the step's own
+    back_to = undone[0] if undone else None
+    same_world = back_to is not None and now.world_size == job.world_size
+    if back_to is not None and same_world and back_to != job.step:
+        job.move_to(back_to)  # back to its newest snapshot: the failure came before the step's own
     plan = shrink.plan(now.rank, now.world_size, own_data=own_data) if same_world else None
     why = None
-    if undone in ([], [None]):
+    if back_to is None:
         why = f"no snapshot of step {job.step} or before in node memory to undo the failed step from"
     elif not same_world:
         why = "the next round has another world size"
@@ -79,7 +77,7 @@ def recover(
         with contextlib.closing(EventLog.from_env(rank=now.rank, restart=now.restart_count)) as events:
             events.emit("waiting_for_replacement", step=job.step, why=why)
         return endings.reform_in_loop(job, failure, loader, iterator, batch, left=True)
-    job._in_loop.rejoin()  # the DDP modules' fresh reducers on the survivors' group
+    job.parts.in_loop.rejoin()  # the DDP modules' fresh reducers on the survivors' group
     if own_data:  # the failed step is redone with the batch drawn for it; then the script's own iterator goes on
         drawn_at, drawn = batch
         own = itertools.chain([drawn], iterator) if iterator is not None and drawn_at == job.step else iterator
@@ -90,38 +88,38 @@ def recover(
         yield from _train(job, loader, plan, max_steps, failed_at, started)
     reform.abort_process_groups()
     shrink.forget_round(plan)
-    job._grown_at = job.step
+    job.membership.grown_at = job.step
     # (-1, None): nothing drawn to redo after growing; a tracked loader restarts from the grown step's position
     return endings.reform_in_loop(job, failure, loader, own, (-1, None), left=True)
 
 
-def _own_data(job: Job, loader: Iterable[Any] | None) -> bool:
+def _own_data(job: JobView, loader: Iterable[Any] | None) -> bool:
     """Whether the script draws its own batches: no loader given to `steps()`, or one stalwart does not track as a
     ResumableLoader (it cannot re-slice it among the survivors)."""
-    return not (isinstance(loader, ResumableLoader) and any(obj is loader for obj in job._tracked.objects.values()))
+    return not (isinstance(loader, ResumableLoader) and any(obj is loader for obj in job.tracked.objects.values()))
 
 
-def _why_not_shrink(job: Job, loader: Iterable[Any] | None, max_steps: int) -> str | None:
+def _why_not_shrink(job: JobView, loader: Iterable[Any] | None, max_steps: int) -> str | None:
     """Why the survivors cannot train on shrunk, of the conditions of recovery/shrink.py the job can judge before
     leaving its group; None when they may."""
     if not shrink.wanted():
         return "--wait-for-replacement"
-    if sharded.meshes_of(job._tracked.objects.values()):
+    if sharded.meshes_of(job.tracked.objects.values()):
         return "the job holds sharded state (FSDP2)"
     if job.step + 1 >= max_steps:
         return "the failure came at the last step"
-    if job._snapshots.memory is None:
+    if job.parts.snapshots.memory is None:
         return "no node memory (snapshot_every=0)"
     return None
 
 
-def _undo(job: Job) -> int | None:
+def _undo(job: JobView) -> int | None:
     """Put this survivor's tracked objects back at the last completed step, from its own snapshot of that step in
     node memory: a light one (the per-rank part) with its live tensors (recovery/reform.Stash), else a full one (the
     replicated tensors its local peers copied are read from their slots). Without one of that step (the failure
     came in the step's end, before its snapshot; or snapshots are taken every few steps), the newest full one before
     it: those steps are redone. No collective. The step it went back to; None if it could not."""
-    stash, memory, step = reform.stashed(), job._snapshots.memory, job.step
+    stash, memory, step = reform.stashed(), job.parts.snapshots.memory, job.step
     if memory is None:
         return None
     snapshot = None
@@ -142,18 +140,18 @@ def _undo(job: Job) -> int | None:
         reform.drop_stash()
     try:
         where = f"this rank's snapshot of step {step}"
-        job._tracked.load(Restored(step, job.world_size, snapshot.state, where, snapshot.bytes, tier="memory"))
+        job.tracked.load(Restored(step, job.world_size, snapshot.state, where, snapshot.bytes, tier="memory"))
     except Exception:
         return None
     return step
 
 
 def _train(
-    job: Job, loader: ResumableLoader, plan: shrink.Plan, max_steps: int, failed_at: int, started: float
+    job: JobView, loader: ResumableLoader, plan: shrink.Plan, max_steps: int, failed_at: int, started: float
 ) -> Iterator[tuple[int, Any]]:
     """Steps of the full job at the survivors' size, the global batch kept: each step is one loop body per slice
     this survivor takes (its own and the missing ranks' it stands for), the update made in the last."""
-    micro = shrink.MicroSteps(job._tracked.optimizers(), shrink.schedulers(job._tracked.objects), plan.scale)
+    micro = shrink.MicroSteps(job.tracked.optimizers(), shrink.schedulers(job.tracked.objects), plan.scale)
     loader.take_shares(plan.shares)
     iterator = iter(loader)
 
@@ -177,7 +175,7 @@ def _train(
 
 
 def _train_own(
-    job: Job, iterator: Iterator[Any] | None, plan: shrink.Plan, max_steps: int, failed_at: int, started: float
+    job: JobView, iterator: Iterator[Any] | None, plan: shrink.Plan, max_steps: int, failed_at: int, started: float
 ) -> Iterator[tuple[int, Any]]:
     """Steps at the survivors' size with the script's own data: one loop body a step, as before the failure, each
     survivor drawing its own batch (from `iterator`, or in the loop body when the script gave no loader); DDP
@@ -197,7 +195,7 @@ _END = object()
 
 
 def _shrunk_steps(
-    job: Job,
+    job: JobView,
     plan: shrink.Plan,
     max_steps: int,
     failed_at: int,
@@ -249,13 +247,13 @@ def _shrunk_steps(
                 continue
             if ready:
                 break
-            job._hooks.before_step(job.step)  # fault injection's seam (a kill), as in the loop of the whole job
-            heartbeat.beat(job.step, PHASE_STEP, job._hang.grace())  # k slices a step: not the calibrated time
+            job.parts.hooks.before_step(job.step)  # fault injection's seam (a kill), as in the loop of the whole job
+            heartbeat.beat(job.step, PHASE_STEP, job.parts.hang.grace())  # k slices a step: not the calibrated time
             step_started = time.monotonic()
             if not (yield from step()):
                 break
             _check(group)
-            job._move_to(job.step + 1)
+            job.move_to(job.step + 1)
             events.emit("step_done", step=job.step, step_s=time.monotonic() - step_started, world_size=plan.size)
         events.emit("growing", step=job.step, shrunk_steps=job.step - first, global_batch=_global_batch(plan))
         if plan.shrunk_rank == 0 and job.step > first:
@@ -267,9 +265,11 @@ def _shrunk_steps(
         events.close()
 
 
-def _round_hooks(job: Job, placement: Placement) -> None:
+def _round_hooks(job: JobView, placement: Placement) -> None:
     """The step hooks of this round (fault injection fires by rank, step and round), as `Job()` makes them."""
-    job._hooks = job._given_hooks or step_hooks(placement.rank, placement.restart_count, job._announce)
+    job.parts.hooks = job.membership.given_hooks or step_hooks(
+        placement.rank, placement.restart_count, job.announce_fault
+    )
 
 
 def _global_batch(plan: shrink.Plan) -> str:
@@ -294,7 +294,7 @@ def _say_stretch(plan: shrink.Plan, first: int, last: int) -> None:
     )
 
 
-def _rearm(job: Job, plan: shrink.Plan, asked: shrink.Asked, events: EventLog) -> tuple[shrink.Plan, EventLog]:
+def _rearm(job: JobView, plan: shrink.Plan, asked: shrink.Asked, events: EventLog) -> tuple[shrink.Plan, EventLog]:
     """Re-arm in the shrunk loop: the agent's next round keeps this process; the survivors' group stays. The same
     survivors must be kept (a survivor lost is a failure of their group, met by its collectives first). Returns the
     next round's plan and event log (its events carry the round's restart count)."""
