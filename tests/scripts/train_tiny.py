@@ -33,14 +33,33 @@ class Samples(torch.utils.data.Dataset):
 
 
 class SeenSamples:
+    """The sample ids this rank trained on, in a buffer that doubles when full: its state keeps one shape for many
+    steps, as a real job's does. (A list made into a new tensor every step had each step's snapshot lay the state
+    out anew: most of this job's CPU, and so much of the suite's.)"""
+
     def __init__(self) -> None:
-        self.ids: list[int] = []
+        self._buf = torch.zeros(1024, dtype=torch.int64)
+        self._n = 0
+
+    @property
+    def ids(self) -> list[int]:
+        return self._buf[: self._n].tolist()
+
+    def add(self, ids: torch.Tensor) -> None:
+        end = self._n + ids.numel()
+        if end > self._buf.numel():
+            grown = torch.zeros(max(end, 2 * self._buf.numel()), dtype=torch.int64)
+            grown[: self._n] = self._buf[: self._n]
+            self._buf = grown
+        self._buf[self._n : end] = ids.reshape(-1)
+        self._n = end
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"ids": torch.tensor(self.ids, dtype=torch.int64)}
+        return {"ids": self._buf, "n": torch.tensor(self._n, dtype=torch.int64)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.ids = state["ids"].tolist()
+        self._buf = state["ids"].clone()
+        self._n = int(state["n"])
 
 
 class OwnBatches:
@@ -241,7 +260,7 @@ def main() -> None:
                 _dump(model, optim, job, Path(args.dump_dir) / f"at-{step}.pt")
         if step == args.skip_batch:
             continue
-        seen.ids.extend(ids.tolist())
+        seen.add(ids)
         if args.batch_log:
             with open(Path(args.batch_log) / f"pid{os.getpid()}.jsonl", "a") as f:
                 since = job.resumed_from if job.resumed_from is not None else -1
