@@ -361,11 +361,61 @@ SLOW_TESTS = {
 }
 
 
+LONGEST = {
+    "test_chaos.py::test_the_quick_suite_recovers_from_every_fault_type_bitwise": 130,
+    "test_warm_spares.py::test_a_warm_spare_with_sharded_state_given_another_rank_runs_its_set_up_again": 45,
+    "test_demo.py::test_demo_recovers_and_ends_bitwise_identical": 40,
+    "test_bench_checkpoint.py::test_small_run_reports_every_system_as_one_json_object": 35,
+    "test_chaos.py::test_your_own_scenario_file_with_time_and_poisson_faults": 35,
+    "test_warm_spares.py::test_a_spare_killed_while_parked_is_replaced_by_a_new_one": 35,
+    "test_warm_spares.py::test_with_wait_for_replacement_a_warm_spare_ends_bitwise": 34,
+    "test_multinode.py::test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_back": 33,
+    "test_launcher.py::test_same_script_under_torchrun_and_as_one_process": 30,
+}
+"""The longest tests and their seconds in a full run of three at a time (2-core VM, 2026-11-29). Each of the three
+workers starts with some of them (`_longest_first`): one left for the end ran alone while the other workers sat
+idle (the last 50 s of a 634 s run, the CPUs 60% idle then)."""
+
+WORKERS = 3
+"""scripts/test.sh's `-n`: how many workers xdist's worksteal scheduling splits the collection among."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Collection order is kept: putting the slow tests first was tried and made the suite slower (871 s against
-    # 792 s with -n 3), the long multi-process tests then competing with each other for the two cores.
     for item in items:
         path, _, name = item.nodeid.partition("::")
         module = path.rsplit("/", 1)[-1]
         if module in SLOW_MODULES or name.startswith(SLOW_TESTS.get(module, ("\0",))):
             item.add_marker(pytest.mark.slow)
+    items[:] = _longest_first(items, WORKERS)
+
+
+def _longest_first(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
+    """The order with each worker's share (xdist's worksteal hands worker i the i-th contiguous part of it) starting
+    with some of the LONGEST tests, balanced by their seconds; everything else keeps the collection's order. Putting
+    every slow test first was tried and made the suite slower (871 s against 792 s), the long multi-process tests then
+    all competing for the two cores; this moves only the longest few."""
+    long_ids = {item.nodeid.split("/", 1)[-1]: item for item in items}
+    longest = sorted((i for i in LONGEST if i in long_ids), key=lambda i: -LONGEST[i])
+    if not longest:
+        return items
+    chosen = {id(long_ids[i]) for i in longest}
+    rest = [item for item in items if id(item) not in chosen]
+    sizes, left = [], len(items)
+    for k in range(workers):  # as worksteal's first distribution: remaining // nodes remaining
+        sizes.append(left // (workers - k))
+        left -= sizes[-1]
+    heads: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    load = [0] * workers
+    for i in longest:
+        k = min(range(workers), key=lambda k: (load[k], len(heads[k])))
+        if len(heads[k]) < sizes[k]:
+            heads[k].append(long_ids[i])
+            load[k] += LONGEST[i]
+    placed = {id(item) for head in heads for item in head}
+    rest = [item for item in items if id(item) not in placed]
+    order: list[pytest.Item] = []
+    for k in range(workers):
+        take = sizes[k] - len(heads[k])
+        order += heads[k] + rest[:take]
+        rest = rest[take:]
+    return order + rest

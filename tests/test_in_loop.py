@@ -1,4 +1,4 @@
-"""L1 inside the loop (recovery/in_loop.py): a peer's death, wherever in a step it lands, costs the survivors no
+"""L1 inside the loop (recovery/in_loop/): a peer's death, wherever in a step it lands, costs the survivors no
 run of their script. They keep their process, run their set-up once, and the job ends bitwise identical to a run
 without failures."""
 

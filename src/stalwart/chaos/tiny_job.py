@@ -83,7 +83,7 @@ def main() -> None:
 def wait_to_grow(job: stalwart.Job, seconds: float) -> None:
     """Wait, at most `seconds`, until the agent asks this rank to re-form (its group, stalwart's re-formable one,
     records it as failed: runtime/group.py). The step's update is then dropped, the job grows back at the step's
-    boundary from the steps the survivors completed, and the step is redone at the full size (recovery/in_loop.py).
+    boundary from the steps the survivors completed, and the step is redone at the full size (recovery/in_loop/).
     The hang detector is told that this step is long (`job.busy`). The tests' script (tests/scripts/train_tiny.py)
     waits the same way."""
     group = torch.distributed.group.WORLD

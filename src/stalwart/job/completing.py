@@ -17,7 +17,7 @@ from typing import Any
 from stalwart.detect.heartbeat import PHASE_RESUME
 from stalwart.job import leaving
 from stalwart.job.parts import JobView
-from stalwart.recovery import reform
+from stalwart.recovery.in_loop import survivor
 from stalwart.recovery.rollback import RollbackRequest
 
 
@@ -32,14 +32,14 @@ def end_step(job: JobView, started: float, first: bool, max_steps: int, loader: 
     job.parts.detectors.reads.step_ended()  # a loss the guard's read of this step did not take is read now
     if rollback is not None and _roll_back(job, rollback, loader):
         job.parts.busy_step = False
-        reform.allow_requests()
+        survivor.allow_requests()
         return True
     if rollback is not None and snapshots.light_wanted():
         snapshots.read_live(job.step)  # nothing to roll back to (a loss spike only reported)
     warning = step_end.warning(job.step, measured=not job.parts.busy_step)
     job.parts.busy_step = False
     snapshots.take(job.step, live_s)
-    reform.allow_requests()  # a re-forming request deferred by the commit point is raised here
+    survivor.allow_requests()  # a re-forming request deferred by the commit point is raised here
     if first:  # the optimizer's state exists now: staging is allocated while the next steps run
         with contextlib.suppress(Exception):
             job.checkpointer.prepare(job.tracked.state(job.step))
@@ -67,9 +67,9 @@ def _body_done(job: JobView, started: float) -> float:
     """The loop body is done: the step is complete. Returns its duration (from `started`, monotonic, to after
     the fence), as the calibrations see it."""
     # The agent's request to re-form (a peer failed) waits for this step's snapshot, so the step is kept
-    # wherever the peers hold it too (reform.defer_requests). A collective of the step's end still fails at
+    # wherever the peers hold it too (survivor.defer_requests). A collective of the step's end still fails at
     # once if a peer is gone.
-    reform.defer_requests()
+    survivor.defer_requests()
     job.parts.optimizer_hooks.wait()  # a step without an optimizer step must not outrun the checkpoint's copy
     job.move_to(job.step + 1)
     step_s = time.monotonic() - started

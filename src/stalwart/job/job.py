@@ -25,13 +25,16 @@ import torch
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP
 from stalwart.errors import ConfigError
-from stalwart.job import completing, endings, joining, lifecycle, shrunk
+from stalwart.job import completing, endings, joining, lifecycle
 from stalwart.job.config import JobConfig
 from stalwart.job.messages import RunName
 from stalwart.job.parts import Membership, make_parts
+from stalwart.job.rng import capture_rng
 from stalwart.job.state import Stateful, read_skip_record
 from stalwart.job.step_hooks import StepHooks, step_hooks
 from stalwart.recovery import reform, warm_spare
+from stalwart.recovery.in_loop import driver, survivor
+from stalwart.recovery.in_loop import late_join as late
 from stalwart.runtime.dist import Comm, Placement
 from stalwart.telemetry.events import EventLog
 
@@ -72,14 +75,15 @@ class Job:
             raise
         # Only now: an exit handler of a half-made Job met missing attributes, and its group was never destroyed.
         atexit.register(self.close)
-        reform.register(self)
-        if not warm_spare.waiting():  # a warm spare says it started once it has a rank (job/joining.py)
+        survivor.register(self)
+        if not warm_spare.waiting():  # a warm spare says it started once it has a rank (in_loop/late_join.py)
             self.events.emit("worker_started", world_size=self.world_size, local_rank=self.placement.local_rank)
 
     def set_up_parts(self, *, staying: bool = False) -> None:
         """Everything after joining the process group, made by job/parts.make_parts; `__init__` undoes what it made
-        if any of it fails. `staying`: a survivor makes its parts anew inside its loop (job/endings.py), a
-        replacement once it joined late (job/joining.py): the state is CREATED again, to be restored."""
+        if any of it fails. `staying`: a survivor makes its parts anew inside its loop (recovery/in_loop/driver.py),
+        a replacement once it joined late (recovery/in_loop/late_join.py): the state is CREATED again, to be
+        restored."""
         config, placement, membership = self.config, self.placement, self.membership
         self.comm = Comm(placement, timedelta(seconds=config.collective_timeout_s))
         self.events = EventLog.from_env(rank=placement.rank, restart=placement.restart_count)
@@ -124,14 +128,14 @@ class Job:
         """Load the newest valid checkpoint into the tracked objects; returns the step to continue from."""
         if self.state is not JobState.CREATED:
             return self.step
-        joining.join_late(self)  # a replacement that deferred joining (job/joining.py); else nothing
+        late.join_late(self)  # a replacement that deferred joining; else nothing
         self.parts.heartbeat.beat(self.step, PHASE_RESUME, self.parts.hang.grace())
         started = time.monotonic()
         self.tracked.check_loadable()
         self.checkpointer.replicated = self.tracked.choose_replicated(self.config.recovery.replicated)
         allow = lifecycle.world_size_change_allowed(self.config.recovery.allow_world_size_change)
         self.parts.rollback.skips = read_skip_record(self.comm, self.checkpointer)
-        grown = joining.grow(self)  # after training on shrunk (job/shrunk.py)
+        grown = late.grow(self, capture_rng)  # after training on shrunk (recovery/in_loop/shrunk.py)
         restored = (
             None if grown else self.parts.restorer.restore(allow_world_size_change=allow, meshes=self.tracked.meshes())
         )
@@ -145,7 +149,7 @@ class Job:
         self.load_restored(restored)
         self.move_to(restored.step)
         self.resumed_from = restored.step
-        reform.drop_stash()  # the tracked objects hold their own copy now
+        survivor.drop_stash()  # the tracked objects hold their own copy now
         self.events.emit(
             "resumed",
             step=restored.step,
@@ -176,7 +180,7 @@ class Job:
             # (A replacement that failed before it joined has no parts: its failure is raised.)
             if "parts" not in self.__dict__ or self.parts.in_loop is None or not reform.is_reformable(exc):
                 raise
-            endings.reform_in_loop(self, exc, None, None, (self.step, None))
+            driver.reform_in_loop(self, exc, None, None, (self.step, None))
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
         if 0 < self.step == max_steps and self.parts.last_saved != self.step:
             # Resumed at the last step from node memory or a survivor (a failure during the run's final save):
@@ -210,11 +214,11 @@ class Job:
                     self.parts.in_loop.check()
                 rolled_back = completing.end_step(self, started, first, max_steps, loader)
             except Exception as exc:
-                if self.parts.in_loop is None or not reform.is_reformable(exc) or not endings.can_go_back(self):
+                if self.parts.in_loop is None or not reform.is_reformable(exc) or not driver.can_go_back(self):
                     raise
                 failure = exc
-            if failure is not None:  # re-form (or train on shrunk meanwhile: job/shrunk.py), then redo the step
-                iterator = yield from shrunk.recover(self, failure, loader, iterator, (drawn_at, batch), max_steps)
+            if failure is not None:  # re-form (or train on shrunk meanwhile: recovery/in_loop/), then redo the step
+                iterator = yield from driver.recover(self, failure, loader, iterator, (drawn_at, batch), max_steps)
                 first = True  # as for the replacement: the first step of a start
                 continue
             if rolled_back:
@@ -254,7 +258,7 @@ class Job:
             yield step, batch
         except GeneratorExit:
             with contextlib.suppress(reform.ReformRequested):
-                reform.allow_requests()  # the loop was left: nothing to finish, nothing to re-form
+                survivor.allow_requests()  # the loop was left: nothing to finish, nothing to re-form
             raise
         finally:
             self.parts.snapshots.disarm()
@@ -329,8 +333,14 @@ class Job:
         endings.close(self)
 
     def abandon(self) -> None:
-        """Drop this job after its group failed, without a collective (job/endings.py)."""
-        endings.abandon(self)
+        """Drop this job after its group failed, without a collective (recovery/in_loop/driver.py)."""
+        driver.abandon(self)
+
+    def renew_hooks(self, placement: Placement) -> None:
+        """The step hooks of `placement`'s rank and round, as `Job()` makes them (training on shrunk re-arms in new
+        rounds: fault injection fires by rank, step and round)."""
+        hooks = self.membership.given_hooks
+        self.parts.hooks = hooks or step_hooks(placement.rank, placement.restart_count, self.announce_fault)
 
     def announce_fault(self, kind: str, details: dict[str, Any]) -> None:
         """A fault of the step hooks is about to fire: the event log says which, at which step."""

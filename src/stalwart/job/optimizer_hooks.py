@@ -6,7 +6,7 @@ On a GPU, checkpoints and full memory snapshots copy the tracked optimizers' ten
 threaded stand-in for a side stream (checkpoint/save/side_copy.py), memory snapshots do so on a CPU too.
 
 Under in-place re-forming, from a tracked optimizer's step on, the agent's request to re-form (a peer died) waits
-for the step's snapshot (reform.defer_requests; allowed again at the step's end). A survivor that got that far
+for the step's snapshot (survivor.defer_requests; allowed again at the step's end). A survivor that got that far
 has passed the step's all-reduce, so its peers computed the step too; interrupted, it would redo a step that
 every rank may hold. The agent sees a death within milliseconds (supervisor/exit_watch.py), often while a
 survivor is still in that step's optimizer step.
@@ -21,11 +21,11 @@ import torch
 from stalwart.checkpoint.manager import Checkpointer
 from stalwart.checkpoint.save.overlap import UpdateFence
 from stalwart.job.snapshots import Snapshots
-from stalwart.recovery import reform
+from stalwart.recovery.in_loop import survivor
 
 
 def _defer_reform(optimizer: Any, args: Any, kwargs: Any) -> None:
-    reform.defer_requests()
+    survivor.defer_requests()
 
 
 class OptimizerHooks:

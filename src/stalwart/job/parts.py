@@ -2,7 +2,8 @@
 
 A Job is a facade (job/job.py): what it does in a step is done by parts with one job each. `make_parts` builds all
 of them, in the order their dependencies need, into one `Parts`; a Job that stays in its loop after a peer's
-failure gets a new `Parts` from the same factory (job/endings.py), never a constructor run again on a live object.
+failure gets a new `Parts` from the same factory (recovery/in_loop/driver.py), never a constructor run again on a
+live object.
 The modules of the job's step (job/completing.py), its endings and recovery's drivers reach the parts through the
 Job's typed `parts` and `membership`, not through its private attributes (tests/test_house.py holds them to it).
 """
@@ -40,7 +41,7 @@ class Parts:
     hooks: StepHooks
     """What runs at fixed instants of each step (job/step_hooks.py): fault injection's seam."""
     in_loop: InLoop | None
-    """Re-forming inside the loop (recovery/in_loop.py); None where the worker cannot."""
+    """Re-forming inside the loop (recovery/in_loop/); None where the worker cannot."""
     heartbeat: Heartbeat
     hang: HangTimer
     detectors: Detectors
@@ -71,7 +72,8 @@ class Membership:
     owns_process_group: bool = False
     """The Job made the default group, so it destroys it."""
     grown_at: int | None = None
-    """The step survivors reached training on shrunk (job/shrunk.py), said once when the parts are made anew."""
+    """The step survivors reached training on shrunk (recovery/in_loop/shrunk.py), said once when the parts are made
+    anew."""
 
 
 class JobView(Protocol):

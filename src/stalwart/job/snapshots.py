@@ -30,6 +30,7 @@ from stalwart.job.step_commit import StepCommit
 from stalwart.job.step_hooks import StepHooks
 from stalwart.policy.snapshot import LightCost, SnapshotSchedule, full_copy_budget
 from stalwart.recovery import reform
+from stalwart.recovery.in_loop import survivor
 from stalwart.runtime.dist import Comm, Flag
 from stalwart.runtime.local_barrier import LocalBarrier
 from stalwart.telemetry.events import EventLog
@@ -54,7 +55,7 @@ class Snapshots:
         absorb: Callable[[BaseException, Any], None] | None = None,
     ) -> None:
         """`absorb`: takes a peer's failure at the commit point's barrier instead of raising it into the user's
-        optimizer step (recovery/in_loop.py), see StepCommit."""
+        optimizer step (recovery/in_loop/), see StepCommit."""
         self._absorb = absorb
         self._options = options
         self.memory = memory
@@ -396,7 +397,7 @@ class Snapshots:
                 live = {i.id: i.tensor for i in items if i.id.startswith("R/") and i.tensor.data_ptr() in versions}
                 got = self.live.skeleton
                 skeleton = got[1] if got is not None and got[0] == step else None
-                reform.keep(reform.Stash(step, self._comm.world_size, live, skeleton))
+                survivor.keep(survivor.Stash(step, self._comm.world_size, live, skeleton))
                 return None
         if self.commit is not None and self.commit.committed(step + 1):
             # The next step's commit point ran and its optimizer step too: the step's tail (a scheduler, a

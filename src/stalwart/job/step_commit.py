@@ -40,6 +40,7 @@ from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.job.state import TrackedState
 from stalwart.job.step_hooks import StepHooks
 from stalwart.recovery import reform
+from stalwart.recovery.in_loop import survivor
 from stalwart.telemetry.events import EventLog
 
 
@@ -59,7 +60,7 @@ class StepCommit:
     ) -> None:
         """`state`: the job's tracked state, whose replicated optimizers get the pre-hook; `barrier`: every rank's,
         carrying a flag (Snapshots._commit_barrier); `push`: sends the light snapshot of a step to the peer
-        replicas (L3); `absorb(exc, optimizer)`: a survivor staying in its loop (recovery/in_loop.py) takes a peer's
+        replicas (L3); `absorb(exc, optimizer)`: a survivor staying in its loop (recovery/in_loop/) takes a peer's
         failure at the barrier and drops the step's update, instead of it being raised into the user's optimizer
         step."""
         self._absorb = absorb
@@ -127,7 +128,7 @@ class StepCommit:
         if met is None:
             return
         cost, peer_off = met
-        reform.defer_requests()  # committed: finish the step before re-forming (the job allows them at its end)
+        survivor.defer_requests()  # committed: finish the step before re-forming (the job allows them at its end)
         if peer_off and self.off is None:  # another rank turned light snapshots off: all do, at the same step
             self.off = "another rank's per-rank state changed after the optimizer step"
             self._told = True

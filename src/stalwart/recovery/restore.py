@@ -31,7 +31,8 @@ from stalwart.checkpoint.tiers import memory_shards
 from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import PeerReplicas
 from stalwart.errors import CheckpointCorruptError
-from stalwart.recovery import memory_reshard, reform
+from stalwart.recovery import memory_reshard
+from stalwart.recovery.in_loop import survivor
 from stalwart.runtime.dist import Comm, Flag, IntMessage
 from stalwart.runtime.process import first_line
 from stalwart.runtime.state_wire import recv_state, send_state
@@ -167,7 +168,7 @@ class Restorer:
         memory tier."""
         comm, memory = self._comm, self._memory
         from_replica = self._replicas.restore()  # a lost node's ranks get their images back first (L3)
-        stash = reform.stashed()
+        stash = survivor.stashed()
         mine = Holdings(
             full=tuple(memory.steps()) if memory is not None else (),
             light=tuple(memory.steps(light=True)) if memory is not None else (),
@@ -209,7 +210,7 @@ class Restorer:
         of the survivors' live replicated state, the lowest rank keeping it and the old world size, if at least as
         new as the newest durable checkpoint (`newest_durable`: rank 0's, -1 elsewhere; agreed here); None
         otherwise. Collective."""
-        comm, stash = self._comm, reform.stashed()
+        comm, stash = self._comm, survivor.stashed()
         mine = LiveElsewhere(-1, -1, newest_durable)
         if stash is not None and stash.world_size != comm.world_size:
             mine = LiveElsewhere(stash.step, stash.world_size, newest_durable)
@@ -240,7 +241,7 @@ class Restorer:
                 wanted, content = memory_shards.light_content(image, step)
         except CheckpointCorruptError as exc:
             problem = str(exc)
-        stash = reform.stashed()
+        stash = survivor.stashed()
         if comm.rank == source and content is not None:
             have = stash.tensors if stash is not None else {}
             missing = [

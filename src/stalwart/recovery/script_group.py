@@ -2,7 +2,7 @@
 
 Why: most training scripts make their process group themselves, with torch's environment rendezvous, an
 `init_method` URL or a store of their own, before `stalwart.Job()` or after it. A survivor stays in its training
-loop (recovery/in_loop.py) only when the job's default group is stalwart's re-formable group (runtime/group.py);
+loop (recovery/in_loop/) only when the job's default group is stalwart's re-formable group (runtime/group.py);
 with a plain group the first failure ends the script's run and the survivor runs the script again, set-up and
 all. So when survivors re-form in their loop, the worker host replaces torch's `init_process_group` before it
 runs the script (`adopt`), and the script's call makes what `stalwart.Job()` would have made:
@@ -11,7 +11,7 @@ runs the script (`adopt`), and the script's call makes what `stalwart.Job()` wou
   MASTER_PORT), or over the store the script passed (`store=`), which is then kept for a replacement that joins
   late (`given_store`): its TCPStore server already holds the round's port;
 - the placeholder group of a replacement whose survivors may train on shrunk (recovery/shrink.py), which the Job
-  swaps for the real group when its loop starts (job/joining.py);
+  swaps for the real group when its loop starts (recovery/in_loop/late_join.py);
 - nothing, when `stalwart.Job()` made the group first (torch would raise "initialized twice"); a TCPStore the
   script makes after it, on the port the Job's group serves, is a client of that server (`_ScriptStore`).
 
@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from stalwart.errors import ConfigError
-from stalwart.recovery import reform, shrink
+from stalwart.recovery import shrink
+from stalwart.recovery.in_loop import survivor
 from stalwart.runtime import group as reformable
 from stalwart.runtime.dist import Placement, init_process_group
 from stalwart.runtime.env import RESTART_COUNT_ENV, WARM_SPARE_ENV
@@ -69,7 +70,8 @@ def adopted() -> bool:
 
 
 def given_store() -> dist.Store | None:
-    """The store the script passed in this round, for the group a replacement joins late (job/joining.py)."""
+    """The store the script passed in this round, for the group a replacement joins late
+    (recovery/in_loop/late_join.py)."""
     if _given is not None and _given[0] == _round():
         return _given[1]
     return None
@@ -78,14 +80,14 @@ def given_store() -> dist.Store | None:
 def placeholder_wanted() -> bool:
     """Whether a group made now is a placeholder: a replacement whose survivors may train on shrunk, or a warm spare
     that has no rank yet (recovery/warm_spare.py)."""
-    return reform.in_loop() and (shrink.defers_joining() or os.environ.get(WARM_SPARE_ENV) == "1")
+    return survivor.in_loop() and (shrink.defers_joining() or os.environ.get(WARM_SPARE_ENV) == "1")
 
 
 def notice_if_plain() -> None:
     """Say once, in one line, when survivors would stay in their loop but the job's group is a plain one the
     script made: each failure then costs the survivors a run of the script (its set-up) and a restore."""
     global _noticed
-    if _noticed or not reform.in_loop() or not dist.is_initialized():
+    if _noticed or not survivor.in_loop() or not dist.is_initialized():
         return
     current = reformable.current()
     if current is not None and dist.group.WORLD is current:
@@ -144,7 +146,7 @@ def _init_process_group(
     """torch's signature; see the module docstring for what it makes."""
     global _given
     plain = backend is not None and str(backend).lower() not in _BACKENDS
-    if not reform.in_loop() or plain:
+    if not survivor.in_loop() or plain:
         return _torch_init(backend, init_method, timeout, world_size, rank, store, group_name, pg_options, **rest)
     current = reformable.current()
     if dist.is_initialized() and current is not None and dist.group.WORLD is current:

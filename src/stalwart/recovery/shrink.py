@@ -1,7 +1,7 @@
 """Training on, shrunk, while a replacement starts: the survivors of a failure do not wait for its set-up.
 
 The default under `stalwart run` (in-loop re-forming, one node; `--wait-for-replacement` turns it off). After a
-peer's failure the survivors re-arm as in recovery/in_loop.py; the agent's next round activates them again and
+peer's failure the survivors re-arm as in recovery/in_loop/; the agent's next round activates them again and
 starts the replacement, and every worker of that round learns which ranks were kept (KEPT_RANKS_ENV). Then:
 
 1. the replacement's `stalwart.Job()` does not join the job's group yet: its group is a placeholder that runs no
@@ -15,7 +15,7 @@ starts the replacement, and every worker of that round learns which ranks were k
    one step of the full job would), and the gradients, summed over the slices and averaged over W' ranks by DDP,
    are scaled by W'/W: the update is the full job's average over W slices;
 3. at the first step boundary after the replacement announced itself, the survivors leave their group and the whole
-   job forms again (job/endings.py); the replacement receives the state from the lowest survivor.
+   job forms again (recovery/in_loop/driver.py); the replacement receives the state from the lowest survivor.
 
 Which results stay bitwise: with `--wait-for-replacement` the job ends bitwise identical to a run without the
 failure (docs/architecture.md). Shrunk, the same samples make the same update in exact arithmetic, but the

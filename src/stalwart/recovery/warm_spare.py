@@ -4,7 +4,7 @@ Why: a replacement started after a failure runs the script's whole set-up (impor
 and wrapped, compilation) while the survivors train on shrunk or wait; at scale that is minutes per failure. With
 `stalwart run --spares N --warm-spares` the agent activates each spare with a worker's environment marked
 WARM_SPARE_ENV before it is needed (supervisor/host_pool.py). Its `stalwart.Job()` makes a placeholder group
-(collectives local, as for a replacement that joins late: job/joining.py), the script's set-up runs, and
+(collectives local, as for a replacement that joins late: recovery/in_loop/late_join.py), the script's set-up runs, and
 `job.steps()` parks (`park`): the process tells its agent it is PARKED and waits. When a rank is lost, the agent
 gives that rank's activation of the next round to a parked spare; `park` returns with os.environ that rank's, and
 the Job joins the job's group as a late replacement does: the survivors hand over the live state at their next step
@@ -12,7 +12,7 @@ boundary, whatever the set-up costs.
 
 What a script may not do before `job.steps()`: keep the rank it reads there in objects stalwart does not track. A
 spare runs its set-up as the node's last local rank and may be given another. Tracked objects are safe: a
-replacement takes its lost rank's own objects and generators from node memory (job/joining.py). A
+replacement takes its lost rank's own objects and generators from node memory (recovery/in_loop/late_join.py). A
 `DistributedSampler(rank=...)`, a seed offset or a device index made from the rank are not; a spare that read its
 rank (os.environ's RANK or LOCAL_RANK, `torch.distributed.get_rank()`) before its loop and is given another says so
 in one line. The spare's run of the script is watched, and runs at idle CPU priority, from its first line
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from stalwart.recovery import reform
+from stalwart.recovery.in_loop import survivor
 from stalwart.runtime.dist import Placement
 from stalwart.runtime.env import WARM_SPARE_ENV
 from stalwart.runtime.process import say
@@ -42,7 +43,7 @@ _RANK_KEYS = frozenset({"RANK", "LOCAL_RANK"})
 
 def waiting() -> bool:
     """Whether this run of the script is a warm spare's that has not been given a rank yet."""
-    return os.environ.get(WARM_SPARE_ENV) == "1" and reform.in_loop()
+    return os.environ.get(WARM_SPARE_ENV) == "1" and survivor.in_loop()
 
 
 class _RankReads:
@@ -164,7 +165,7 @@ def park(events: Any, provisional: Placement, *, sharded: bool = False) -> Place
     set_up_s = time.monotonic() - reads.since if reads is not None else None
     events.emit("spare_parked", set_up_s=set_up_s, provisional_rank=provisional.rank)
     try:
-        reform.rearm(parked=True)  # returns once the agent gave this process a rank
+        survivor.rearm(parked=True)  # returns once the agent gave this process a rank
     finally:
         seen = reads.stop() if reads is not None else []
         if not _set_policy(_own_threads(), os.SCHED_OTHER):

@@ -25,7 +25,7 @@ REFORM_ENV = "STALWART_REFORM"
 """1 when survivors re-form in place (the default; `--no-reform` sets 0)."""
 IN_LOOP_ENV = "STALWART_IN_LOOP"
 """1 (the default under re-forming; `stalwart run --reform-by-rerun` sets 0): survivors re-form inside their
-training loop (recovery/in_loop.py) instead of running the script again."""
+training loop (recovery/in_loop/) instead of running the script again."""
 WAIT_FOR_REPLACEMENT_ENV = "STALWART_WAIT_FOR_REPLACEMENT"
 """1 (`stalwart run --wait-for-replacement`): after a failure the survivors wait for the replacement instead of
 training on shrunk meanwhile (recovery/shrink.py); the job then ends bitwise identical to a run without it."""
@@ -67,7 +67,7 @@ SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 NCCL_ERRORS_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 """2 under in-loop re-forming unless the user set it (torch's CleanUpOnly): NCCL's watchdog aborts a failed
 communicator and the collective's wait raises, which the re-formable group absorbs, instead of the default of
-tearing the process down (recovery/in_loop.py)."""
+tearing the process down (recovery/in_loop/)."""
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 """Set to "lo" on a one-node run so gloo listens on loopback only."""
 GPU_TELEMETRY_ENV = "STALWART_GPU_TELEMETRY"

@@ -10,7 +10,7 @@ forwards every collective to a real backend (gloo for CPU tensors, NCCL for CUDA
 
 - absorbs a failure, inside the job's training loop (`absorb_failures`): a collective that fails (or is started
   after one failed) completes without error and leaves its tensors as they are, and the group records `failed`.
-  The step's update is then dropped (the job's optimizer pre-hook, recovery/in_loop.py) and the step is redone
+  The step's update is then dropped (the job's optimizer pre-hook, recovery/in_loop/) and the step is redone
   once the group is re-formed, so the partial gradients are never applied. This is torchft's design: errors are
   reported to a manager instead of raised;
 - is re-formed at a step boundary: aborting the groups, then `dist.init_process_group(backend="stalwart")` with the
@@ -104,7 +104,7 @@ class ReformableGroup(dist.ProcessGroup):
 
     def absorb_failures(self, on: bool) -> None:
         """Absorb failed collectives from now on (`on`), or let them raise as any group's do. stalwart.Job turns it
-        on for its training loop only (recovery/in_loop.py): there a failed step is redone, while a collective
+        on for its training loop only (recovery/in_loop/): there a failed step is redone, while a collective
         of the user's set-up or after the loop that failed silently would leave wrong results behind."""
         self.latest()._absorbing = on
 

@@ -155,7 +155,7 @@ class AbsorbingWork(Given):
         """Wait in slices of POLL, and give up once the group has failed. Why: a peer on this node that met the
         failure first leaves the collective, and gloo's wait for its part would block until the collective timeout
         (it is alive: nothing errors); the agent's request to re-form, a signal whose handler marks the group failed
-        (recovery/in_loop.py), runs only between bytecodes, never inside that wait. Given up, the collective's
+        (recovery/in_loop/), runs only between bytecodes, never inside that wait. Given up, the collective's
         tensors stay as they are and the step's update is dropped, as for any absorbed failure. True: the
         collective is done; False: given up."""
         while True:

@@ -33,6 +33,7 @@ import threading
 from typing import IO, Any
 
 from stalwart.recovery import reform, script_group, warm_spare
+from stalwart.recovery.in_loop import survivor
 from stalwart.runtime.env import HOST_STATUS_FD_ENV as STATUS_FD_ENV
 from stalwart.runtime.env import HOST_WARM_ENV as WARM_ENV
 from stalwart.runtime.process import die_with_parent, run_as_main, say
@@ -179,13 +180,13 @@ def _run_once(argv: list[str], control: IO[str], status: int) -> bool:
     again at once, in the same round."""
     lost: str | None = None
     again = False
-    reform.offer_rearm((lambda parked: _rearm_in_loop(control, status, parked)) if status >= 0 else None)
-    if reform.in_loop():  # the script's own init_process_group makes the re-formable group
+    survivor.offer_rearm((lambda parked: _rearm_in_loop(control, status, parked)) if status >= 0 else None)
+    if survivor.in_loop():  # the script's own init_process_group makes the re-formable group
         script_group.adopt()
     if warm_spare.waiting():  # from the script's first line: idle priority, its reads of the rank noted
         warm_spare.set_up_started()
     try:
-        with reform.interruptible():
+        with survivor.interruptible():
             _run_script(argv)
     except SystemExit:
         raise
@@ -198,12 +199,12 @@ def _run_once(argv: list[str], control: IO[str], status: int) -> bool:
         sys.exit(0)
     # Outside the except block, so that the failed run's frames (model, optimizer, buckets) can be freed.
     say(f"stalwart: rank {os.environ.get('RANK', '?')}: {lost}{'' if again else '; re-forming in place'}")
-    reform.abandon()
+    survivor.abandon()
     return again
 
 
 def _rearm_in_loop(control: IO[str], status: int, parked: bool) -> None:
-    """A survivor that stays in its training loop (recovery/in_loop.py) re-arms from inside the script: as a run that
+    """A survivor that stays in its training loop (recovery/in_loop/) re-arms from inside the script: as a run that
     ended, but the next activation's environment is taken in place and the script goes on. `parked`: a warm spare
     at its loop's start says PARKED instead (recovery/warm_spare.py), and waits alike."""
     from stalwart.errors import EXIT_PEER_LOST

@@ -195,7 +195,7 @@ def account(events: Iterable[dict[str, Any]], *, window: tuple[float, float] | N
 
 def _worker_started(rank0: list[dict[str, Any]], after: float, before: float) -> float | None:
     """When rank 0 was running again: its new worker started, or, a survivor that stayed in its loop
-    (recovery/in_loop.py), its restore began."""
+    (recovery/in_loop/), its restore began."""
     for e in rank0:
         if e["event"] == "worker_started" and after <= e["mono"] <= before:
             return float(e["mono"])

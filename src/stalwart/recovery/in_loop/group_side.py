@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from stalwart.recovery import ddp_layout, reform
+from stalwart.recovery.in_loop import survivor
 from stalwart.runtime import group as reformable
 from stalwart.runtime.dist import Comm
 from stalwart.runtime.process import say
@@ -93,7 +94,7 @@ class InLoop:
     def of_process(cls) -> InLoop | None:
         """The process's re-formable group when it is the default one and the worker can re-arm in place."""
         group = reformable.current()
-        if group is None or not reform.in_loop() or dist.group.WORLD is not group:
+        if group is None or not survivor.in_loop() or dist.group.WORLD is not group:
             return None
         return cls(group)
 
@@ -176,7 +177,7 @@ class InLoop:
         self.close()
         self.group.abort_backends()
         reform.abort_process_groups()
-        reform.rearm()
+        survivor.rearm()
 
     def rejoin(self) -> int:
         """After the group took the new round's backends: fresh reducers for the DDP modules on it; returns how
