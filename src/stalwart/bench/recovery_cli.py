@@ -69,6 +69,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="stalwart's spares (--spares) run the job's set-up before they are needed (stalwart run --warm-spares)",
     )
     p.add_argument(
+        "--wait-for-replacement",
+        action="store_true",
+        help="stalwart's survivors wait for the replacement instead of training on shrunk (stalwart run's flag): "
+        "each kill then includes the hand-over of the survivor's state to the replacement",
+    )
+    p.add_argument(
         "--width",
         type=positive_int,
         default=WIDTH,
@@ -98,7 +104,11 @@ def run(args: argparse.Namespace) -> int:
             full=not args.no_full,
             kill_rank=args.kill_rank,
             shape=JobShape(
-                setup_s=args.setup_s, width=args.width, own_data=args.own_data, warm_spares=args.warm_spares
+                setup_s=args.setup_s,
+                width=args.width,
+                own_data=args.own_data,
+                warm_spares=args.warm_spares,
+                wait_for_replacement=args.wait_for_replacement,
             ),
             parent=args.dir,
             progress=lambda line: err.print(f"bench: {line}"),

@@ -48,6 +48,9 @@ class JobShape:
     """Each rank draws its own batches in its loop (`--own-data`) instead of through a ResumableLoader."""
     warm_spares: bool = False
     """stalwart's spares run the script's set-up before they are needed (`stalwart run --warm-spares`)."""
+    wait_for_replacement: bool = False
+    """stalwart's survivors wait for the replacement (`stalwart run --wait-for-replacement`): every kill then
+    includes the hand-over of the survivor's live state."""
 
     def job_args(self) -> list[str]:
         """The recovery job's options for this shape (torchft's driver takes the first two)."""
@@ -139,6 +142,7 @@ class Run:
                 "--spares",
                 str(self.spares),
                 *(["--warm-spares"] if self.shape.warm_spares and self.spares else []),
+                *(["--wait-for-replacement"] if self.shape.wait_for_replacement else []),
                 "--event-log",
                 str(self.log),
                 *job,
