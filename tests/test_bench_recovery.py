@@ -13,7 +13,7 @@ import pytest
 from conftest import stalwart
 from stalwart.bench.recovery import _reference_run, measure_kills, survivor_of
 from stalwart.bench.recovery_goodput import SETTLE_S, PacedGoodput, steady_pace
-from stalwart.bench.recovery_run import JobShape, _results
+from stalwart.bench.recovery_run import JobShape, Run, _results
 
 SMALL = 128
 """The job's model in the tests that run it: 3 layers of 128 x 128 (50k parameters)."""
@@ -156,6 +156,19 @@ def test_a_killed_rank_0_is_measured_from_its_survivor_rank_1(tmp_path: Path) ->
     assert [(e["rank"], e["fault"]) for e in killed] == [(0, "SIGKILL from outside")]
     pids = {(e["rank"], e["pid"]) for e in _events(tmp_path / "kills") if e["event"] == "worker_started"}
     assert sorted(rank for rank, _ in pids) == [0, 0, 1], "rank 0 was replaced; rank 1 survived, re-formed in place"
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_wait_for_replacement_reaches_stalwart_run_and_nothing_else(tmp_path: Path, wait: bool) -> None:
+    """`--wait-for-replacement` is stalwart run's flag for stalwart's launches; torchrun's take no such thing."""
+    shape = JobShape(wait_for_replacement=wait)
+    stalwart_cmd, _ = Run("stalwart", tmp_path, steps=10, shape=shape).command()
+    assert ("--wait-for-replacement" in stalwart_cmd) is wait
+    assert stalwart_cmd.index("--wait-for-replacement" if wait else "run") < stalwart_cmd.index(
+        "stalwart.bench.recovery_job"
+    )
+    torchrun_cmd, _ = Run("torchrun", tmp_path, steps=10, shape=shape).command()
+    assert "--wait-for-replacement" not in torchrun_cmd
 
 
 def test_a_bad_kill_rank_is_one_line() -> None:

@@ -84,6 +84,15 @@ class Run:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        cmd, env = self.command()
+        out = open(self.workdir / "output.log", "wb")  # noqa: SIM115 - closed with the process in stop()
+        self.started = time.monotonic()
+        # Its own session (the bench signals the whole group), and SIGTERM to the launcher if the bench dies.
+        self.proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        out.close()
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        """The launch's command line and environment for this system and job shape."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
         env.update(STALWART_EVENT_LOG=str(self.log), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         until = [] if self.seconds is None else ["--until", f"{time.time() + self.seconds:.0f}"]
@@ -147,11 +156,7 @@ class Run:
                 str(self.log),
                 *job,
             ]
-        out = open(self.workdir / "output.log", "wb")  # noqa: SIM115 - closed with the process in stop()
-        self.started = time.monotonic()
-        # Its own session (the bench signals the whole group), and SIGTERM to the launcher if the bench dies.
-        self.proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        out.close()
+        return cmd, env
 
     def poll_events(self) -> list[dict[str, Any]]:
         try:
