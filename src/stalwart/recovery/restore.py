@@ -31,7 +31,7 @@ from stalwart.checkpoint.tiers import memory_shards
 from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import PeerReplicas
 from stalwart.errors import CheckpointCorruptError
-from stalwart.recovery import memory_reshard
+from stalwart.recovery import memory_reshard, node_handover
 from stalwart.recovery.in_loop import survivor
 from stalwart.runtime.dist import Comm, Flag, IntMessage
 from stalwart.runtime.process import first_line
@@ -79,6 +79,9 @@ class LightReady(IntMessage):
     """The size of the live tensors the snapshot needs: equal on every rank."""
     skeleton_bytes: int
     """The source's replicated objects' non-tensor state, pickled; 0 elsewhere."""
+    node: int
+    """recovery/node_handover.node_key: equal and not 0 on every rank when the hand-over can go through the node's
+    shared memory."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,30 +265,24 @@ class Restorer:
             out = io.BytesIO()
             torch.save(stash.skeleton, out)
             skeleton = out.getvalue()
-        agreed = comm.gather(LightReady(int(content is not None), total, len(skeleton)))
+        node = node_handover.node_key(
+            memory.directory if memory is not None else None,
+            memory.local_world_size if memory is not None else 0,
+            comm.world_size,
+        )
+        agreed = comm.gather(LightReady(int(content is not None), total, len(skeleton), node))
         if not all(a.usable for a in agreed) or len({a.live_bytes for a in agreed}) != 1:
             error = problem or "another rank's is not whole, or lists other live tensors"
             self._events.emit("memory_snapshot_unusable", step=step, error=error)
             return None
         skeleton_len = agreed[source].skeleton_bytes
-        buf = torch.empty(total + skeleton_len, dtype=torch.uint8)
-        if comm.rank == source:
-            assert stash is not None
-            with torch.no_grad():
-                for tid, (offset, nbytes, _, _) in layout.items():
-                    buf[offset : offset + nbytes].copy_(stash.tensors[tid].reshape(-1).view(torch.uint8))
-                if skeleton:
-                    buf[total:].copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
-        comm.broadcast_tensor(buf, source)
-        live = {
-            tid: buf[offset : offset + nbytes].view(dtype).reshape(shape)
-            for tid, (offset, nbytes, dtype, shape) in layout.items()
-        }
+        on_node = node != 0 and all(a.node == node for a in agreed)
+        live, skeleton = self._hand_over(source, layout, total, skeleton, skeleton_len, step, on_node)
         snapshot, problem = None, ""
         try:
             replicated = None
             if skeleton_len:
-                replicated = load_skeleton(buf[total:].numpy().tobytes())
+                replicated = load_skeleton(skeleton)
             assert memory is not None
             snapshot = memory.load_light(step, content, live, replicated)
         except Exception as exc:  # a skeleton naming tensors nobody holds, an unreadable one: agreed below
@@ -294,6 +291,8 @@ class Restorer:
             return None
         assert snapshot is not None
         where = f"node memory (step {step}) and rank {source}'s live state"
+        if on_node:
+            where += " (handed over through node memory)"
         if old_world is not None:
             where += f" of {old_world} ranks"
         world = old_world if old_world is not None else comm.world_size
@@ -335,6 +334,55 @@ class Restorer:
         restored, size = recv_state(comm, source)
         where = f"rank {source}'s live state (the job grew back at step {step})"
         return Restored(step, comm.world_size, restored, where, size, tier="peer")
+
+    def _hand_over(
+        self,
+        source: int,
+        layout: dict[str, tuple[int, int, torch.dtype, list[int]]],
+        total: int,
+        skeleton: bytes,
+        skeleton_len: int,
+        step: int,
+        on_node: bool,
+    ) -> tuple[dict[str, torch.Tensor], bytes]:
+        """Rank `source`'s live tensors (by id, laid out by `layout` in `total` bytes) and its skeleton, on every
+        rank: through the node's shared memory when every rank is on its node (`on_node`; the source keeps its own
+        tensors), else by a broadcast. Collective."""
+        comm, stash = self._comm, survivor.stashed()
+        size = total + skeleton_len
+        if on_node and comm.rank == source:
+            assert stash is not None and self._memory is not None
+            path = node_handover.path_of(self._memory.directory, step, source)
+            pieces = [(offset, stash.tensors[tid]) for tid, (offset, _, _, _) in layout.items()]
+            if skeleton:
+                pieces.append((total, torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)))
+            try:  # removed whatever happens: a peer failing in these barriers must not leave the state in /dev/shm
+                node_handover.write(path, pieces, size)
+                comm.barrier()  # written
+                comm.barrier()  # mapped by every other rank
+            finally:
+                node_handover.remove(path)
+            return {tid: stash.tensors[tid] for tid in layout}, skeleton
+        if on_node:
+            assert self._memory is not None
+            comm.barrier()
+            buf = node_handover.read(node_handover.path_of(self._memory.directory, step, source), size)
+            comm.barrier()
+        else:
+            buf = torch.empty(size, dtype=torch.uint8)
+            if comm.rank == source:
+                assert stash is not None
+                with torch.no_grad():
+                    for tid, (offset, nbytes, _, _) in layout.items():
+                        buf[offset : offset + nbytes].copy_(stash.tensors[tid].reshape(-1).view(torch.uint8))
+                    if skeleton:
+                        buf[total:].copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
+            comm.broadcast_tensor(buf, source)
+        live = {
+            tid: buf[offset : offset + nbytes].view(dtype).reshape(shape)
+            for tid, (offset, nbytes, dtype, shape) in layout.items()
+        }
+        return live, buf[total:].numpy().tobytes() if skeleton_len else b""
 
     def _all_agree(self, usable: bool, step: int, problem: str) -> bool:
         """Whether every rank can use its snapshot of `step`; if not, an event names the first problem."""
