@@ -1,25 +1,27 @@
-"""L1, the worker's side: a survivor of a peer's failure leaves its process group and waits to re-form in place.
+"""L1, the worker's side: a survivor of a peer's failure leaves its process group and waits to re-form in place;
+what the fallback (the script run again in the same process) shares with in-loop recovery (recovery/in_loop/).
 
 Under `stalwart run` every worker runs in a host process (supervisor/worker_host.py) that can run the training script
-again. When a collective fails because a peer died, or the agent asks with REFORM_SIGNAL (a peer died or hung
-while this worker was computing), the exception ends the script's run but not the process: the host calls
-`abandon()`, which drops every live `stalwart.Job` without a collective (its persister is killed, which leaves an
-unfinished save uncommitted, exactly as a dead worker's would), aborts every process group and frees their
-memory. The host then tells its agent it is re-armed, the agent joins the next round of torch elastic's
-rendezvous, and the host runs the script again with the new round's environment. Nothing is imported again and
-the device context stays; the new Job agrees with its peers on the newest step it can restore and restores
-it, so the interrupted step is redone and no finished step is lost.
+again. When a collective fails because a peer died, or the agent asks with REFORM_SIGNAL (a peer died or hung while this
+worker was computing), the exception ends the script's run but not the process: the host calls `abandon()`
+(recovery/in_loop/survivor.py), which drops every live `stalwart.Job` without a collective (its persister is killed,
+which leaves an unfinished save uncommitted, exactly as a dead worker's would), aborts every process group and frees
+their memory. The host then tells its agent it is re-armed, the agent joins the next round of torch elastic's
+rendezvous, and the host runs the script again with the new round's environment. Nothing is imported again and the
+device context stays; the new Job agrees with its peers on the newest step it can restore and restores it, so the
+interrupted step is redone and no finished step is lost.
 
-What a survivor keeps: when its failed run's replicated parameters and optimizer state were not modified since
-its last completed step (their version counters say so; a failure inside DDP's backward, before the optimizer
-step, is the usual case), `abandon()` keeps references to them (`Stash`). The replacement rank then receives
-them from the survivor by one broadcast, and the node memory tier only needs the small per-rank rest of the
-state every step (a light snapshot) plus a full copy now and then (`JobConfig.replicated_snapshot_every`).
+What a survivor keeps: when its failed run's replicated parameters and optimizer state were not modified since its last
+completed step (their version counters say so; a failure inside DDP's backward, before the optimizer step, is the usual
+case), `abandon()` keeps references to them (`Stash`). The replacement rank then receives them from the survivor
+(through node memory on one node, recovery/node_handover.py; else by one broadcast), and the node memory tier only needs
+the small per-rank rest of the state every step (a light snapshot) plus a full copy now and then
+(`JobConfig.replicated_snapshot_every`).
 
-Why re-run the script rather than rewind inside it: the failure surfaces inside the user's loop body (DDP's
-allreduce raises from `loss.backward()`), where no library code can catch it and go on. Running the user's
-`main` again is what NVIDIA's in-process restart does too; here its cost is the script's set-up code, without
-the interpreter start, the imports and the first-use costs that a new process pays.
+Why re-run the script rather than rewind inside it: the failure surfaces inside the user's loop body (DDP's allreduce
+raises from `loss.backward()`), where no library code can catch it and go on. Running the user's `main` again is what
+NVIDIA's in-process restart does too; here its cost is the script's set-up code, without the interpreter start, the
+imports and the first-use costs that a new process pays.
 """
 
 from __future__ import annotations
