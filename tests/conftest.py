@@ -398,8 +398,6 @@ def _longest_first(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
     longest = sorted((i for i in LONGEST if i in long_ids), key=lambda i: -LONGEST[i])
     if not longest:
         return items
-    chosen = {id(long_ids[i]) for i in longest}
-    rest = [item for item in items if id(item) not in chosen]
     sizes, left = [], len(items)
     for k in range(workers):  # as worksteal's first distribution: remaining // nodes remaining
         sizes.append(left // (workers - k))

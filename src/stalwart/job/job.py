@@ -89,7 +89,7 @@ class Job:
         self.events = EventLog.from_env(rank=placement.rank, restart=placement.restart_count)
         name = self.comm.broadcast(RunName(placement.restart_count, secrets.randbits(48)))
         token = f"{name.restart}x{name.token:012x}"  # names this run's files
-        hooks = membership.given_hooks or step_hooks(self.rank, placement.restart_count, self.announce_fault)
+        hooks = self._hooks_for(placement)
         grown_at, membership.grown_at = membership.grown_at, None
         self.parts = make_parts(
             config, placement, self.comm, self.events, hooks, token, staying=staying, grown_at=grown_at
@@ -337,10 +337,14 @@ class Job:
         driver.abandon(self)
 
     def renew_hooks(self, placement: Placement) -> None:
-        """The step hooks of `placement`'s rank and round, as `Job()` makes them (training on shrunk re-arms in new
-        rounds: fault injection fires by rank, step and round)."""
-        hooks = self.membership.given_hooks
-        self.parts.hooks = hooks or step_hooks(placement.rank, placement.restart_count, self.announce_fault)
+        """The step hooks of `placement`'s rank and round (training on shrunk re-arms in new rounds: fault injection
+        fires by rank, step and round)."""
+        self.parts.hooks = self._hooks_for(placement)
+
+    def _hooks_for(self, placement: Placement) -> StepHooks:
+        """The hooks given to `Job()`, else the installed ones for `placement`'s rank and round."""
+        given = self.membership.given_hooks
+        return given or step_hooks(placement.rank, placement.restart_count, self.announce_fault)
 
     def announce_fault(self, kind: str, details: dict[str, Any]) -> None:
         """A fault of the step hooks is about to fire: the event log says which, at which step."""
