@@ -327,7 +327,13 @@ def test_two_ranks_on_s3_resume_bitwise_identical_after_sigkill(s3: S3, tmp_path
         assert committed and all(e["path"].startswith(s3.url(prefix) + "/step_") for e in committed)
         before = [e["step"] for e in committed if e["restart"] == 0]
         resumed = {e["step"] for e in job.events("resumed")}
-        assert resumed == ({max(before)} if before else set()), "resumed from the newest committed checkpoint"
+        # The newest checkpoint committed before the kill at step 9 (one every 4 steps). Its commit event can be lost
+        # when the survivor drops its persister to re-form (the manifest written, the event not yet emitted:
+        # recovery/in_loop/driver.abandon), so the checkpoint after the last event's is as correct (fc58, 2026-11-29:
+        # events for step 4, resumed from 8).
+        newest = max(before, default=0)
+        allowed = [{newest} if before else set()] + ([{newest + 4}] if newest + 4 <= 9 else [])
+        assert resumed in allowed, ("resumed from the newest committed checkpoint", resumed, before)
         results = job.results()
         assert sorted(results) == [0, 1]
         for rank in (0, 1):
