@@ -16,7 +16,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.bench.checkpoint import SYSTEMS, run_bench
 from stalwart.bench.common import GB, MB, parse_size, positive_int, seconds_text
 from stalwart.errors import BenchError, ConfigError
 from stalwart.runtime.args import pointing_to
@@ -94,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; a failed measurement is one line on stderr and exit status 1."""
     err = make_console(stderr=True)
     try:
+        from stalwart.bench.checkpoint import run_bench  # torch: after the arguments are checked
+
         report = run_bench(args.size, args.saves, args.dir, lambda line: err.print(f"bench: {line}"), args.device)
     except BenchError as exc:
         print(f"stalwart bench checkpoint: error: {exc}", file=sys.stderr)
@@ -134,7 +135,7 @@ def _systems_table(report: dict[str, Any]) -> Table:
         "1.0×",
         "",
     )
-    for name in SYSTEMS:
+    for name in LABELS:
         s = systems[name]
         slowdown = s.get("background_slowdown")
         table.add_row(

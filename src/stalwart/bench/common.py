@@ -15,8 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from stalwart.errors import BenchError, ConfigError
 
 Progress = Callable[[str], None]
@@ -114,6 +112,8 @@ def seconds_text(s: float) -> str:
 
 def machine_info(run_dir: Path) -> dict[str, Any]:
     """What the figures depend on: cores, torch, and the disk (a tmpfs measures memory, not a disk)."""
+    import torch  # here: the bench commands answer a bad flag without importing torch (seconds of start-up)
+
     return {
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,

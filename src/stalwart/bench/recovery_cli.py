@@ -21,7 +21,6 @@ from rich.console import Console
 from rich.table import Table
 
 from stalwart.bench.common import positive_int, seconds
-from stalwart.bench.recovery import run_bench
 from stalwart.bench.recovery_goodput import SETTLE_S
 from stalwart.bench.recovery_run import WIDTH, JobShape
 from stalwart.errors import BenchError
@@ -92,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C, so every run's `finally` ends the processes it started.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
+        from stalwart.bench.recovery import run_bench  # torch: after the arguments are checked
+
         report = run_bench(
             kills=args.kills,
             gap=args.gap,

@@ -28,7 +28,6 @@ from rich.console import Console
 from rich.table import Table
 
 from stalwart.bench.common import GB, Progress, parse_size, positive_int, scratch_dir
-from stalwart.bench.reshard_worker import TENSORS, WIDTH
 from stalwart.errors import BenchError
 from stalwart.runtime.process import Forked, start_module
 
@@ -89,6 +88,8 @@ def _launch(phase: str, world: int, ckpt: Path, rows: int, root: Path, memory: P
 def run_bench(
     size: int, source: int, targets: list[int], parent: Path | None, progress: Progress, tiers: list[str] | None = None
 ) -> dict[str, Any]:
+    from stalwart.bench.reshard_worker import TENSORS, WIDTH  # torch: after the arguments are checked
+
     tiers = tiers or list(TIERS)
     rows = max(1, size // (TENSORS * WIDTH * 4))
     state = rows * TENSORS * WIDTH * 4

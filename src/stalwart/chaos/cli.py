@@ -20,7 +20,7 @@ from typing import Any
 
 from rich.table import Table
 
-from stalwart.chaos import harness, netns, verdict
+from stalwart.chaos import harness, netns
 from stalwart.chaos.scenario import FaultSpec, Scenario, load
 from stalwart.errors import ConfigError
 from stalwart.runtime.args import Parser
@@ -226,6 +226,8 @@ def run_scenario(scenario: Scenario, job: list[str], workdir: Path, say: Any) ->
         problems.append(f"did not finish within {scenario.timeout_s:g} s")
     elif result.exit_code != 0:
         problems.append(f"stalwart run exited with status {result.exit_code}")
+    from stalwart.chaos import verdict  # torch: after the arguments are checked
+
     ckpt = result.directory / scenario.checkpoint_dir
     bad = verdict.verify_checkpoints(ckpt)
     problems += bad

@@ -30,7 +30,6 @@ from typing import Any
 
 from stalwart.chaos import netns
 from stalwart.chaos.scenario import GPU_KINDS, HARNESS_KINDS, FaultSpec, Scenario
-from stalwart.chaos.verdict import corrupt_newest
 from stalwart.detect.gpu_providers import add_to_script, write_script
 from stalwart.runtime.env import EVENT_LOG_ENV, EXCLUDE_FILE_ENV, FAULTS_ENV, GPU_POLL_ENV, GPU_TELEMETRY_ENV
 from stalwart.runtime.process import spawn
@@ -402,6 +401,8 @@ def _send(
         return True
     if spec.kind == "corrupt_checkpoint":
         assert scenario is not None
+        from stalwart.chaos.verdict import corrupt_newest  # torch: `stalwart chaos` checks its flags without it
+
         damaged = corrupt_newest(directory / scenario.checkpoint_dir)
         result.sent.append(f"corrupted {damaged}" if damaged else "no committed checkpoint to corrupt")
     lost = spec.kind == "lose_node"

@@ -13,6 +13,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -20,10 +21,12 @@ from rich.table import Table
 from rich.text import Text
 
 from stalwart.demo.runner import JobRun, run_job
-from stalwart.demo.summary import Summary, summarize
 from stalwart.errors import ConfigError
 from stalwart.runtime.args import pointing_to
 from stalwart.telemetry.console import console as make_console
+
+if TYPE_CHECKING:
+    from stalwart.demo.summary import Summary
 
 _Parser = pointing_to("stalwart demo")
 
@@ -60,6 +63,8 @@ def main(argv: list[str]) -> int:
     try:
         faulty = _run(console, "with a failure", JobRun(workdir / "faulty", args.steps, kill_at=kill_at), args)
         reference = _run(console, "reference, no failure", JobRun(workdir / "reference", args.steps), args)
+        from stalwart.demo.summary import summarize  # torch: after the arguments are checked
+
         summary = summarize(faulty, reference)
     finally:
         if not (args.keep or args.workdir):

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
-from stalwart.detect import preflight
+from stalwart.detect import preflight_limits
 from stalwart.detect.gpu_providers import nvml_device_count
 from stalwart.errors import ConfigError
 from stalwart.runtime.args import Parser
@@ -135,11 +135,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--nproc", type=int, default=1, help="processes for the all-reduce test (1: none)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--exclude", action="store_true", help="put this node on the exclusion list if it fails")
-    preflight.add_limit_arguments(p)
+    preflight_limits.add_limit_arguments(p)
     args = p.parse_args(argv)
     if args.nproc < 1 or (args.memory_mb is not None and args.memory_mb < 1) or args.seconds <= 0:
         raise ConfigError("--nproc and --memory-mb must be positive, --seconds above 0")
-    report = json.loads(preflight.check(preflight.limits_from(args), args.nproc).to_json())
+    from stalwart.detect import preflight  # torch: after the arguments are checked
+
+    report = json.loads(preflight.check(preflight_limits.limits_from(args), args.nproc).to_json())
     print(json.dumps(report) if args.json else summary(report))
     if not args.json:
         for failure in report["failures"]:

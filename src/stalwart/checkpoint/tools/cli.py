@@ -12,8 +12,6 @@ from rich.text import Text
 
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.storage import Storage, describe_error
-from stalwart.checkpoint.tools import inspect
-from stalwart.checkpoint.tools.export import export_dcp
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError, StalwartError
 from stalwart.runtime.args import pointing_to
 from stalwart.telemetry.console import console
@@ -54,6 +52,9 @@ def main(argv: list[str]) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    # Here, not at the top: torch comes with them, and a bad flag is answered before (seconds of start-up).
+    from stalwart.checkpoint.tools import inspect
+
     root = inspect.open_root(args.path)
     if args.command == "list":
         return _list(root, args.json)
@@ -76,6 +77,8 @@ def _committed(root: Storage, step: int | None) -> list[int]:
 
 
 def _list(root: Storage, as_json: bool) -> int:
+    from stalwart.checkpoint.tools import inspect
+
     entries = inspect.list_entries(root)
     if as_json:
         rows = [
@@ -114,6 +117,8 @@ def _list(root: Storage, as_json: bool) -> int:
 
 
 def _verify(root: Storage, step: int | None, as_json: bool) -> int:
+    from stalwart.checkpoint.tools import inspect
+
     results = {s: inspect.verify(root, s) for s in _committed(root, step)}
     if as_json:
         print(json.dumps({"path": root.display(), "checkpoints": {str(s): p for s, p in results.items()}}))
@@ -130,6 +135,8 @@ def _verify(root: Storage, step: int | None, as_json: bool) -> int:
 
 
 def _inspect(root: Storage, step: int | None, rank: int, as_json: bool) -> int:
+    from stalwart.checkpoint.tools import inspect
+
     steps = _committed(root, step)
     if not steps:
         raise ConfigError(f"{root.display()} has no committed checkpoint to inspect")
@@ -186,6 +193,8 @@ def _inspect(root: Storage, step: int | None, rank: int, as_json: bool) -> int:
 
 
 def _export(root: Storage, step: int | None, rank: int, out: Path, as_json: bool) -> int:
+    from stalwart.checkpoint.tools.export import export_dcp
+
     steps = _committed(root, step)
     if not steps:
         raise ConfigError(f"{root.display()} has no committed checkpoint to export")
