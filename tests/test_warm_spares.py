@@ -117,6 +117,25 @@ def test_a_spare_killed_while_parked_is_replaced_by_a_new_one(launch: Any) -> No
     assert "warm spares in a row died" not in job.output(), "a parked spare's death is no failed set-up"
 
 
+def test_a_warm_spare_killed_while_joining_is_a_failure_like_any_other(launch: Any) -> None:
+    """The spare given rank 1 dies after it joined the survivor's group and before the survivor's state reached it
+    (chaos/faults.py `kill_in_join`). The survivor, at its step boundary in the hand-over, re-forms again and trains
+    on; the pool's next spare (or a new process) takes rank 1; the run ends with the ranks as replicas."""
+    env = child_env(STALWART_WAIT_FOR_REPLACEMENT="0", STALWART_FAULTS="kill_in_join@rank=1,step=0,restart=1")
+    args = tiny_args(*ARGS, "--steps", "400", "--setup-log", "setups.log")  # the pool's second spare in time
+    job = launch(["--spares", "1", "--warm-spares", *args], env=env)
+    spare, _ = _kill_once_a_spare_parked(job, rank=1)
+    assert job.wait(240) == 0, job.output()[-3000:]
+    [fired] = job.events("fault_injected")
+    assert fired["fault"] == "kill_in_join" and fired["pid"] == spare, fired
+    assert not alive(spare)
+    results = job.results()
+    assert sorted(results) == [0, 1] and {r["step"] for r in results.values()} == {400}, results
+    assert results[0]["sha256"] == results[1]["sha256"], "the ranks end as replicas"
+    final = job.worker_pids(restart=max(e["restart"] for e in job.events("worker_spawned")))
+    assert final[1] != spare, final
+
+
 def test_two_ranks_lost_at_once_with_one_warm_spare(launch: Any) -> None:
     """Ranks 1 and 2 of 3 killed together: one takes the parked spare, the other a new process that runs the
     set-up; the survivor trains on meanwhile and the job grows back to 3."""

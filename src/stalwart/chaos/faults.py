@@ -11,6 +11,8 @@ Kinds:
   kill_in_save  the rank is killed while saving the checkpoint of `step`, at `phase`:
                 'shard_half_written' (default: half its shard is on disk) or 'before_commit'
                 (every shard is durable, the manifest is not yet written; fires on rank 0, the committer)
+  kill_in_join  the rank is killed in a replacement of it (a warm spare, a late joiner) that joined the survivors'
+                group at `step` or later, before they hand it their state (recovery/in_loop/late_join.grow)
   storage_error the first `times` (default 1) attempts to write the rank's checkpoint of `step` fail with
                 `errno` (default EIO; e.g. ENOSPC): the persister must retry with backoff, training goes on
   slow          from `step` on, the rank sleeps `ms` milliseconds (default 10) at the start of every step, inside
@@ -44,7 +46,18 @@ from typing import Any
 from stalwart.errors import ConfigError
 from stalwart.runtime.env import FAULTS_ENV as FAULTS_ENV
 
-_KINDS = ("kill", "kill_in_save", "kill_in_optimizer", "storage_error", "hang", "nan", "spike", "slow", "flip")
+_KINDS = (
+    "kill",
+    "kill_in_save",
+    "kill_in_optimizer",
+    "kill_in_join",
+    "storage_error",
+    "hang",
+    "nan",
+    "spike",
+    "slow",
+    "flip",
+)
 _HOWS = ("sigstop", "sleep", "deadlock")
 _PHASES = ("shard_half_written", "before_commit")
 _OPTIMIZER_PHASES = ("before_snapshot", "after_barrier")
@@ -186,6 +199,12 @@ class FaultInjector:
         """Called at the commit point of the step after `step` completed steps (job/step_commit.py)."""
         for f in self._faults:
             if f.kind == "kill_in_optimizer" and f.step == step and f.phase == phase:
+                self._fire(f)
+
+    def joined(self, step: int) -> None:
+        """In a replacement that joined the survivors' group at `step`, before their state is handed to it."""
+        for f in self._faults:
+            if f.kind == "kill_in_join" and step >= f.step and self._first_time(f):
                 self._fire(f)
 
     def save_faults(self, step: int) -> dict[str, object] | None:

@@ -34,6 +34,10 @@ class StepHooks(Protocol):
     def save_faults(self, step: int) -> dict[str, object] | None:
         """What the persist of `step` is to meet, carried to the persister (checkpoint/save/save_hooks.py)."""
 
+    def joined(self, step: int) -> None:
+        """In a replacement (a warm spare, a late joiner) that joined the survivors' group at `step`, before they hand
+        it their state (recovery/in_loop/late_join.grow): a kill there is a replacement lost while joining."""
+
 
 class NoStepHooks:
     """Production: nothing happens at any instant."""
@@ -52,6 +56,9 @@ class NoStepHooks:
 
     def save_faults(self, step: int) -> dict[str, object] | None:
         return None
+
+    def joined(self, step: int) -> None:
+        pass
 
 
 def step_hooks(rank: int, restart: int, announce: Announce) -> StepHooks:

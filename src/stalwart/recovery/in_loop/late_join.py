@@ -64,6 +64,8 @@ def grow(job: LoopJob, capture_rng: Callable[[], dict[str, Any]]) -> bool:
     if plan is None:
         return False
     started = time.monotonic()
+    if job.rank in plan.receivers:
+        job.parts.hooks.joined(plan.step)  # fault injection's seam: a replacement lost while joining
     restored = job.parts.restorer.hand_over(
         plan.step, plan.source, plan.receivers, lambda: job.tracked.state(plan.step)
     )

@@ -52,6 +52,7 @@ class Hooks(Protocol):
     """The step hooks (job/step_hooks.StepHooks): fault injection's seam."""
 
     def before_step(self, step: int) -> None: ...
+    def joined(self, step: int) -> None: ...
 
 
 class PartsView(Protocol):
