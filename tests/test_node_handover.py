@@ -1,15 +1,23 @@
 """The hand-over of a survivor's live tensors through the node's shared memory (recovery/node_handover.py): what the
 source writes is what each reader maps, a reader's writes stay its own (copy-on-write), and only ranks that share one
-node memory directory, on a job of one node, take that way."""
+node memory directory, on a job of one node, take that way; before the file, a reader copies the source's tensors
+straight from its memory, and where the kernel refuses one reader every rank takes the file."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import traceback
+from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from stalwart.recovery import node_handover
+from stalwart.runtime import cross_memory
+from stalwart.runtime.dist import Comm, Placement
 
 
 def _pieces() -> tuple[list[tuple[int, torch.Tensor]], int]:
@@ -64,3 +72,72 @@ def test_only_ranks_of_a_one_node_job_sharing_a_directory_agree_on_a_key(tmp_pat
     assert node_handover.node_key(tmp_path / "other", 2, 2) != key
     assert node_handover.node_key(tmp_path, 2, 4) == 0, "ranks on other nodes: broadcast"
     assert node_handover.node_key(None, 2, 2) == 0, "no node memory"
+
+
+def _direct_rank(rank: int, store_path: str, errors: str, refuse: bool) -> None:
+    """Rank 1 is the source: its pieces (a tensor, a matrix, an empty one, a transposed one, the skeleton's bytes)
+    read by rank 0 straight from its memory. `refuse`: rank 0 reads as another user, which the kernel refuses."""
+    try:
+        store = dist.FileStore(store_path, 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+        comm = Comm(Placement(rank, 2, rank, 0), timedelta(seconds=30))
+        a = torch.arange(1000, dtype=torch.float32)
+        b = torch.arange(77, dtype=torch.int64).reshape(7, 11)
+        t = torch.arange(12, dtype=torch.float64).reshape(3, 4).t()  # not contiguous: its copy is read
+        skeleton = torch.frombuffer(bytearray(b"skeleton"), dtype=torch.uint8)
+        spans = [(0, 4000), (4032, 616), (4672, 0), (4672, 96), (4800, 8)]
+        pieces = [p.reshape(-1) for p in (a, b, torch.empty(0), t)] + [skeleton] if rank == 1 else None
+        if refuse and rank == 0:
+            os.setresuid(65534, 65534, 65534)
+        buf = node_handover.read_directly(comm, 1, pieces, spans, 4808)
+        if refuse:
+            assert buf is None, "a refused read: every rank takes the file"
+        elif rank == 1:
+            assert buf is not None and buf.numel() == 0, "the source keeps its own tensors"
+        else:
+            assert buf is not None and buf.numel() == 4808
+            assert torch.equal(buf[:4000].view(torch.float32), a)
+            assert torch.equal(buf[4032:4648].view(torch.int64).reshape(7, 11), b)
+            assert torch.equal(buf[4672:4768].view(torch.float64), t.reshape(-1))
+            assert bytes(buf[4800:4808].tolist()) == b"skeleton"
+        comm.close()
+        dist.destroy_process_group()
+    except BaseException:
+        Path(errors).write_text(traceback.format_exc())
+        raise
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["read", "refused"])
+def test_a_reader_copies_the_sources_tensors_straight_from_its_memory_or_all_take_the_file(
+    tmp_path: Path, refuse: bool
+) -> None:
+    if refuse and os.geteuid() != 0:
+        pytest.skip("reading as another user needs root to change users")
+    context = multiprocessing.get_context("fork")
+    procs = [
+        context.Process(target=_direct_rank, args=(r, str(tmp_path / "store"), str(tmp_path / f"error{r}"), refuse))
+        for r in (0, 1)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = "\n".join(f.read_text() for f in sorted(tmp_path.glob("error*")))
+    assert [p.exitcode for p in procs] == [0, 0], errors
+
+
+def test_a_read_from_a_process_that_is_gone_says_why() -> None:
+    ctx = multiprocessing.get_context("fork")
+    gone = ctx.Process(target=lambda: None)
+    gone.start()
+    gone.join(30)
+    buf = torch.zeros(8, dtype=torch.uint8)
+    why = cross_memory.read_into(gone.pid or 0, [(buf.data_ptr(), buf.data_ptr(), 8)])
+    assert why.startswith(f"process_vm_readv from pid {gone.pid}:") and "No such process" in why, why
+    assert cross_memory.read_into(os.getpid(), [(buf.data_ptr(), 0, 0)]) == "", "nothing to read is done"

@@ -255,8 +255,8 @@ def test_under_light_snapshots_a_durable_checkpoint_serves_as_the_full_copy(laun
     assert {e["full_copy_step"] for e in done} == {1, 2, 3}, "no full copy after the warm-up"
     resumed = [e for e in job.events("resumed") if e["restart"] == 1]
     assert {(e["step"], e["tier"]) for e in resumed} == {(60, "peer")}, "a survivor: light snapshot + live state"
-    # One node: the live state went through node memory (recovery/node_handover.py), not a broadcast.
-    assert all(e["source"].endswith("(handed over through node memory)") for e in resumed), resumed
+    # One node: the live state was read straight from the survivor's memory (recovery/node_handover.py), not broadcast.
+    assert all(e["source"].endswith("(read from its memory)") for e in resumed), resumed
     _no_orphans(job)
 
 

@@ -277,7 +277,7 @@ class Restorer:
             return None
         skeleton_len = agreed[source].skeleton_bytes
         on_node = node != 0 and all(a.node == node for a in agreed)
-        live, skeleton = self._hand_over(source, layout, total, skeleton, skeleton_len, step, on_node)
+        live, skeleton, route = self._hand_over(source, layout, total, skeleton, skeleton_len, step, on_node)
         snapshot, problem = None, ""
         try:
             replicated = None
@@ -291,10 +291,9 @@ class Restorer:
             return None
         assert snapshot is not None
         where = f"node memory (step {step}) and rank {source}'s live state"
-        if on_node:
-            where += " (handed over through node memory)"
         if old_world is not None:
             where += f" of {old_world} ranks"
+        where += f" ({route})"
         world = old_world if old_world is not None else comm.world_size
         return Restored(step, world, snapshot.state, where, snapshot.bytes + total, tier="peer")
 
@@ -344,25 +343,43 @@ class Restorer:
         skeleton_len: int,
         step: int,
         on_node: bool,
-    ) -> tuple[dict[str, torch.Tensor], bytes]:
+    ) -> tuple[dict[str, torch.Tensor], bytes, str]:
         """Rank `source`'s live tensors (by id, laid out by `layout` in `total` bytes) and its skeleton, on every
-        rank: through the node's shared memory when every rank is on its node (`on_node`; the source keeps its own
-        tensors), else by a broadcast. Collective."""
+        rank, and the way they came: when every rank is on its node (`on_node`; the source keeps its own tensors)
+        read straight from the source's memory, else through a file in node memory; elsewhere by a broadcast.
+        Collective."""
         comm, stash = self._comm, survivor.stashed()
         size = total + skeleton_len
+        mine = {tid: stash.tensors[tid] for tid in layout} if comm.rank == source and stash is not None else {}
+        if on_node:
+            spans = [(offset, nbytes) for offset, nbytes, _, _ in layout.values()]
+            pieces = None
+            if comm.rank == source:
+                pieces = [t.detach().reshape(-1) for t in mine.values()]
+            if skeleton_len:
+                spans.append((total, skeleton_len))
+                if pieces is not None:
+                    pieces.append(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
+            direct = node_handover.read_directly(comm, source, pieces, spans, size)
+            if direct is not None:
+                route = "read from its memory"
+                if comm.rank == source:
+                    return mine, skeleton, route
+                return *_views(direct, layout, total, skeleton_len), route
+        route = "handed over through node memory" if on_node else "broadcast"
         if on_node and comm.rank == source:
-            assert stash is not None and self._memory is not None
+            assert self._memory is not None
             path = node_handover.path_of(self._memory.directory, step, source)
-            pieces = [(offset, stash.tensors[tid]) for tid, (offset, _, _, _) in layout.items()]
+            written = [(offset, mine[tid]) for tid, (offset, _, _, _) in layout.items()]
             if skeleton:
-                pieces.append((total, torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)))
+                written.append((total, torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)))
             try:  # removed whatever happens: a peer failing in these barriers must not leave the state in /dev/shm
-                node_handover.write(path, pieces, size)
+                node_handover.write(path, written, size)
                 comm.barrier()  # written
                 comm.barrier()  # mapped by every other rank
             finally:
                 node_handover.remove(path)
-            return {tid: stash.tensors[tid] for tid in layout}, skeleton
+            return mine, skeleton, route
         if on_node:
             assert self._memory is not None
             comm.barrier()
@@ -371,18 +388,13 @@ class Restorer:
         else:
             buf = torch.empty(size, dtype=torch.uint8)
             if comm.rank == source:
-                assert stash is not None
                 with torch.no_grad():
                     for tid, (offset, nbytes, _, _) in layout.items():
-                        buf[offset : offset + nbytes].copy_(stash.tensors[tid].reshape(-1).view(torch.uint8))
+                        buf[offset : offset + nbytes].copy_(mine[tid].reshape(-1).view(torch.uint8))
                     if skeleton:
                         buf[total:].copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
             comm.broadcast_tensor(buf, source)
-        live = {
-            tid: buf[offset : offset + nbytes].view(dtype).reshape(shape)
-            for tid, (offset, nbytes, dtype, shape) in layout.items()
-        }
-        return live, buf[total:].numpy().tobytes() if skeleton_len else b""
+        return *_views(buf, layout, total, skeleton_len), route
 
     def _all_agree(self, usable: bool, step: int, problem: str) -> bool:
         """Whether every rank can use its snapshot of `step`; if not, an event names the first problem."""
@@ -390,3 +402,14 @@ class Restorer:
             return True
         self._events.emit("memory_snapshot_unusable", step=step, error=problem or "another rank's is not whole")
         return False
+
+
+def _views(
+    buf: torch.Tensor, layout: dict[str, tuple[int, int, torch.dtype, list[int]]], total: int, skeleton_len: int
+) -> tuple[dict[str, torch.Tensor], bytes]:
+    """The live tensors as views of `buf` (laid out by `layout`), and the skeleton's bytes after them."""
+    live = {
+        tid: buf[offset : offset + nbytes].view(dtype).reshape(shape)
+        for tid, (offset, nbytes, dtype, shape) in layout.items()
+    }
+    return live, buf[total:].numpy().tobytes() if skeleton_len else b""
