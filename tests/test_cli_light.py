@@ -17,6 +17,7 @@ COMMANDS = [
     ["bench", "overhead", "--bogus"],
     ["bench", "checkpoint", "--size", "tiny"],
     ["bench", "reshard", "--help"],
+    ["bench", "handover", "--sizes", "tiny"],
     ["chaos", "--bogus"],
     ["chaos"],
     ["ckpt", "list"],
@@ -50,7 +51,11 @@ print(json.dumps(answers))
 
 def test_every_command_but_run_answers_a_bad_flag_without_importing_torch() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps(COMMANDS)], capture_output=True, text=True, env=child_env(), timeout=60
+        [sys.executable, "-c", _SCRIPT, json.dumps(COMMANDS)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     answers = json.loads(done.stdout)

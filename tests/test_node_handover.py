@@ -5,6 +5,7 @@ straight from its memory, and where the kernel refuses one reader every rank tak
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import traceback
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import child_env, stalwart
 from stalwart.recovery import node_handover
 from stalwart.runtime import cross_memory
 from stalwart.runtime.dist import Comm, Placement
@@ -89,17 +91,19 @@ def _direct_rank(rank: int, store_path: str, errors: str, refuse: bool) -> None:
         pieces = [p.reshape(-1) for p in (a, b, torch.empty(0), t)] + [skeleton] if rank == 1 else None
         if refuse and rank == 0:
             os.setresuid(65534, 65534, 65534)
-        buf = node_handover.read_directly(comm, 1, pieces, spans, 4808)
+        own = torch.zeros(7, 11, dtype=torch.int64)  # the reader's own tensor for the matrix: read into
+        into = [None, own, None, torch.zeros(3, 3), None] if rank == 0 else None  # a wrong size is not used
+        got = node_handover.read_directly(comm, 1, pieces, spans, 4808, into)
         if refuse:
-            assert buf is None, "a refused read: every rank takes the file"
+            assert got is None, "a refused read: every rank takes the file"
         elif rank == 1:
-            assert buf is not None and buf.numel() == 0, "the source keeps its own tensors"
+            assert got == [], "the source keeps its own tensors"
         else:
-            assert buf is not None and buf.numel() == 4808
-            assert torch.equal(buf[:4000].view(torch.float32), a)
-            assert torch.equal(buf[4032:4648].view(torch.int64).reshape(7, 11), b)
-            assert torch.equal(buf[4672:4768].view(torch.float64), t.reshape(-1))
-            assert bytes(buf[4800:4808].tolist()) == b"skeleton"
+            assert got is not None and [p.numel() for p in got] == [n for _, n in spans]
+            assert torch.equal(got[0].view(torch.float32), a)
+            assert torch.equal(own, b) and got[1].data_ptr() == own.data_ptr(), "read into the reader's own tensor"
+            assert torch.equal(got[3].view(torch.float64), t.reshape(-1))
+            assert bytes(got[4].tolist()) == b"skeleton"
         comm.close()
         dist.destroy_process_group()
     except BaseException:
@@ -141,3 +145,15 @@ def test_a_read_from_a_process_that_is_gone_says_why() -> None:
     why = cross_memory.read_into(gone.pid or 0, [(buf.data_ptr(), buf.data_ptr(), 8)])
     assert why.startswith(f"process_vm_readv from pid {gone.pid}:") and "No such process" in why, why
     assert cross_memory.read_into(os.getpid(), [(buf.data_ptr(), 0, 0)]) == "", "nothing to read is done"
+
+
+def test_bench_handover_measures_every_way_against_the_floor() -> None:
+    out = stalwart("bench", "handover", "--sizes", "1MB,2MB", "--repeats", "1", "--json", env=child_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert [r["bytes"] for r in report["sizes"]] == [10**6, 2 * 10**6]
+    for r in report["sizes"]:
+        assert r["floor"]["copy_s"] > 0 and r["floor"]["allocating_copy_s"] > 0
+        for way in ("broadcast", "file", "direct_new", "direct"):
+            assert 0 < r[way]["handed_s"] <= r[way]["loaded_s"], (way, r)
+    assert not list(Path("/dev/shm").glob("stalwart-bench-handover-*")), "its node memory directory is removed"

@@ -137,7 +137,13 @@ class Job:
         self.parts.rollback.skips = read_skip_record(self.comm, self.checkpointer)
         grown = late.grow(self, capture_rng)  # after training on shrunk (recovery/in_loop/shrunk.py)
         restored = (
-            None if grown else self.parts.restorer.restore(allow_world_size_change=allow, meshes=self.tracked.meshes())
+            None
+            if grown
+            else self.parts.restorer.restore(
+                allow_world_size_change=allow,
+                meshes=self.tracked.meshes(),
+                own=lambda: self.tracked.live_tensors(self.rank),
+            )
         )
         self.state = JobState.RUNNING
         if self.parts.in_loop is not None:

@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from stalwart.checkpoint.format import sharded
-from stalwart.checkpoint.format.serialize import check_loadable
+from stalwart.checkpoint.format.serialize import check_loadable, flatten
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.manager import Checkpointer
 from stalwart.errors import CheckpointError, CheckpointMismatchError, ConfigError, PeerError
@@ -115,6 +115,13 @@ class TrackedState:
     def replicated_states(self) -> dict[str, Any]:
         """The replicated objects' state_dicts, by name: local, no collective."""
         return {name: obj.state_dict() for name, obj in self.objects.items() if name in self.replicated}
+
+    def live_tensors(self, rank: int) -> dict[str, torch.Tensor]:
+        """The replicated objects' tensors by checkpoint id, as the objects hold them now (a state_dict's tensors
+        share their memory): a survivor's live state on the same node is read straight into those of a replacement
+        (recovery/restore.py). Local, no collective."""
+        _, items = flatten({"objects": self.replicated_states()}, rank, self.replicated)
+        return {i.id: i.tensor for i in items if i.id.startswith("R/")}
 
     def replicated_tensors(self) -> list[torch.Tensor]:
         """The replicated objects' tensors in a fixed order (the same on every rank): a module's parameters (not

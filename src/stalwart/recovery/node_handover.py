@@ -81,12 +81,19 @@ def remove(path: Path) -> None:
 
 
 def read_directly(
-    comm: Comm, source: int, pieces: list[torch.Tensor] | None, spans: list[tuple[int, int]], size: int
-) -> torch.Tensor | None:
+    comm: Comm,
+    source: int,
+    pieces: list[torch.Tensor] | None,
+    spans: list[tuple[int, int]],
+    size: int,
+    into: list[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor] | None:
     """Rank `source`'s `pieces` (its live tensors, then its skeleton's bytes) on every other rank of a one-node job,
-    each copied straight from the source's memory into one buffer of `size` bytes at its (offset, bytes) of `spans`
-    (alike on every rank). The buffer on a reader, an empty tensor on the source; None on every rank where any
-    cannot (a piece on a GPU or not contiguous, a kernel that refuses): the caller takes the file. Collective."""
+    each copied straight from the source's memory: into the reader's own tensor for it (`into`, by piece: one that
+    already holds such a tensor, its model's parameters), else into one buffer of `size` bytes at its (offset, bytes)
+    of `spans` (alike on every rank). On a reader each piece's bytes (a flat uint8 view of where it went), on the
+    source none; None on every rank where any cannot (a piece on a GPU or not contiguous, a kernel that refuses):
+    the caller takes the file. Collective."""
     pid = 0
     message = torch.zeros(1 + len(spans), dtype=torch.int64)
     if comm.rank == source:
@@ -101,13 +108,27 @@ def read_directly(
         pid, addresses = int(message[0]), [int(a) for a in message[1:]]
         if pid == 0:
             return None
-        buf, why = torch.empty(0, dtype=torch.uint8), ""
+        got: list[torch.Tensor] = []
+        why = ""
         if comm.rank != source:
-            buf = torch.empty(size, dtype=torch.uint8)
-            base = buf.data_ptr()
+            buf = torch.empty(size, dtype=torch.uint8)  # its pages are only touched where a piece is read into it
+            targets = into if into is not None else [None] * len(spans)
+            for (offset, nbytes), target in zip(spans, targets, strict=True):
+                usable = target is not None and _holds(target, nbytes)
+                got.append(target.view(-1).view(torch.uint8) if usable else buf[offset : offset + nbytes])  # type: ignore[union-attr]
             why = cross_memory.read_into(
                 pid,
-                [(base + offset, address, nbytes) for (offset, nbytes), address in zip(spans, addresses, strict=True)],
+                [(t.data_ptr(), address, t.numel()) for t, address in zip(got, addresses, strict=True)],
             )
         everyone = comm.all_gather_ints([int(not why)])  # the source's tensors stay as they are until every read ended
-    return buf if all(ok for [ok] in everyone) else None
+    return got if all(ok for [ok] in everyone) else None
+
+
+def _holds(tensor: torch.Tensor, nbytes: int) -> bool:
+    """Whether `tensor` can take a piece of `nbytes` bytes read into its memory as they are."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and tensor.numel() * tensor.element_size() == nbytes
+        and tensor.numel() > 0
+    )

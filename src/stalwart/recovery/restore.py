@@ -31,7 +31,7 @@ from stalwart.checkpoint.tiers import memory_shards
 from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import PeerReplicas
 from stalwart.errors import CheckpointCorruptError
-from stalwart.recovery import memory_reshard, node_handover
+from stalwart.recovery import live_handover, memory_reshard, node_handover
 from stalwart.recovery.in_loop import survivor
 from stalwart.runtime.dist import Comm, Flag, IntMessage
 from stalwart.runtime.process import first_line
@@ -110,10 +110,26 @@ class Restorer:
         self._checkpointer = checkpointer
         self._memory = memory
         self._replicas = replicas
+        self._own: Callable[[], dict[str, torch.Tensor]] | None = None
 
-    def restore(self, *, allow_world_size_change: bool, meshes: dict[Any, Any] | None = None) -> Restored | None:
+    def restore(
+        self,
+        *,
+        allow_world_size_change: bool,
+        meshes: dict[Any, Any] | None = None,
+        own: Callable[[], dict[str, torch.Tensor]] | None = None,
+    ) -> Restored | None:
         """The newest state the job can resume from; None when there is none (a fresh start). `meshes`: the tracked
-        objects' device meshes (format/sharded.py `meshes_of`), which a reshard from node memory plans for."""
+        objects' device meshes (format/sharded.py `meshes_of`), which a reshard from node memory plans for. `own`:
+        this rank's replicated tensors by id as they are (job/state.py `live_tensors`), which a survivor's live
+        state on the same node is read straight into."""
+        self._own = own
+        try:
+            return self._restore(allow_world_size_change, meshes)
+        finally:
+            self._own = None
+
+    def _restore(self, allow_world_size_change: bool, meshes: dict[Any, Any] | None) -> Restored | None:
         memory, comm = self._memory, self._comm
         directory = memory.directory if memory is not None else None
         newest_durable = self._checkpointer.newest_committed() if comm.rank == 0 else -1
@@ -277,7 +293,10 @@ class Restorer:
             return None
         skeleton_len = agreed[source].skeleton_bytes
         on_node = node != 0 and all(a.node == node for a in agreed)
-        live, skeleton, route = self._hand_over(source, layout, total, skeleton, skeleton_len, step, on_node)
+        directory = memory.directory if on_node and memory is not None else None
+        live, skeleton, route = live_handover.hand_over(
+            comm, source, layout, total, skeleton, skeleton_len, step, directory, self._own
+        )
         snapshot, problem = None, ""
         try:
             replicated = None
@@ -334,82 +353,9 @@ class Restorer:
         where = f"rank {source}'s live state (the job grew back at step {step})"
         return Restored(step, comm.world_size, restored, where, size, tier="peer")
 
-    def _hand_over(
-        self,
-        source: int,
-        layout: dict[str, tuple[int, int, torch.dtype, list[int]]],
-        total: int,
-        skeleton: bytes,
-        skeleton_len: int,
-        step: int,
-        on_node: bool,
-    ) -> tuple[dict[str, torch.Tensor], bytes, str]:
-        """Rank `source`'s live tensors (by id, laid out by `layout` in `total` bytes) and its skeleton, on every
-        rank, and the way they came: when every rank is on its node (`on_node`; the source keeps its own tensors)
-        read straight from the source's memory, else through a file in node memory; elsewhere by a broadcast.
-        Collective."""
-        comm, stash = self._comm, survivor.stashed()
-        size = total + skeleton_len
-        mine = {tid: stash.tensors[tid] for tid in layout} if comm.rank == source and stash is not None else {}
-        if on_node:
-            spans = [(offset, nbytes) for offset, nbytes, _, _ in layout.values()]
-            pieces = None
-            if comm.rank == source:
-                pieces = [t.detach().reshape(-1) for t in mine.values()]
-            if skeleton_len:
-                spans.append((total, skeleton_len))
-                if pieces is not None:
-                    pieces.append(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
-            direct = node_handover.read_directly(comm, source, pieces, spans, size)
-            if direct is not None:
-                route = "read from its memory"
-                if comm.rank == source:
-                    return mine, skeleton, route
-                return *_views(direct, layout, total, skeleton_len), route
-        route = "handed over through node memory" if on_node else "broadcast"
-        if on_node and comm.rank == source:
-            assert self._memory is not None
-            path = node_handover.path_of(self._memory.directory, step, source)
-            written = [(offset, mine[tid]) for tid, (offset, _, _, _) in layout.items()]
-            if skeleton:
-                written.append((total, torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)))
-            try:  # removed whatever happens: a peer failing in these barriers must not leave the state in /dev/shm
-                node_handover.write(path, written, size)
-                comm.barrier()  # written
-                comm.barrier()  # mapped by every other rank
-            finally:
-                node_handover.remove(path)
-            return mine, skeleton, route
-        if on_node:
-            assert self._memory is not None
-            comm.barrier()
-            buf = node_handover.read(node_handover.path_of(self._memory.directory, step, source), size)
-            comm.barrier()
-        else:
-            buf = torch.empty(size, dtype=torch.uint8)
-            if comm.rank == source:
-                with torch.no_grad():
-                    for tid, (offset, nbytes, _, _) in layout.items():
-                        buf[offset : offset + nbytes].copy_(mine[tid].reshape(-1).view(torch.uint8))
-                    if skeleton:
-                        buf[total:].copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
-            comm.broadcast_tensor(buf, source)
-        return *_views(buf, layout, total, skeleton_len), route
-
     def _all_agree(self, usable: bool, step: int, problem: str) -> bool:
         """Whether every rank can use its snapshot of `step`; if not, an event names the first problem."""
         if all(v.value for v in self._comm.gather(Flag(int(usable)))):
             return True
         self._events.emit("memory_snapshot_unusable", step=step, error=problem or "another rank's is not whole")
         return False
-
-
-def _views(
-    buf: torch.Tensor, layout: dict[str, tuple[int, int, torch.dtype, list[int]]], total: int, skeleton_len: int
-) -> tuple[dict[str, torch.Tensor], bytes]:
-    """The live tensors as views of `buf` (laid out by `layout`), and the skeleton's bytes after them."""
-    live = {
-        tid: buf[offset : offset + nbytes].view(dtype).reshape(shape)
-        for tid, (offset, nbytes, dtype, shape) in layout.items()
-    }
-    return live, buf[total:].numpy().tobytes() if skeleton_len else b""

@@ -1,0 +1,102 @@
+"""A survivor's live tensors handed to every rank at a restore from a light snapshot (recovery/restore.py), by the
+fastest way the ranks share: on one node read straight from the survivor's memory into each rank's own tensors
+where it has them (its model, built), else into new memory; where the kernel refuses that, through a file in node
+memory (recovery/node_handover.py); across nodes by one gloo broadcast. The survivor keeps its own tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from stalwart.recovery import node_handover
+from stalwart.recovery.in_loop import survivor
+from stalwart.runtime.dist import Comm
+
+Layout = dict[str, tuple[int, int, torch.dtype, list[int]]]
+"""Each live tensor's id -> (offset, bytes, dtype, shape) in the hand-over's bytes (64-byte aligned offsets)."""
+
+
+def hand_over(
+    comm: Comm,
+    source: int,
+    layout: Layout,
+    total: int,
+    skeleton: bytes,
+    skeleton_len: int,
+    step: int,
+    directory: Path | None,
+    own: Callable[[], dict[str, torch.Tensor]] | None,
+) -> tuple[dict[str, torch.Tensor], bytes, str]:
+    """Rank `source`'s live tensors (laid out by `layout` in `total` bytes) and its skeleton (`skeleton_len` bytes
+    after them), on every rank, and the way they came. `directory`: the node memory every rank shares (a job of one
+    node), else None. `own`: this rank's tensors by id as they are (a replacement's model), read into where they
+    have the dtype and shape. Collective."""
+    stash = survivor.stashed()
+    size = total + skeleton_len
+    mine = {tid: stash.tensors[tid] for tid in layout} if comm.rank == source and stash is not None else {}
+    skeleton_bytes = [torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)] if skeleton else []
+    if directory is not None:
+        spans = [(offset, nbytes) for offset, nbytes, _, _ in layout.values()]
+        spans += [(total, skeleton_len)] if skeleton_len else []
+        pieces, into = None, None
+        if comm.rank == source:
+            pieces = [t.detach().reshape(-1) for t in mine.values()] + skeleton_bytes
+        else:  # a survivor's own tensors are its stash's, which a later try may still hand over as they are
+            into = [*_own_tensors(own if stash is None else None, layout), *([None] if skeleton_len else [])]
+        got = node_handover.read_directly(comm, source, pieces, spans, size, into)
+        if got is not None:
+            route = "read from its memory"
+            if comm.rank == source:
+                return mine, skeleton, route
+            live = {
+                tid: piece.view(dtype).reshape(shape)
+                for (tid, (_, _, dtype, shape)), piece in zip(layout.items(), got, strict=False)
+            }
+            return live, got[-1].numpy().tobytes() if skeleton_len else b"", route
+    if directory is not None and comm.rank == source:
+        path = node_handover.path_of(directory, step, source)
+        written = [(offset, mine[tid]) for tid, (offset, _, _, _) in layout.items()]
+        written += [(total, t) for t in skeleton_bytes]
+        try:  # removed whatever happens: a peer failing in these barriers must not leave the state in /dev/shm
+            node_handover.write(path, written, size)
+            comm.barrier()  # written
+            comm.barrier()  # mapped by every other rank
+        finally:
+            node_handover.remove(path)
+        return mine, skeleton, "handed over through node memory"
+    if directory is not None:
+        comm.barrier()
+        buf = node_handover.read(node_handover.path_of(directory, step, source), size)
+        comm.barrier()
+        return *_views(buf, layout, total, skeleton_len), "handed over through node memory"
+    buf = torch.empty(size, dtype=torch.uint8)
+    if comm.rank == source:
+        with torch.no_grad():
+            for tid, (offset, nbytes, _, _) in layout.items():
+                buf[offset : offset + nbytes].copy_(mine[tid].reshape(-1).view(torch.uint8))
+            for t in skeleton_bytes:
+                buf[total:].copy_(t)
+    comm.broadcast_tensor(buf, source)
+    return *_views(buf, layout, total, skeleton_len), "broadcast"
+
+
+def _own_tensors(own: Callable[[], dict[str, torch.Tensor]] | None, layout: Layout) -> list[torch.Tensor | None]:
+    """This rank's own tensors for `layout`'s ids where they have the dtype and shape, else None. A tensor read into
+    is then loaded onto itself, which copies nothing (a copy between the same memory returns at once)."""
+    tensors = own() if own is not None else {}
+    into: list[torch.Tensor | None] = []
+    for tid, (_, _, dtype, shape) in layout.items():
+        t = tensors.get(tid)
+        into.append(t if t is not None and t.dtype == dtype and list(t.shape) == shape else None)
+    return into
+
+
+def _views(buf: torch.Tensor, layout: Layout, total: int, skeleton_len: int) -> tuple[dict[str, torch.Tensor], bytes]:
+    """The live tensors as views of `buf` (laid out by `layout`), and the skeleton's bytes after them."""
+    live = {
+        tid: buf[offset : offset + nbytes].view(dtype).reshape(shape)
+        for tid, (offset, nbytes, dtype, shape) in layout.items()
+    }
+    return live, buf[total:].numpy().tobytes() if skeleton_len else b""
