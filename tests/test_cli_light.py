@@ -64,3 +64,5 @@ def test_every_command_but_run_answers_a_bad_flag_without_importing_torch() -> N
         assert not a["torch"], f"stalwart {' '.join(a['argv'])} imported torch before answering"
         if a["argv"][-1] != "--help" and a["argv"] != ["--version"]:
             assert a["code"] == 2 and a["err"].strip(), a  # an error, said
+    [version] = [a for a in answers if a["argv"] == ["--version"]]
+    assert version["code"] == 0, version

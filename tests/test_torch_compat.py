@@ -400,6 +400,7 @@ def test_rendezvous_and_launcher_helpers() -> None:
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
+    assert torch_compat.custom_device_name() == "privateuseone", "no device backend is registered beside CUDA here"
     assert torch_compat.matches_machine_hostname("localhost")
     assert torch_compat.matches_machine_hostname("127.0.0.1")
     assert not torch_compat.matches_machine_hostname("192.0.2.1")

@@ -19,8 +19,9 @@ commands:
   chaos    run a job under faults (a scenario file, or --suite quick) and check it ends as without them
   sim      simulate failures of a job far larger than this machine: ETTR, lost time, spares, cost
   bench    measure on this machine: 'bench checkpoint' compares stalwart with torch.save and DCP,
-           'bench recovery' with torchrun (and torchft when installed)
-  version  print stalwart's version
+           'bench recovery' with torchrun (and torchft when installed), 'bench handover', 'bench overhead',
+           'bench reshard'
+  version  print stalwart's version (also --version, -V)
 
 'stalwart <command> --help' describes each command."""
 
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
+    if name in ("--version", "-V"):
+        name = "version"
     command = COMMANDS.get(name)
     if command is None:
         print(f"stalwart: error: unknown command {name!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)

@@ -279,6 +279,13 @@ def static_master(params: Any) -> tuple[str | None, int | None]:
     return _get_addr_and_port(params)
 
 
+def custom_device_name() -> str:
+    """The name of a device backend registered beside CUDA, which torchrun's --nproc-per-node also takes: torch's
+    private `_C._get_privateuse1_backend_name` (its default 'privateuseone' when none is), as torchrun reads it.
+    Checked on torch 2.13.0."""
+    return str(torch._C._get_privateuse1_backend_name())
+
+
 def set_last_call(handler: Any, wait: timedelta) -> bool:
     """Make the next rounds of `handler` (torch's DynamicRendezvousHandler) wait `wait` for more nodes once the
     minimum is there: its `last_call_timeout`, fixed when made, is the private `_settings.timeout._last_call`.

@@ -197,6 +197,11 @@ def _validate(args: argparse.Namespace) -> None:
     nproc = str(args.nproc_per_node)
     if nproc.lstrip("-").isdigit() and int(nproc) < 1:
         raise ConfigError(f"--nproc-per-node must be at least 1, got {nproc}")
+    from stalwart.runtime import torch_compat  # torch: imported already, stalwart run's parser is torchrun's
+
+    words = ("cpu", "gpu", "xpu", "auto", torch_compat.custom_device_name())
+    if not nproc.lstrip("-").isdigit() and nproc not in words:  # torchrun's own check: a traceback deep in its launch
+        raise ConfigError(f"--nproc-per-node takes a number of processes or cpu, gpu, xpu, auto; got {nproc!r}")
     if not 0 <= args.preempt_grace_s < float("inf"):
         raise ConfigError(f"--preempt-grace-s must be a number of seconds >= 0, got {args.preempt_grace_s}")
     if args.preempt_notice is not None:
