@@ -101,6 +101,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--every", type=int, default=4)
+    p.add_argument("--log-every", type=int, default=1, help="JobConfig.log_every: step_done every N steps")
     p.add_argument("--num-samples", type=int, default=60)
     p.add_argument("--gbs", type=int, default=6)
     p.add_argument("--workers", type=int, default=0)
@@ -169,7 +170,7 @@ def main() -> None:
     job = stalwart.Job(
         args.ckpt,
         checkpoint_every=args.every,
-        log_every=1,
+        log_every=args.log_every,
         allow_world_size_change=args.allow_resize,
         # DDP keeps them equal on every rank (the scheduler too): each is written once. FSDP2's DTensors are
         # written by shard.
@@ -264,7 +265,9 @@ def main() -> None:
         if args.batch_log:
             with open(Path(args.batch_log) / f"pid{os.getpid()}.jsonl", "a") as f:
                 since = job.resumed_from if job.resumed_from is not None else -1
-                f.write(json.dumps({"step": step, "since": since, "ids": ids.tolist()}) + "\n")
+                f.write(
+                    json.dumps({"step": step, "since": since, "ids": ids.tolist(), "mono": time.monotonic()}) + "\n"
+                )
         if args.compute_sleep:
             time.sleep(args.compute_sleep)  # a stand-in for compute (a GPU's kernels) that no other rank slows
         noise = torch.rand(len(x), 1) * (0.0 if args.no_randomness else 1.0)  # draws: RNG restore matters

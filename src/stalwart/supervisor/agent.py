@@ -28,7 +28,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from stalwart.detect.heartbeat import Beat, Board
+from stalwart.detect.heartbeat import PHASE_STEP, Beat, Board
 from stalwart.errors import EXIT_EVICTED, EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.runtime.process import process_state, stopped
 from stalwart.supervisor import exclusion, late_failures, peer_check
@@ -390,6 +390,15 @@ class StalwartAgent(LocalElasticAgent):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
+    def _last_step(self, local_rank: int, pid: int) -> dict[str, Any]:
+        """The steps the worker had completed by its last beat and when (the beat at a step's start, on the
+        monotonic clock of the events): what `stalwart report` counts as reached where the worker's own
+        `step_done` events are every `log_every` steps (telemetry/goodput.py). Empty without a beat of that pid."""
+        beat = self._board.read(local_rank) if self._board is not None else None
+        if beat is None or beat.pid != pid or beat.phase != PHASE_STEP:
+            return {}
+        return {"last_step": beat.step, "last_step_mono": round(beat.beat_ns / 1e9, 6)}
+
     def _report_failure(self, result: RunResult) -> None:
         causes, consequences = [], []
         for rank, failure in sorted(result.failures.items()):
@@ -403,6 +412,7 @@ class StalwartAgent(LocalElasticAgent):
                 signal=sig,
                 hung=rank in self._hung,
                 restart=self.restart_count,
+                **self._last_step(failure.local_rank, failure.pid),
             )
             if failure.exitcode == EXIT_USER_ERROR:
                 self.user_error = True

@@ -47,7 +47,9 @@ class Recovery:
     """Seconds from the launch."""
     detection_s: float | None
     recovery_s: float
-    """From the failure (or its detection when the failure time is unknown) to the next step's start."""
+    """From the failure to the end of the first step completed after it. Where the failure's time is unknown (a
+    kill from outside), from the last step the failed worker completed (its last heartbeat), at most a step
+    before it."""
     steps_lost: int
     tier: str | None
     phases: dict[str, float] = field(default_factory=dict)
@@ -180,7 +182,7 @@ def account(events: Iterable[dict[str, Any]], *, window: tuple[float, float] | N
                 seg.kind,
                 round(seg.end - start, 3),
                 round(detection, 3) if seg.failure_at is not None else None,
-                round(nxt.start - seg.end, 3),
+                round((nxt.points[0][1] if nxt.points else nxt.start) - seg.end, 3),
                 lost,
                 nxt.tier,
                 {k: round(v, 3) for k, v in phases.items()},
@@ -279,6 +281,7 @@ def _attach_failures(
             continue
         first = noticed[0]
         seg.detected_at = float(first["mono"])
+        _reached_by_beat(seg, noticed)
         # The cause: an injected fault, or the agent acting on a GPU's XID (it stops that GPU's worker itself).
         faults = [
             e
@@ -294,6 +297,19 @@ def _attach_failures(
             seg.failure_at, seg.kind = float(hang["mono"]) - float(hang.get("silent_s", 0.0)), "hang"
         if seg.failure_at is not None:
             seg.end = min(max(seg.end, seg.failure_at), seg.detected_at)
+
+
+def _reached_by_beat(seg: _Segment, noticed: list[dict[str, Any]]) -> None:
+    """The steps the segment completed past its last `step_done` (logged every `log_every` steps): the agent's
+    `worker_failed` says how many the failed worker had completed by its last heartbeat and when (its ranks step
+    together), so that the steps redone and the time to the next step count from there, not from the last log."""
+    beats = [(int(e["last_step"]), float(e["last_step_mono"])) for e in noticed if "last_step_mono" in e]
+    if not beats:
+        return
+    step, at = max(beats)
+    if step > seg.reached and at >= (seg.points[-1][1] if seg.points else seg.start):
+        seg.points.append((step, at))
+        seg.end = max(seg.end, at)
 
 
 def breakdown_rows(g: Goodput) -> list[tuple[str, float, float]]:
