@@ -159,6 +159,8 @@ def test_stalwart_report_on_a_run_with_a_kill(launch: Any) -> None:
     assert r["detection_s"] is not None and 0 <= r["detection_s"] < 5
     assert report["productive_s"] + sum(report["badput"].values()) == pytest.approx(report["wall_s"])
     assert report["html"] is None, "--json alone writes no page"
+    here = stalwart("report", "--json", cwd=job.workdir, timeout=60)  # no path: the run's directory, as stalwart run's
+    assert here.returncode == 0 and json.loads(here.stdout)["log"] == str(job.event_log), here.stderr
     table = stalwart("report", str(job.workdir), timeout=60)
     assert table.returncode == 0 and "goodput" in table.stdout and "kill" in table.stdout
     page = job.event_log.parent / "report.html"

@@ -67,6 +67,16 @@ def test_bad_input_is_one_line_and_nonzero(args: list[str], expected: str, tmp_p
     assert list(tmp_path.iterdir()) == [], "nothing is written for bad input"
 
 
+def test_run_s_help_sets_stalwart_s_own_options_apart_with_its_defaults() -> None:
+    out = stalwart("run", "--help")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())  # whatever the terminal's width
+    ours = text[text.index("stalwart's own options") :]
+    assert "--event-log EVENT_LOG" in ours and "--event-log-handler" not in ours, "torchrun's, then stalwart's"
+    assert "--spares" in ours and "--wait-for-replacement" in ours and "--nproc-per-node" not in ours
+    assert "stalwart's default 3" in text and "torchrun's is 0" in text, "the default stalwart changes is said"
+
+
 def _worker_error_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("stalwart: error:")]
 

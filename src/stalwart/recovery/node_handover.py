@@ -2,8 +2,9 @@
 file in the node's shared memory.
 
 Straight from its memory (`read_directly`, runtime/cross_memory.py): each other rank copies the survivor's tensors
-into one buffer of its own, one copy, the floor of a hand-over on one node. Where the kernel refuses that (a Yama
-scope or seccomp profile that forbids it), every rank takes the file.
+into its own tensors for them where it has them (a replacement's model, built), else into new memory: one copy,
+the floor of a hand-over on one node. Where the kernel refuses that (a Yama scope or seccomp profile that forbids
+it), every rank takes the file.
 
 Why the file: on one node the replacement and the survivors share memory, so the hand-over can run at the speed of a
 copy instead of the transport's (issue #43, on the 2-core VM: a gloo broadcast of 1 GB between two processes took
@@ -114,8 +115,10 @@ def read_directly(
             buf = torch.empty(size, dtype=torch.uint8)  # its pages are only touched where a piece is read into it
             targets = into if into is not None else [None] * len(spans)
             for (offset, nbytes), target in zip(spans, targets, strict=True):
-                usable = target is not None and _holds(target, nbytes)
-                got.append(target.view(-1).view(torch.uint8) if usable else buf[offset : offset + nbytes])  # type: ignore[union-attr]
+                if target is not None and _holds(target, nbytes):
+                    got.append(target.view(-1).view(torch.uint8))
+                else:
+                    got.append(buf[offset : offset + nbytes])
             why = cross_memory.read_into(
                 pid,
                 [(t.data_ptr(), address, t.numel()) for t, address in zip(got, addresses, strict=True)],

@@ -47,32 +47,33 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
         formatter_class=torch_parser.formatter_class,
     )
-    parser.add_argument(
+    own = parser.add_argument_group("stalwart's own options (the others are torchrun's, as torchrun takes them)")
+    own.add_argument(
         "--no-slurm",
         action="store_true",
         help="under Slurm, take nothing from its SLURM_* variables (by default the node count, rendezvous endpoint "
         "and id, and GPUs per node come from the job step when not given; docs/schedulers.md)",
     )
-    parser.add_argument(
+    own.add_argument(
         "--event-log",
         default=os.environ.get(EVENT_LOG_ENV, DEFAULT_EVENT_LOG),
         help=f"JSONL event log shared with the workers (default: ${EVENT_LOG_ENV} or {DEFAULT_EVENT_LOG})",
     )
-    parser.add_argument(
+    own.add_argument(
         "--hang-timeout",
         default=os.environ.get(HANG_TIMEOUT_ENV, "auto"),
         help="seconds a worker may go without a heartbeat inside the training loop before it is killed as hung "
         "and the group restarted; 'auto' (default) calibrates it from the step times (3x their 99th percentile, "
         "at least 2 s, with grace for the first steps and waited saves)",
     )
-    parser.add_argument(
+    own.add_argument(
         "--spares",
         type=int,
         default=int(os.environ.get(SPARES_ENV, "0")),
         help="hot spare processes this agent keeps ready (torch imported, started at the lowest CPU priority); a "
         "worker that dies is replaced by a ready spare instead of a new interpreter (default 0)",
     )
-    parser.add_argument(
+    own.add_argument(
         "--warm-spares",
         action="store_true",
         default=os.environ.get(WARM_SPARES_ENV) == "1",
@@ -81,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(needs --spares N and re-forming; one node). The script must not keep the rank it reads before "
         "job.steps() in objects it does not track (docs/architecture.md)",
     )
-    parser.add_argument(
+    own.add_argument(
         "--no-reform",
         action="store_true",
         default=os.environ.get(REFORM_ENV) == "0",
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the survivors' processes and re-forming the group with them (default: re-form; ${REFORM_ENV}=0 also "
         "turns it off)".replace("${REFORM_ENV}", REFORM_ENV),
     )
-    parser.add_argument(
+    own.add_argument(
         "--reform-by-rerun",
         action="store_true",
         default=os.environ.get(IN_LOOP_ENV) == "0",
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
             "${IN_LOOP_ENV}", IN_LOOP_ENV
         ),
     )
-    parser.add_argument(
+    own.add_argument(
         "--wait-for-replacement",
         action="store_true",
         default=os.environ.get(WAIT_FOR_REPLACEMENT_ENV) == "1",
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "world size meanwhile with the global batch kept (the default on one node); the job then ends bitwise "
         "identical to a run without the failure (${ENV}=1 also does)".replace("${ENV}", WAIT_FOR_REPLACEMENT_ENV),
     )
-    parser.add_argument(
+    own.add_argument(
         "--replace-wait-s",
         type=float,
         default=REPLACE_WAIT_S,
@@ -115,33 +116,39 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {REPLACE_WAIT_S:g}; docs/schedulers.md)",
     )
     preflight_gate.add_arguments(parser)
-    parser.add_argument(
+    own.add_argument(
         "--metrics-port",
         type=int,
         default=int(os.environ[METRICS_PORT_ENV]) if os.environ.get(METRICS_PORT_ENV, "").isdigit() else None,
         help="serve the run's Prometheus metrics on this port (0: any free one; default: off)",
     )
-    parser.add_argument(
+    own.add_argument(
         "--preempt-grace-s",
         type=float,
         default=30.0,
         help="on SIGTERM (a preemption), seconds the workers get to take a last durable checkpoint at an agreed "
         "step and exit, before they are stopped (default 30; 0: stop at once); the launcher then exits 143",
     )
-    parser.add_argument(
+    own.add_argument(
         "--preempt-notice",
         default=os.environ.get(PREEMPT_NOTICE_ENV) or None,
         metavar="SOURCE",
         help="a preemption notice to watch: an http(s) URL of the cloud's metadata service (GCE's "
         ".../instance/preempted, AWS's .../spot/instance-action) or file:PATH; at the notice, the same as SIGTERM",
     )
-    parser.add_argument(
+    own.add_argument(
         "--metrics-addr",
         default="127.0.0.1",
         help="the address the metrics listen on (default 127.0.0.1: this host only)",
     )
     if "PET_MAX_RESTARTS" not in os.environ:
         parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
+    for action in parser._actions:  # torchrun's help of the flag whose default stalwart changes says torchrun's
+        if "--max-restarts" in action.option_strings:
+            action.help = (
+                f"how many times the workers are restarted after failures before the job fails (stalwart's default "
+                f"{DEFAULT_MAX_RESTARTS}, or $PET_MAX_RESTARTS; torchrun's is 0)"
+            )
     return parser
 
 

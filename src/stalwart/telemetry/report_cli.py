@@ -41,7 +41,14 @@ def find_log(path: Path) -> Path:
 
 def main(argv: list[str]) -> int:
     p = _Parser(prog="stalwart report", description="Where a run's wall time went: goodput and recoveries.")
-    p.add_argument("run", type=Path, help="an event log, or a directory holding events.jsonl")
+    p.add_argument(
+        "run",
+        type=Path,
+        nargs="?",
+        default=None,
+        help="an event log, or a directory holding events.jsonl or stalwart-logs/events.jsonl (default: here, "
+        "where `stalwart run` wrote stalwart-logs/events.jsonl)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (and write no page unless --html)")
     p.add_argument(
         "--html",
@@ -53,7 +60,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.html is not None and args.no_html:
         raise ConfigError("give --html PATH or --no-html, not both")
-    log = find_log(args.run)
+    log = find_log(args.run if args.run is not None else Path.cwd())
     events = list(read_events(log))
     if not events:
         raise ConfigError(f"{log} holds no events")
