@@ -30,6 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stalwart.runtime.env import HEARTBEAT_ENV as HEARTBEAT_ENV
 
@@ -144,6 +145,16 @@ class Board:
             if seq == again and seq % 2 == 0:
                 return Beat(pid, step, phase, beat_ns, deadline_ns) if seq else None
         return None
+
+    def progress(self, slot: int, pid: int) -> dict[str, Any]:
+        """The steps worker `pid` had completed by its last beat in the loop, and when (a beat at a step's start, on
+        the events' monotonic clock): the agent's `worker_failed` carries them, so that `stalwart report` counts
+        from there where the worker's own `step_done` events are every `log_every` steps (telemetry/goodput.py).
+        Empty without such a beat of that pid."""
+        beat = self.read(slot)
+        if beat is None or beat.pid != pid or beat.phase != PHASE_STEP:
+            return {}
+        return {"last_step": beat.step, "last_step_mono": round(beat.beat_ns / 1e9, 6)}
 
     def close(self) -> None:
         if self._map is not None:

@@ -28,10 +28,10 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from stalwart.detect.heartbeat import PHASE_STEP, Beat, Board
-from stalwart.errors import EXIT_EVICTED, EXIT_PEER_LOST, EXIT_USER_ERROR
+from stalwart.detect.heartbeat import Beat, Board
+from stalwart.errors import EXIT_USER_ERROR
 from stalwart.runtime.process import process_state, stopped
-from stalwart.supervisor import exclusion, late_failures, peer_check
+from stalwart.supervisor import exclusion, failure_line, late_failures, peer_check
 from stalwart.supervisor.exclusion import Exclusion
 from stalwart.supervisor.exit_watch import ExitWatch
 from stalwart.supervisor.gpu_watch import GpuWatch, is_restart
@@ -40,17 +40,6 @@ from stalwart.supervisor.late_failures import signal_name
 from stalwart.supervisor.peer_check import PeerCheck
 from stalwart.supervisor.zygote import Zygote
 from stalwart.telemetry.events import EventLog
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return process_state(pid) != "Z"
-
 
 STOP_CONFIRM_S = 0.5
 """How long a worker must stay stopped (state T) before it is killed: a SIGSTOP followed at once by SIGCONT (job
@@ -390,50 +379,22 @@ class StalwartAgent(LocalElasticAgent):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
-    def _last_step(self, local_rank: int, pid: int) -> dict[str, Any]:
-        """The steps the worker had completed by its last beat and when (the beat at a step's start, on the
-        monotonic clock of the events): what `stalwart report` counts as reached where the worker's own
-        `step_done` events are every `log_every` steps (telemetry/goodput.py). Empty without a beat of that pid."""
-        beat = self._board.read(local_rank) if self._board is not None else None
-        if beat is None or beat.pid != pid or beat.phase != PHASE_STEP:
-            return {}
-        return {"last_step": beat.step, "last_step_mono": round(beat.beat_ns / 1e9, 6)}
-
     def _report_failure(self, result: RunResult) -> None:
-        causes, consequences = [], []
         for rank, failure in sorted(result.failures.items()):
-            sig = signal_name(failure.exitcode)
             self._events.emit(
                 "worker_failed",
                 rank=rank,
                 local_rank=failure.local_rank,
                 worker_pid=failure.pid,
                 exitcode=failure.exitcode,
-                signal=sig,
+                signal=signal_name(failure.exitcode),
                 hung=rank in self._hung,
                 restart=self.restart_count,
-                **self._last_step(failure.local_rank, failure.pid),
+                **(self._board.progress(failure.local_rank, failure.pid) if self._board is not None else {}),
             )
             if failure.exitcode == EXIT_USER_ERROR:
                 self.user_error = True
-            if sig == "SIGTERM":  # the agent stops the survivors of a failure with SIGTERM
-                consequences.append(f"rank {rank} (pid {failure.pid}) stopped")
-            elif failure.exitcode == EXIT_PEER_LOST:
-                kept = ", re-forms in place" if self._reform and _alive(failure.pid) else ""
-                consequences.append(f"rank {rank} (pid {failure.pid}) lost a peer{kept}")
-            elif rank in self._hung:
-                causes.append(f"rank {rank} (pid {failure.pid}) {self._hung[rank]}, killed")
-            elif failure.exitcode == EXIT_EVICTED:
-                causes.append(f"rank {rank} (pid {failure.pid}) left as a straggler")
-            else:
-                how = f"killed by {sig}" if sig else f"exited with status {failure.exitcode}"
-                causes.append(f"rank {rank} (pid {failure.pid}) {how}")
-        if causes and consequences:
-            n = len(consequences)
-            how = "re-forming in place" if all(c.endswith("in place") for c in consequences) else "stopped"
-            what = ", ".join(causes) + f" ({n} other worker{'s' if n > 1 else ''} {how} as a consequence)"
-        else:
-            what = ", ".join(causes or consequences) or "workers unhealthy"
+        what = failure_line.what_happened(result.failures, self._hung, self._reform)
         if self.excluded is not None:  # its workers were stopped on purpose; _act_on_gpu said why
             self._events.emit("job_stopped", reason="node_excluded")
             self._say("workers stopped; not restarting on an excluded node")
