@@ -156,6 +156,10 @@ def test_stalwart_report_on_a_run_with_a_kill(launch: Any) -> None:
     assert 0 < report["goodput"] < 1 and report["final_step"] == 40
     (r,) = report["recoveries"]
     assert r["kind"] == "kill" and r["steps_lost"] <= 1 and r["tier"] in ("memory", "peer")
+    [resumed] = [e for e in job.events("resumed") if e["rank"] == 0 and e["restart"] == 1]
+    said = [line for line in job.output().splitlines() if line.startswith("stalwart: resumed at step")]
+    assert said == [f"stalwart: resumed at step {resumed['step']} from {resumed['source']} "
+                    f"({resumed['seconds']:.2f} s to load)"], job.output()[-2000:]  # fmt: skip
     assert r["detection_s"] is not None and 0 <= r["detection_s"] < 5
     assert report["productive_s"] + sum(report["badput"].values()) == pytest.approx(report["wall_s"])
     assert report["html"] is None, "--json alone writes no page"

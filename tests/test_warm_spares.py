@@ -61,6 +61,9 @@ def test_a_warm_spare_takes_the_lost_rank_without_a_set_up(launch: Any) -> None:
     assert results[0]["sha256"] == results[1]["sha256"], "the ranks end as replicas"
     _the_spare_became(job, spare, rank=1)
     assert "a warm spare became rank" not in job.output()
+    grown = [e for e in job.events("world_resized") if e["rank"] == 0 and "joined" in e.get("why", "")]
+    for e in grown:  # the person watching is told (when the job grew back from the survivor's state)
+        assert f"stalwart: back at 2 ranks at step {e['step']}: rank(s) [1] joined" in job.output()
     # The survivor's live state when it kept it (the job grew back); else node memory's newest copy: light
     # snapshots over their budget are turned off (reforming's why), as the policy intends. Never the durable tier.
     [resumed] = [e for e in job.events("resumed") if e["pid"] == spare]

@@ -36,6 +36,7 @@ from stalwart.recovery import reform, warm_spare
 from stalwart.recovery.in_loop import driver, survivor
 from stalwart.recovery.in_loop import late_join as late
 from stalwart.runtime.dist import Comm, Placement
+from stalwart.runtime.process import say
 from stalwart.telemetry.events import EventLog
 
 __all__ = ["Job", "JobConfig", "JobState", "Stateful"]
@@ -156,14 +157,17 @@ class Job:
         self.move_to(restored.step)
         self.resumed_from = restored.step
         survivor.drop_stash()  # the tracked objects hold their own copy now
+        seconds = time.monotonic() - started
         self.events.emit(
             "resumed",
             step=restored.step,
             source=restored.source,
             tier=restored.tier,
             bytes=restored.bytes,
-            seconds=time.monotonic() - started,
+            seconds=seconds,
         )
+        if self.is_main:  # where training goes on from, for the person watching (the event log has the rest)
+            say(f"stalwart: resumed at step {restored.step} from {restored.source} ({seconds:.2f} s to load)")
         return self.step
 
     def load_restored(self, restored: Restored) -> None:

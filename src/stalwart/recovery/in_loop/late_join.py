@@ -23,7 +23,7 @@ from stalwart.recovery import reform, script_group, shrink, warm_spare
 from stalwart.recovery.in_loop import survivor
 from stalwart.recovery.in_loop.port import LoopJob
 from stalwart.runtime.dist import init_process_group
-from stalwart.runtime.process import first_line
+from stalwart.runtime.process import first_line, say
 
 
 def join_late(job: LoopJob) -> None:
@@ -85,6 +85,11 @@ def grow(job: LoopJob, capture_rng: Callable[[], dict[str, Any]]) -> bool:
         own_parts=own_parts,
         seconds=time.monotonic() - started,
     )
+    if job.rank == 0:
+        say(
+            f"stalwart: back at {job.world_size} ranks at step {plan.step}: rank(s) {list(plan.receivers)} joined with "
+            f"rank {plan.source}'s state ({time.monotonic() - started:.2f} s)"
+        )
     job.events.emit(
         "world_resized",
         **{"from": job.world_size - len(plan.receivers), "to": job.world_size},
