@@ -45,9 +45,33 @@ def test_list_verify_inspect_on_a_healthy_directory(tmp_path: Path, capsys: pyte
     assert capsys.readouterr().out.count(": ok") == 3
     assert main(["ckpt", "inspect", str(root), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["step"] == 3 and summary["objects"]["model"] == {"tensors": 2, "bytes": 40, "dtypes": ["float32"]}
+    model = {"tensors": 2, "bytes": 40, "dtypes": ["float32"], "content": ""}
+    assert summary["step"] == 3 and summary["objects"]["model"] == model
+    assert summary["objects"]["data"]["content"] == "epoch=0"
     assert summary["kind"] == "full" and summary["bytes_saved"] == 0
     assert _snapshot(root) == before, "reading changes nothing"
+
+
+def test_inspect_says_what_a_loader_an_optimizer_and_a_scheduler_hold() -> None:
+    """The content column: a ResumableLoader's position, an optimizer's step count and rate, a scheduler's last rate
+    (issue #45: the loader showed as "0 tensors")."""
+    from stalwart import ResumableLoader
+    from stalwart.checkpoint.tools.inspect import describe
+
+    loader = ResumableLoader(list(range(60)), global_batch_size=6, rank=0, world_size=2)
+    for _, _ in zip(range(4), loader, strict=False):
+        pass
+    assert describe(loader.state_dict()) == "position: epoch 0, global batch 4 of 10"
+    model = torch.nn.Linear(3, 1)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+    for _ in range(3):
+        model(torch.ones(2, 3)).sum().backward()
+        optim.step()
+        sched.step()
+    assert describe(optim.state_dict()) == "2 parameters with state, step 3, lr 0.0005"
+    assert describe(sched.state_dict()) == "last_epoch 3, last lr 0.0005"
+    assert describe({"seen": 5, "name": "x", "flag": True}) == "seen=5" and describe(torch.ones(1)) == ""
 
 
 @pytest.mark.parametrize("columns", ["40", "80", None])

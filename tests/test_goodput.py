@@ -198,7 +198,7 @@ def test_the_report_counts_from_the_last_step_done_not_the_last_logged(launch: A
     (each step's start, with the time) and the test's own clock at the kill (both monotonic, one host)."""
     batches = tmp_path / "batches"
     batches.mkdir()
-    args = tiny_args("--steps", "150", "--step-sleep", "0.03", "--every", "20", "--log-every", "50",
+    args = tiny_args("--steps", "110", "--step-sleep", "0.03", "--every", "20", "--log-every", "50",
                      "--snapshot-every", "0", "--batch-log", str(batches))  # fmt: skip
     job = launch(["--no-reform", *args], env=child_env())
     job.wait_for(lambda: [e for e in job.events("step_done") if e["step"] >= 50], 120, "step 50")

@@ -163,7 +163,7 @@ def _inspect(root: Storage, step: int | None, rank: int, as_json: bool) -> int:
                     "shards": [{"meta": r.meta, "bytes": r.bytes, "xxh3": r.xxh3} for r in manifest.ranks],
                     "rank": rank,
                     "objects": {
-                        k: {"tensors": o.tensors, "bytes": o.bytes, "dtypes": sorted(o.dtypes)}
+                        k: {"tensors": o.tensors, "bytes": o.bytes, "dtypes": sorted(o.dtypes), "content": o.content}
                         for k, o in objects.items()
                     },
                 }
@@ -184,10 +184,10 @@ def _inspect(root: Storage, step: int | None, rank: int, as_json: bool) -> int:
         highlight=False,
     )
     table = Table(title=f"rank {rank}'s state")
-    for column in ("object", "tensors", "bytes", "dtypes"):
+    for column in ("object", "tensors", "bytes", "dtypes", "content"):
         table.add_column(column, justify="right" if column in ("tensors", "bytes") else "left")
     for name, o in objects.items():
-        table.add_row(name, str(o.tensors), f"{o.bytes:,}", ", ".join(sorted(o.dtypes)))
+        table.add_row(name, str(o.tensors), f"{o.bytes:,}", ", ".join(sorted(o.dtypes)), o.content)
     out.print(table)
     return 0
 

@@ -41,6 +41,9 @@ class ObjectSummary:
     tensors: int = 0
     bytes: int = 0
     dtypes: set[str] = field(default_factory=set)
+    content: str = ""
+    """What a person wants to know of it beyond its tensors (`describe`): a loader's position, an optimizer's step
+    count and rate, a scheduler's last rate."""
 
 
 def open_root(path: str | os.PathLike[str], options: dict[str, Any] | None = None) -> Storage:
@@ -136,6 +139,7 @@ def summarize(storage: Storage, step: int, rank: int = 0) -> tuple[layout.Manife
     for obj_name, obj_state in state.get("objects", {}).items():
         summary = ObjectSummary()
         _walk(obj_state, summary)
+        summary.content = describe(obj_state)
         objects[obj_name] = summary
     return manifest, {"step": state.get("step"), "world_size": state.get("world_size"), "objects": objects}
 
@@ -153,3 +157,31 @@ def _walk(value: Any, summary: ObjectSummary) -> None:
     elif isinstance(value, list | tuple):
         for item in value:
             _walk(item, summary)
+
+
+def describe(state: Any) -> str:
+    """One line on a tracked object's state, by its shape: a ResumableLoader's global position, an optimizer's step
+    count and learning rate, a scheduler's epoch and last rate, else up to four of its numbers by name; '' when
+    none of these is there."""
+    if not isinstance(state, dict):
+        return ""
+    if {"epoch", "batch", "num_samples"} <= state.keys():  # data/loader.py's state_dict
+        per_rank = state.get("batch_size_per_rank")
+        if per_rank is not None:
+            return f"position: epoch {state['epoch']}, sample {state['batch']} of {state['num_samples']}"
+        per_epoch = int(state["num_samples"]) // max(int(state.get("global_batch_size", 1)), 1)
+        return f"position: epoch {state['epoch']}, global batch {state['batch']} of {per_epoch}"
+    if isinstance(state.get("param_groups"), list) and isinstance(state.get("state"), dict):  # an optimizer
+        steps = [v.get("step") for v in state["state"].values() if isinstance(v, dict) and "step" in v]
+        parts = [f"{len(state['state'])} parameters with state"]
+        if steps:
+            parts.append(f"step {int(float(steps[0]))}")
+        rates = sorted({g["lr"] for g in state["param_groups"] if isinstance(g.get("lr"), int | float)})
+        if rates:
+            parts.append("lr " + ", ".join(f"{r:.4g}" for r in rates))
+        return ", ".join(parts)
+    if "last_epoch" in state and isinstance(state.get("_last_lr"), list):  # a learning-rate scheduler
+        rates = ", ".join(f"{r:.4g}" for r in state["_last_lr"] if isinstance(r, int | float))
+        return f"last_epoch {state['last_epoch']}, last lr {rates}"
+    numbers = [f"{k}={v}" for k, v in state.items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    return ", ".join(numbers[:4]) + (", ..." if len(numbers) > 4 else "")
