@@ -172,16 +172,16 @@ def describe(state: Any) -> str:
         per_epoch = int(state["num_samples"]) // max(int(state.get("global_batch_size", 1)), 1)
         return f"position: epoch {state['epoch']}, global batch {state['batch']} of {per_epoch}"
     if isinstance(state.get("param_groups"), list) and isinstance(state.get("state"), dict):  # an optimizer
-        steps = [v.get("step") for v in state["state"].values() if isinstance(v, dict) and "step" in v]
+        steps = [float(v["step"]) for v in state["state"].values() if isinstance(v, dict) and "step" in v]
         parts = [f"{len(state['state'])} parameters with state"]
         if steps:
-            parts.append(f"step {int(float(steps[0]))}")
+            parts.append(f"step {int(steps[0])}")
         rates = sorted({g["lr"] for g in state["param_groups"] if isinstance(g.get("lr"), int | float)})
         if rates:
             parts.append("lr " + ", ".join(f"{r:.4g}" for r in rates))
         return ", ".join(parts)
     if "last_epoch" in state and isinstance(state.get("_last_lr"), list):  # a learning-rate scheduler
-        rates = ", ".join(f"{r:.4g}" for r in state["_last_lr"] if isinstance(r, int | float))
-        return f"last_epoch {state['last_epoch']}, last lr {rates}"
+        last = ", ".join(f"{r:.4g}" for r in state["_last_lr"] if isinstance(r, int | float))
+        return f"last_epoch {state['last_epoch']}, last lr {last}"
     numbers = [f"{k}={v}" for k, v in state.items() if isinstance(v, int | float) and not isinstance(v, bool)]
     return ", ".join(numbers[:4]) + (", ..." if len(numbers) > 4 else "")
