@@ -251,3 +251,33 @@ def test_a_survivor_waiting_in_a_reduce_scatter_returns_when_its_group_fails() -
         time.sleep(0.05)
     assert work.is_completed() and out.tolist() == [-1.0] * 4
     _KEPT.extend(groups)
+
+
+_HANDLER_INSIDE_THE_LOCK = """
+import os, signal, sys
+from datetime import timedelta
+import torch.distributed as dist
+from stalwart.runtime.group import ReformableGroup
+
+group = ReformableGroup(dist.HashStore(), 0, 1, timedelta(seconds=5), connect=False)
+signal.signal(signal.SIGUSR2, lambda signum, frame: group.fail("the agent asked this worker to re-form"))
+with group._lock:  # as inside absorb, give or served when the request arrives
+    os.kill(os.getpid(), signal.SIGUSR2)
+    for _ in range(1000):  # bytecodes: the handler runs among them, on this thread, the lock held
+        pass
+print(repr(group.failed))
+"""
+
+
+def test_the_request_s_handler_arriving_while_the_group_s_lock_is_held_does_not_deadlock() -> None:
+    """The agent's request to re-form has a Python handler that runs on the main thread between two bytecodes, also
+    while that thread holds the group's lock (inside `absorb`, `give`, `served`), and it calls `fail` -> `absorb`.
+    A plain lock deadlocked that survivor until the agent replaced it (seen once in a fresh clone's quick tier)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _HANDLER_INSIDE_THE_LOCK], capture_output=True, text=True, env=child_env(), timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert "the agent asked this worker to re-form" in done.stdout

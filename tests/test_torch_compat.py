@@ -307,6 +307,15 @@ def test_the_first_step_pre_hook_runs_before_the_earlier_ones() -> None:
     assert ran == ["first", "earlier", "earlier"]
 
 
+def test_a_scheduler_s_saved_last_rates_are_read_as_it_reports_them() -> None:
+    optim = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+    optim.step()
+    sched.step()
+    assert torch_compat.saved_last_lr(sched.state_dict()) == sched.get_last_lr() == [0.05]
+    assert torch_compat.saved_last_lr(optim.state_dict()) is None
+
+
 def test_a_scaled_last_lr_is_what_the_scheduler_reports() -> None:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.4)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)

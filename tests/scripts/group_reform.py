@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stalwart.recovery import ddp_layout
 from stalwart.runtime import group as reformable
 from stalwart.runtime.store import tcp_store
 
@@ -75,7 +76,7 @@ def main() -> None:
             comm = form(rank, port2)
             now = reformable.current()
             assert now is not None and now is not group and group.latest() is now and now.generation == 2
-            reformable.reset_ddp(ddp, now)
+            ddp_layout.reset_ddp(ddp, now)
             now.absorb_failures(True)
             step = send_state(model, opt, step, comm)
             continue

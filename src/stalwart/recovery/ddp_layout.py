@@ -1,4 +1,4 @@
-"""After a re-formation, every rank's DDP modules take the survivors' bucket layout (runtime/group.reset_ddp says why).
+"""After a re-formation, every rank's DDP modules take the survivors' bucket layout (`reset_ddp` below says why).
 
 A survivor's DDP rebuilt its buckets after its first iteration; a replacement's DDP was just made, with the
 constructor's, and the re-formation gave the survivor's a fresh reducer with the constructor's too (so that a
@@ -14,10 +14,11 @@ from __future__ import annotations
 import hashlib
 
 import torch
+import torch.distributed as dist
 
 from stalwart.runtime import group as reformable
 from stalwart.runtime.dist import Comm
-from stalwart.runtime.torch_compat import ddp_bucket_layout, live_ddp_modules
+from stalwart.runtime.torch_compat import ddp_bucket_layout, live_ddp_modules, rebuild_ddp_reducer
 
 Layout = list[list[int]] | None
 
@@ -90,6 +91,26 @@ def share(comm: Comm, group: reformable.ReformableGroup) -> int:
     rebuilt = 0
     for module, layout in zip(modules, layouts if agreed else [None] * len(modules), strict=True):
         if ddp_bucket_layout(module) != layout:
-            reformable.reset_ddp(module, group.latest(), layout)
+            reset_ddp(module, group.latest(), layout)
             rebuilt += 1
     return rebuilt
+
+
+def reset_ddp(module: torch.nn.Module, group: dist.ProcessGroup, layout: list[list[int]] | None = None) -> bool:
+    """Give a DDP module a fresh reducer on `group`; returns whether it is one. `layout`: its buckets, as lists
+    of parameter indices (`torch_compat.ddp_bucket_layout`), taken as already rebuilt; None: the constructor's.
+
+    Why a fresh reducer: torch's `_update_process_group` keeps the reducer's state of the failed step. Why the
+    layout: after its first iteration DDP rebuilds its buckets in the order the gradients became ready (rank 0's,
+    broadcast), and an all-reduce sums each element in an order that depends on its place in the bucket (gloo,
+    3 ranks and more: the last bit can differ). A survivor keeps its rebuilt layout and a replacement's new DDP takes
+    the same one (recovery/ddp_layout.py), so the step after a re-formation sums as a run without the failure does.
+    With the constructor's layout on every rank for that step (what a re-formation makes until the ranks agree on
+    the survivors' layout) it is consistent, but not bitwise on 3 ranks (tests/test_in_loop.py, two failures at
+    once). Comm hooks registered on the module carry over."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(module, DistributedDataParallel):
+        return False
+    rebuild_ddp_reducer(module, group, layout)  # through DDP's private members: runtime/torch_compat.py
+    return True

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from stalwart.runtime import staged_scatter
-from stalwart.runtime.torch_compat import rebuild_ddp_reducer
 from stalwart.runtime.torch_compat_groups import AllgatherOptions, group_args, nccl_options, register_backends
 from stalwart.runtime.works import AbsorbingWork, AllOf, DoneWork, Given, Then
 
@@ -70,7 +69,11 @@ class ReformableGroup(dist.ProcessGroup):
         made = _make_backends(store, rank, size, timeout) if connect else {}
         super().__init__(*group_args(store, rank, size, made, subclass=True))
         self._rank, self._size, self._store = rank, size, store
-        self._lock = threading.Lock()
+        # Re-entrant: the agent's request to re-form has a Python handler (recovery/in_loop/group_side.py) that runs on
+        # the main thread between two bytecodes, also inside `absorb`, `give` or `served` holding this lock, and
+        # calls `fail` -> `absorb`. With a plain lock that survivor waited for itself until the agent replaced it
+        # (a fresh clone's quick tier, 2026-11-29: both frames in `absorb` in its stack dump).
+        self._lock = threading.RLock()
         self._failed: BaseException | None = None
         self._given: dict[Given, None] = {}  # insertion-ordered: the oldest first (runtime/works.py says why)
         self._joining = not connect
@@ -171,7 +174,7 @@ class ReformableGroup(dist.ProcessGroup):
 
     def _let_go_of_done(self, count: int) -> None:
         """Let go of the `count` oldest works that are done (under the lock)."""
-        for work in [w for w in self._given if w.is_completed()][:count]:
+        for work in [w for w in list(self._given) if w.is_completed()][:count]:  # a copy: a handler may pop
             del self._given[work]
 
     def served(self, work: Given) -> None:
@@ -427,23 +430,3 @@ def register() -> None:
     """Make BACKEND known to `dist.init_process_group` (once per process)."""
     if BACKEND not in dist.Backend.backend_list:  # where register_backend lists what it registered
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
-
-
-def reset_ddp(module: torch.nn.Module, group: dist.ProcessGroup, layout: list[list[int]] | None = None) -> bool:
-    """Give a DDP module a fresh reducer on `group`; returns whether it is one. `layout`: its buckets, as lists
-    of parameter indices (`torch_compat.ddp_bucket_layout`), taken as already rebuilt; None: the constructor's.
-
-    Why a fresh reducer: torch's `_update_process_group` keeps the reducer's state of the failed step. Why the
-    layout: after its first iteration DDP rebuilds its buckets in the order the gradients became ready (rank 0's,
-    broadcast), and an all-reduce sums each element in an order that depends on its place in the bucket (gloo,
-    3 ranks and more: the last bit can differ). A survivor keeps its rebuilt layout and a replacement's new DDP takes
-    the same one (recovery/ddp_layout.py), so the step after a re-formation sums as a run without the failure does.
-    With the constructor's layout on every rank for that step (what a re-formation makes until the ranks agree on
-    the survivors' layout) it is consistent, but not bitwise on 3 ranks (tests/test_in_loop.py, two failures at
-    once). Comm hooks registered on the module carry over."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if not isinstance(module, DistributedDataParallel):
-        return False
-    rebuild_ddp_reducer(module, group, layout)  # through DDP's private members: runtime/torch_compat.py
-    return True

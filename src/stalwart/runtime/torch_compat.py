@@ -116,7 +116,8 @@ def rebuild_ddp_reducer(
     module: DistributedDataParallel, group: dist.ProcessGroup, layout: list[list[int]] | None = None
 ) -> None:
     """Give the DDP `module` a fresh reducer on `group`, as its constructor made it; its comm hooks carry over
-    (runtime/group.reset_ddp says why). torch has no public way: `_update_process_group` keeps the rebuilt buckets.
+    (recovery/ddp_layout.reset_ddp says why). torch has no public way: `_update_process_group` keeps the rebuilt
+    buckets.
     So this repeats what DDP's constructor does after its checks, through its private members: the reducer's
     `_remove_autograd_hooks` and `_set_static_graph`, DDP's `_build_params_for_reducer`,
     `_build_debug_param_to_name_mapping`, `_ddp_init_helper`, `_comm_hooks`, `_has_rebuilt_buckets` and
@@ -200,6 +201,14 @@ def scale_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, factor: float
     last = getattr(scheduler, "_last_lr", None)
     if isinstance(last, list):
         scheduler._last_lr = [lr * factor for lr in last]
+
+
+def saved_last_lr(state: dict[str, Any]) -> list[float] | None:
+    """The rates a learning-rate scheduler's state_dict recorded as its last (`get_last_lr()`), for a person reading
+    a checkpoint (`stalwart ckpt inspect`): saved under the private member's name `_last_lr`. None when `state` is
+    not such a state_dict. Checked on torch 2.4.1 and 2.13.0."""
+    rates = state.get("_last_lr") if "last_epoch" in state else None
+    return [float(r) for r in rates if isinstance(r, int | float)] if isinstance(rates, list) else None
 
 
 def carry_scheduler_mark(real_step: Callable[..., Any], step: Callable[..., Any]) -> None:

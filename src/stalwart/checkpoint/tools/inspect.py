@@ -19,6 +19,7 @@ from stalwart.checkpoint.load.rank_state import load_rank_state
 from stalwart.checkpoint.load.verify import read_tensor
 from stalwart.checkpoint.storage import Storage, describe_error, open_storage
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
+from stalwart.runtime import torch_compat
 
 
 @dataclass(slots=True)
@@ -180,8 +181,8 @@ def describe(state: Any) -> str:
         if rates:
             parts.append("lr " + ", ".join(f"{r:.4g}" for r in rates))
         return ", ".join(parts)
-    if "last_epoch" in state and isinstance(state.get("_last_lr"), list):  # a learning-rate scheduler
-        last = ", ".join(f"{r:.4g}" for r in state["_last_lr"] if isinstance(r, int | float))
-        return f"last_epoch {state['last_epoch']}, last lr {last}"
+    last = torch_compat.saved_last_lr(state)
+    if last is not None:  # a learning-rate scheduler
+        return f"last_epoch {state['last_epoch']}, last lr {', '.join(f'{r:.4g}' for r in last)}"
     numbers = [f"{k}={v}" for k, v in state.items() if isinstance(v, int | float) and not isinstance(v, bool)]
     return ", ".join(numbers[:4]) + (", ..." if len(numbers) > 4 else "")

@@ -191,7 +191,7 @@ class InLoop:
         ours = [m for m in ours if m.process_group.latest() is group]  # type: ignore[attr-defined]
         for m in ours:  # their rebuilt layouts, which every rank's take once it has its state (`joined`)
             ddp_layout.keep(m)
-        return sum(reformable.reset_ddp(m, group) for m in ours)
+        return sum(ddp_layout.reset_ddp(m, group) for m in ours)
 
     def close(self) -> None:
         self._watch.close()
