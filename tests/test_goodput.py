@@ -185,6 +185,10 @@ def test_steps_past_the_last_logged_one_count_from_the_failed_worker_s_last_hear
     ]  # fmt: skip
     (r,) = account(events).recoveries
     assert r.steps_lost == 5 and r.recovery_s == pytest.approx(30.0 - 26.0)
+    # Another failure before the next attempt's first step (its beat after this one's detection): not this one's.
+    again = [*events[:-6], _agent("worker_failed", 28.2, rank=1, last_step=25, last_step_mono=28.1), *events[-6:]]
+    (first,) = account(again).recoveries
+    assert first.steps_lost == 5 and first.recovery_s == pytest.approx(30.0 - 26.0), first
     old = [e for e in events if "last_step" not in e] + [_agent("worker_failed", 27.0, rank=1)]
     (before,) = account(old).recoveries
     assert before.steps_lost == 0 and before.recovery_s == pytest.approx(30.0 - 21.0), "without the beat: the log"

@@ -33,6 +33,7 @@ def _one_error_line(stderr: str) -> str:
         (["run", "--nproc-per-node", "2", "no_such_script.py"], "does not exist"),
         (["run", "--nproc-per-node", "0", str(TINY)], "--nproc-per-node must be at least 1"),
         (["run", "--nproc-per-node", "two", str(TINY)], "--nproc-per-node takes a number of processes"),
+        (["run", "--nproc-per-node=--5", str(TINY)], "--nproc-per-node takes a number of processes"),
         (["run", "--no-such-flag", str(TINY)], "unrecognized arguments"),
         (["run", "--max-restarts", "-1", str(TINY)], "--max-restarts must be >= 0"),
         (["run", "--replace-wait-s", "-1", str(TINY)], "--replace-wait-s must be a number of seconds >= 0"),

@@ -119,8 +119,11 @@ class TrackedState:
     def live_tensors(self, rank: int) -> dict[str, torch.Tensor]:
         """The replicated objects' tensors by checkpoint id, as the objects hold them now (a state_dict's tensors
         share their memory): a survivor's live state on the same node is read straight into those of a replacement
-        (recovery/restore.py). Local, no collective."""
-        _, items = flatten({"objects": self.replicated_states()}, rank, self.replicated)
+        (recovery/restore.py). Modules and optimizers only: their `load_state_dict` copies or adopts what it is
+        given, where another object's might clear its tensor before copying from it. Local, no collective."""
+        kinds = (torch.nn.Module, torch.optim.Optimizer)
+        states = {n: o.state_dict() for n, o in self.objects.items() if n in self.replicated and isinstance(o, kinds)}
+        _, items = flatten({"objects": states}, rank, self.replicated)
         return {i.id: i.tensor for i in items if i.id.startswith("R/")}
 
     def replicated_tensors(self) -> list[torch.Tensor]:

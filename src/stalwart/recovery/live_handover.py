@@ -85,7 +85,10 @@ def hand_over(
 def _own_tensors(own: Callable[[], dict[str, torch.Tensor]] | None, layout: Layout) -> list[torch.Tensor | None]:
     """This rank's own tensors for `layout`'s ids where they have the dtype and shape, else None. A tensor read into
     is then loaded onto itself, which copies nothing (a copy between the same memory returns at once)."""
-    tensors = own() if own is not None else {}
+    try:  # between two collectives: a failure here must not leave the other ranks waiting
+        tensors = own() if own is not None else {}
+    except Exception:
+        tensors = {}
     into: list[torch.Tensor | None] = []
     for tid, (_, _, dtype, shape) in layout.items():
         t = tensors.get(tid)

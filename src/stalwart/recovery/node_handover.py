@@ -93,7 +93,7 @@ def read_directly(
     each copied straight from the source's memory: into the reader's own tensor for it (`into`, by piece: one that
     already holds such a tensor, its model's parameters), else into one buffer of `size` bytes at its (offset, bytes)
     of `spans` (alike on every rank). On a reader each piece's bytes (a flat uint8 view of where it went), on the
-    source none; None on every rank where any cannot (a piece on a GPU or not contiguous, a kernel that refuses):
+    source none; None on every rank where any cannot (a piece not in CPU memory, a kernel that refuses):
     the caller takes the file. Collective."""
     pid = 0
     message = torch.zeros(1 + len(spans), dtype=torch.int64)

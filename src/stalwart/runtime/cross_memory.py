@@ -32,13 +32,16 @@ if _readv is not None:
     _readv.restype = ctypes.c_ssize_t
     _iov = ctypes.POINTER(_Iovec)
     _readv.argtypes = [ctypes.c_int, _iov, ctypes.c_ulong, _iov, ctypes.c_ulong, ctypes.c_ulong]
-_prctl = _libc.prctl
+_prctl = getattr(_libc, "prctl", None)
 
 
 @contextlib.contextmanager
 def readable_by_any() -> Iterator[None]:
     """While inside, any process of this user may read this process's memory, also under Yama's scope 1; the
     default is restored on leaving. A system without Yama refuses the call, which changes nothing there."""
+    if _prctl is None:
+        yield
+        return
     _prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
     try:
         yield
@@ -48,8 +51,8 @@ def readable_by_any() -> Iterator[None]:
 
 def read_into(pid: int, pieces: list[tuple[int, int, int]]) -> str:
     """Copy each (local address, remote address, bytes) of `pieces` from process `pid`'s memory into this process's;
-    '' when all arrived, else why not (the caller then takes another way). Each call copies one piece: a
-    piece whose pages are only partly mapped fails alone, and the GIL is released while the kernel copies."""
+    '' when all arrived, else why not at the first piece that failed (the caller then takes another way). One
+    call per piece; the GIL is released while the kernel copies."""
     if _readv is None:
         return "this C library has no process_vm_readv"
     local, remote = _Iovec(), _Iovec()

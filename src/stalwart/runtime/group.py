@@ -175,7 +175,7 @@ class ReformableGroup(dist.ProcessGroup):
     def _let_go_of_done(self, count: int) -> None:
         """Let go of the `count` oldest works that are done (under the lock)."""
         for work in [w for w in list(self._given) if w.is_completed()][:count]:  # a copy: a handler may pop
-            del self._given[work]
+            self._given.pop(work, None)  # a handler's release may have let go of it meanwhile
 
     def served(self, work: Given) -> None:
         """`work`'s caller has what it came for: no longer kept."""

@@ -102,7 +102,7 @@ class AbsorbingWork(Given):
         super().__init__()
         self._group, self._work, self._result = group, work, result
         self._then = then
-        self._then_lock = threading.Lock()
+        self._then_lock = threading.RLock()  # re-entrant: the re-form request's handler may release mid-`then`
         self._future: Future[Any] = Future()
         self._future_taken = False
         with contextlib.suppress(RuntimeError):  # gloo's reduce-scatter has none: completed by wait(), get_future

@@ -30,7 +30,7 @@ MODES = ("auto", "on", "off")
 TIMEOUT_S = 600.0
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """`stalwart run`'s pre-flight flags."""
     parser.add_argument(
         "--preflight",

@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         "before it goes on with the nodes it has; the first rendezvous keeps torch's wait for late starters "
         f"(default {REPLACE_WAIT_S:g}; docs/schedulers.md)",
     )
-    preflight_gate.add_arguments(parser)
+    preflight_gate.add_arguments(own)
     own.add_argument(
         "--metrics-port",
         type=int,
@@ -202,13 +202,17 @@ def _own(argv: list[str], args: argparse.Namespace) -> list[str]:
 
 def _validate(args: argparse.Namespace) -> None:
     nproc = str(args.nproc_per_node)
-    if nproc.lstrip("-").isdigit() and int(nproc) < 1:
+    try:
+        count: int | None = int(nproc)
+    except ValueError:
+        count = None
+    if count is not None and count < 1:
         raise ConfigError(f"--nproc-per-node must be at least 1, got {nproc}")
     from stalwart.runtime import torch_compat  # torch: imported already, stalwart run's parser is torchrun's
 
     words = ("cpu", "gpu", "xpu", "auto", torch_compat.custom_device_name())
-    if not nproc.lstrip("-").isdigit() and nproc not in words:  # torchrun's own check: a traceback deep in its launch
-        raise ConfigError(f"--nproc-per-node takes a number of processes or cpu, gpu, xpu, auto; got {nproc!r}")
+    if count is None and nproc not in words:  # torchrun's own check: a traceback deep in its launch
+        raise ConfigError(f"--nproc-per-node takes a number of processes or {', '.join(words)}; got {nproc!r}")
     if not 0 <= args.preempt_grace_s < float("inf"):
         raise ConfigError(f"--preempt-grace-s must be a number of seconds >= 0, got {args.preempt_grace_s}")
     if args.preempt_notice is not None:

@@ -53,7 +53,8 @@ class Recovery:
     steps_lost: int
     tier: str | None
     phases: dict[str, float] = field(default_factory=dict)
-    """The time from the failure to the next step, by phase: detection, reformation, restore, other."""
+    """The time from the failure to the start of the next step, by phase: detection, reformation, restore, other
+    (`recovery_s` goes on to that step's end)."""
     wasted_s: float = 0.0
     """Time spent on steps this failure threw away (they were redone)."""
 
@@ -281,7 +282,7 @@ def _attach_failures(
             continue
         first = noticed[0]
         seg.detected_at = float(first["mono"])
-        _reached_by_beat(seg, noticed)
+        _reached_by_beat(seg, [e for e in noticed if e.get("last_step_mono", 0.0) <= seg.detected_at])
         # The cause: an injected fault, or the agent acting on a GPU's XID (it stops that GPU's worker itself).
         faults = [
             e

@@ -1,15 +1,17 @@
-"""`stalwart report RUN`: where a run's wall time went, from its event log (telemetry/goodput.py).
+"""`stalwart report [RUN]`: where a run's wall time went, from its event log (telemetry/goodput.py).
 
 RUN is an event log (`stalwart run --event-log`), or a directory holding one as `events.jsonl` or
-`stalwart-logs/events.jsonl` (stalwart run's default). Prints the goodput and its breakdown and one line per
-failure or rollback (detection, recovery, steps lost, tier), and writes a self-contained HTML page with figures
-(telemetry/report_html.py) next to the log as `report.html` (`--html PATH` elsewhere, `--no-html` not at all);
-`--json` prints the same numbers as one object. Works on a log still being written.
+`stalwart-logs/events.jsonl` (stalwart run's default); without it, $STALWART_EVENT_LOG or the current directory.
+Prints the goodput and its breakdown and one line per failure or rollback (detection, recovery, steps lost, tier),
+and writes a self-contained HTML page with figures (telemetry/report_html.py) next to the log as `report.html`
+(`--html PATH` elsewhere, `--no-html` not at all); `--json` prints the same numbers as one object. Works on a log
+still being written.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from rich.table import Table
 
 from stalwart.errors import ConfigError
 from stalwart.runtime.args import Parser
+from stalwart.runtime.env import EVENT_LOG_ENV
 from stalwart.telemetry.console import console
 from stalwart.telemetry.events import read_events
 from stalwart.telemetry.goodput import Goodput, account, breakdown_rows
@@ -46,8 +49,8 @@ def main(argv: list[str]) -> int:
         type=Path,
         nargs="?",
         default=None,
-        help="an event log, or a directory holding events.jsonl or stalwart-logs/events.jsonl (default: here, "
-        "where `stalwart run` wrote stalwart-logs/events.jsonl)",
+        help="an event log, or a directory holding events.jsonl or stalwart-logs/events.jsonl (default: "
+        f"${EVENT_LOG_ENV} if set, else here, where `stalwart run` wrote stalwart-logs/events.jsonl)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (and write no page unless --html)")
     p.add_argument(
@@ -60,7 +63,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.html is not None and args.no_html:
         raise ConfigError("give --html PATH or --no-html, not both")
-    log = find_log(args.run if args.run is not None else Path.cwd())
+    log = find_log(args.run if args.run is not None else Path(os.environ.get(EVENT_LOG_ENV) or Path.cwd()))
     events = list(read_events(log))
     if not events:
         raise ConfigError(f"{log} holds no events")

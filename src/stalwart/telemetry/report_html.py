@@ -289,7 +289,7 @@ def _recoveries(g: Goodput) -> str:
     for y, (r, x) in enumerate(zip(shown, left, strict=True)):
         ax.annotate(f" {r.steps_lost} steps redone, state from {r.tier or '?'}", (x, y), va="center", fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds from the failure to the next step")
+    ax.set_xlabel("seconds from the failure to the start of the next step")
     ax.set_xlim(right=max([*left, 1e-3]) * 1.6)
     ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, frameon=False, ncols=len(PHASES))
     return _svg(fig)

@@ -173,10 +173,10 @@ def describe(state: Any) -> str:
         per_epoch = int(state["num_samples"]) // max(int(state.get("global_batch_size", 1)), 1)
         return f"position: epoch {state['epoch']}, global batch {state['batch']} of {per_epoch}"
     if isinstance(state.get("param_groups"), list) and isinstance(state.get("state"), dict):  # an optimizer
-        steps = [float(v["step"]) for v in state["state"].values() if isinstance(v, dict) and "step" in v]
+        steps = [_number(v["step"]) for v in state["state"].values() if isinstance(v, dict) and "step" in v]
         parts = [f"{len(state['state'])} parameters with state"]
-        if steps:
-            parts.append(f"step {int(steps[0])}")
+        if any(s is not None for s in steps):
+            parts.append(f"step {int(max(s for s in steps if s is not None))}")
         rates = sorted({g["lr"] for g in state["param_groups"] if isinstance(g.get("lr"), int | float)})
         if rates:
             parts.append("lr " + ", ".join(f"{r:.4g}" for r in rates))
@@ -186,3 +186,11 @@ def describe(state: Any) -> str:
         return f"last_epoch {state['last_epoch']}, last lr {', '.join(f'{r:.4g}' for r in last)}"
     numbers = [f"{k}={v}" for k, v in state.items() if isinstance(v, int | float) and not isinstance(v, bool)]
     return ", ".join(numbers[:4]) + (", ..." if len(numbers) > 4 else "")
+
+
+def _number(value: Any) -> float | None:
+    """A step count as saved (a number, a one-element tensor), else None."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
