@@ -5,13 +5,15 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -429,3 +431,37 @@ def _longest_first(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
         order += heads[k] + rest[:take]
         rest = rest[take:]
     return order + rest
+
+
+def run_forked_ranks(
+    target: Callable[..., None], tmp_path: Path, *extra: Any, world: int = 2, timeout: float = 60
+) -> None:
+    """`target(rank, store_path, *extra)` in `world` processes forked from this one (a FileStore at `store_path` for
+    their group): a test of collectives between real processes. Fails with every rank's traceback; a rank still
+    running after `timeout` is killed."""
+    context = multiprocessing.get_context("fork")
+    store = str(tmp_path / "store")
+    procs = [
+        context.Process(target=_traced, args=(target, r, store, str(tmp_path / f"error{r}"), *extra), daemon=True)
+        for r in range(world)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = "\n".join(f.read_text() for f in sorted(tmp_path.glob("error*")))
+    assert [p.exitcode for p in procs] == [0] * world, errors
+
+
+def _traced(target: Callable[..., None], rank: int, store: str, errors: str, *extra: Any) -> None:
+    try:
+        target(rank, store, *extra)
+    except BaseException:
+        Path(errors).write_text(traceback.format_exc())
+        raise

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import child_env, stalwart
+from conftest import child_env, run_forked_ranks, stalwart
 from stalwart.recovery import node_handover
 from stalwart.runtime import cross_memory
 from stalwart.runtime.dist import Comm, Placement
@@ -76,39 +75,35 @@ def test_only_ranks_of_a_one_node_job_sharing_a_directory_agree_on_a_key(tmp_pat
     assert node_handover.node_key(None, 2, 2) == 0, "no node memory"
 
 
-def _direct_rank(rank: int, store_path: str, errors: str, refuse: bool) -> None:
+def _direct_rank(rank: int, store_path: str, refuse: bool) -> None:
     """Rank 1 is the source: its pieces (a tensor, a matrix, an empty one, a transposed one, the skeleton's bytes)
     read by rank 0 straight from its memory. `refuse`: rank 0 reads as another user, which the kernel refuses."""
-    try:
-        store = dist.FileStore(store_path, 2)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
-        comm = Comm(Placement(rank, 2, rank, 0), timedelta(seconds=30))
-        a = torch.arange(1000, dtype=torch.float32)
-        b = torch.arange(77, dtype=torch.int64).reshape(7, 11)
-        t = torch.arange(12, dtype=torch.float64).reshape(3, 4).t()  # not contiguous: its copy is read
-        skeleton = torch.frombuffer(bytearray(b"skeleton"), dtype=torch.uint8)
-        spans = [(0, 4000), (4032, 616), (4672, 0), (4672, 96), (4800, 8)]
-        pieces = [p.reshape(-1) for p in (a, b, torch.empty(0), t)] + [skeleton] if rank == 1 else None
-        if refuse and rank == 0:
-            os.setresuid(65534, 65534, 65534)
-        own = torch.zeros(7, 11, dtype=torch.int64)  # the reader's own tensor for the matrix: read into
-        into = [None, own, None, torch.zeros(3, 3), None] if rank == 0 else None  # a wrong size is not used
-        got = node_handover.read_directly(comm, 1, pieces, spans, 4808, into)
-        if refuse:
-            assert got is None, "a refused read: every rank takes the file"
-        elif rank == 1:
-            assert got == [], "the source keeps its own tensors"
-        else:
-            assert got is not None and [p.numel() for p in got] == [n for _, n in spans]
-            assert torch.equal(got[0].view(torch.float32), a)
-            assert torch.equal(own, b) and got[1].data_ptr() == own.data_ptr(), "read into the reader's own tensor"
-            assert torch.equal(got[3].view(torch.float64), t.reshape(-1))
-            assert bytes(got[4].tolist()) == b"skeleton"
-        comm.close()
-        dist.destroy_process_group()
-    except BaseException:
-        Path(errors).write_text(traceback.format_exc())
-        raise
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    comm = Comm(Placement(rank, 2, rank, 0), timedelta(seconds=30))
+    a = torch.arange(1000, dtype=torch.float32)
+    b = torch.arange(77, dtype=torch.int64).reshape(7, 11)
+    t = torch.arange(12, dtype=torch.float64).reshape(3, 4).t()  # not contiguous: its copy is read
+    skeleton = torch.frombuffer(bytearray(b"skeleton"), dtype=torch.uint8)
+    spans = [(0, 4000), (4032, 616), (4672, 0), (4672, 96), (4800, 8)]
+    pieces = [p.reshape(-1) for p in (a, b, torch.empty(0), t)] + [skeleton] if rank == 1 else None
+    if refuse and rank == 0:
+        os.setresuid(65534, 65534, 65534)
+    own = torch.zeros(7, 11, dtype=torch.int64)  # the reader's own tensor for the matrix: read into
+    into = [None, own, None, torch.zeros(3, 3), None] if rank == 0 else None  # a wrong size is not used
+    got = node_handover.read_directly(comm, 1, pieces, spans, 4808, into)
+    if refuse:
+        assert got is None, "a refused read: every rank takes the file"
+    elif rank == 1:
+        assert got == [], "the source keeps its own tensors"
+    else:
+        assert got is not None and [p.numel() for p in got] == [n for _, n in spans]
+        assert torch.equal(got[0].view(torch.float32), a)
+        assert torch.equal(own, b) and got[1].data_ptr() == own.data_ptr(), "read into the reader's own tensor"
+        assert torch.equal(got[3].view(torch.float64), t.reshape(-1))
+        assert bytes(got[4].tolist()) == b"skeleton"
+    comm.close()
+    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("refuse", [False, True], ids=["read", "refused"])
@@ -117,23 +112,7 @@ def test_a_reader_copies_the_sources_tensors_straight_from_its_memory_or_all_tak
 ) -> None:
     if refuse and os.geteuid() != 0:
         pytest.skip("reading as another user needs root to change users")
-    context = multiprocessing.get_context("fork")
-    procs = [
-        context.Process(target=_direct_rank, args=(r, str(tmp_path / "store"), str(tmp_path / f"error{r}"), refuse))
-        for r in (0, 1)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    errors = "\n".join(f.read_text() for f in sorted(tmp_path.glob("error*")))
-    assert [p.exitcode for p in procs] == [0, 0], errors
+    run_forked_ranks(_direct_rank, tmp_path, refuse)
 
 
 def test_a_read_from_a_process_that_is_gone_says_why() -> None:

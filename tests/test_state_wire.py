@@ -3,8 +3,6 @@ gloo: what arrives equals what was sent, whatever the tensors' kinds."""
 
 from __future__ import annotations
 
-import multiprocessing
-import traceback
 from collections import OrderedDict
 from datetime import timedelta
 from pathlib import Path
@@ -13,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from conftest import run_forked_ranks
 from stalwart.runtime.dist import Comm, Placement
 from stalwart.runtime.state_wire import recv_state, send_state
 
@@ -37,28 +36,24 @@ def _state() -> dict[str, Any]:
     }
 
 
-def _rank(rank: int, store_path: str, errors: str) -> None:
-    try:
-        store = dist.FileStore(store_path, 2)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
-        comm = Comm(Placement(rank, 2, rank, 0), timedelta(seconds=30))
-        sent = _state()
-        if rank == 0:
-            size = send_state(comm, sent, 1)
-            comm.send_bytes(str(size).encode(), 1)
-        else:
-            got, size = recv_state(comm, 0)
-            assert int(comm.recv_bytes(0)) == size, "both sides count the same bytes"
-            assert size >= sum(t.numel() * t.element_size() for t in (sent["model"]["weight"], sent["strided"]))
-            _same(got, sent)
-            assert got["model"]["weight"] is got["model"]["head"], "a tensor held twice arrives as one object"
-            assert got["model"]["bias"].requires_grad and not got["model"]["weight"].requires_grad
-            assert type(got["parameter"]) is torch.nn.Parameter and type(got["model"]) is OrderedDict
-        comm.close()
-        dist.destroy_process_group()
-    except BaseException:
-        Path(errors).write_text(traceback.format_exc())
-        raise
+def _rank(rank: int, store_path: str) -> None:
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    comm = Comm(Placement(rank, 2, rank, 0), timedelta(seconds=30))
+    sent = _state()
+    if rank == 0:
+        size = send_state(comm, sent, 1)
+        comm.send_bytes(str(size).encode(), 1)
+    else:
+        got, size = recv_state(comm, 0)
+        assert int(comm.recv_bytes(0)) == size, "both sides count the same bytes"
+        assert size >= sum(t.numel() * t.element_size() for t in (sent["model"]["weight"], sent["strided"]))
+        _same(got, sent)
+        assert got["model"]["weight"] is got["model"]["head"], "a tensor held twice arrives as one object"
+        assert got["model"]["bias"].requires_grad and not got["model"]["weight"].requires_grad
+        assert type(got["parameter"]) is torch.nn.Parameter and type(got["model"]) is OrderedDict
+    comm.close()
+    dist.destroy_process_group()
 
 
 def _same(got: Any, want: Any) -> None:
@@ -78,20 +73,4 @@ def _same(got: Any, want: Any) -> None:
 
 
 def test_a_state_arrives_equal_with_its_tensors_sent_as_bytes(tmp_path: Path) -> None:
-    context = multiprocessing.get_context("fork")
-    procs = [
-        context.Process(target=_rank, args=(r, str(tmp_path / "store"), str(tmp_path / f"error{r}")), daemon=True)
-        for r in (0, 1)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    errors = "\n".join(f.read_text() for f in sorted(tmp_path.glob("error*")))
-    assert [p.exitcode for p in procs] == [0, 0], errors
+    run_forked_ranks(_rank, tmp_path)

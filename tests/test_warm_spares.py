@@ -61,13 +61,15 @@ def test_a_warm_spare_takes_the_lost_rank_without_a_set_up(launch: Any) -> None:
     assert results[0]["sha256"] == results[1]["sha256"], "the ranks end as replicas"
     _the_spare_became(job, spare, rank=1)
     assert "a warm spare became rank" not in job.output()
-    grown = [e for e in job.events("world_resized") if e["rank"] == 0 and "joined" in e.get("why", "")]
-    for e in grown:  # the person watching is told (when the job grew back from the survivor's state)
-        assert f"stalwart: back at 2 ranks at step {e['step']}: rank(s) [1] joined" in job.output()
     # The survivor's live state when it kept it (the job grew back); else node memory's newest copy: light
     # snapshots over their budget are turned off (reforming's why), as the policy intends. Never the durable tier.
     [resumed] = [e for e in job.events("resumed") if e["pid"] == spare]
     assert resumed["tier"] in ("peer", "memory") and resumed["rank"] == 1, resumed
+    # When the job grew back from the survivor's state, the person watching is told, once.
+    grown = [e for e in job.events("world_resized") if e["rank"] == 0 and "joined" in e.get("why", "")]
+    assert len(grown) == ("grew back" in resumed["source"]), (grown, resumed)
+    for e in grown:
+        assert f"stalwart: back at 2 ranks at step {e['step']}: rank(s) [1] joined" in job.output()
     pids = {e["worker_pid"] for e in job.events("worker_spawned")}
     assert not [pid for pid in pids if alive(pid)], "no worker outlives the launcher"
 

@@ -10,12 +10,15 @@ import platform
 import re
 import resource
 import shutil
+import socket
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from stalwart.errors import BenchError, ConfigError
+from stalwart.runtime.process import Forked, start_module
 
 Progress = Callable[[str], None]
 """Where a bench command reports what it is doing (stderr), one line at a time."""
@@ -140,3 +143,33 @@ def filesystem_of(path: Path) -> str:
     except OSError:
         pass
     return kind
+
+
+def run_ranks(module: str, world: int, args: list[str], logs: Path, what: str, timeout_s: float) -> None:
+    """Run `world` ranks of `module` (each `python -m module *args`, with torchrun's variables for a gloo group on
+    loopback and one thread each) to their end, their output in `logs`/rank<R>.log. Forked with torch imported
+    where this process is one thread (runtime/process.py), else interpreters: each rank measures its own work, not
+    its start. BenchError, with the failed rank's last lines, when one fails or all do not end within `timeout_s`
+    (`what` names the run in the message)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    procs: list[subprocess.Popen[bytes] | Forked] = []
+    outputs = [logs / f"{what.replace(' ', '-')}-rank{rank}.log" for rank in range(world)]
+    try:
+        for rank in range(world):
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
+            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            procs.append(start_module(module, args, env=env, out=outputs[rank]))
+        codes = [p.wait(timeout_s) for p in procs]
+    except subprocess.TimeoutExpired as exc:
+        raise BenchError(f"{what} did not finish in {timeout_s:.0f} s") from exc
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(codes):
+        tail = outputs[codes.index(next(c for c in codes if c))].read_text()[-1500:]
+        raise BenchError(f"{what} failed:\n{tail}")

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,9 +26,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.bench.common import GB, MB, parse_size, positive_int
+from stalwart.bench.common import GB, MB, parse_size, positive_int, run_ranks
 from stalwart.errors import BenchError, ConfigError
-from stalwart.runtime.process import Forked, start_module
 
 WORKER = "stalwart.bench.handover_worker"
 WAYS = ("broadcast", "file", "direct_new", "direct")
@@ -39,44 +36,15 @@ TIMEOUT_S = 1800.0
 
 
 def run_bench(sizes: list[int], repeats: int, progress: Any) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
     shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
     with (
         tempfile.TemporaryDirectory(prefix="stalwart-bench-handover-") as root,
         tempfile.TemporaryDirectory(prefix="stalwart-bench-handover-", dir=shm) as memory,
     ):
         out = Path(root)
-        procs: list[subprocess.Popen[bytes] | Forked] = []
-        logs = [out / f"rank{rank}.log" for rank in (0, 1)]
         progress(f"handing over {', '.join(_size(n) for n in sizes)} between two processes, {repeats} rounds each way")
-        try:
-            for rank in (0, 1):
-                env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
-                env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-                env.update(OMP_NUM_THREADS="1")
-                args = [
-                    "--sizes",
-                    ",".join(map(str, sizes)),
-                    "--repeats",
-                    str(repeats),
-                    "--out",
-                    str(out),
-                    "--shm",
-                    memory,
-                ]
-                procs.append(start_module(WORKER, args, env=env, out=logs[rank]))
-            codes = [p.wait(TIMEOUT_S) for p in procs]
-        except subprocess.TimeoutExpired as exc:
-            raise BenchError(f"the hand-overs did not finish in {TIMEOUT_S:.0f} s") from exc
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(codes):
-            raise BenchError(f"a rank failed:\n{logs[codes.index(next(c for c in codes if c))].read_text()[-1500:]}")
+        args = ["--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats), "--out", str(out), "--shm", memory]
+        run_ranks(WORKER, 2, args, out, "the hand-overs", TIMEOUT_S)
         results = json.loads((out / "rank0.json").read_text())
     return {"repeats": repeats, "cpu_count": os.cpu_count(), "sizes": results}
 

@@ -17,8 +17,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,9 +25,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.bench.common import GB, Progress, parse_size, positive_int, scratch_dir
+from stalwart.bench.common import GB, Progress, parse_size, positive_int, run_ranks, scratch_dir
 from stalwart.errors import BenchError
-from stalwart.runtime.process import Forked, start_module
 
 TIMEOUT_S = 900.0
 WORKER = "stalwart.bench.reshard_worker"
@@ -37,50 +34,14 @@ TIERS = ("durable", "memory")
 _SHM = Path("/dev/shm")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(phase: str, world: int, ckpt: Path, rows: int, root: Path, memory: Path | None = None) -> dict[str, Any]:
     """Run `world` ranks of the worker's `phase` (with the memory tier in `memory`); (slowest rank's seconds, bytes
     over all ranks)."""
     name = f"{phase}-{world}-{'memory' if memory is not None else 'durable'}"
     out = root / name
-    port = _free_port()
-    procs: list[subprocess.Popen[bytes] | Forked] = []
-    logs = []
-    try:
-        for rank in range(world):
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
-            env.update(
-                RANK=str(rank),
-                WORLD_SIZE=str(world),
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                OMP_NUM_THREADS="1",
-            )
-            log = root / f"{name}-rank{rank}.log"
-            logs.append(log)
-            tier = ["--memory", str(memory)] if memory is not None else []
-            args = ["--phase", phase, "--ckpt", str(ckpt), "--rows", str(rows), "--out", str(out), *tier]
-            # Forked with torch imported where this process is one thread (runtime/process.py), else an interpreter:
-            # each rank measures its own load, not its start.
-            procs.append(start_module(WORKER, args, env=env, out=log))
-        codes = [p.wait(TIMEOUT_S) for p in procs]
-    except subprocess.TimeoutExpired as exc:
-        raise BenchError(f"{phase} at {world} ranks did not finish in {TIMEOUT_S:.0f} s") from exc
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(codes):
-        tail = logs[codes.index(next(c for c in codes if c))].read_text()[-1500:]
-        raise BenchError(f"{phase} at {world} ranks failed:\n{tail}")
+    tier = ["--memory", str(memory)] if memory is not None else []
+    args = ["--phase", phase, "--ckpt", str(ckpt), "--rows", str(rows), "--out", str(out), *tier]
+    run_ranks(WORKER, world, args, root, f"{phase} at {world} ranks", TIMEOUT_S)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     return {"seconds": max(r["seconds"] for r in ranks), "bytes": sum(r["bytes"] for r in ranks), "ranks": ranks}
 
