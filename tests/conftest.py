@@ -275,6 +275,7 @@ SLOW_MODULES = {
     "test_spares.py",
 }
 SLOW_TESTS = {
+    "test_docs.py": ("test_the_readmes_port_runs_as_pasted",),
     "test_bench_overhead.py": ("test_a_small_run_reports_plain_and_each_configuration",),
     "test_launcher.py": (
         "test_checkpoint_directory_not_shared_by_all_ranks_is_refused",

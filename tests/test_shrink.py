@@ -198,7 +198,9 @@ def test_survivors_with_their_own_data_train_on_with_a_smaller_global_batch(laun
     assert (shrunk["own_data"], shrunk["shares"], shrunk["global_batch"]) == (True, [0], "1/2"), shrunk
     [growing] = job.events("growing")
     assert growing["shrunk_steps"] >= 1, "the survivor trained while the replacement ran its set-up"
-    line = f"stalwart: trained steps 13-{growing['step']} ({growing['shrunk_steps']} steps) on 1 of 2 ranks"
+    n = growing["shrunk_steps"]
+    trained = f"step {growing['step']}" if n == 1 else f"{n} steps (14-{growing['step']})"
+    line = f"stalwart: trained {trained} on 1 of 2 ranks"
     assert line in job.output() and "global batch was the survivors' own, 1/2" in job.output(), job.output()[-3000:]
     shrunk_steps = [e["step"] for e in job.events("step_done") if e.get("world_size") == 1]
     assert shrunk_steps == list(range(14, growing["step"] + 1)), "the failed step redone, then one step each"

@@ -44,7 +44,7 @@ def end_step(job: JobView, started: float, first: bool, max_steps: int, loader: 
         with contextlib.suppress(Exception):
             job.checkpointer.prepare(job.tracked.state(job.step))
     if first or job.step % job.config.log_every == 0:
-        _log_step(job, step_s)
+        _log_step(job, step_s, max_steps)
     _checkpoint(job, max_steps, warning.reason)
     if warning.evict is not None:
         leaving.evict(
@@ -121,8 +121,10 @@ def _roll_back(job: JobView, request: RollbackRequest, loader: Iterable[Any] | N
     return True
 
 
-def _log_step(job: JobView, step_s: float) -> None:
-    """A `step_done` event; the reported tensors are read in one read, with whatever waits for one."""
-    metrics = job.parts.detectors.reads.read_items(job.parts.metrics)
-    metrics.update(job.parts.snapshots.log_fields())
+def _log_step(job: JobView, step_s: float, max_steps: int) -> None:
+    """A `step_done` event and rank 0's progress line; the reported tensors are read in one read, with whatever
+    waits for one."""
+    reported = job.parts.detectors.reads.read_items(job.parts.metrics)
+    job.parts.progress.say_step(job.step, max_steps, reported, is_main=job.is_main)
+    metrics = {**reported, **job.parts.snapshots.log_fields()}
     job.events.emit("step_done", step=job.step, step_s=step_s, **metrics)

@@ -1,7 +1,7 @@
 """A job's options, in sections: what to checkpoint and when, the memory snapshots, the numeric guard, the other
 detectors, and recovery.
 
-`stalwart.Job(checkpoint_dir, **options)` takes the flat names documented in the README and docs/ (`keep_last=5`,
+`stalwart.Job(checkpoint_dir, **options)` takes the flat names documented in docs/configuration.md (`keep_last=5`,
 `snapshot_every="auto"`, ...); `JobConfig` routes each to its section (`FLAT`), and every section checks its own
 fields with the shared validators below, so a bad value ends in one line that names the option as the user
 wrote it. Figures behind the defaults are in docs/benchmarks.md, not here.

@@ -25,7 +25,7 @@ import torch
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP
 from stalwart.errors import ConfigError
-from stalwart.job import completing, endings, joining, lifecycle
+from stalwart.job import completing, endings, joining, lifecycle, progress
 from stalwart.job.config import JobConfig
 from stalwart.job.messages import RunName
 from stalwart.job.parts import Membership, make_parts
@@ -191,6 +191,16 @@ class Job:
             if "parts" not in self.__dict__ or self.parts.in_loop is None or not reform.is_reformable(exc):
                 raise
             driver.reform_in_loop(self, exc, None, None, (self.step, None))
+        progress.announce(
+            self.parts.progress,
+            self.config,
+            loader,
+            world_size=self.world_size,
+            is_main=self.is_main,
+            memory_tier=self.parts.snapshots.memory is not None,
+            in_loop=self.parts.in_loop is not None,
+            fresh=self.step == 0 and self.resumed_from is None,
+        )
         iterator = iter(loader) if loader is not None and self.step < max_steps else None
         if 0 < self.step == max_steps and self.parts.last_saved != self.step:
             # Resumed at the last step from node memory or a survivor (a failure during the run's final save):

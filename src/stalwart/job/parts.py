@@ -22,6 +22,7 @@ from stalwart.detect.heartbeat import Heartbeat
 from stalwart.job.config import JobConfig
 from stalwart.job.detectors import Detectors
 from stalwart.job.optimizer_hooks import OptimizerHooks
+from stalwart.job.progress import Progress
 from stalwart.job.snapshots import Snapshots
 from stalwart.job.state import TrackedState
 from stalwart.job.step_end import StepEnd
@@ -59,6 +60,8 @@ class Parts:
     """The step of the last checkpoint this run took or resumed from durable storage."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """What the loop reported for the current step (`job.report`)."""
+    progress: Progress = field(default_factory=Progress)
+    """Rank 0's lines for the person watching (job/progress.py)."""
 
 
 @dataclass(slots=True)

@@ -50,6 +50,7 @@ from stalwart.runtime.env import (
     IN_LOOP_ENV,
     LAUNCH_TIME_ENV,
     NCCL_ERRORS_ENV,
+    QUIET_ENV,
     REFORM_ENV,
     SHARE_STORE_ENV,
     SNAPSHOT_DIR_ENV,
@@ -244,6 +245,8 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
     os.environ[REFORM_ENV] = "1" if reforms(args) else "0"
     os.environ[IN_LOOP_ENV] = "0" if args.reform_by_rerun else "1"
     os.environ[WAIT_FOR_REPLACEMENT_ENV] = "1" if args.wait_for_replacement else "0"
+    if args.quiet:
+        os.environ[QUIET_ENV] = "1"
     if reforms(args) and not args.reform_by_rerun:
         os.environ.setdefault(NCCL_ERRORS_ENV, "2")  # a failed NCCL collective raises, the process lives
     # torch elastic makes a log directory per run (attempt and rank folders, error files) and, with no

@@ -19,6 +19,7 @@ from stalwart.runtime.env import (
     IN_LOOP_ENV,
     METRICS_PORT_ENV,
     PREEMPT_NOTICE_ENV,
+    QUIET_ENV,
     REFORM_ENV,
     SPARES_ENV,
     WAIT_FOR_REPLACEMENT_ENV,
@@ -58,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--event-log",
         default=os.environ.get(EVENT_LOG_ENV, DEFAULT_EVENT_LOG),
         help=f"JSONL event log shared with the workers (default: ${EVENT_LOG_ENV} or {DEFAULT_EVENT_LOG})",
+    )
+    own.add_argument(
+        "--quiet",
+        action="store_true",
+        default=os.environ.get(QUIET_ENV, "") not in ("", "0"),
+        help="rank 0 prints no start line (what protects the run) and no progress line every log_every steps; "
+        f"failures, recoveries and errors are still said (${QUIET_ENV}=1 also does)",
     )
     own.add_argument(
         "--hang-timeout",

@@ -165,9 +165,14 @@ def _say_stretch(plan: shrink.Plan, first: int, last: int) -> None:
     else:
         batch = "each step's global batch was kept whole (the survivors took the missing ranks' slices)"
     say(
-        f"stalwart: trained steps {first}-{last} ({last - first} steps) on {plan.size} of {plan.world_size} ranks "
+        f"stalwart: trained {_steps(first, last)} on {plan.size} of {plan.world_size} ranks "
         f"while rank(s) {list(plan.missing)} started again; {batch}"
     )
+
+
+def _steps(first: int, last: int) -> str:
+    """The steps trained from `first` completed steps to `last`, numbered as the progress lines count them."""
+    return f"step {last}" if last - first == 1 else f"{last - first} steps ({first + 1}-{last})"
 
 
 def _rearm(job: LoopJob, plan: shrink.Plan, asked: shrink.Asked, events: EventLog) -> tuple[shrink.Plan, EventLog]:
