@@ -150,8 +150,10 @@ def test_a_killed_rank_0_is_measured_from_its_survivor_rank_1(tmp_path: Path) ->
         assert kills["steps_lost"] in ([0], [1])
     else:
         assert reforming["why"] == "light snapshots are off", reforming
+        # From the newest full copy in node memory, or, where the survivor trained on from it while the replacement
+        # started (the default), from the survivor's state when the job grew back: both never from storage.
         resumed = [e for e in _events(tmp_path / "kills") if e["event"] == "resumed"]
-        assert {e["tier"] for e in resumed} == {"memory"}, resumed
+        assert resumed and all(e["tier"] == "memory" or "grew back" in e["source"] for e in resumed), resumed
     killed = [e for e in _events(tmp_path / "kills") if e["event"] == "fault_injected"]
     assert [(e["rank"], e["fault"]) for e in killed] == [(0, "SIGKILL from outside")]
     pids = {(e["rank"], e["pid"]) for e in _events(tmp_path / "kills") if e["event"] == "worker_started"}

@@ -401,6 +401,29 @@ def test_dtensor_classes_are_the_public_module_s() -> None:
         torch_compat.NotThere  # noqa: B018
 
 
+def test_a_rank_change_in_one_process_meets_no_stale_sharding() -> None:
+    """Two meshes over the same ranks compare equal whatever rank this process holds in them, so DTensor's sharding
+    caches hand an op on the second mesh an output on the first, at the old rank's coordinate: what a warm spare
+    given another rank met (its FSDP2 parameters sharded as the old rank). forget_sharding_caches clears them."""
+    if torch_compat.torch_older_than("2.6"):
+        pytest.skip("DeviceMesh takes no _rank before torch 2.6")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    old = DeviceMesh("cpu", [0, 1], _init_backend=False, _rank=1)
+    new = DeviceMesh("cpu", [0, 1], _init_backend=False, _rank=0)
+    assert old == new and old.get_coordinate() != new.get_coordinate()
+
+    def doubled_on(mesh: Any) -> Any:
+        x = torch_compat.DTensor.from_local(torch.ones(2, 3), mesh, [torch_compat.Shard(0)], run_check=False)
+        return (x * 2).device_mesh.get_coordinate()
+
+    torch_compat_groups.forget_sharding_caches()  # nothing an earlier test cached on an equal mesh
+    assert doubled_on(old) == (1,)
+    assert doubled_on(new) == (1,), "torch no longer hands out a stale sharding: the clearing may go"
+    assert torch_compat_groups.forget_sharding_caches()
+    assert doubled_on(new) == (0,)
+
+
 # ---- torch elastic
 
 

@@ -176,6 +176,8 @@ def test_a_warm_spare_with_sharded_state_given_another_rank_runs_its_set_up_agai
     assert "holds state sharded for that rank and was given rank 0: its set-up runs again" in job.output()
     assert job.worker_pids(restart=1)[0] == spare
     assert _setups(job)[spare] == 2, "the spare's set-up ran as rank 1, then again as rank 0"
+    restarts = [e["restart"] for e in job.events("restarting")]
+    assert restarts == [1], f"the spare trained as rank 0, not replaced again: {restarts}\n{job.output()[-3000:]}"
     results = job.results()
     assert {r: results[r]["sha256"] for r in results} == {r: reference[r]["sha256"] for r in reference}
 

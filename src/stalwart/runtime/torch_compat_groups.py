@@ -64,3 +64,30 @@ def nccl_options(timeout: timedelta) -> Any:
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     return options
+
+
+def forget_sharding_caches() -> bool:
+    """Forget what DTensor cached about device meshes, before a process runs the script again (possibly as another
+    rank). DTensor's sharding propagation caches an op's output sharding by its input shardings, and those compare
+    their device meshes by the ranks and shape alone: two meshes over the same ranks are equal whatever rank this
+    process holds in them (within one process it never changes, except in stalwart's). A warm spare that ran its
+    set-up as rank 1 and runs it again as rank 0 (recovery/warm_spare.py) got its new FSDP2 parameters back on the
+    old mesh, at rank 1's coordinate, and its restore refused them. No public API clears them. Returns whether a
+    cache was cleared. Checked on torch 2.13.0."""
+    try:
+        from torch.distributed.tensor import DTensor
+
+        propagator = DTensor._op_dispatcher.sharding_propagator
+    except (ImportError, AttributeError):
+        return False
+    cleared = False
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's (2.9 on)
+    if native is not None:
+        native()
+        cleared = True
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        clear = getattr(getattr(propagator, name, None), "cache_clear", None)
+        if callable(clear):
+            clear()
+            cleared = True
+    return cleared

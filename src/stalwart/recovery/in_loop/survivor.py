@@ -28,6 +28,7 @@ from stalwart.recovery.reform import (
     release_device_memory,
 )
 from stalwart.runtime.env import IN_LOOP_ENV
+from stalwart.runtime.torch_compat_groups import forget_sharding_caches
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +130,7 @@ class Survivor:
                 job.abandon()
         self._live.clear()
         abort_process_groups()
+        forget_sharding_caches()  # the next run may hold another rank in meshes equal to this run's
         gc.collect()  # the failed run's model, optimizer and DDP buckets, before the next run allocates its own
         release_device_memory()
         return len(jobs)
