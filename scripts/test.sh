@@ -25,14 +25,16 @@ types="$(mktemp)"
 trap 'rm -f "$types"' EXIT
 .venv/bin/mypy >"$types" 2>&1 &
 mypy_pid=$!
-# Three tests at a time (pytest-xdist): each is a few processes that spend much of their time waiting. On the 2-core
-# VM (2026-11-27, trees one commit apart) two workers took 755 s; three took 646 s with the CPUs 3% idle (vmstat),
-# every test passing (677-701 s in later fresh-clone runs). (Before the zygote and the absorbing waits, more workers gained little and made
-# timing-sensitive tests flaky.) worksteal: an idle worker takes queued tests from a busy one, so no long test is
-# left to run alone at the end.
+# Four tests at a time (pytest-xdist): each is a few processes that spend much of their time waiting. On the 2-core
+# VM two workers took 755 s and three 646 s (2026-11-27, trees one commit apart); on 2026-11-30, from fresh clones of
+# trees a commit apart, three took 840 s of pytest with the CPUs about a fifth idle and four 728 s with them busy
+# (user and system time the same: the suite is bound by its CPU, about 1,400 s of it). (Before the zygote and the
+# absorbing waits, more workers gained little and made timing-sensitive tests flaky; the tests assert what must
+# hold, whatever the load.) worksteal: an idle worker takes queued tests from a busy one, so no long test is left
+# to run alone at the end.
 echo "== pytest (at $((SECONDS - start)) s; mypy beside it)"
 tests=0
-.venv/bin/python -m pytest -n 3 --dist worksteal --durations=15 "${quick[@]}" "$@" || tests=$?
+.venv/bin/python -m pytest -n 4 --dist worksteal --durations=15 "${quick[@]}" "$@" || tests=$?
 typed=0
 wait "$mypy_pid" || typed=$?
 echo "== mypy (at $((SECONDS - start)) s)"; cat "$types"

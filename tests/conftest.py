@@ -387,11 +387,11 @@ LONGEST = {
     "test_launcher.py::test_same_script_under_torchrun_and_as_one_process": 30,
     "test_warm_spares.py::test_a_warm_spare_killed_while_joining_is_a_failure_like_any_other": 35,
 }
-"""The longest tests and their seconds in a full run of three at a time (2-core VM, 2026-11-29). Each of the three
-workers starts with some of them (`_longest_first`): one left for the end ran alone while the other workers sat
-idle (the last 50 s of a 634 s run, the CPUs 60% idle then)."""
+"""The longest tests and their seconds in a full run of three at a time (2-core VM, 2026-11-29). Each worker starts
+with some of them (`_longest_first`): one left for the end ran alone while the other workers sat idle (the last 50 s
+of a 634 s run, the CPUs 60% idle then)."""
 
-WORKERS = 3
+WORKERS = 4
 """scripts/test.sh's `-n`: how many workers xdist's worksteal scheduling splits the collection among."""
 
 
