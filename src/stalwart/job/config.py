@@ -81,7 +81,7 @@ class CheckpointOptions:
     (policy/auto_checkpoint.py); a `checkpoint_interval` event records each change and its inputs."""
     expected_mtbf_s: float = DEFAULT_PRIOR_MTBF_S
     """With checkpoint_every="auto": the job's mean time between interruptions assumed before any is seen (weight:
-    one failure). The default, 24 h, suits a few nodes; docs/checkpoints.md cites what large jobs see."""
+    one failure). The default, 24 h, suits a few nodes; docs/simulation.md cites what large jobs see."""
     keep_last: int = 3
     """Committed checkpoints kept on disk; older ones are removed after each commit."""
     full_every: int = 1
