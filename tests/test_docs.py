@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import stalwart
-from conftest import child_env
+from conftest import child_env, served_python
 from stalwart.job import config
 from stalwart.supervisor.run_args import build_parser
 
@@ -151,3 +151,7 @@ def test_the_readmes_port_runs_as_pasted_and_survives_a_kill(launch: Any, tmp_pa
     assert first[0] == second[0], "the survivor kept its process"
     assert [e["step"] for e in job.events("job_finished")] == [300]
     assert (job.workdir / "ckpt").is_dir()
+    (alone := tmp_path / "alone").mkdir()  # `python train.py`, no launcher: one process, as the README says
+    done = served_python(script, cwd=alone, timeout=120)
+    assert done.returncode == 0 and "stalwart: step 300/300" in done.stderr, done.stderr[-3000:]
+    assert "protecting 1 rank" in done.stderr and (alone / "ckpt" / "step_00000300").is_dir()
