@@ -9,6 +9,7 @@ importing these from here.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -73,15 +74,14 @@ def forget_sharding_caches() -> bool:
     process holds in them (within one process it never changes, except in stalwart's). A warm spare that ran its
     set-up as rank 1 and runs it again as rank 0 (recovery/warm_spare.py) got its new FSDP2 parameters back on the
     old mesh, at rank 1's coordinate, and its restore refused them. No public API clears them. Returns whether a
-    cache was cleared. Checked on torch 2.13.0."""
-    try:
-        from torch.distributed.tensor import DTensor
-
-        propagator = DTensor._op_dispatcher.sharding_propagator
-    except (ImportError, AttributeError):
+    cache was cleared: none where DTensor was never imported (a DDP job's rerun imports nothing for this). Checked on
+    torch 2.13.0."""
+    module = sys.modules.get("torch.distributed.tensor")
+    propagator = getattr(getattr(getattr(module, "DTensor", None), "_op_dispatcher", None), "sharding_propagator", None)
+    if propagator is None:
         return False
     cleared = False
-    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's (2.9 on)
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's cache
     if native is not None:
         native()
         cleared = True
