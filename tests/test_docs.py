@@ -40,14 +40,7 @@ def _as_documented(value: Any) -> str:
 
 
 def test_every_job_option_is_documented_with_its_default() -> None:
-    sections = {
-        "checkpoint": config.CheckpointOptions,
-        "snapshot": config.SnapshotOptions,
-        "guard": config.GuardOptions,
-        "detect": config.DetectOptions,
-        "recovery": config.RecoveryOptions,
-        "": config.JobConfig,
-    }
+    sections = {**config.SECTIONS, "": config.JobConfig}
     rows = _rows(CONFIGURATION)
     for name, (section, key) in config.FLAT.items():
         assert name in rows, f"stalwart.Job's option {name} is not in docs/configuration.md"

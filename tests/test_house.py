@@ -172,14 +172,7 @@ def test_every_option_has_one_home() -> None:
 
     from stalwart.job import config
 
-    sections = {
-        "checkpoint": config.CheckpointOptions,
-        "snapshot": config.SnapshotOptions,
-        "guard": config.GuardOptions,
-        "detect": config.DetectOptions,
-        "recovery": config.RecoveryOptions,
-    }
-    wanted = {(s, f.name) for s, kind in sections.items() for f in fields(kind)}
+    wanted = {(s, f.name) for s, kind in config.SECTIONS.items() for f in fields(kind)}
     wanted |= {("", "log_every"), ("", "collective_timeout_s")}
     assert sorted(config.FLAT.values()) == sorted(wanted)
     made = config.JobConfig.of("x", keep_last=7, snapshot_budget=0.05, loss_spike="rollback", max_rollbacks=1)

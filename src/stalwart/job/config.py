@@ -281,6 +281,15 @@ LR_RULES = {"linear": 1.0, "sqrt": 0.5, "none": 0.0}
 """RecoveryOptions.lr_scaling -> the power of new/old world size the learning rates are multiplied by."""
 
 
+SECTIONS: dict[str, type[Any]] = {
+    "checkpoint": CheckpointOptions,
+    "snapshot": SnapshotOptions,
+    "guard": GuardOptions,
+    "detect": DetectOptions,
+    "recovery": RecoveryOptions,
+}
+"""JobConfig's sections by name, as FLAT names them."""
+
 FLAT: dict[str, tuple[str, str]] = {
     "checkpoint_dir": ("checkpoint", "dir"),
     "checkpoint_every": ("checkpoint", "every"),
@@ -338,25 +347,12 @@ class JobConfig:
     @classmethod
     def of(cls, checkpoint_dir: str | os.PathLike[str], **options: Any) -> JobConfig:
         """From `stalwart.Job`'s flat options (FLAT); ConfigError for a name it does not know."""
-        sections: dict[str, dict[str, Any]] = {
-            "checkpoint": {"dir": checkpoint_dir},
-            "snapshot": {},
-            "guard": {},
-            "detect": {},
-            "recovery": {},
-            "": {},
-        }
+        sections: dict[str, dict[str, Any]] = {name: {} for name in (*SECTIONS, "")}
+        sections["checkpoint"]["dir"] = checkpoint_dir
         for name, value in options.items():
             if name not in FLAT or name == "checkpoint_dir":
                 raise ConfigError(f"stalwart.Job: unexpected keyword argument {name!r}")
             section, key = FLAT[name]
             sections[section][key] = value
         top = sections.pop("")
-        return cls(
-            checkpoint=CheckpointOptions(**sections["checkpoint"]),
-            snapshot=SnapshotOptions(**sections["snapshot"]),
-            guard=GuardOptions(**sections["guard"]),
-            detect=DetectOptions(**sections["detect"]),
-            recovery=RecoveryOptions(**sections["recovery"]),
-            **top,
-        )
+        return cls(**{name: SECTIONS[name](**fields) for name, fields in sections.items()}, **top)
