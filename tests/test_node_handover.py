@@ -75,9 +75,11 @@ def test_only_ranks_of_a_one_node_job_sharing_a_directory_agree_on_a_key(tmp_pat
     assert node_handover.node_key(None, 2, 2) == 0, "no node memory"
 
 
-def _direct_rank(rank: int, store_path: str, refuse: bool) -> None:
+def _direct_rank(rank: int, store_path: str, refuse: bool, told: bool) -> None:
     """Rank 1 is the source: its pieces (a tensor, a matrix, an empty one, a transposed one, the skeleton's bytes)
-    read by rank 0 straight from its memory. `refuse`: rank 0 reads as another user, which the kernel refuses."""
+    read by rank 0 straight from its memory. `refuse`: rank 0 reads as another user, which the kernel refuses.
+    `told`: the ranks learned the source's offer before (as the restore's LightReady carries it), else the source
+    broadcasts it."""
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
     comm = Comm(Placement(rank, 2, rank, 0), timedelta(seconds=30))
@@ -91,7 +93,10 @@ def _direct_rank(rank: int, store_path: str, refuse: bool) -> None:
         os.setresuid(65534, 65534, 65534)
     own = torch.zeros(7, 11, dtype=torch.int64)  # the reader's own tensor for the matrix: read into
     into = [None, own, None, torch.zeros(3, 3), None] if rank == 0 else None  # a wrong size is not used
-    got = node_handover.read_directly(comm, 1, pieces, spans, 4808, into)
+    with node_handover.offering(pieces if told else None) as offer:
+        learned = node_handover.Offer(*comm.all_gather_ints(list(offer))[1]) if told else None
+        assert learned is None or learned.pid != 0, "every piece is in CPU memory as one block: offered"
+        got = node_handover.read_directly(comm, 1, pieces, spans, 4808, into, learned)
     if refuse:
         assert got is None, "a refused read: every rank takes the file"
     elif rank == 1:
@@ -106,13 +111,23 @@ def _direct_rank(rank: int, store_path: str, refuse: bool) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("told", [False, True], ids=["broadcast", "told_before"])
 @pytest.mark.parametrize("refuse", [False, True], ids=["read", "refused"])
 def test_a_reader_copies_the_sources_tensors_straight_from_its_memory_or_all_take_the_file(
-    tmp_path: Path, refuse: bool
+    tmp_path: Path, refuse: bool, told: bool
 ) -> None:
     if refuse and os.geteuid() != 0:
         pytest.skip("reading as another user needs root to change users")
-    run_forked_ranks(_direct_rank, tmp_path, refuse)
+    run_forked_ranks(_direct_rank, tmp_path, refuse, told)
+
+
+def test_a_source_whose_pieces_are_not_in_one_block_offers_nothing() -> None:
+    with node_handover.offering([torch.zeros(4, 4).t()]) as offer:
+        assert offer == node_handover.NO_OFFER
+    with node_handover.offering(None) as offer:
+        assert offer == node_handover.NO_OFFER
+    with node_handover.offering([torch.zeros(3)]) as offer:
+        assert offer.pid == os.getpid() and offer.table != 0
 
 
 def test_a_read_from_a_process_that_is_gone_says_why() -> None:

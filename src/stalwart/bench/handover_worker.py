@@ -40,14 +40,17 @@ def _spans(state: list[torch.Tensor]) -> tuple[list[tuple[int, int]], int]:
     return spans, total
 
 
-def _hand_over(way: str, comm: Comm, state: list[torch.Tensor], shm: Path, round_: int) -> list[torch.Tensor] | None:
+def _hand_over(
+    way: str, comm: Comm, state: list[torch.Tensor], shm: Path, round_: int, offer: node_handover.Offer
+) -> list[torch.Tensor] | None:
     """Each piece of the state on the reader as bytes (None on the source), by `way`, as recovery/live_handover.py
-    does it: `direct` reads into the reader's own tensors, `direct_new` into new memory."""
+    does it: `direct` reads into the reader's own tensors, `direct_new` into new memory, both where the source's
+    `offer` says (learned as the ranks agreed to the hand-over, as the restore's LightReady carries it)."""
     spans, size = _spans(state)
     mine = comm.rank == SOURCE
     if way in ("direct", "direct_new"):
         into: list[torch.Tensor | None] | None = list(state) if way == "direct" and not mine else None
-        got = node_handover.read_directly(comm, SOURCE, state if mine else None, spans, size, into)
+        got = node_handover.read_directly(comm, SOURCE, state if mine else None, spans, size, into, offer)
         if got is None:
             raise RuntimeError("the kernel refused reading the source's memory")
         return None if mine else got
@@ -85,9 +88,11 @@ def _measure(comm: Comm, size: int, repeats: int, shm: Path) -> dict[str, Any]:
     for way in WAYS:
         handed, loaded = [], []
         for r in range(repeats):
-            comm.barrier()
-            started = time.perf_counter()
-            got = _hand_over(way, comm, state, shm, r)
+            with node_handover.offering(state if comm.rank == SOURCE and way.startswith("direct") else None) as offer:
+                # both ready: the ranks agree to the hand-over, as the restore's LightReady gather (with the offer)
+                told = node_handover.Offer(*comm.all_gather_ints(list(offer))[SOURCE])
+                started = time.perf_counter()
+                got = _hand_over(way, comm, state, shm, r, told)
             if got is not None:
                 handed.append(time.perf_counter() - started)
                 with torch.no_grad():  # a piece read into its tensor is copied onto itself: nothing is copied

@@ -5,8 +5,10 @@ memory (recovery/node_handover.py); across nodes by one gloo broadcast. The surv
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -18,9 +20,36 @@ Layout = dict[str, tuple[int, int, torch.dtype, list[int]]]
 """Each live tensor's id -> (offset, bytes, dtype, shape) in the hand-over's bytes (64-byte aligned offsets)."""
 
 
+class Pieces(NamedTuple):
+    """What the source hands over, made before the ranks agree to it (so that they learn its Offer then)."""
+
+    mine: dict[str, torch.Tensor]
+    """The source's live tensors by id (its stash's, as they are); empty on every other rank."""
+    flat: list[torch.Tensor] | None
+    """The source's tensors as flat views, then its skeleton's bytes; None on every other rank."""
+    offer: node_handover.Offer
+    """Where the node's other ranks read `flat` from the source's memory (node_handover.offering)."""
+
+
+@contextlib.contextmanager
+def offered(source: int, rank: int, layout: Layout, skeleton: bytes, node: int) -> Iterator[Pieces]:
+    """The pieces rank `source` hands over (`layout`'s ids of its stash, then `skeleton`), readable from its memory by
+    its node's other ranks while inside where the job may be of one node (`node`, node_handover.node_key, not 0)."""
+    stash = survivor.stashed()
+    mine = {tid: stash.tensors[tid] for tid in layout} if rank == source and stash is not None else {}
+    flat = None
+    if rank == source:
+        flat = [t.detach().reshape(-1) for t in mine.values()]
+        flat += [torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)] if skeleton else []
+    with node_handover.offering(flat if node else None) as offer:
+        yield Pieces(mine, flat, offer)
+
+
 def hand_over(
     comm: Comm,
     source: int,
+    pieces: Pieces,
+    offer: node_handover.Offer,
     layout: Layout,
     total: int,
     skeleton: bytes,
@@ -30,22 +59,21 @@ def hand_over(
     own: Callable[[], dict[str, torch.Tensor]] | None,
 ) -> tuple[dict[str, torch.Tensor], bytes, str]:
     """Rank `source`'s live tensors (laid out by `layout` in `total` bytes) and its skeleton (`skeleton_len` bytes
-    after them), on every rank, and the way they came. `directory`: the node memory every rank shares (a job of one
+    after them), on every rank, and the way they came. `pieces`: this rank's of `offered`, inside it still;
+    `offer`: the source's, as every rank learned it. `directory`: the node memory every rank shares (a job of one
     node), else None. `own`: this rank's tensors by id as they are (a replacement's model), read into where they
     have the dtype and shape. Collective."""
     stash = survivor.stashed()
     size = total + skeleton_len
-    mine = {tid: stash.tensors[tid] for tid in layout} if comm.rank == source and stash is not None else {}
-    skeleton_bytes = [torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)] if skeleton else []
+    mine = pieces.mine
+    skeleton_bytes = pieces.flat[len(mine) :] if pieces.flat is not None else []
     if directory is not None:
         spans = [(offset, nbytes) for offset, nbytes, _, _ in layout.values()]
         spans += [(total, skeleton_len)] if skeleton_len else []
-        pieces, into = None, None
-        if comm.rank == source:
-            pieces = [t.detach().reshape(-1) for t in mine.values()] + skeleton_bytes
-        else:  # a survivor's own tensors are its stash's, which a later try may still hand over as they are
+        into = None
+        if comm.rank != source:  # a survivor's own tensors are its stash's, which a later try may still hand over
             into = [*_own_tensors(own if stash is None else None, layout), *([None] if skeleton_len else [])]
-        got = node_handover.read_directly(comm, source, pieces, spans, size, into)
+        got = node_handover.read_directly(comm, source, pieces.flat, spans, size, into, offer)
         if got is not None:
             route = "read from its memory"
             if comm.rank == source:

@@ -24,7 +24,9 @@ import contextlib
 import mmap
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -81,6 +83,31 @@ def remove(path: Path) -> None:
         path.unlink()
 
 
+class Offer(NamedTuple):
+    """Where a node's other ranks read a source's pieces: its pid and the address of a table of the pieces'
+    addresses (int64s, in the pieces' order); Offer(0, 0) where they cannot be read so, and on every other rank."""
+
+    pid: int
+    table: int
+
+
+NO_OFFER = Offer(0, 0)
+
+
+@contextlib.contextmanager
+def offering(pieces: list[torch.Tensor] | None) -> Iterator[Offer]:
+    """On the source (`pieces` given): its pieces readable by any process of its user while inside, and the Offer
+    saying where, for the other ranks to learn in a message they exchange anyway before the read (recovery/restore.py's
+    LightReady), so the read needs no collective of its own before it. NO_OFFER where a piece is not in CPU memory
+    as one block, and on every other rank (`pieces` None). The table lives until the block ends."""
+    if pieces is None or not all(t.device.type == "cpu" and t.is_contiguous() for t in pieces):
+        yield NO_OFFER
+        return
+    table = torch.tensor([t.data_ptr() for t in pieces] or [0], dtype=torch.int64)
+    with cross_memory.readable_by_any():
+        yield Offer(os.getpid(), table.data_ptr())
+
+
 def read_directly(
     comm: Comm,
     source: int,
@@ -88,30 +115,40 @@ def read_directly(
     spans: list[tuple[int, int]],
     size: int,
     into: list[torch.Tensor | None] | None = None,
+    offer: Offer | None = None,
 ) -> list[torch.Tensor] | None:
     """Rank `source`'s `pieces` (its live tensors, then its skeleton's bytes) on every other rank of a one-node job,
     each copied straight from the source's memory: into the reader's own tensor for it (`into`, by piece: one that
     already holds such a tensor, its model's parameters), else into one buffer of `size` bytes at its (offset, bytes)
     of `spans` (alike on every rank). On a reader each piece's bytes (a flat uint8 view of where it went), on the
     source none; None on every rank where any cannot (a piece not in CPU memory, a kernel that refuses):
-    the caller takes the file. Collective."""
-    pid = 0
-    message = torch.zeros(1 + len(spans), dtype=torch.int64)
-    if comm.rank == source:
-        assert pieces is not None and len(pieces) == len(spans)
-        if all(t.device.type == "cpu" and t.is_contiguous() for t in pieces):
-            pid = os.getpid()
-            for i, t in enumerate(pieces):
-                message[1 + i] = t.data_ptr()
-        message[0] = pid
-    with cross_memory.readable_by_any() if comm.rank == source else contextlib.nullcontext():
-        comm.broadcast_tensor(message, source)
-        pid, addresses = int(message[0]), [int(a) for a in message[1:]]
-        if pid == 0:
-            return None
-        got: list[torch.Tensor] = []
-        why = ""
-        if comm.rank != source:
+    the caller takes the file. `offer`: the source's, as every rank learned it before, the source inside its
+    `offering` of these `pieces` still; without it the source broadcasts it first. Collective: one all-gather of
+    every reader's verdict (the source's tensors stay as they are until every read ended), and the broadcast."""
+    if offer is None:
+        with offering(pieces if comm.rank == source else None) as mine:
+            message = torch.tensor(mine, dtype=torch.int64)
+            comm.broadcast_tensor(message, source)
+            return _read_offered(comm, source, Offer(int(message[0]), int(message[1])), spans, size, into)
+    return _read_offered(comm, source, offer, spans, size, into)
+
+
+def _read_offered(
+    comm: Comm,
+    source: int,
+    offer: Offer,
+    spans: list[tuple[int, int]],
+    size: int,
+    into: list[torch.Tensor | None] | None,
+) -> list[torch.Tensor] | None:
+    if offer.pid == 0:
+        return None
+    got: list[torch.Tensor] = []
+    why = ""
+    if comm.rank != source:
+        table = torch.empty(max(1, len(spans)), dtype=torch.int64)
+        why = cross_memory.read_into(offer.pid, [(table.data_ptr(), offer.table, 8 * len(spans))])
+        if not why:
             buf = torch.empty(size, dtype=torch.uint8)  # its pages are only touched where a piece is read into it
             targets = into if into is not None else [None] * len(spans)
             for (offset, nbytes), target in zip(spans, targets, strict=True):
@@ -119,11 +156,11 @@ def read_directly(
                     got.append(target.view(-1).view(torch.uint8))
                 else:
                     got.append(buf[offset : offset + nbytes])
+            addresses = table.tolist()
             why = cross_memory.read_into(
-                pid,
-                [(t.data_ptr(), address, t.numel()) for t, address in zip(got, addresses, strict=True)],
+                offer.pid, [(t.data_ptr(), address, t.numel()) for t, address in zip(got, addresses, strict=False)]
             )
-        everyone = comm.all_gather_ints([int(not why)])  # the source's tensors stay as they are until every read ended
+    everyone = comm.all_gather_ints([int(not why)])
     return got if all(ok for [ok] in everyone) else None
 
 

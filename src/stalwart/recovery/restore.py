@@ -82,6 +82,11 @@ class LightReady(IntMessage):
     node: int
     """recovery/node_handover.node_key: equal and not 0 on every rank when the hand-over can go through the node's
     shared memory."""
+    pid: int
+    """The source's node_handover.Offer, where the node's other ranks read its live state from its memory: its pid
+    (0 where they cannot) ..."""
+    table: int
+    """... and its table of the pieces' addresses; both 0 on every other rank."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,17 +291,22 @@ class Restorer:
             memory.local_world_size if memory is not None else 0,
             comm.world_size,
         )
-        agreed = comm.gather(LightReady(int(content is not None), total, len(skeleton), node))
-        if not all(a.usable for a in agreed) or len({a.live_bytes for a in agreed}) != 1:
-            error = problem or "another rank's is not whole, or lists other live tensors"
-            self._events.emit("memory_snapshot_unusable", step=step, error=error)
-            return None
-        skeleton_len = agreed[source].skeleton_bytes
-        on_node = node != 0 and all(a.node == node for a in agreed)
-        directory = memory.directory if on_node and memory is not None else None
-        live, skeleton, route = live_handover.hand_over(
-            comm, source, layout, total, skeleton, skeleton_len, step, directory, self._own
-        )
+        with live_handover.offered(source, comm.rank, layout, skeleton, node) as pieces:
+            ready = LightReady(int(content is not None), total, len(skeleton), node, *pieces.offer)
+            agreed = comm.gather(ready)
+            if not all(a.usable for a in agreed) or len({a.live_bytes for a in agreed}) != 1:
+                error = problem or "another rank's is not whole, or lists other live tensors"
+                self._events.emit("memory_snapshot_unusable", step=step, error=error)
+                return None
+            skeleton_len, offer = (
+                agreed[source].skeleton_bytes,
+                node_handover.Offer(agreed[source].pid, agreed[source].table),
+            )
+            on_node = node != 0 and all(a.node == node for a in agreed)
+            directory = memory.directory if on_node and memory is not None else None
+            live, skeleton, route = live_handover.hand_over(
+                comm, source, pieces, offer, layout, total, skeleton, skeleton_len, step, directory, self._own
+            )
         snapshot, problem = None, ""
         try:
             replicated = None
