@@ -27,12 +27,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 import stalwart
 from conftest import child_env
-from stalwart.runtime import env, store, torch_compat, torch_compat_groups
+from stalwart.runtime import env, store, torch_compat, torch_compat_groups, torch_compat_process
 from stalwart.runtime.process import spawn
 from stalwart.runtime.torch_compat import CONTRACTS, Contract
 
 SRC = Path(stalwart.__file__).parent
-COMPAT = ("stalwart.runtime.torch_compat", "stalwart.runtime.torch_compat_groups")
+COMPAT = (
+    "stalwart.runtime.torch_compat",
+    "stalwart.runtime.torch_compat_groups",
+    "stalwart.runtime.torch_compat_process",
+)
 """The modules that may reach into torch's internals."""
 CHILD = Path(__file__).parent / "scripts" / "torch_compat_child.py"
 pytestmark = pytest.mark.timeout(120)
@@ -609,6 +613,21 @@ def _reaches_in(name: str, tree: ast.AST) -> list[str]:
             if isinstance(right, ast.Call) and getattr(right.func, "id", "") == "str":
                 found.append(f"{node.left.value!r} in str(...): a message text")
     return found
+
+
+def test_torchs_operator_libraries_are_not_taken_apart_at_exit_and_the_users_finalizers_still_run() -> None:
+    """torch_compat_process.skip_operator_deregistration_at_exit finds torch's finalizer of each operator library
+    (the one of a library made here among them) and leaves every other finalizer to run at exit."""
+    lib = torch.library.Library("stalwart_exit_test", "FRAGMENT")
+    theirs = [f for f in weakref.finalize._registry if (f.peek() or (None, None))[0] is lib]  # type: ignore[attr-defined]
+    mine = weakref.finalize(lib, print, "the user's")
+    assert len(theirs) == 1 and theirs[0].atexit, "torch registers one finalizer per library, run at exit"
+    turned = torch_compat_process.skip_operator_deregistration_at_exit()
+    assert turned >= 1 and not theirs[0].atexit, "torch's own: off"
+    assert mine.atexit, "the user's: on"
+    assert torch_compat_process.skip_operator_deregistration_at_exit() == 0, "once is enough"
+    mine.detach()
+    theirs[0]()  # as the library's end would: its operators go now, while this process lives
 
 
 def test_no_module_but_torch_compat_reaches_into_torch_s_internals() -> None:

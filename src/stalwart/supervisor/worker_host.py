@@ -55,6 +55,9 @@ def import_training_side() -> None:
 
     for name in FIRST_STEP_IMPORTS:  # a large part of the first optimizer step otherwise
         importlib.import_module(name)
+    from stalwart.runtime.torch_compat_process import skip_operator_deregistration_at_exit
+
+    skip_operator_deregistration_at_exit()  # in every process forked from here: its exit is cheaper
 
 
 def _warm_up() -> None:
