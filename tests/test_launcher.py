@@ -191,6 +191,24 @@ def test_max_restarts_is_honoured(launch: Any, tmp_path: Path) -> None:
     assert job.events("job_stopped")[0]["reason"] == "max_restarts"
 
 
+@pytest.mark.parametrize("flags", [("--no-reform",), ("--no-reform", "--redirects", "3")], ids=["forked", "spawned"])
+def test_workers_are_forked_with_torch_imported_unless_an_option_needs_torch_elastics_own(
+    launch: Any, tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    """Under --no-reform too the workers are forked from the zygote (no import of torch in each); with an option
+    only torch elastic's own spawned processes honour (--redirects) they are spawned, and their output is where
+    torch elastic writes it."""
+    script = tmp_path / "where.py"
+    script.write_text("import sys\nprint('torch imported at start:', 'torch' in sys.modules)\n")
+    logs = tmp_path / "logs"
+    job = launch([*flags, "--log-dir", str(logs), "--nproc-per-node", "1", str(script)])
+    assert job.wait(120) == 0, job.output()
+    written = [p.read_text() for p in logs.rglob("stdout.log")]
+    said = written[0] if written else job.output()
+    assert f"torch imported at start: {flags == ('--no-reform',)}" in said, (said, job.output())
+    assert bool(written) == ("--redirects" in flags), "torch elastic's files only where it spawned the worker"
+
+
 @pytest.mark.parametrize(
     ("sig", "grace"),
     [(signal.SIGTERM, "30"), (signal.SIGTERM, "0")]

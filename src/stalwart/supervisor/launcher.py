@@ -69,7 +69,7 @@ from stalwart.supervisor.leftovers import (
 )
 from stalwart.supervisor.preempt_notice import NoticeWatch
 from stalwart.supervisor.rendezvous import KEEP_ALIVE, rendezvous_handler
-from stalwart.supervisor.run_args import parse_nnodes, reforms
+from stalwart.supervisor.run_args import in_hosts, parse_nnodes, reforms
 from stalwart.supervisor.zygote import Zygote
 from stalwart.telemetry.events import EventLog
 from stalwart.telemetry.metrics import MetricsServer
@@ -352,6 +352,7 @@ def _run_agent(
         spares=pool if pool.target else None,
         zygote=pool.zygote,
         reform=reforms(args),
+        hosts=in_hosts(args),
         peer_check=preflight_gate.peer_check(args, config.max_nodes > 1, *_host_port(config.rdzv_endpoint)),
         monitor_s=float(config.monitor_interval),
         **_supported(

@@ -290,6 +290,13 @@ def _spawned_only(args: argparse.Namespace) -> str:
     return ", ".join(used)
 
 
+def in_hosts(args: argparse.Namespace) -> bool:
+    """Whether workers run in hosts forked from the zygote (torch imported once, supervisor/zygote.py): Python
+    workers without the options only torch elastic's own spawned processes honour. Also under --no-reform, whose
+    restarts then start every worker anew without each importing torch again."""
+    return not (args.no_python or _spawned_only(args))
+
+
 def reforms(args: argparse.Namespace) -> bool:
     """Whether survivors re-form in place: needs Python workers in hosts, which cannot redirect their output or
     be NUMA-bound; with those options, or --no-python, a failure restarts every worker as torchrun does."""
