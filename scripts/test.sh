@@ -16,6 +16,8 @@ fi
 # compiling them again (2-core VM, 2026-11-29). compileall writes whatever that variable says; it skips what is
 # up to date. A file that does not compile is ruff's and pytest's to report, below.
 .venv/bin/python -m compileall -q -j 0 src >/dev/null 2>&1 || true
+# pytest's rewrite of the tests' asserts, once instead of in each of the four workers (scripts/precompile_tests.py).
+.venv/bin/python scripts/precompile_tests.py tests || true
 echo "== ruff (set-up took $((SECONDS - start)) s)"; .venv/bin/ruff check src tests
 echo "== ruff format"; .venv/bin/ruff format --check src tests
 # mypy runs beside the tests, not before them: it is one process on one core for 25-35 s, which in front of the
