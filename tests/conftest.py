@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -22,7 +23,6 @@ import pytest
 from stalwart.runtime.process import spawn
 from stalwart.supervisor import launch_server
 from stalwart.supervisor.launch_server import LaunchServer
-from stalwart.telemetry.events import read_events
 
 TINY = Path(__file__).parent / "scripts" / "train_tiny.py"
 
@@ -57,6 +57,8 @@ class Launch:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.event_log = workdir / "events.jsonl"
+        self._events: list[dict[str, Any]] = []
+        self._read_to = 0
         self.output_path = workdir / "output.log"
         argv = ["run", "--event-log", str(self.event_log), *args]
         self._out = open(self.output_path, "wb")  # noqa: SIM115 (closed in reap)
@@ -70,7 +72,20 @@ class Launch:
             self.proc = _launch_server().start(argv, env, workdir, self.output_path, netns=netns)
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
-        return [e for e in read_events(self.event_log) if kind is None or e["event"] == kind]
+        """The events logged so far (of `kind`), as `read_events` gives them. Read on from where the last call
+        stopped: `wait_for` asks every 20 ms, and parsing the whole log each time cost a long test seconds of CPU."""
+        try:
+            with open(self.event_log, "rb") as f:
+                f.seek(self._read_to)
+                chunk = f.read()
+        except FileNotFoundError:
+            chunk = b""
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written is read next time
+        self._read_to += len(complete)
+        for line in complete.splitlines():
+            with contextlib.suppress(ValueError):  # a torn line (a writer killed mid-write), as read_events skips it
+                self._events.append(json.loads(line))
+        return [e for e in self._events if kind is None or e["event"] == kind]
 
     def worker_pids(self, restart: int | None = None) -> dict[int, int]:
         return {
