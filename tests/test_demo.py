@@ -13,7 +13,7 @@ from stalwart.telemetry.events import read_events
 
 def test_demo_recovers_and_ends_bitwise_identical(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "stalwart", "demo", "--steps", "40", "--checkpoint-every", "5", "--seed", "4",
+        [sys.executable, "-m", "stalwart", "demo", "--steps", "20", "--checkpoint-every", "5", "--seed", "4",
          "--json", "--workdir", str(tmp_path / "demo")],
         capture_output=True, text=True, timeout=280, env=child_env(),
     )  # fmt: skip

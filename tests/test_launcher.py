@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import TINY, Launch, alive, child_env, stalwart, tiny_args
+from conftest import TINY, Launch, alive, child_env, served_script, stalwart, tiny_args
 from stalwart.errors import EXIT_USER_ERROR
 
 
@@ -317,11 +317,10 @@ def test_same_script_under_torchrun_and_as_one_process(launch: Any, tmp_path: Pa
     assert left == [], "torch elastic's log directories are removed with the launcher"
     under_torchrun = json.loads((tmp_path / "out" / "rank1.json").read_text())
     assert under_torchrun["sha256"] == ours.results()[1]["sha256"], "torchrun and stalwart run train alike"
-    single = subprocess.run(
-        [sys.executable, str(TINY), "--ckpt", "ckpt1", "--out", "out1", "--steps", "6"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=child_env(),
-    )  # fmt: skip
-    assert single.returncode == 0, single.stderr
+    # As `python train_tiny.py ...`, forked with torch imported (conftest.served_script): no launcher, one process.
+    single = served_script(TINY, ["--ckpt", "ckpt1", "--out", "out1", "--steps", "6"], child_env(), tmp_path,
+                           tmp_path / "single.log")  # fmt: skip
+    assert single.wait(120) == 0, (tmp_path / "single.log").read_text()
     assert (tmp_path / "ckpt1" / "step_00000006" / "manifest.json").exists()
 
 
