@@ -141,6 +141,16 @@ def test_a_read_from_a_process_that_is_gone_says_why() -> None:
     assert cross_memory.read_into(os.getpid(), [(buf.data_ptr(), 0, 0)]) == "", "nothing to read is done"
 
 
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+def test_a_read_split_over_threads_copies_every_byte_once(lanes: int) -> None:
+    """cross_memory.read_into cuts the bytes into equal shares, one per thread, across piece boundaries."""
+    sources = [torch.arange(n, dtype=torch.uint8) for n in (1000, 0, 7, 4096, 333)]
+    targets = [torch.zeros(n, dtype=torch.uint8) for n in (1000, 0, 7, 4096, 333)]
+    pieces = [(t.data_ptr(), s.data_ptr(), s.numel()) for t, s in zip(targets, sources, strict=True)]
+    assert cross_memory.read_into(os.getpid(), pieces, lanes=lanes) == ""
+    assert all(torch.equal(t, s) for t, s in zip(targets, sources, strict=True))
+
+
 def test_bench_handover_measures_every_way_against_the_floor() -> None:
     out = stalwart("bench", "handover", "--sizes", "1MB,2MB", "--repeats", "1", "--json", env=child_env(), timeout=120)
     assert out.returncode == 0, out.stderr

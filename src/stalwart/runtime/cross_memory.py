@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
 from collections.abc import Iterator
 
 _PR_SET_PTRACER = 0x59616D61
@@ -49,12 +50,50 @@ def readable_by_any() -> Iterator[None]:
         _prctl(_PR_SET_PTRACER, ctypes.c_ulong(0), 0, 0, 0)
 
 
-def read_into(pid: int, pieces: list[tuple[int, int, int]]) -> str:
+def read_into(pid: int, pieces: list[tuple[int, int, int]], lanes: int | None = None) -> str:
     """Copy each (local address, remote address, bytes) of `pieces` from process `pid`'s memory into this process's;
-    '' when all arrived, else why not at the first piece that failed (the caller then takes another way). One
-    call per piece; the GIL is released while the kernel copies."""
+    '' when all arrived, else why not at the first piece that failed (the caller then takes another way). The GIL
+    is released while the kernel copies. `lanes`: threads that copy a share of the bytes each (by default one per
+    core, at most 4, from 8 MiB on): the kernel's copy pins the pages it reads one batch at a time, so one thread
+    reads at about half a memory copy's speed (100 MB in 42 ms against 20 ms, 2-core VM, 2026-11-30)."""
     if _readv is None:
         return "this C library has no process_vm_readv"
+    total = sum(nbytes for _, _, nbytes in pieces)
+    if lanes is None:
+        lanes = min(os.cpu_count() or 1, 4) if total >= _LANE_FROM else 1
+    if lanes <= 1 or total == 0:
+        return _read(pid, pieces)
+    share, shares = -(-total // lanes), [list[tuple[int, int, int]]() for _ in range(lanes)]
+    lane, room = 0, share
+    for dst, src, nbytes in pieces:
+        done = 0
+        while done < nbytes:
+            take = min(nbytes - done, room)
+            shares[lane].append((dst + done, src + done, take))
+            done, room = done + take, room - take
+            if room == 0 and lane < lanes - 1:
+                lane, room = lane + 1, share
+    why = [""] * lanes
+
+    def read_share(i: int) -> None:
+        why[i] = _read(pid, shares[i])
+
+    helpers = [threading.Thread(target=read_share, args=(i,), name="cross-memory-read") for i in range(1, lanes)]
+    for t in helpers:
+        t.start()
+    read_share(0)
+    for t in helpers:
+        t.join()
+    return next((w for w in why if w), "")
+
+
+_LANE_FROM = 8 << 20
+"""Below this many bytes one thread reads: a thread's start costs more than it saves."""
+
+
+def _read(pid: int, pieces: list[tuple[int, int, int]]) -> str:
+    """`read_into` on this thread, one call per piece."""
+    assert _readv is not None
     local, remote = _Iovec(), _Iovec()
     for dst, src, nbytes in pieces:
         done = 0
