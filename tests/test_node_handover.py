@@ -157,7 +157,7 @@ def test_bench_handover_measures_every_way_against_the_floor() -> None:
     report = json.loads(out.stdout)
     assert [r["bytes"] for r in report["sizes"]] == [10**6, 2 * 10**6]
     for r in report["sizes"]:
-        assert r["floor"]["copy_s"] > 0 and r["floor"]["allocating_copy_s"] > 0
+        assert r["floor"]["copy_s"] > 0 and r["floor"]["allocating_copy_s"] > 0 and r["floor"]["copy_all_cores_s"] > 0
         for way in ("broadcast", "file", "direct_new", "direct"):
             assert 0 < r[way]["handed_s"] <= r[way]["loaded_s"], (way, r)
     assert not list(Path("/dev/shm").glob("stalwart-bench-handover-*")), "its node memory directory is removed"

@@ -91,9 +91,15 @@ def _run(args: Any) -> int:
         table.add_column(_size(r["bytes"]), justify="right")
     table.add_row("floor: copy into the model", *(f"{r['floor']['copy_s']:.3f}" for r in sizes))
     table.add_row("floor: copy into new memory", *(f"{r['floor']['allocating_copy_s']:.3f}" for r in sizes))
+    lanes = sizes[0]["floor"]["threads"] if sizes else 1
+    table.add_row(f"floor: copy, {lanes} threads", *(f"{r['floor']['copy_all_cores_s']:.3f}" for r in sizes))
     for way, head in zip(WAYS, HEADS, strict=True):
         table.add_row(head, *(f"{r[way]['loaded_s']:.3f} ({r[way]['handed_s']:.3f})" for r in sizes))
     table.add_row("direct / floor: copy", *(f"{r['direct']['loaded_s'] / r['floor']['copy_s']:.2f}x" for r in sizes))
+    table.add_row(
+        f"direct / floor: {lanes} threads",
+        *(f"{r['direct']['loaded_s'] / r['floor']['copy_all_cores_s']:.2f}x" for r in sizes),
+    )
     Console().print(table)
     print("(in brackets: seconds until the state was handed over, before its copy into the model)")
     return 0
