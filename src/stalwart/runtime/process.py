@@ -219,8 +219,8 @@ def run_as_main(main: Callable[[], object]) -> int:
         code = 0
     except SystemExit as exc:
         code = exit_status(exc.code)
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as exc:  # as the interpreter reports it: through sys.excepthook (a script's own, stalwart's)
+        sys.excepthook(type(exc), exc, exc.__traceback__)
         code = 1
     with contextlib.suppress(BaseException):
         threading._shutdown()  # type: ignore[attr-defined]
