@@ -87,8 +87,12 @@ class TrackedState:
         return self.replicated
 
     def optimizers(self, *, replicated_only: bool = False) -> list[torch.optim.Optimizer]:
+        """The tracked optimizers whose `step` runs the update: a framework's wrapper is a torch Optimizer without
+        an optimizer's own state (Accelerate's AcceleratedOptimizer has no step hooks) that holds the real one as
+        `.optimizer` and calls its `step`, so stalwart's hooks go on the real one. Its state_dict is still the
+        wrapper's, as tracked."""
         return [
-            o
+            _stepping(o)
             for n, o in self.objects.items()
             if isinstance(o, torch.optim.Optimizer) and (not replicated_only or n in self.replicated)
         ]
@@ -241,3 +245,13 @@ def _check_shapes(name: str, obj: Stateful, saved: Any, source: str) -> None:
                 f"checkpoint {source} does not fit tracked object {name!r}: {key} has shape "
                 f"{tuple(old.shape)} in the checkpoint and {tuple(current.shape)} in the model"
             )
+
+
+def _stepping(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The innermost torch Optimizer of `optimizer`'s `.optimizer` chain (itself when it wraps none)."""
+    seen = {id(optimizer)}
+    inner = getattr(optimizer, "optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer) and id(inner) not in seen:
+        optimizer, seen = inner, seen | {id(inner)}
+        inner = getattr(optimizer, "optimizer", None)
+    return optimizer
