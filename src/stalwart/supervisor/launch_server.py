@@ -194,8 +194,9 @@ def serve() -> dict[str, Any] | None:
     die_with_parent(signal.SIGKILL)
     pending = b""
     children: set[int] = set()
-    # Woken by a request or a child's end (SIGCHLD through a wake-up pipe), not every 20 ms: polling took about 2%
-    # of a core per server for its life (2-core VM, 2026-11-30), the tests run four. The timeout is a safety net.
+    # Woken by a request or a child's end (SIGCHLD through a wake-up pipe), not every 20 ms: polling took 0.4% of a
+    # core idle (2-core VM, 2026-11-30), more with each child it looked at, for the server's life; the tests run
+    # four. The timeout is a safety net.
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
