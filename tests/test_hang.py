@@ -15,7 +15,7 @@ import pytest
 from conftest import Launch, alive, child_env, tiny_args
 from stalwart.detect import hang
 from stalwart.detect.hang import HangTimer, parse_timeout
-from stalwart.detect.heartbeat import PHASE_STEP, SLOT_BYTES, Board, Heartbeat
+from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, SLOT_BYTES, Board, Heartbeat
 from stalwart.runtime.process import process_state
 
 HANG_ARGS = tiny_args("--steps", "24", "--step-sleep", "0.05")
@@ -105,6 +105,24 @@ def test_beats_cross_processes_and_torn_slots_are_not_read(tmp_path: Path) -> No
         board.close()
     assert not board.path.exists(), "the board file is removed"
     assert not Heartbeat(None, 0).active and not Heartbeat(str(tmp_path / "missing"), 0).active
+
+
+@pytest.mark.parametrize(
+    ("phase", "counted"), [(PHASE_STEP, True), (PHASE_SAVE, True), (PHASE_RESUME, False), (PHASE_DONE, False)]
+)
+def test_a_workers_progress_counts_from_its_last_beat_in_a_step_or_a_save(
+    tmp_path: Path, phase: int, counted: bool
+) -> None:
+    """The steps a failed worker completed, for `worker_failed`: its beat at a step's start or at a save after one
+    (a worker killed while saving reported none, and `stalwart report` counted from its last logged step)."""
+    board = Board(1, str(tmp_path))
+    try:
+        Heartbeat(str(board.path), 0).beat(60, phase, 5.0)
+        progress = board.progress(0, os.getpid())
+        assert (progress.get("last_step") == 60) == counted and bool(progress) == counted, progress
+        assert board.progress(0, os.getpid() + 1) == {}, "another pid's beat is not this worker's"
+    finally:
+        board.close()
 
 
 @pytest.mark.parametrize("how", ["sigstop", "sleep", "deadlock"])

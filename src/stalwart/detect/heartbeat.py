@@ -147,12 +147,14 @@ class Board:
         return None
 
     def progress(self, slot: int, pid: int) -> dict[str, Any]:
-        """The steps worker `pid` had completed by its last beat in the loop, and when (a beat at a step's start, on
-        the events' monotonic clock): the agent's `worker_failed` carries them, so that `stalwart report` counts
-        from there where the worker's own `step_done` events are every `log_every` steps (telemetry/goodput.py).
-        Empty without such a beat of that pid."""
+        """The steps worker `pid` had completed by its last beat in the loop, and when (a beat at a step's start, or
+        at the start of a checkpoint's save after a step, on the events' monotonic clock): the agent's
+        `worker_failed` carries them, so that `stalwart report` counts from there where the worker's own `step_done`
+        events are every `log_every` steps (telemetry/goodput.py). A worker killed during a save counted from its
+        last logged step before 2026-11-30 (10 steps redone reported for 19, tests/test_goodput.py). Empty without
+        such a beat of that pid."""
         beat = self.read(slot)
-        if beat is None or beat.pid != pid or beat.phase != PHASE_STEP:
+        if beat is None or beat.pid != pid or beat.phase not in (PHASE_STEP, PHASE_SAVE):
             return {}
         return {"last_step": beat.step, "last_step_mono": round(beat.beat_ns / 1e9, 6)}
 
