@@ -38,7 +38,11 @@ def test_two_nodes_recover_from_a_killed_worker(launch: Any, tmp_path: Path) -> 
         assert node.wait(180) == 0, node.output()
     newest = 9  # each node's memory tier holds step 9 of its own rank: nothing is read from storage
     for node in nodes:
-        assert node.events("restarting"), "each node's agent restarted its worker"
+        # The killed rank's agent restarts its worker. The other node's worker re-forms in its loop, and its agent
+        # joins the new round either through a restart of its own or as a membership change with its worker kept
+        # (restart count unchanged, no `restarting`: fc87, 2026-11-30): which comes first is a race, both correct.
+        assert node.events("restarting") or node.events("reformed_in_loop"), "each node's worker went on"
+        assert node.events("restarting") or not node.events("fault_injected"), "the killed rank's node restarted it"
         assert [(e["step"], e["tier"]) for e in node.events("resumed")] == [(newest, "memory")]
     ranks = sorted(e["rank"] for node in nodes for e in node.events("worker_spawned") if e["restart"] == 0)
     assert ranks == [0, 1], "one global rank per node"
