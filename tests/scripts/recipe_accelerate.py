@@ -6,25 +6,13 @@ the loop through `job.steps()`. Writes each rank's parameters' sha256 to --out/r
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 from pathlib import Path
 
+import recipe_common
 import torch
 from accelerate import Accelerator
 
 import stalwart
-
-
-class Samples(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    def __init__(self, n: int) -> None:
-        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(7))
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.x[i]
 
 
 def main() -> None:
@@ -34,11 +22,10 @@ def main() -> None:
     args = p.parse_args()
     job = stalwart.Job("ckpt", checkpoint_every=10)  # first: it makes the process group under `stalwart run`
     accelerator = Accelerator(cpu=True)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
+    model = recipe_common.model()
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, optim = accelerator.prepare(model, optim)
-    loader = stalwart.ResumableLoader(Samples(256), global_batch_size=8, seed=3)
+    loader = stalwart.ResumableLoader(recipe_common.Samples(256), global_batch_size=8, seed=3)
     job.track(model=model, optim=optim, data=loader)
     for _step, x in job.steps(loader, max_steps=args.steps):
         loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
@@ -47,11 +34,7 @@ def main() -> None:
         optim.step()
         job.report(loss=loss.detach())
     job.close()
-    digest = hashlib.sha256()
-    for name, t in accelerator.unwrap_model(model).state_dict().items():
-        digest.update(name.encode() + t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{job.rank}.json").write_text(json.dumps({"step": job.step, "sha256": digest.hexdigest()}))
+    recipe_common.write_digest(args.out, job.rank, job.step, accelerator.unwrap_model(model))
 
 
 if __name__ == "__main__":

@@ -6,26 +6,14 @@ stalwart slices it), the loop through `job.steps()`. Writes each rank's paramete
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 from pathlib import Path
 
+import recipe_common
 import torch
 from lightning.fabric import Fabric
 
 import stalwart
-
-
-class Samples(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    def __init__(self, n: int) -> None:
-        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(7))
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.x[i]
 
 
 def main() -> None:
@@ -36,11 +24,10 @@ def main() -> None:
     job = stalwart.Job("ckpt", checkpoint_every=10)  # first: it makes the process group under `stalwart run`
     fabric = Fabric(accelerator="cpu", strategy="ddp", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     fabric.launch()  # under `stalwart run` (torch elastic's environment) the processes exist already
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
+    model = recipe_common.model()
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, optim = fabric.setup(model, optim)
-    loader = stalwart.ResumableLoader(Samples(256), global_batch_size=8, seed=3)
+    loader = stalwart.ResumableLoader(recipe_common.Samples(256), global_batch_size=8, seed=3)
     job.track(model=model, optim=optim, data=loader)
     for _step, x in job.steps(loader, max_steps=args.steps):
         loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
@@ -49,11 +36,7 @@ def main() -> None:
         optim.step()
         job.report(loss=loss.detach())
     job.close()
-    digest = hashlib.sha256()
-    for name, t in model.module.state_dict().items():
-        digest.update(name.encode() + t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{job.rank}.json").write_text(json.dumps({"step": job.step, "sha256": digest.hexdigest()}))
+    recipe_common.write_digest(args.out, job.rank, job.step, model.module)
 
 
 if __name__ == "__main__":
