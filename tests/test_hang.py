@@ -11,11 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+import stalwart
 from conftest import Launch, alive, child_env, tiny_args
 from stalwart.detect import hang
 from stalwart.detect.hang import HangTimer, parse_timeout
 from stalwart.detect.heartbeat import PHASE_DONE, PHASE_RESUME, PHASE_SAVE, PHASE_STEP, SLOT_BYTES, Board, Heartbeat
+from stalwart.runtime.env import HEARTBEAT_ENV
 from stalwart.runtime.process import process_state
 
 HANG_ARGS = tiny_args("--steps", "24", "--step-sleep", "0.05")
@@ -123,6 +126,58 @@ def test_a_workers_progress_counts_from_its_last_beat_in_a_step_or_a_save(
         assert board.progress(0, os.getpid() + 1) == {}, "another pid's beat is not this worker's"
     finally:
         board.close()
+
+
+@pytest.mark.parametrize("when_busy", ["skip", "wait"])
+def test_a_save_is_watched_with_the_step_timeout_and_only_a_wait_for_the_store_gets_the_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when_busy: str
+) -> None:
+    """A save after the first stalls for its agreement and a memory copy: a hang there (a network partition inside
+    its gather) must be caught like a hang in a step. With when_busy="wait" every save got the 300-s grace, and a
+    6-s partition inside one went undetected (the chaos quick suite, 2026-11-30); now only the wait for the
+    previous save's persist (the store's pace) gets it."""
+    board = Board(1, str(tmp_path))
+    monkeypatch.setenv(HEARTBEAT_ENV, str(board.path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    seen: list[tuple[str, int, float]] = []  # (what, step, the watched timeout when it began)
+
+    def timeout() -> float:
+        beat = board.read(0)
+        assert beat is not None and beat.phase == PHASE_SAVE
+        return (beat.deadline_ns - beat.beat_ns) / 1e9
+
+    try:
+        job = stalwart.Job(tmp_path / "ckpt", checkpoint_every=1, log_every=1000, when_busy=when_busy)
+        model = torch.nn.Linear(256, 256)
+        optim = torch.optim.SGD(model.parameters(), lr=0.01)
+        job.track(model=model, optim=optim)
+        save, finish = job.checkpointer.save, job.checkpointer.finish_in_flight
+
+        def watched_save(step: int, state: Any, *, wait: bool = False) -> bool:
+            seen.append(("save", step, timeout()))
+            return save(step, state, wait=wait)
+
+        def watched_finish() -> None:
+            seen.append(("wait", job.step, timeout()))
+            finish()
+
+        monkeypatch.setattr(job.checkpointer, "save", watched_save)
+        monkeypatch.setattr(job.checkpointer, "finish_in_flight", watched_finish)
+        for _ in job.steps(max_steps=10):
+            loss = model(torch.randn(8, 256)).pow(2).mean()
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+        job.close()
+    finally:
+        board.close()
+    saves = {step: t for what, step, t in seen if what == "save"}
+    assert sorted(saves) == list(range(1, 11)), seen
+    assert saves[1] == hang.GRACE_S, "the first save allocates staging: the grace"
+    assert saves[10] == hang.GRACE_S, "the run's last save waits for its commit: the grace"
+    calibrated = [saves[s] for s in range(hang.WARMUP_STEPS + 2, 10)]
+    assert calibrated and all(t == hang.FLOOR_S for t in calibrated), seen
+    assert all(t == hang.GRACE_S for what, _, t in seen if what == "wait"), seen
 
 
 @pytest.mark.parametrize("how", ["sigstop", "sleep", "deadlock"])

@@ -207,6 +207,12 @@ class Checkpointer:
     def persist_in_flight(self) -> bool:
         return self._bg.in_flight is not None
 
+    def finish_in_flight(self) -> None:
+        """Wait for the save still persisting, if any (what `save` does first with `when_busy="wait"`): the Job
+        waits for it under the hang detector's grace and then saves under the step timeout, so that a hang in the
+        save's own agreement is caught like a hang in a step."""
+        self._finish_in_flight()
+
     def save(self, step: int, state: dict[str, Any], *, wait: bool = False) -> bool:
         """Snapshot `step` and hand it to the persister. Collective: every rank calls it for the same step.
 

@@ -314,12 +314,19 @@ class Job:
         Returns whether a snapshot was taken (False when the previous save is still persisting, see
         docs/checkpoints.md). With `wait`, returns once the checkpoint is committed, and whether it was.
         """
-        # A save that may wait on the store (waited, or the first: staging is allocated) gets the grace period;
-        # any other stalls only for a memory copy and keeps the step timeout, so a hang in it is still caught.
-        waits = wait or self.config.checkpoint.when_busy == "wait" or not self.parts.saved_once
-        self.parts.heartbeat.beat(
-            self.step, PHASE_SAVE, self.parts.hang.grace() if waits else self.parts.hang.step_timeout()
-        )
+        # A save that waits on the store (waited, or the first: staging is allocated) gets the grace period; any
+        # other stalls only for its agreement and a memory copy and keeps the step timeout, so a hang in it is
+        # caught. With when_busy="wait" the wait for the previous save is the store's, under the grace, and the
+        # save after it a step's (a network partition inside that save's agreement went undetected for as long
+        # as it lasted, the chaos quick suite, 2026-11-30).
+        beat, hang = self.parts.heartbeat.beat, self.parts.hang
+        if wait or not self.parts.saved_once:
+            beat(self.step, PHASE_SAVE, hang.grace())
+        else:
+            if self.config.checkpoint.when_busy == "wait" and self.checkpointer.persist_in_flight():
+                beat(self.step, PHASE_SAVE, hang.grace())
+                self.checkpointer.finish_in_flight()
+            beat(self.step, PHASE_SAVE, hang.step_timeout())
         self.parts.saved_once = True
         self.checkpointer.poll()
         taken = self.checkpointer.save(self.step, self.tracked.state(self.step), wait=wait)
