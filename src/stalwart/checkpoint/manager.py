@@ -13,8 +13,9 @@ each shard (format/sharded.py). Everything else is per-rank state, written by it
 
 At most one save per rank is in flight. The rule for a save requested while one is still persisting
 (`when_busy`): "skip" (the default) skips it on every rank, agreed through one small collective, with a
-`checkpoint_skipped` event, and training goes on; "wait" first waits for the previous one, with a
-`checkpoint_waited` event. The final save of a run (`wait=True`) always waits, then waits for its own commit.
+`checkpoint_skipped` event, and training goes on; "wait" waits for it on every rank, with a `checkpoint_waited`
+event, and agrees again (the wait outside the agreement, so that the caller can watch each at its own pace). The
+final save of a run (`wait=True`) always waits, then waits for its own commit.
 
 Every decision that must be the same on all ranks is taken once and shared: rank 0 lists the checkpoints,
 the ranks vote on each candidate, rank 0 reports the commit. At start every rank must see a file rank 0 wrote,
@@ -207,21 +208,25 @@ class Checkpointer:
     def persist_in_flight(self) -> bool:
         return self._bg.in_flight is not None
 
-    def finish_in_flight(self) -> None:
-        """Wait for the save still persisting, if any (what `save` does first with `when_busy="wait"`): the Job
-        waits for it under the hang detector's grace and then saves under the step timeout, so that a hang in the
-        save's own agreement is caught like a hang in a step."""
-        self._finish_in_flight()
-
-    def save(self, step: int, state: dict[str, Any], *, wait: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        wait: bool = False,
+        on_store_wait: Callable[[bool], None] | None = None,
+    ) -> bool:
         """Snapshot `step` and hand it to the persister. Collective: every rank calls it for the same step.
 
         Returns whether a snapshot was taken (False: skipped because the previous save is still persisting).
         With `wait`, first waits for any save in flight, then for this one, and returns whether it committed.
         A state that can never be saved (unloadable types) raises UnsavableStateError on every rank.
+        With `when_busy="wait"`, a save that finds a rank's previous one persisting waits for it on every rank
+        and agrees again; `on_store_wait(True)` before that wait and `(False)` after it let the caller tell the
+        hang detector that this wait runs at the store's pace, while the agreement does not.
         """
         started = time.monotonic()
-        if wait or self._when_busy == "wait":
+        if wait:
             self._finish_in_flight()
             started = time.monotonic()
         vote, unsavable, fp = _OK, None, 0
@@ -245,6 +250,16 @@ class Checkpointer:
                 "list in replicated= only objects that are identical on every rank"
             )
         in_flight = [v.in_flight for v in every if v.in_flight >= 0]
+        if in_flight and self._when_busy == "wait":
+            # Every rank waits for its own and agrees again (the second agreement finds none in flight, and rank
+            # 0's base is chosen after the commit). Agreeing first keeps the wait out of the agreement: a rank
+            # slow at its store would otherwise hold the others in the gather, where a hang is watched for.
+            if on_store_wait is not None:
+                on_store_wait(True)
+            self._finish_in_flight()
+            if on_store_wait is not None:
+                on_store_wait(False)
+            return self.save(step, state, on_store_wait=on_store_wait)
         if in_flight:
             self._events.emit(
                 "checkpoint_skipped", step=step, reason=f"the save of step {in_flight[0]} is still persisting"

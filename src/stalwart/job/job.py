@@ -316,20 +316,18 @@ class Job:
         """
         # A save that waits on the store (waited, or the first: staging is allocated) gets the grace period; any
         # other stalls only for its agreement and a memory copy and keeps the step timeout, so a hang in it is
-        # caught. With when_busy="wait" the wait for the previous save is the store's, under the grace, and the
-        # save after it a step's (a network partition inside that save's agreement went undetected for as long
-        # as it lasted, the chaos quick suite, 2026-11-30).
-        beat, hang = self.parts.heartbeat.beat, self.parts.hang
-        if wait or not self.parts.saved_once:
-            beat(self.step, PHASE_SAVE, hang.grace())
-        else:
-            if self.config.checkpoint.when_busy == "wait" and self.checkpointer.persist_in_flight():
-                beat(self.step, PHASE_SAVE, hang.grace())
-                self.checkpointer.finish_in_flight()
-            beat(self.step, PHASE_SAVE, hang.step_timeout())
+        # caught. With when_busy="wait", the wait for a previous save still persisting gets the grace, the rest
+        # of the save the step timeout (the whole save had the grace: a 6-s network partition inside its
+        # agreement went undetected, the chaos quick suite, 2026-11-30).
+        beat, hang, step = self.parts.heartbeat.beat, self.parts.hang, self.step
+        beat(step, PHASE_SAVE, hang.grace() if wait or not self.parts.saved_once else hang.step_timeout())
+
+        def on_store_wait(waiting: bool) -> None:
+            beat(step, PHASE_SAVE, hang.grace() if waiting else hang.step_timeout())
+
         self.parts.saved_once = True
         self.checkpointer.poll()
-        taken = self.checkpointer.save(self.step, self.tracked.state(self.step), wait=wait)
+        taken = self.checkpointer.save(step, self.tracked.state(step), wait=wait, on_store_wait=on_store_wait)
         if taken:
             self.parts.last_saved = self.step
         return taken
