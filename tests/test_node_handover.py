@@ -161,3 +161,58 @@ def test_bench_handover_measures_every_way_against_the_floor() -> None:
         for way in ("broadcast", "file", "direct_new", "direct"):
             assert 0 < r[way]["handed_s"] <= r[way]["loaded_s"], (way, r)
     assert not list(Path("/dev/shm").glob("stalwart-bench-handover-*")), "its node memory directory is removed"
+
+
+def _load_rank(rank: int, store_path: str, case: str, shm: str) -> None:
+    """`live_handover.hand_over_and_load` between a source (rank 1) and a reader (rank 0) of one node: the read from
+    the source's memory and the load agreed on in one gather. `case`: "read"; "refused" (the reader's kernel refuses
+    the read: the fake stands in for a Yama or seccomp policy, which a test cannot set per process); "unusable" (the
+    reader's load fails)."""
+    from stalwart.recovery import live_handover
+
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    comm = Comm(Placement(rank, 2, rank, 0), timedelta(seconds=30))
+    a = torch.arange(1000, dtype=torch.float32)
+    b = torch.arange(77, dtype=torch.int64).reshape(7, 11)
+    layout = {"a": (0, 4000, torch.float32, [1000]), "b": (4032, 616, torch.int64, [7, 11])}
+    mine = {"a": a, "b": b} if rank == 1 else {}
+    flat = [a, b.reshape(-1), torch.frombuffer(bytearray(b"skel"), dtype=torch.uint8)] if rank == 1 else None
+    own = torch.zeros(1000)  # the reader's model: read into
+    if rank == 0 and case == "refused":
+        cross_memory.read_into = lambda pid, pieces, lanes=None: "refused (a test's stand-in for the kernel's policy)"
+
+    def load(live: dict[str, torch.Tensor], skeleton: bytes) -> tuple[torch.Tensor, torch.Tensor, bytes]:
+        if rank == 0 and case == "unusable":
+            raise ValueError("an unreadable skeleton")
+        return live["a"].clone(), live["b"].clone(), skeleton
+
+    with node_handover.offering(flat) as offer:
+        told = node_handover.Offer(*comm.all_gather_ints(list(offer))[1])
+        pieces = live_handover.Pieces(mine, flat, offer)
+        loaded, route, problem = live_handover.hand_over_and_load(
+            comm, 1, pieces, told, layout, 4672, b"skel" if rank == 1 else b"", 4, 3, Path(shm),
+            (lambda: {"a": own}) if rank == 0 else None, load,
+        )  # fmt: skip
+    if case == "unusable":
+        assert loaded is None, "the reader's load failed: no rank uses its own"
+        assert problem == ("an unreadable skeleton" if rank == 0 else "another rank's is not whole"), problem
+    else:
+        assert loaded is not None and problem == "", problem
+        assert torch.equal(loaded[0], a) and torch.equal(loaded[1], b) and loaded[2] == b"skel"
+        way = "read from its memory" if case == "read" else "handed over through node memory"
+        assert route == way, route
+        if rank == 0 and case == "read":
+            assert torch.equal(own, a), "read into the reader's own tensor"
+    comm.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["read", "refused", "unusable"])
+def test_the_read_and_the_load_are_agreed_in_one_gather_and_a_refused_read_takes_the_file(
+    tmp_path: Path, case: str
+) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    run_forked_ranks(_load_rank, tmp_path, case, str(shm))
+    assert not list(shm.iterdir()), "the file taken after a refused read is removed"

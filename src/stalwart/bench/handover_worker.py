@@ -49,8 +49,10 @@ def _hand_over(
     spans, size = _spans(state)
     mine = comm.rank == SOURCE
     if way in ("direct", "direct_new"):
+        # As the restore reads (recovery/live_handover.py's hand_over_and_load): no agreement of its own; the verdict
+        # rides on the load's, which `_measure` makes after the clock stopped.
         into: list[torch.Tensor | None] | None = list(state) if way == "direct" and not mine else None
-        got = node_handover.read_directly(comm, SOURCE, state if mine else None, spans, size, into, offer)
+        got = node_handover.read_offered(comm.rank, SOURCE, offer, spans, size, into)
         if got is None:
             raise RuntimeError("the kernel refused reading the source's memory")
         return None if mine else got
@@ -93,12 +95,15 @@ def _measure(comm: Comm, size: int, repeats: int, shm: Path) -> dict[str, Any]:
                 told = node_handover.Offer(*comm.all_gather_ints(list(offer))[SOURCE])
                 started = time.perf_counter()
                 got = _hand_over(way, comm, state, shm, r, told)
+                took = time.perf_counter() - started
+                if got is not None:
+                    with torch.no_grad():  # a piece read into its tensor is copied onto itself: nothing is copied
+                        for piece, t in zip(got, state, strict=True):
+                            t.copy_(piece.view(torch.float32))
+                    handed.append(took)
+                    loaded.append(time.perf_counter() - started)
+                comm.barrier()  # the source offers its memory until every read ended (the restore's agreement)
             if got is not None:
-                handed.append(time.perf_counter() - started)
-                with torch.no_grad():  # a piece read into its tensor is copied onto itself: nothing is copied
-                    for piece, t in zip(got, state, strict=True):
-                        t.copy_(piece.view(torch.float32))
-                loaded.append(time.perf_counter() - started)
                 if not all(bool((t == float(i)).all()) for i, t in enumerate(state)):
                     raise RuntimeError(f"{way}: the state arrived wrong")
                 for t in state:

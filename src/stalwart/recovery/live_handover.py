@@ -8,16 +8,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
 from stalwart.recovery import node_handover
 from stalwart.recovery.in_loop import survivor
-from stalwart.runtime.dist import Comm
+from stalwart.runtime.dist import Comm, Flag
+from stalwart.runtime.process import first_line
 
 Layout = dict[str, tuple[int, int, torch.dtype, list[int]]]
 """Each live tensor's id -> (offset, bytes, dtype, shape) in the hand-over's bytes (64-byte aligned offsets)."""
+T = TypeVar("T")
 
 
 class Pieces(NamedTuple):
@@ -57,23 +59,32 @@ def hand_over(
     step: int,
     directory: Path | None,
     own: Callable[[], dict[str, torch.Tensor]] | None,
-) -> tuple[dict[str, torch.Tensor], bytes, str]:
+    *,
+    direct: str = "agreed",
+) -> tuple[dict[str, torch.Tensor], bytes, str] | None:
     """Rank `source`'s live tensors (laid out by `layout` in `total` bytes) and its skeleton (`skeleton_len` bytes
     after them), on every rank, and the way they came. `pieces`: this rank's of `offered`, inside it still;
     `offer`: the source's, as every rank learned it. `directory`: the node memory every rank shares (a job of one
     node), else None. `own`: this rank's tensors by id as they are (a replacement's model), read into where they
-    have the dtype and shape. Collective."""
+    have the dtype and shape. Collective. `direct`: on one node with an offer, the read from the source's memory
+    "agreed" on (the file where any rank could not), "unagreed" (the caller agrees: None on a rank that could not
+    read, and the source must stay inside `offered` until then; `hand_over_and_load`), or "off" (the file)."""
     stash = survivor.stashed()
     size = total + skeleton_len
     mine = pieces.mine
     skeleton_bytes = pieces.flat[len(mine) :] if pieces.flat is not None else []
-    if directory is not None:
+    if directory is not None and direct != "off":
         spans = [(offset, nbytes) for offset, nbytes, _, _ in layout.values()]
         spans += [(total, skeleton_len)] if skeleton_len else []
         into = None
         if comm.rank != source:  # a survivor's own tensors are its stash's, which a later try may still hand over
             into = [*_own_tensors(own if stash is None else None, layout), *([None] if skeleton_len else [])]
-        got = node_handover.read_directly(comm, source, pieces.flat, spans, size, into, offer)
+        if direct == "unagreed" and offer.pid != 0:
+            got = node_handover.read_offered(comm.rank, source, offer, spans, size, into)
+            if got is None:
+                return None
+        else:
+            got = node_handover.read_directly(comm, source, pieces.flat, spans, size, into, offer)
         if got is not None:
             route = "read from its memory"
             if comm.rank == source:
@@ -108,6 +119,50 @@ def hand_over(
                 buf[total:].copy_(t)
     comm.broadcast_tensor(buf, source)
     return *_views(buf, layout, total, skeleton_len), "broadcast"
+
+
+def hand_over_and_load(
+    comm: Comm,
+    source: int,
+    pieces: Pieces,
+    offer: node_handover.Offer,
+    layout: Layout,
+    total: int,
+    skeleton: bytes,
+    skeleton_len: int,
+    step: int,
+    directory: Path | None,
+    own: Callable[[], dict[str, torch.Tensor]] | None,
+    load: Callable[[dict[str, torch.Tensor], bytes], T],
+) -> tuple[T | None, str, str]:
+    """`hand_over`, then `load(live, skeleton)` on every rank, agreed: (what `load` made, or None on every rank where
+    any rank could not use its own, the way the state came, the first problem). Inside `offered` still. On one node
+    the read from the source's memory and the load are agreed on in one gather (a read that failed anywhere: every
+    rank takes the file, and loads and agrees again). `load` raising is a problem agreed on, not an error."""
+    args = (comm, source, pieces, offer, layout, total, skeleton, skeleton_len, step, directory, own)
+    handed = hand_over(*args, direct="unagreed" if directory is not None and offer.pid != 0 else "agreed")
+    loaded, problem = _load(load, handed)
+    votes = [f.value for f in comm.gather(Flag(2 * int(handed is not None) + int(loaded is not None)))]
+    route = handed[2] if handed is not None else ""
+    if not all(v & 2 for v in votes):  # a rank could not read the source's memory (the source is still offering)
+        handed = hand_over(*args, direct="off")
+        loaded, problem = _load(load, handed)
+        votes = [f.value for f in comm.gather(Flag(2 + int(loaded is not None)))]
+        route = handed[2] if handed is not None else ""
+    if all(v & 1 for v in votes):
+        return loaded, route, ""
+    return None, route, problem or "another rank's is not whole"
+
+
+def _load(
+    load: Callable[[dict[str, torch.Tensor], bytes], T], handed: tuple[dict[str, torch.Tensor], bytes, str] | None
+) -> tuple[T | None, str]:
+    if handed is None:
+        return None, "this rank could not read the survivor's memory"
+    try:
+        return load(handed[0], handed[1]), ""
+    except Exception as exc:  # a skeleton naming tensors nobody holds, an unreadable one: agreed on by the caller
+        return None, first_line(exc)
 
 
 def _own_tensors(own: Callable[[], dict[str, torch.Tensor]] | None, layout: Layout) -> list[torch.Tensor | None]:

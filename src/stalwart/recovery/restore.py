@@ -34,7 +34,6 @@ from stalwart.errors import CheckpointCorruptError
 from stalwart.recovery import live_handover, memory_reshard, node_handover
 from stalwart.recovery.in_loop import survivor
 from stalwart.runtime.dist import Comm, Flag, IntMessage
-from stalwart.runtime.process import first_line
 from stalwart.runtime.state_wire import recv_state, send_state
 from stalwart.telemetry.events import EventLog
 
@@ -304,21 +303,18 @@ class Restorer:
             )
             on_node = node != 0 and all(a.node == node for a in agreed)
             directory = memory.directory if on_node and memory is not None else None
-            live, skeleton, route = live_handover.hand_over(
-                comm, source, pieces, offer, layout, total, skeleton, skeleton_len, step, directory, self._own
+
+            def load(live: dict[str, torch.Tensor], skeleton: bytes) -> Any:
+                assert memory is not None
+                return memory.load_light(step, content, live, load_skeleton(skeleton) if skeleton_len else None)
+
+            # The load's verdict and the read's in one gather, the source's memory offered until then.
+            snapshot, route, problem = live_handover.hand_over_and_load(
+                comm, source, pieces, offer, layout, total, skeleton, skeleton_len, step, directory, self._own, load
             )
-        snapshot, problem = None, ""
-        try:
-            replicated = None
-            if skeleton_len:
-                replicated = load_skeleton(skeleton)
-            assert memory is not None
-            snapshot = memory.load_light(step, content, live, replicated)
-        except Exception as exc:  # a skeleton naming tensors nobody holds, an unreadable one: agreed below
-            problem = first_line(exc)
-        if not self._all_agree(snapshot is not None, step, problem):
+        if snapshot is None:
+            self._events.emit("memory_snapshot_unusable", step=step, error=problem)
             return None
-        assert snapshot is not None
         where = f"node memory (step {step}) and rank {source}'s live state"
         if old_world is not None:
             where += f" of {old_world} ranks"
