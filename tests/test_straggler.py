@@ -156,13 +156,19 @@ def test_an_evicted_straggler_is_replaced_and_the_run_ends_as_without_it(launch:
     memory = ("--snapshot-every", "1")  # the replacement restores from node memory
     job = _straggler_job(launch, 120, "slow@rank=2,step=20,ms=4", *memory, "--straggler-policy", "evict")
     reference = _straggler_job(launch, 120, "", *memory, name="reference")
-    (found,) = job.events("straggler_detected")
-    (evicted,) = job.events("straggler_evicted")
+    found, *later = job.events("straggler_detected")
+    evicted, *_ = job.events("straggler_evicted")
+    assert (found["straggler"], found["restart"]) == (2, 0), found
     assert (evicted["rank"], evicted["step"]) == (2, found["step"])
     failed = [(e["rank"], e["exitcode"]) for e in job.events("worker_failed")]
     assert (2, 76) in failed
     assert "rank 2 (pid" in job.output() and "left as a straggler" in job.output()
-    assert len(job.events("straggler_detected")) == 1, "the replacement is not slow"
+    # The replacement is not slow. Another rank may be, for a while, on the 2-core VM beside three other tests (fc94,
+    # 2026-11-30: rank 1's compute 28 ms against the others' 22 ms, 50 steps later): it is evicted and replaced like
+    # any straggler, and the run still ends as a fault-free one.
+    assert not [e for e in later if e["straggler"] == 2], f"the replacement was found slow: {later}"
+    found_at = {(e["straggler"], e["step"]) for e in [found, *later]}
+    assert all((e["rank"], e["step"]) in found_at for e in job.events("straggler_evicted")), "only stragglers leave"
     results, expected = job.results(), reference.results()
     for rank in range(3):
         assert results[rank]["sha256"] == expected[rank]["sha256"]
