@@ -190,10 +190,11 @@ def _load_rank(rank: int, store_path: str, case: str, shm: str) -> None:
     with node_handover.offering(flat) as offer:
         told = node_handover.Offer(*comm.all_gather_ints(list(offer))[1])
         pieces = live_handover.Pieces(mine, flat, offer)
+        own_tensors = (lambda: {"a": own}) if rank == 0 else None
+        args = (comm, 1, pieces, told, layout, 4672, b"skel" if rank == 1 else b"", 4, 3, Path(shm), own_tensors)
         loaded, route, problem = live_handover.hand_over_and_load(
-            comm, 1, pieces, told, layout, 4672, b"skel" if rank == 1 else b"", 4, 3, Path(shm),
-            (lambda: {"a": own}) if rank == 0 else None, load,
-        )  # fmt: skip
+            comm, lambda direct: live_handover.hand_over(*args, direct=direct), told.pid != 0, load
+        )
     if case == "unusable":
         assert loaded is None, "the reader's load failed: no rank uses its own"
         assert problem == ("an unreadable skeleton" if rank == 0 else "another rank's is not whole"), problem

@@ -252,6 +252,6 @@ def _stepping(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     seen = {id(optimizer)}
     inner = getattr(optimizer, "optimizer", None)
     while isinstance(inner, torch.optim.Optimizer) and id(inner) not in seen:
-        optimizer, seen = inner, seen | {id(inner)}
-        inner = getattr(optimizer, "optimizer", None)
+        seen.add(id(inner))
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
     return optimizer

@@ -19,6 +19,8 @@ from stalwart.runtime.process import first_line
 
 Layout = dict[str, tuple[int, int, torch.dtype, list[int]]]
 """Each live tensor's id -> (offset, bytes, dtype, shape) in the hand-over's bytes (64-byte aligned offsets)."""
+Handed = tuple[dict[str, torch.Tensor], bytes, str]
+"""`hand_over`'s answer: the live tensors by id, the skeleton's bytes, the way they came."""
 T = TypeVar("T")
 
 
@@ -61,7 +63,7 @@ def hand_over(
     own: Callable[[], dict[str, torch.Tensor]] | None,
     *,
     direct: str = "agreed",
-) -> tuple[dict[str, torch.Tensor], bytes, str] | None:
+) -> Handed | None:
     """Rank `source`'s live tensors (laid out by `layout` in `total` bytes) and its skeleton (`skeleton_len` bytes
     after them), on every rank, and the way they came. `pieces`: this rank's of `offered`, inside it still;
     `offer`: the source's, as every rank learned it. `directory`: the node memory every rank shares (a job of one
@@ -123,40 +125,29 @@ def hand_over(
 
 def hand_over_and_load(
     comm: Comm,
-    source: int,
-    pieces: Pieces,
-    offer: node_handover.Offer,
-    layout: Layout,
-    total: int,
-    skeleton: bytes,
-    skeleton_len: int,
-    step: int,
-    directory: Path | None,
-    own: Callable[[], dict[str, torch.Tensor]] | None,
+    hand: Callable[[str], Handed | None],
+    directly: bool,
     load: Callable[[dict[str, torch.Tensor], bytes], T],
 ) -> tuple[T | None, str, str]:
-    """`hand_over`, then `load(live, skeleton)` on every rank, agreed: (what `load` made, or None on every rank where
-    any rank could not use its own, the way the state came, the first problem). Inside `offered` still. On one node
-    the read from the source's memory and the load are agreed on in one gather (a read that failed anywhere: every
-    rank takes the file, and loads and agrees again). `load` raising is a problem agreed on, not an error."""
-    args = (comm, source, pieces, offer, layout, total, skeleton, skeleton_len, step, directory, own)
-    handed = hand_over(*args, direct="unagreed" if directory is not None and offer.pid != 0 else "agreed")
+    """`hand(direct)` (`hand_over` with its arguments bound), then `load(live, skeleton)` on every rank, agreed: (what
+    `load` made, or None on every rank where any rank could not use its own, the way the state came, the first
+    problem). Inside `offered` still. `directly`: on one node with the source's offer, the read from its memory and
+    the load are agreed on in one gather (a read that failed anywhere: every rank takes the file, and loads and
+    agrees again). `load` raising is a problem agreed on, not an error."""
+    handed = hand("unagreed" if directly else "agreed")
     loaded, problem = _load(load, handed)
     votes = [f.value for f in comm.gather(Flag(2 * int(handed is not None) + int(loaded is not None)))]
-    route = handed[2] if handed is not None else ""
     if not all(v & 2 for v in votes):  # a rank could not read the source's memory (the source is still offering)
-        handed = hand_over(*args, direct="off")
+        handed = hand("off")
         loaded, problem = _load(load, handed)
         votes = [f.value for f in comm.gather(Flag(2 + int(loaded is not None)))]
-        route = handed[2] if handed is not None else ""
+    route = handed[2] if handed is not None else ""
     if all(v & 1 for v in votes):
         return loaded, route, ""
     return None, route, problem or "another rank's is not whole"
 
 
-def _load(
-    load: Callable[[dict[str, torch.Tensor], bytes], T], handed: tuple[dict[str, torch.Tensor], bytes, str] | None
-) -> tuple[T | None, str]:
+def _load(load: Callable[[dict[str, torch.Tensor], bytes], T], handed: Handed | None) -> tuple[T | None, str]:
     if handed is None:
         return None, "this rank could not read the survivor's memory"
     try:

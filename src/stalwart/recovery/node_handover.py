@@ -129,18 +129,8 @@ def read_directly(
         with offering(pieces if comm.rank == source else None) as mine:
             message = torch.tensor(mine, dtype=torch.int64)
             comm.broadcast_tensor(message, source)
-            return _read_offered(comm, source, Offer(int(message[0]), int(message[1])), spans, size, into)
-    return _read_offered(comm, source, offer, spans, size, into)
-
-
-def _read_offered(
-    comm: Comm,
-    source: int,
-    offer: Offer,
-    spans: list[tuple[int, int]],
-    size: int,
-    into: list[torch.Tensor | None] | None,
-) -> list[torch.Tensor] | None:
+            told = Offer(int(message[0]), int(message[1]))
+            return read_directly(comm, source, pieces, spans, size, into, told)
     if offer.pid == 0:
         return None
     got = read_offered(comm.rank, source, offer, spans, size, into)

@@ -308,9 +308,13 @@ class Restorer:
                 assert memory is not None
                 return memory.load_light(step, content, live, load_skeleton(skeleton) if skeleton_len else None)
 
+            def hand(direct: str) -> live_handover.Handed | None:
+                args = (comm, source, pieces, offer, layout, total, skeleton, skeleton_len, step, directory, self._own)
+                return live_handover.hand_over(*args, direct=direct)
+
             # The load's verdict and the read's in one gather, the source's memory offered until then.
             snapshot, route, problem = live_handover.hand_over_and_load(
-                comm, source, pieces, offer, layout, total, skeleton, skeleton_len, step, directory, self._own, load
+                comm, hand, directory is not None and offer.pid != 0, load
             )
         if snapshot is None:
             self._events.emit("memory_snapshot_unusable", step=step, error=problem)
