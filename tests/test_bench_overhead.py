@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import stalwart
+from stalwart.bench import overhead
 from stalwart.cli import main
 
 
@@ -69,3 +72,38 @@ def test_bad_flags_are_one_line_and_exit_2(flags: list[str], message: str, capsy
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_parked_spare_is_charged_the_cpu_it_used_while_parked_and_nothing_after_the_jobs_end(tmp_path: Path) -> None:
+    """The bench's measure of what a parked warm spare costs (its CPU time while parked, from /proc): two real
+    processes logged as parked, one asleep and one spinning, watched while a third (the "job") runs; the spinner is
+    charged more than the sleeper, and neither is sampled once the job wrote its result (the spares' exit is not
+    parking). No threshold on the figures: the machine's load decides what the spinner gets."""
+    log, result = tmp_path / "events.jsonl", tmp_path / "result.json"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    ends = (  # the result appears whole (a rename); the time just after it, in `written`
+        f"import os, time; time.sleep(2.5); open({str(result)!r} + '.tmp', 'w').close(); "
+        f"os.rename({str(result)!r} + '.tmp', {str(result)!r}); t = time.monotonic(); "
+        f"open({str(tmp_path / 'written')!r}, 'w').write(repr(t)); time.sleep(1.5)"
+    )
+    job = subprocess.Popen([sys.executable, "-c", ends])
+    try:
+        with log.open("w") as f:
+            for proc in (sleeper, spinner):
+                f.write(json.dumps({"event": "spare_parked", "pid": proc.pid}) + "\n")
+            f.write('{"event": "spare_par')  # a line still being written: read once whole
+        watched = overhead._ParkedSpares(log, result)
+        assert watched.watch(job, 60) == 0
+        spares = {s["pid"]: s for s in watched.spares()}
+        assert set(spares) == {sleeper.pid, spinner.pid}
+        written = float((tmp_path / "written").read_text())
+        # Sampled while the job ran, and never after its result was there (CLOCK_MONOTONIC is the machine's).
+        assert all(s["seconds"] > 0 and watched._last[pid][0] < written for pid, s in spares.items())
+        assert spares[spinner.pid]["cpu_s"] > spares[sleeper.pid]["cpu_s"] >= 0
+    finally:
+        for proc in (sleeper, spinner, job):
+            proc.kill()
+            proc.wait()
+    assert overhead._parked_share([{"parked": list(spares.values())}]) is not None
+    assert overhead._parked_share([{"parked": []}]) is None

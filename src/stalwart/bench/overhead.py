@@ -14,6 +14,7 @@ floor is one copy of the whole state into preallocated host memory: what a snaps
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ from typing import Any
 
 from stalwart.bench.common import Progress, machine_info, make_run_dir
 from stalwart.errors import BenchError
-from stalwart.runtime.process import start_module
+from stalwart.runtime.process import cpu_seconds, start_module
 from stalwart.telemetry.events import read_events
 
 NEVER = 10**9
@@ -56,6 +57,8 @@ LAUNCHER: dict[str, list[str]] = {
 """`stalwart run` options beyond the defaults: two hot spares warming up (at idle priority) while the job trains;
 two warm ones, which also run the job's set-up (at idle priority) and park at its loop."""
 RUN_TIMEOUT_S = 900
+SAMPLE_S = 0.5
+"""How often a run's parked spares are sampled (_ParkedSpares)."""
 
 
 def run_bench(
@@ -164,8 +167,9 @@ def _run(
     # The launcher (or the plain job) forked with torch imported where this process is one thread, else an
     # interpreter: every run alike (runtime/process.py). Either way it gets SIGTERM if the bench dies.
     proc = start_module(cmd[2], cmd[3:], env=env, out=workdir / "output.log", cwd=workdir, death_signal=signal.SIGTERM)
+    parked = _ParkedSpares(log, result)
     try:
-        code = proc.wait(RUN_TIMEOUT_S)
+        code = parked.watch(proc, RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
         proc.kill()
         proc.wait()
@@ -194,9 +198,63 @@ def _run(
         saves = [e for e in read_events(log) if e["event"] == "checkpoint_snapshot" and e.get("rank", 0) == 0]
         measured["save_stalls"] = [e["stall_s"] for e in saves]
         measured["save_costs"] = save_costs(measured["step_times"], [e["step"] for e in saves], job["warmup"])
+    measured["parked"] = parked.spares()
     median = statistics.median(measured["step_times"])
     progress(f"{label}: done in {time.perf_counter() - clock:.1f} s (median step {median * 1e3:.2f} ms)")
     return measured
+
+
+class _ParkedSpares:
+    """What each parked warm spare costs in CPU while the job trains: its CPU time (/proc) from the moment it
+    logged `spare_parked` until the job wrote its result, sampled twice a second while the run goes. The step
+    ratios cannot show a 1% cost on a VM whose pace drifts more than that between runs; a spare's own CPU time can
+    (what it does not use, it cannot take from the ranks)."""
+
+    def __init__(self, log: Path, result: Path) -> None:
+        self._log, self._result, self._offset = log, result, 0
+        self._first: dict[int, tuple[float, float]] = {}
+        self._last: dict[int, tuple[float, float]] = {}
+
+    def watch(self, proc: Any, timeout_s: float) -> int:
+        """Wait for `proc` (raising subprocess.TimeoutExpired after `timeout_s`), sampling the parked spares."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                return int(proc.wait(min(SAMPLE_S, max(0.0, deadline - time.monotonic()))))
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(proc.pid), timeout_s)
+            self._sample()
+
+    def _sample(self) -> None:
+        """Read the log's new `spare_parked` events, then sample every parked spare; the samples count only if the
+        job's result is not there after they were taken (the spares are ended after the job's end: their exit is
+        not parking)."""
+        complete = b""
+        with contextlib.suppress(OSError), open(self._log, "rb") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written is read next time
+            self._offset += len(complete)
+        for line in complete.splitlines():
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if event.get("event") == "spare_parked":
+                    self._first.setdefault(int(event["pid"]), (-1.0, -1.0))
+        samples = {pid: (time.monotonic(), cpu) for pid in self._first if (cpu := cpu_seconds(pid)) is not None}
+        if self._result.exists():
+            return
+        for pid, sample in samples.items():
+            if self._first[pid][0] < 0:
+                self._first[pid] = sample
+            self._last[pid] = sample
+
+    def spares(self) -> list[dict[str, float]]:
+        """Per spare sampled at least twice: how long it was watched parked and the CPU time it used meanwhile."""
+        return [
+            {"pid": pid, "seconds": self._last[pid][0] - first[0], "cpu_s": self._last[pid][1] - first[1]}
+            for pid, first in self._first.items()
+            if first[0] >= 0 and self._last[pid][0] > first[0]
+        ]
 
 
 def save_costs(step_times: list[float], saved_at: list[int], warmup: int) -> list[float]:
@@ -214,6 +272,12 @@ def save_costs(step_times: list[float], saved_at: list[int], warmup: int) -> lis
 
 def _pooled(runs: list[dict[str, Any]], key: str) -> list[float]:
     return [t for r in runs for t in r[key]]
+
+
+def _parked_share(runs: list[dict[str, Any]]) -> float | None:
+    spares = [s for r in runs for s in r.get("parked", [])]
+    seconds = sum(s["seconds"] for s in spares)
+    return sum(s["cpu_s"] for s in spares) / seconds if seconds > 0 else None
 
 
 def build_report(
@@ -257,6 +321,10 @@ def build_report(
             "full_copy_budget": runs[-1].get("full_copy_budget"),
             # Light snapshots (several ranks): whether they stayed on, and their judged cost per step, per round.
             "light": [r.get("light") for r in runs],
+            # Parked warm spares: CPU time over time parked, pooled over every spare of every round (a share of
+            # one core); None where the configuration has none.
+            "parked_cpu_share": _parked_share(runs),
+            "parked_spares": sum(len(r.get("parked", [])) for r in runs),
             "config": CONFIGS[name],
             "launcher": LAUNCHER.get(name, []),
         }

@@ -165,6 +165,12 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
             ("never" if not every else f"{every} steps") + _light(c.get("light") or []),
         )
     console.print(table)
+    for name, c in report["configs"].items():
+        if c.get("parked_cpu_share") is not None:
+            console.print(
+                f"{name}: each parked warm spare used {100 * c['parked_cpu_share']:.3f}% of one core while the job "
+                f"trained ({c['parked_spares']} spares over {report['rounds']} rounds, CPU time from /proc)"
+            )
     floor = report["floor"]
     console.print(
         f"floor: one copy of the state takes {floor['memcpy_s'] * 1e3:.2f} ms, so a snapshot every step costs at "

@@ -23,23 +23,28 @@ bad memory cell would.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from stalwart.detect.preflight_limits import Limits, add_limit_arguments, limits_from
 from stalwart.runtime import seams
+from stalwart.runtime.process import start_module
 
 PATTERNS: tuple[int | str, ...] = (0x00000000, 0xFFFFFFFF, 0x55555555, 0xAAAAAAAA, "index")
-LOOPBACK = "127.0.0.1"
 PEER_TIMEOUT_S = 120.0
 
 
@@ -129,10 +134,10 @@ def memory_test(device: torch.device, nbytes: int, after_write: AfterWrite | Non
     return errors, 2 * len(PATTERNS) * words * 4 / seconds / 1e9
 
 
-def _all_reduce_rank(rank: int, world: int, port: int, nbytes: int, rounds: int) -> float:
+def _all_reduce_rank(rank: int, world: int, store_path: str, nbytes: int, rounds: int) -> float:
     """One rank of the collective test; returns its bus bandwidth in GB/s."""
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-    store = dist.TCPStore(LOOPBACK, port, world, is_master=False, timeout=timedelta(seconds=PEER_TIMEOUT_S))
+    store = dist.FileStore(store_path, world)
     dist.init_process_group(
         "nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=PEER_TIMEOUT_S)
     )
@@ -153,25 +158,45 @@ def _all_reduce_rank(rank: int, world: int, port: int, nbytes: int, rounds: int)
         dist.destroy_process_group()
 
 
-def collective_busbw(world: int, nbytes: int, rounds: int = 5) -> float:
-    """Bus bandwidth of an all-reduce among `world` processes of this node (this one is rank 0), in GB/s."""
-    master = dist.TCPStore(
-        LOOPBACK, 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=PEER_TIMEOUT_S)
-    )
-    cmd = [sys.executable, "-m", "stalwart.detect.preflight", "--peer"]
-    peers = [
-        subprocess.Popen([*cmd, str(r), str(world), str(master.port), str(nbytes), str(rounds)])
-        for r in range(1, world)
-    ]
-    try:
-        return _all_reduce_rank(0, world, master.port, nbytes, rounds)
-    finally:
-        for p in peers:
-            try:
-                p.wait(timeout=PEER_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+class _Collective:
+    """The collective test's other ranks, started before this process touches a device: forked from it where it
+    is one thread (torch imported: a new interpreter spent 3-4 s of CPU importing it on the 2-core VM,
+    2026-11-30), and a fork must not inherit a CUDA context, hence before the device tests; else new interpreters.
+    They meet this process (rank 0) through a file store, wait while the device tests run, and are ended on leaving
+    the `with` block if they have not ended by then. Their error output is passed on to this process's."""
+
+    def __init__(self, world: int, nbytes: int, rounds: int = 5) -> None:
+        self.world, self.nbytes, self.rounds = world, nbytes, rounds
+        self._tmp = tempfile.TemporaryDirectory(prefix="stalwart-preflight-")
+        self._store = str(Path(self._tmp.name) / "store")
+        self._peers: list[tuple[Any, Path]] = []
+        self._ran = False
+
+    def __enter__(self) -> _Collective:
+        for r in range(1, self.world):
+            err = Path(self._tmp.name) / f"peer-{r}.err"
+            args = ["--peer", str(r), str(self.world), self._store, str(self.nbytes), str(self.rounds)]
+            proc = start_module("stalwart.detect.preflight", args, env=dict(os.environ), out=Path(os.devnull), err=err)
+            self._peers.append((proc, err))
+        return self
+
+    def busbw(self) -> float:
+        """Bus bandwidth of the all-reduce among `world` processes of this node (this one is rank 0), in GB/s."""
+        self._ran = True
+        return _all_reduce_rank(0, self.world, self._store, self.nbytes, self.rounds)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            for proc, err in self._peers:
+                try:
+                    proc.wait(timeout=PEER_TIMEOUT_S if self._ran and exc[0] is None else 0)
+                except subprocess.TimeoutExpired:  # this rank never came, or failed: they would wait for it
+                    proc.kill()
+                    proc.wait()
+                with contextlib.suppress(OSError):
+                    sys.stderr.write(err.read_text(errors="replace"))
+        finally:
+            self._tmp.cleanup()
 
 
 def check(limits: Limits, ranks: int, *, after_write: AfterWrite | None = None) -> Report:
@@ -179,16 +204,18 @@ def check(limits: Limits, ranks: int, *, after_write: AfterWrite | None = None) 
     `after_write`: the memory test's seam (see memory_test)."""
     started = time.monotonic()
     report = Report()
-    for device in devices():
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        tflops = matmul_tflops(device, limits.seconds)
-        mb = limits.memory_mb if limits.memory_mb is not None else 1024 if device.type == "cuda" else 64
-        errors, speed = memory_test(device, mb << 20, after_write)
-        report.devices.append(DeviceResult(str(device), name, round(tflops, 4), mb << 20, errors, round(speed, 2)))
-    if ranks > 1:
-        report.collective_ranks = ranks
-        report.collective_bytes = limits.collective_mb << 20
-        report.busbw_gbps = round(collective_busbw(ranks, report.collective_bytes), 3)
+    with contextlib.ExitStack() as stack:
+        collective = stack.enter_context(_Collective(ranks, limits.collective_mb << 20)) if ranks > 1 else None
+        for device in devices():
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            tflops = matmul_tflops(device, limits.seconds)
+            mb = limits.memory_mb if limits.memory_mb is not None else 1024 if device.type == "cuda" else 64
+            errors, speed = memory_test(device, mb << 20, after_write)
+            report.devices.append(DeviceResult(str(device), name, round(tflops, 4), mb << 20, errors, round(speed, 2)))
+        if collective is not None:
+            report.collective_ranks = ranks
+            report.collective_bytes = collective.nbytes
+            report.busbw_gbps = round(collective.busbw(), 3)
     judge(report, limits)
     report.seconds = round(time.monotonic() - started, 2)
     return report
@@ -223,8 +250,8 @@ def judge(report: Report, limits: Limits) -> None:
 
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["--peer"]:
-        rank, world, port, nbytes, rounds = (int(v) for v in argv[1:6])
-        _all_reduce_rank(rank, world, port, nbytes, rounds)
+        rank, world, nbytes, rounds = (int(v) for v in (argv[1], argv[2], argv[4], argv[5]))
+        _all_reduce_rank(rank, world, argv[3], nbytes, rounds)
         return 0
     p = argparse.ArgumentParser(prog="python -m stalwart.detect.preflight")
     p.add_argument("--ranks", type=int, default=1, help="processes for the collective test (1: none)")

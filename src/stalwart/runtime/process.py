@@ -269,6 +269,17 @@ def process_state(pid: int) -> str:
         return "?"
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time (user and system, all its threads) a process has used so far, from /proc/<pid>/stat; None when
+    it is gone or this is not Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def stopped(pid: int) -> bool:
     """Stopped by a signal (SIGSTOP, SIGTSTP): it cannot act on SIGTERM, or anything else, until continued. A
     process stopped by a debugger ('t') is not counted: someone is looking at it."""

@@ -11,10 +11,12 @@ exit status 2: the rendezvous forms without it, and `stalwart run` refuses it un
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
-import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from stalwart.detect import preflight_limits
@@ -22,6 +24,7 @@ from stalwart.detect.gpu_providers import nvml_device_count
 from stalwart.errors import ConfigError
 from stalwart.runtime.args import Parser
 from stalwart.runtime.env import PREFLIGHT_ENV
+from stalwart.runtime.process import start_module
 from stalwart.supervisor import exclusion
 from stalwart.supervisor.peer_check import PAYLOAD_MB, PeerCheck, route_address
 from stalwart.telemetry.events import EventLog
@@ -84,21 +87,19 @@ def gate(args: argparse.Namespace, events: EventLog, nproc: int, say: Any) -> No
         raise ConfigError(f"--preflight must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off" or (mode == "auto" and nvml_device_count() == 0):
         return
-    cmd = [sys.executable, "-m", "stalwart.detect.preflight", "--ranks", str(max(1, nproc))]
+    argv = ["--ranks", str(max(1, nproc))]
     if args.preflight_min_tflops is not None:
-        cmd += ["--min-tflops", str(args.preflight_min_tflops)]
+        argv += ["--min-tflops", str(args.preflight_min_tflops)]
     if args.preflight_min_busbw_gbps is not None:
-        cmd += ["--min-busbw-gbps", str(args.preflight_min_busbw_gbps)]
+        argv += ["--min-busbw-gbps", str(args.preflight_min_busbw_gbps)]
     say("pre-flight check of this node ...")
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-        report = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
-    except subprocess.TimeoutExpired:
-        done, report = None, None
-    except (ValueError, IndexError):
-        report = None
+    done = _run_check(argv)
+    report = None
+    if done is not None and done[0] == 0:
+        with contextlib.suppress(ValueError, IndexError):
+            report = json.loads(done[1].strip().splitlines()[-1])
     if report is None:
-        why = "timed out" if done is None else (done.stderr.strip().splitlines() or ["no output"])[-1]
+        why = "timed out" if done is None else (done[2].strip().splitlines() or ["no output"])[-1]
         events.emit("preflight_failed", error=why)
         raise ConfigError(f"the pre-flight check could not run on this node: {why}")
     events.emit("preflight", **{k: v for k, v in report.items() if k != "failures"}, failures=report["failures"])
@@ -112,6 +113,23 @@ def gate(args: argparse.Namespace, events: EventLog, nproc: int, say: Any) -> No
         f"this node ({entry.host}) failed the {reason} ({entry.action}); it is excluded until `stalwart nodes "
         f"clear` (list: {exclusion.exclusion_file()})"
     )
+
+
+def _run_check(argv: list[str]) -> tuple[int, str, str] | None:
+    """`python -m stalwart.detect.preflight ARGV` in a child: its exit status, stdout and stderr; None when it ran
+    past TIMEOUT_S. The child is a fork of this launcher where it is one thread (torch imported already: a new
+    interpreter's import of it was 3-4 s of CPU on the 2-core VM, 2026-11-30), else a new interpreter; either way
+    the CUDA context is the child's, never the launcher's."""
+    with tempfile.TemporaryDirectory(prefix="stalwart-preflight-") as tmp:
+        out, err = Path(tmp) / "out", Path(tmp) / "err"
+        proc = start_module("stalwart.detect.preflight", argv, env=dict(os.environ), out=out, err=err)
+        try:
+            code = proc.wait(TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return None
+        return code, out.read_text(errors="replace"), err.read_text(errors="replace")
 
 
 def summary(report: dict[str, Any]) -> str:
