@@ -264,7 +264,9 @@ if not TYPE_CHECKING:
         module = importlib.import_module("torch.distributed.tensor")  # torch 2.4's lacks them (tensor.parallel)
         if not hasattr(module, name):
             module = importlib.import_module("torch.distributed._tensor")
-        return getattr(module, name)
+        value = getattr(module, name)
+        globals()[name] = value  # found as a plain attribute from now on: `is_dtensor` asks for every leaf of a state
+        return value
 
 
 # ---- torch elastic's rendezvous and launcher

@@ -131,15 +131,18 @@ def flatten(state: Mapping[str, Any], rank: int, replicated: frozenset[str]) -> 
                 unsavable()
             return kind((k, walk(v, f"{path}/{_escape(k)}")) for k, v in value.items())
         if kind in _SEQUENCES:
+            if all(type(v) in PLAIN_VALUES for v in value):  # a list of numbers (a data position, a history): no walk
+                return kind(value)
             return kind(walk(v, f"{path}/{i}") for i, v in enumerate(value))
+        if kind in _LEAVES:  # most of a state's leaves: no DTensor check for them
+            return value
         if sharded.is_dtensor(value):
             local, info, mine = sharded.describe(value, path.split("/", 1)[1])
             if info["ref"] not in described:
                 described.add(info["ref"])
                 tensors.append(TensorItem(info["ref"], local, local.nbytes, mine))
             return {sharded.KEY: info}
-        if kind not in _LEAVES:
-            unsavable()
+        unsavable()
         return value
 
     def unsavable() -> None:

@@ -48,9 +48,15 @@ def is_dtensor(value: object) -> bool:
     """Whether `value` is a DTensor. No value can be one before torch has imported its DTensor module, so until
     then the answer is no without importing it: that import (sympy among it) costs about 1.2 s of CPU in every
     process that loads a checkpoint module, and most jobs never shard (2-core VM, torch 2.13.0)."""
-    if not any(name in sys.modules for name in _DTENSOR_MODULES):
-        return False
-    return isinstance(value, torch_compat.DTensor)
+    global _dtensor_class
+    if _dtensor_class is None:  # asked of every leaf of a state at every snapshot: the class once found is kept
+        if _DTENSOR_MODULES[0] not in sys.modules and _DTENSOR_MODULES[1] not in sys.modules:
+            return False
+        _dtensor_class = torch_compat.DTensor
+    return isinstance(value, _dtensor_class)
+
+
+_dtensor_class: type | None = None
 
 
 @dataclass(frozen=True, slots=True)
