@@ -325,6 +325,7 @@ def build_report(
             # one core); None where the configuration has none.
             "parked_cpu_share": _parked_share(runs),
             "parked_spares": sum(len(r.get("parked", [])) for r in runs),
+            "parked_s": sum(s["seconds"] for r in runs for s in r.get("parked", [])),
             "config": CONFIGS[name],
             "launcher": LAUNCHER.get(name, []),
         }

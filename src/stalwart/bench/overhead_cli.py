@@ -169,7 +169,8 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
         if c.get("parked_cpu_share") is not None:
             console.print(
                 f"{name}: each parked warm spare used {100 * c['parked_cpu_share']:.3f}% of one core while the job "
-                f"trained ({c['parked_spares']} spares over {report['rounds']} rounds, CPU time from /proc)"
+                f"trained ({c['parked_spares']} spares parked {c['parked_s']:.0f} s in all over {report['rounds']} "
+                "rounds; their CPU time from /proc, in 10 ms ticks)"
             )
     floor = report["floor"]
     console.print(

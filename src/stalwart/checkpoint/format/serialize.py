@@ -126,14 +126,15 @@ def flatten(state: Mapping[str, Any], rank: int, replicated: frozenset[str]) -> 
             seen[alias] = path
             tensors.append(TensorItem(path, value, value.nbytes))
             return {REF_KEY: path}
+        # A leaf inside a container is kept as it is, without a call or a path (most of a state's nodes are).
         if kind in _MAPPINGS:
             if any(type(k) not in (int, str) for k in value):
                 unsavable()
-            return kind((k, walk(v, f"{path}/{_escape(k)}")) for k, v in value.items())
+            return kind((k, v if type(v) in _LEAVES else walk(v, f"{path}/{_escape(k)}")) for k, v in value.items())
         if kind in _SEQUENCES:
-            if all(type(v) in PLAIN_VALUES for v in value):  # a list of numbers (a data position, a history): no walk
+            if all(type(v) in _LEAVES for v in value):  # a list of numbers (a data position, a history)
                 return kind(value)
-            return kind(walk(v, f"{path}/{i}") for i, v in enumerate(value))
+            return kind(v if type(v) in _LEAVES else walk(v, f"{path}/{i}") for i, v in enumerate(value))
         if kind in _LEAVES:  # most of a state's leaves: no DTensor check for them
             return value
         if sharded.is_dtensor(value):

@@ -39,12 +39,27 @@ def split_values(skeleton: Any, values: list[Any]) -> Any:
     if kind in PLAIN_VALUES:
         values.append(skeleton)
         return {VALUE_KEY: len(values) - 1}
+    # A container's plain values are placed here, without a call each (asked of the whole state every snapshot).
     if isinstance(skeleton, dict):
         if len(skeleton) == 1 and (REF_KEY in skeleton or sharded.KEY in skeleton):
             return skeleton
-        return kind((k, split_values(v, values)) for k, v in skeleton.items())
+        mapping = kind()
+        for k, v in skeleton.items():
+            if type(v) in PLAIN_VALUES:
+                values.append(v)
+                mapping[k] = {VALUE_KEY: len(values) - 1}
+            else:
+                mapping[k] = split_values(v, values)
+        return mapping
     if kind in (list, tuple):
-        return kind(split_values(v, values) for v in skeleton)
+        items = []
+        for v in skeleton:
+            if type(v) in PLAIN_VALUES:
+                values.append(v)
+                items.append({VALUE_KEY: len(values) - 1})
+            else:
+                items.append(split_values(v, values))
+        return items if kind is list else tuple(items)
     return skeleton
 
 
