@@ -91,7 +91,8 @@ def test_a_parked_spare_is_charged_the_cpu_it_used_while_parked_and_nothing_afte
     try:
         with log.open("w") as f:
             for proc in (sleeper, spinner):
-                f.write(json.dumps({"event": "spare_parked", "pid": proc.pid}) + "\n")
+                parked = {"event": "spare_parked", "pid": proc.pid, "rss_mb": 40.0, "private_mb": 4.0}
+                f.write(json.dumps(parked) + "\n")
             f.write('{"event": "spare_par')  # a line still being written: read once whole
         watched = overhead._ParkedSpares(log, result)
         assert watched.watch(job, 60) == 0
@@ -105,5 +106,7 @@ def test_a_parked_spare_is_charged_the_cpu_it_used_while_parked_and_nothing_afte
         for proc in (sleeper, spinner, job):
             proc.kill()
             proc.wait()
+    assert all(s["rss_mb"] == 40.0 and s["private_mb"] == 4.0 for s in spares.values())  # from their events
     assert overhead._parked_share([{"parked": list(spares.values())}]) is not None
+    assert overhead._mean_of([{"parked": list(spares.values())}], "private_mb") == 4.0
     assert overhead._parked_share([{"parked": []}]) is None

@@ -25,6 +25,8 @@ def _launch_with_warm_spare(launch: Any, wait: bool, *extra: str) -> Any:
 def _kill_once_a_spare_parked(job: Any, rank: int) -> tuple[int, int]:
     """SIGKILL `rank` from outside once a warm spare is parked; (the spare's pid, the killed pid)."""
     [parked] = job.wait_for(lambda: job.events("spare_parked"), 120, "a warm spare to park")
+    # What it costs the node, reported as it parks: its memory, most of it shared with the zygote; no GPU here.
+    assert 0 < parked["private_mb"] < parked["rss_mb"] and parked["gpu_mb"] == 0, parked
     victim = job.worker_pids(restart=0)[rank]
     os.kill(victim, signal.SIGKILL)
     return parked["pid"], victim

@@ -214,6 +214,7 @@ class _ParkedSpares:
         self._log, self._result, self._offset = log, result, 0
         self._first: dict[int, tuple[float, float]] = {}
         self._last: dict[int, tuple[float, float]] = {}
+        self._memory: dict[int, dict[str, float]] = {}
 
     def watch(self, proc: Any, timeout_s: float) -> int:
         """Wait for `proc` (raising subprocess.TimeoutExpired after `timeout_s`), sampling the parked spares."""
@@ -240,6 +241,7 @@ class _ParkedSpares:
                 event = json.loads(line)
                 if event.get("event") == "spare_parked":
                     self._first.setdefault(int(event["pid"]), (-1.0, -1.0))
+                    self._memory[int(event["pid"])] = {k: event[k] for k in ("rss_mb", "private_mb") if k in event}
         samples = {pid: (time.monotonic(), cpu) for pid in self._first if (cpu := cpu_seconds(pid)) is not None}
         if self._result.exists():
             return
@@ -249,9 +251,15 @@ class _ParkedSpares:
             self._last[pid] = sample
 
     def spares(self) -> list[dict[str, float]]:
-        """Per spare sampled at least twice: how long it was watched parked and the CPU time it used meanwhile."""
+        """Per spare sampled at least twice: how long it was watched parked, the CPU time it used meanwhile, and
+        its memory as it parked (its event's rss_mb and private_mb)."""
         return [
-            {"pid": pid, "seconds": self._last[pid][0] - first[0], "cpu_s": self._last[pid][1] - first[1]}
+            {
+                "pid": pid,
+                "seconds": self._last[pid][0] - first[0],
+                "cpu_s": self._last[pid][1] - first[1],
+                **self._memory.get(pid, {}),
+            }
             for pid, first in self._first.items()
             if first[0] >= 0 and self._last[pid][0] > first[0]
         ]
@@ -278,6 +286,12 @@ def _parked_share(runs: list[dict[str, Any]]) -> float | None:
     spares = [s for r in runs for s in r.get("parked", [])]
     seconds = sum(s["seconds"] for s in spares)
     return sum(s["cpu_s"] for s in spares) / seconds if seconds > 0 else None
+
+
+def _mean_of(runs: list[dict[str, Any]], key: str) -> float | None:
+    """The mean of `key` over every parked spare of `runs` that has it; None if none has."""
+    found = [s[key] for r in runs for s in r.get("parked", []) if key in s]
+    return statistics.fmean(found) if found else None
 
 
 def build_report(
@@ -326,6 +340,8 @@ def build_report(
             "parked_cpu_share": _parked_share(runs),
             "parked_spares": sum(len(r.get("parked", [])) for r in runs),
             "parked_s": sum(s["seconds"] for r in runs for s in r.get("parked", [])),
+            "parked_rss_mb": _mean_of(runs, "rss_mb"),
+            "parked_private_mb": _mean_of(runs, "private_mb"),
             "config": CONFIGS[name],
             "launcher": LAUNCHER.get(name, []),
         }

@@ -171,6 +171,12 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
                 f"{name}: each parked warm spare used {100 * c['parked_cpu_share']:.3f}% of one core while the job "
                 f"trained ({c['parked_spares']} spares parked {c['parked_s']:.0f} s in all over {report['rounds']} "
                 "rounds; their CPU time from /proc, in 10 ms ticks)"
+                + (
+                    f"; each held {c['parked_rss_mb']:,.0f} MB resident, {c['parked_private_mb']:,.0f} MB of it its "
+                    "own (the rest shared with the process it was forked from)"
+                    if c.get("parked_private_mb") is not None
+                    else ""
+                )
             )
     floor = report["floor"]
     console.print(

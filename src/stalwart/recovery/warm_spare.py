@@ -36,7 +36,7 @@ from stalwart.recovery import reform
 from stalwart.recovery.in_loop import survivor
 from stalwart.runtime.dist import Placement
 from stalwart.runtime.env import WARM_SPARE_ENV
-from stalwart.runtime.process import say
+from stalwart.runtime.process import memory_mb, say
 
 _RANK_KEYS = frozenset({"RANK", "LOCAL_RANK"})
 
@@ -163,7 +163,12 @@ def park(events: Any, provisional: Placement, *, sharded: bool = False) -> Place
     global _reads
     reads, _reads = _reads, None
     set_up_s = time.monotonic() - reads.since if reads is not None else None
-    events.emit("spare_parked", set_up_s=set_up_s, provisional_rank=provisional.rank)
+    # What a parked spare costs the node: its memory (most of it shared with the zygote it was forked from, so its
+    # own part is what it adds) and the GPU memory its set-up reserved. Its CPU while parked is nothing: it waits on
+    # a pipe (`stalwart bench overhead` measures it).
+    memory = memory_mb() or {}
+    gpu_mb = torch.cuda.memory_reserved() / 2**20 if torch.cuda.is_initialized() else 0.0
+    events.emit("spare_parked", set_up_s=set_up_s, provisional_rank=provisional.rank, **memory, gpu_mb=gpu_mb)
     try:
         survivor.rearm(parked=True)  # returns once the agent gave this process a rank
     finally:
