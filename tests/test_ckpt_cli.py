@@ -120,6 +120,9 @@ def test_verify_reports_damage_and_exits_nonzero(tmp_path: Path, capsys: pytest.
         (["ckpt", "inspect", "{ck}", "--rank", "4"], "outside the checkpoint's 1 ranks"),
         (["ckpt", "frob", "{ck}"], "invalid choice"),
         (["ckpt", "inspect", "{tampered}"], "not a stalwart manifest"),
+        (["ckpt", "sync", "{ck}", "{foreign}"], "holds files stalwart did not write"),
+        (["ckpt", "sync", "{ck}", "{ck}"], "is the checkpoint directory itself"),
+        (["ckpt", "sync", "{ck}"], "the following arguments are required: destination"),
     ],
 )
 def test_bad_input_is_one_line(
@@ -161,3 +164,57 @@ def test_export_to_dcp_loads_back_with_dcp(tmp_path: Path, capsys: pytest.Captur
 
     assert main(["ckpt", "export", str(root), "--to", str(out)]) == 2, "an existing export is never overwritten"
     assert "nothing is overwritten" in capsys.readouterr().err
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_sync_copies_each_committed_step_verified_resumes_and_repairs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`stalwart ckpt sync SRC DST` (a mirror, issue 46): every committed step copied, a delta's base first and
+    verified where it landed; a second run copies nothing; a file lost at the destination is copied again; one
+    damaged in place (same size) is found and repaired with --verify; the source is only read."""
+    src, dst = tmp_path / "ck", tmp_path / "mirror"
+    _make(src, steps=(1, 2, 3, 4), full_every=2)  # 2 and 4 are deltas of 1 and 3
+    before = _snapshot(src)
+
+    def sync(*extra: str) -> list[tuple[int, int, bool]]:
+        assert main(["ckpt", "sync", str(src), str(dst), "--json", *extra]) == 0
+        return [(r["step"], r["files"], r["already"]) for r in json.loads(capsys.readouterr().out)["steps"]]
+
+    assert sync() == [(1, 2, False), (2, 2, False), (3, 2, False), (4, 2, False)]
+    assert main(["ckpt", "verify", str(dst), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoints"] == {"4": [], "3": [], "2": [], "1": []}
+    assert sync() == [(1, 0, True), (2, 0, True), (3, 0, True), (4, 0, True)]
+
+    next((dst / "step_00000003").glob("rank*.data")).unlink()  # lost: step 4's tensors point into it too
+    assert sync() == [(1, 0, True), (2, 0, True), (3, 1, False), (4, 0, True)]
+    _flip(next((dst / "step_00000001").glob("rank*.data")), 200)  # inside a tensor (they are 64-byte aligned)
+    assert sync() == [(1, 0, True), (2, 0, True), (3, 0, True), (4, 0, True)], "same size: not read without --verify"
+    assert sync("--verify") == [(1, 2, False), (2, 0, True), (3, 0, True), (4, 0, True)]
+    assert main(["ckpt", "verify", str(dst)]) == 0
+    assert _snapshot(src) == before, "the source is only read"
+    capsys.readouterr()
+
+    (src / "step_00000004" / "manifest.json").unlink()  # an interrupted save: never copied
+    assert main(["ckpt", "sync", str(src), str(tmp_path / "other"), "--step", "4"]) == 2
+    assert "no committed checkpoint at step 4" in capsys.readouterr().err
+
+
+def test_sync_never_commits_a_copy_that_does_not_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A source damaged in one tensor: that step and the delta that points into it are not committed at the
+    destination (their files are there, no manifest: no load takes them), the others are; exit status 1."""
+    src, dst = tmp_path / "ck", tmp_path / "mirror"
+    _make(src, steps=(1, 2, 3, 4), full_every=2)
+    _flip(next((src / "step_00000003").glob("rank*.data")), 200)
+    assert main(["ckpt", "sync", str(src), str(dst)]) == 1
+    out = capsys.readouterr().out
+    assert "step 3: NOT copied" in out and "xxh3" in out and "2 did not verify there" in out, out
+    assert sorted(p.parent.name for p in dst.glob("*/manifest.json")) == ["step_00000001", "step_00000002"]
+    assert main(["ckpt", "list", str(dst), "--json"]) == 0
+    statuses = {c["step"]: c["status"] for c in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert statuses == {1: "committed", 2: "committed", 3: "interrupted", 4: "interrupted"}

@@ -279,6 +279,16 @@ def test_ckpt_cli_list_verify_inspect_on_s3(s3: S3, tmp_path: Path) -> None:
     assert (summary["step"], summary["world_size"], summary["kind"], summary["tensors"]) == (2, 1, "full", 3)
     assert summary["objects"]["m"]["tensors"] == 3 and summary["objects"]["m"]["dtypes"] == ["float32"]
 
+    # A mirror: the bucket's checkpoints copied to a local directory, and from there to another prefix of the
+    # bucket, each copy verified where it landed (issue 46's `ckpt sync`).
+    local = tmp_path / "mirror"
+    for src, dst in ((url, str(local)), (str(local), s3.url("mirror"))):
+        synced = stalwart("ckpt", "sync", src, dst, "--json", env=env)
+        assert synced.returncode == 0, synced.stdout + synced.stderr
+        assert [(r["step"], r["already"]) for r in json.loads(synced.stdout)["steps"]] == [(1, False), (2, False)]
+        mirrored = stalwart("ckpt", "verify", dst, "--json", env=env)
+        assert json.loads(mirrored.stdout)["checkpoints"] == {"1": [], "2": []}, mirrored.stdout + mirrored.stderr
+
     # Flip one byte in the middle of step 2's data file, in the bucket.
     data_key = next(k for k in s3.keys("run") if k.startswith("step_00000002/") and k.endswith(".data"))
     obj = s3.client().get_object(Bucket=s3.bucket, Key=f"run/{data_key}")["Body"].read()

@@ -12,7 +12,7 @@ USAGE = """usage: stalwart <command> [options]
 commands:
   run      launch a training script with torchrun's flags; restart workers on failure
   demo     train a small GPT on 2 CPU ranks, kill a worker, recover, and compare with a clean run
-  ckpt     list, verify or inspect a checkpoint directory
+  ckpt     list, verify, inspect or export a checkpoint directory; sync it to a mirror
   nodes    the node exclusion list: 'nodes list', 'nodes clear [HOST]' (a node the GPU playbook took out)
   preflight  check this node: matmul throughput, a memory pattern test, an all-reduce among its devices
   report   where a run's wall time went: goodput, its breakdown, each failure's detection and recovery

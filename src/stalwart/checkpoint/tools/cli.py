@@ -1,4 +1,5 @@
-"""`stalwart ckpt list|verify|inspect|export PATH`: a checkpoint directory, for people. Never changes it."""
+"""`stalwart ckpt list|verify|inspect|export PATH`: a checkpoint directory, for people; never changes it. `stalwart
+ckpt sync PATH DEST`: its committed checkpoints copied to another location, verified there (tools/sync.py)."""
 
 from __future__ import annotations
 
@@ -35,9 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--to", required=True, help="a new (or empty) directory for the DCP checkpoint")
     ex.add_argument("--step", type=int, help="the step (default: the newest committed)")
     ex.add_argument("--rank", type=int, default=0, help="whose shard to export (default 0; under DDP all are equal)")
-    for sp in (ls, vf, ins, ex):
+    sy = sub.add_parser(
+        "sync", help="copy the committed checkpoints to another location (a mirror), verified there; resumable"
+    )
+    sy.add_argument("--step", type=int, help="only this step (default: every committed checkpoint)")
+    sy.add_argument(
+        "--verify", action="store_true", help="also check the steps the destination holds already; repair any that fail"
+    )
+    for sp in (ls, vf, ins, ex, sy):
         sp.add_argument("path", help="the checkpoint directory or URL (a Job's checkpoint_dir, e.g. s3://bucket/run)")
         sp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    sy.add_argument("destination", help="where the copy goes: empty, or a stalwart checkpoint directory or URL")
     return p
 
 
@@ -62,6 +71,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _verify(root, args.step, args.json)
     if args.command == "export":
         return _export(root, args.step, args.rank, Path(args.to), args.json)
+    if args.command == "sync":
+        return _sync(root, args.destination, args.step, args.verify, args.json)
     return _inspect(root, args.step, args.rank, args.json)
 
 
@@ -210,3 +221,31 @@ def _export(root: Storage, step: int | None, rank: int, out: Path, as_json: bool
             highlight=False,
         )
     return 0
+
+
+def _sync(root: Storage, destination: str, step: int | None, verify: bool, as_json: bool) -> int:
+    from stalwart.checkpoint.storage import open_storage
+    from stalwart.checkpoint.tools.sync import sync
+
+    dst = open_storage(destination)
+    if dst.display() == root.display():
+        raise ConfigError(f"{destination} is the checkpoint directory itself; give another location")
+    started = time.monotonic()
+    say = (lambda line: None) if as_json else console().print
+    copies = sync(root, dst, _committed(root, step), say, verify=verify)
+    failed = [c for c in copies if c.problem]
+    if as_json:
+        rows = [
+            {"step": c.step, "files": c.files, "bytes": c.bytes, "seconds": c.seconds, "already": c.already}
+            | ({"problem": c.problem} if c.problem else {})
+            for c in copies
+        ]
+        print(json.dumps({"path": root.display(), "destination": dst.display(), "steps": rows}))
+    else:
+        copied = sum(c.bytes for c in copies)
+        console().print(
+            f"{len(copies) - len(failed)} of {len(copies)} checkpoints in {dst.display()}, {copied:,} bytes copied "
+            f"in {time.monotonic() - started:.1f} s" + (f"; {len(failed)} did not verify there" if failed else ""),
+            highlight=False,
+        )
+    return EXIT_INVALID if failed else 0

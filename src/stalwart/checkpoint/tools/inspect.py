@@ -103,6 +103,12 @@ def verify(storage: Storage, step: int) -> list[str]:
         return [str(exc)]
     except Exception as exc:
         return [f"the manifest of step {step} cannot be read: {describe_error(exc)}"]
+    return verify_manifest(storage, manifest)
+
+
+def verify_manifest(storage: Storage, manifest: layout.Manifest) -> list[str]:
+    """Every problem of the files `manifest` lists, as `storage` holds them (whether or not the manifest itself is
+    there: `stalwart ckpt sync` checks a copy before it commits it); an empty list means they verify."""
     problems = []
     for rank in range(manifest.world_size):
         try:
