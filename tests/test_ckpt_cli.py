@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -166,6 +167,17 @@ def test_export_to_dcp_loads_back_with_dcp(tmp_path: Path, capsys: pytest.Captur
     assert "nothing is overwritten" in capsys.readouterr().err
 
 
+def _latest(root: Path) -> Any:
+    comm = Comm(Placement(rank=0, world_size=1, local_rank=0, restart_count=0), timedelta(seconds=30))
+    ck = Checkpointer(root, comm, EventLog(None), keep_last=5, token="t")
+    try:
+        restored = ck.load_latest()
+    finally:
+        ck.close()
+    assert restored is not None
+    return restored
+
+
 def _flip(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
@@ -198,6 +210,10 @@ def test_sync_copies_each_committed_step_verified_resumes_and_repairs(
     assert sync("--verify") == [(1, 2, False), (2, 0, True), (3, 0, True), (4, 0, True)]
     assert main(["ckpt", "verify", str(dst)]) == 0
     assert _snapshot(src) == before, "the source is only read"
+    restored = [_latest(root) for root in (src, dst)]  # a job pointed at the mirror resumes from it, as from SRC
+    assert restored[0].step == restored[1].step == 4  # a delta, loaded through its base's copied files
+    for name, tensor in restored[0].state["objects"]["model"].items():
+        assert torch.equal(tensor, restored[1].state["objects"]["model"][name]), name
     capsys.readouterr()
 
     (src / "step_00000004" / "manifest.json").unlink()  # an interrupted save: never copied
