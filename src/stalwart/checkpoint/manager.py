@@ -17,9 +17,8 @@ At most one save per rank is in flight. The rule for a save requested while one 
 event, and agrees again (the wait outside the agreement, so that the caller can watch each at its own pace). The
 final save of a run (`wait=True`) always waits, then waits for its own commit.
 
-Every decision that must be the same on all ranks is taken once and shared: rank 0 lists the checkpoints,
-the ranks vote on each candidate, rank 0 reports the commit. At start every rank must see a file rank 0 wrote,
-or the job stops with a clear error.
+Every decision that must be the same on all ranks is taken once and shared: rank 0 lists the checkpoints, the ranks
+vote on each candidate, rank 0 reports the commit. At start every rank must see a file rank 0 wrote, or it stops.
 
 Loading walks the committed steps newest first; every rank verifies what it reads (meta file and every tensor
 against the manifest's xxh3) and the newest step valid on every rank is loaded. Newer ones that failed an
@@ -111,19 +110,18 @@ class Checkpointer:
         persist_timeout_s: float = DEFAULT_PERSIST_TIMEOUT_S,
         storage_options: dict[str, Any] | None = None,
         save_faults: Callable[[int], dict[str, Any] | None] | None = None,
+        mirrors: list[dict[str, Any]] | None = None,
     ) -> None:
         self.url = os.fspath(root)
         self.storage: Storage = open_storage(self.url, storage_options)
         self._options = storage_options
-        self._comm = comm
-        self._events = events
-        self._keep_last = keep_last
-        self._token = token
+        self._comm, self._events, self._keep_last, self._token = comm, events, keep_last, token
         self.replicated = replicated
         """Names of tracked objects written once for all ranks (set by the Job before the first save)."""
         self._full_every = full_every
         self._when_busy = when_busy
         self._persist_timeout_s = persist_timeout_s
+        self._mirrors = mirrors or []  # {"url", "options"}: rank 0's persister copies each commit there (mirroring.py)
         self._save_faults = save_faults or (lambda step: None)
         """The faults a save of a step is to meet (job/hooks.StepHooks.save_faults), carried to the persister,
         where checkpoint/save/save_hooks.py turns them into its hooks."""
@@ -297,6 +295,7 @@ class Checkpointer:
             deadline_s=self._persist_timeout_s,
             faults=self._save_faults(step),
             wait=wait,
+            mirrors=self._mirrors,
         )
         placed = [(i.id, o, i.nbytes, i.tensor.dtype, i.tensor.shape) for i, o in zip(mine, offsets, strict=True)]
 

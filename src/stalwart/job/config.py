@@ -10,6 +10,7 @@ wrote it. Figures behind the defaults are in docs/benchmarks.md, not here.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,10 @@ class CheckpointOptions:
     """How long a background persist keeps retrying a failing store before that save is given up."""
     storage_options: dict[str, Any] | None = None
     """Passed to fsspec for a checkpoint_dir URL (e.g. {"endpoint_url": ...} for s3://)."""
+    mirrors: Sequence[str | os.PathLike[str] | dict[str, Any]] = ()
+    """Other locations each committed checkpoint is copied to, in the background, verified there, `keep_last` kept
+    (checkpoint/save/mirroring.py): paths or fsspec URLs (another region's bucket, another provider), each a string
+    or {"url": ..., "options": {...}} with its own fsspec options. A job pointed at a mirror resumes from it."""
 
     def __post_init__(self) -> None:
         auto_or_int("checkpoint_every", self.every)
@@ -114,6 +119,24 @@ class CheckpointOptions:
         one_of("when_busy", self.when_busy, ("skip", "wait"))
         if not str(self.dir):
             raise ConfigError("checkpoint_dir must not be empty")
+        self.mirror_specs()
+
+    def mirror_specs(self) -> list[dict[str, Any]]:
+        """`mirrors` as the persister takes them: [{"url", "options"}], each checked."""
+        if isinstance(self.mirrors, str | os.PathLike | dict):
+            raise ConfigError(f"mirrors must be a list of locations, got {self.mirrors!r}")
+        specs = []
+        for m in self.mirrors:
+            spec = dict(m) if isinstance(m, dict) else {"url": os.fspath(m), "options": None}
+            url, options = spec.get("url"), spec.get("options")
+            if not isinstance(url, str | os.PathLike) or not os.fspath(url) or set(spec) - {"url", "options"}:
+                raise ConfigError(f"each of mirrors must be a path, a URL or {{'url': ..., 'options': ...}}, got {m!r}")
+            if options is not None and not isinstance(options, dict):
+                raise ConfigError(f"a mirror's options must be a dict, got {options!r}")
+            if os.fspath(url) == os.fspath(self.dir):
+                raise ConfigError(f"mirror {os.fspath(url)} is checkpoint_dir itself")
+            specs.append({"url": os.fspath(url), "options": options})
+        return specs
 
 
 @dataclass(kw_only=True, slots=True)
@@ -300,6 +323,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "checkpoint_overlap": ("checkpoint", "overlap"),
     "persist_timeout_s": ("checkpoint", "persist_timeout_s"),
     "storage_options": ("checkpoint", "storage_options"),
+    "mirrors": ("checkpoint", "mirrors"),
     "snapshot_every": ("snapshot", "every"),
     "snapshot_budget": ("snapshot", "budget"),
     "light_snapshot_budget": ("snapshot", "light_budget"),

@@ -155,6 +155,7 @@ def make_parts(
             persist_timeout_s=ck.persist_timeout_s,
             storage_options=ck.storage_options,
             save_faults=hooks.save_faults,
+            mirrors=ck.mirror_specs(),
         )
         undo.callback(checkpointer.close)
         snapshots = Snapshots(

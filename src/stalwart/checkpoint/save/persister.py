@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.save.committer import Committer
+from stalwart.checkpoint.save.mirroring import Mirrors
 from stalwart.checkpoint.save.request import PersistReply, PersistRequest
 from stalwart.checkpoint.save.retry import GaveUp, Quit, Retrier
 from stalwart.checkpoint.save.save_hooks import NoSaveHooks, SaveHooks, save_hooks
@@ -57,6 +58,7 @@ class Persister:
         self._retrier = Retrier(events, self.quitting, lambda req: self._storage(req.url, req.options))
         self._committer = Committer(events, self._retrier, self.quitting)
         self._hooks: SaveHooks = NoSaveHooks()  # the current save's (checkpoint/save/save_hooks.py)
+        self._mirrors = Mirrors(events)  # rank 0's: each committed checkpoint copied to the job's mirrors
 
     def handle(self, req: PersistRequest) -> None:
         started = time.monotonic()
@@ -97,10 +99,13 @@ class Persister:
         )
         if manifest is not None and storage is not None and not prune_first:
             self._committer.prune_later(storage, req.keep_last, manifest)
+        if manifest is not None and storage is not None:
+            self._mirrors.committed(storage, step, req.keep_last, req.mirrors)
 
     def finish(self) -> None:
-        """Let queued retention finish (bounded), at exit."""
+        """Let queued retention and the mirrors' pending copies finish (bounded), at exit."""
         self._committer.finish()
+        self._mirrors.finish()
 
     # -- the rank's own files ---------------------------------------------------------------------------------
 

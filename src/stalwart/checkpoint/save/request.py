@@ -36,6 +36,8 @@ class PersistRequest:
     """Faults for this save (checkpoint/save/save_hooks.py); None in production."""
     wait: bool = False
     """The trainer waits for this save (a run's last): retention runs before the reply."""
+    mirrors: list[dict[str, Any]] = field(default_factory=list)
+    """Where rank 0's persister copies the checkpoint once committed ({"url", "options"}; save/mirroring.py)."""
     skeleton: str = ""
     """The state's non-tensor structure, torch.save'd and base64-encoded (filled after the stall)."""
     tensors: list[dict[str, Any]] = field(default_factory=list)

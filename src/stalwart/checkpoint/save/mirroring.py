@@ -1,0 +1,140 @@
+"""A job's mirrors: each committed checkpoint copied to other locations in the background (issue 46).
+
+Why: a job's durable checkpoints live in one store; if that store's region is lost, the run is lost with it. With
+`mirrors=[...]` (paths or fsspec URLs: another region's bucket, another provider), rank 0's persister copies each
+checkpoint it committed to every mirror, as a save commits one (step_copy.py: the files, the copy verified there,
+the manifest last), and applies `keep_last` there after each copy. A job pointed at a mirror resumes from it.
+
+Off the training path twice over: in the persister process, on a thread of its own, after the commit's reply went
+to the trainer. A mirror that is down or slow never stalls training or the primary's saves: each mirror has at
+most one step pending, the newest committed (a newer commit replaces an older one not yet copied), retried with
+backoff (1 s doubling to 60 s) until it answers. Events: `mirrored` (step, location, bytes copied, seconds, lag
+behind the primary's commit), `mirror_unreachable` (once per outage, with the error), `mirror_caught_up` (the
+first copy after an outage, with its length). At the job's end each pending copy gets one more try, within FINISH_S
+in all. One thread copies for every mirror, one step at a time.
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from stalwart.checkpoint.format import layout
+from stalwart.checkpoint.save.step_copy import copy_step
+from stalwart.checkpoint.storage import Storage, describe_error, open_storage
+from stalwart.telemetry.events import EventLog
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+FINISH_S = 60.0
+"""At the job's end, how long the persister waits for the mirrors' pending copies."""
+
+
+@dataclass(slots=True)
+class _Mirror:
+    url: str
+    options: dict[str, Any] | None
+    storage: Storage | None = None
+    pending: tuple[Storage, int, float, int] | None = None
+    """(the primary, the step, when it was committed, keep_last): the newest committed step not copied yet."""
+    retry_at: float = 0.0
+    backoff_s: float = BACKOFF_FIRST_S
+    down_since: float | None = None
+
+
+class Mirrors:
+    """Rank 0's persister's mirrors; `committed` after each commit, `finish` at exit."""
+
+    def __init__(self, events: EventLog) -> None:
+        self._events = events
+        self._mirrors: dict[str, _Mirror] = {}
+        self._wake = threading.Condition()
+        self._stopping = self._finishing = False
+        self._thread: threading.Thread | None = None
+
+    def committed(self, primary: Storage, step: int, keep_last: int, mirrors: list[dict[str, Any]]) -> None:
+        """`step` is committed in `primary`: copy it to each of `mirrors` ({"url", "options"}) in the background."""
+        if not mirrors:
+            return
+        with self._wake:
+            for spec in mirrors:
+                mirror = self._mirrors.setdefault(spec["url"], _Mirror(spec["url"], spec.get("options")))
+                mirror.pending = (primary, step, time.monotonic(), keep_last)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stalwart-mirrors", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def finish(self, timeout_s: float = FINISH_S) -> None:
+        """Give the pending copies up to `timeout_s` (one try each at least), then stop."""
+        deadline = time.monotonic() + timeout_s
+        with self._wake:
+            self._finishing = True  # one more try each, without backoff; a mirror that fails it is given up
+            for m in self._mirrors.values():
+                m.retry_at = 0.0
+            self._wake.notify_all()
+            while self._thread is not None and any(m.pending for m in self._mirrors.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._wake.wait(min(left, 0.5))
+            self._stopping = True
+            self._wake.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                due = self._due()
+                while due is None and not self._stopping:
+                    waits = [m.retry_at - time.monotonic() for m in self._mirrors.values() if m.pending]
+                    self._wake.wait(max(0.01, min(waits)) if waits else None)
+                    due = self._due()
+                if due is None:
+                    return
+                mirror, job = due, due.pending
+                assert job is not None
+            ok = self._copy(mirror, *job)
+            with self._wake:
+                if (ok or self._finishing) and mirror.pending == job:
+                    mirror.pending = None  # else a newer step came meanwhile: it is next
+                self._wake.notify_all()
+
+    def _due(self) -> _Mirror | None:
+        now = time.monotonic()
+        return next((m for m in self._mirrors.values() if m.pending and m.retry_at <= now), None)
+
+    def _copy(self, mirror: _Mirror, primary: Storage, step: int, committed: float, keep_last: int) -> bool:
+        started = time.monotonic()
+        try:
+            if mirror.storage is None:
+                storage = open_storage(mirror.url, mirror.options)
+                layout.prepare_root(storage, create=True)
+                mirror.storage = storage
+            copy = copy_step(primary, mirror.storage, step)
+            if copy.problem:
+                raise OSError(copy.problem)
+            layout.prune(mirror.storage, keep_last, layout.read_manifest(mirror.storage, step))
+        except Exception as exc:
+            if mirror.down_since is None:
+                mirror.down_since = started
+                self._events.emit("mirror_unreachable", step=step, location=mirror.url, error=describe_error(exc))
+            mirror.retry_at = time.monotonic() + mirror.backoff_s
+            mirror.backoff_s = min(BACKOFF_MAX_S, mirror.backoff_s * 2)
+            return False
+        now = time.monotonic()
+        if mirror.down_since is not None:
+            self._events.emit("mirror_caught_up", step=step, location=mirror.url, outage_s=now - mirror.down_since)
+            mirror.down_since = None
+        mirror.backoff_s, mirror.retry_at = BACKOFF_FIRST_S, 0.0
+        self._events.emit(
+            "mirrored",
+            step=step,
+            location=mirror.url,
+            bytes=copy.bytes,
+            seconds=now - started,
+            lag_s=now - committed,
+        )
+        return True
