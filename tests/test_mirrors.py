@@ -71,9 +71,10 @@ def test_a_mirror_that_is_down_stalls_nothing_and_is_caught_up(tmp_path: Path) -
     blocker.unlink()  # the store answers again
     assert ck.save(3, _state(3), wait=True)
     [back] = _wait_for(lambda: _events(log, "mirror_caught_up"), "the mirror to be caught up")
-    assert back["step"] == 3 and back["outage_s"] > 0
+    assert back["step"] in (2, 3) and back["outage_s"] > 0  # 2 if its retry came before step 3's commit
     ck.close()
-    assert _committed(mirror) == [3], "the newest commit, not every one it missed"
+    # The newest commit, not every one it missed: step 1 never reaches it (step 2 replaced it while it was down).
+    assert _committed(mirror)[0] == 3 and 1 not in _committed(mirror), _committed(mirror)
     assert len(_events(log, "mirror_unreachable")) == 1, "once per outage"
 
 

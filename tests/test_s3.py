@@ -232,6 +232,28 @@ def test_outage_during_persist_does_not_block_training_and_the_save_commits_afte
         assert torch.equal(restored.state["objects"]["m"][name], tensor), name
 
 
+def test_a_mirror_on_s3_gets_each_commit_and_is_caught_up_after_an_outage(s3: S3, tmp_path: Path) -> None:
+    """A job's mirror on a real S3 server (issue 46): the primary on local disk; the server stopped for a while,
+    the saves commit on the primary all the same; started again, the mirror gets the newest commit, verified."""
+    log = tmp_path / "events.jsonl"
+    ck = _checkpointer(str(tmp_path / "ck"), log, keep_last=2, mirrors=[{"url": s3.url("mirror"), "options": None}])
+    assert ck.save(1, _model_state(1), wait=True)
+    _wait_for(lambda: _events(log, "mirrored"), 60, "step 1 on the mirror")
+    s3.stop()
+    assert ck.save(2, _model_state(2), wait=True), "the mirror is down: the save commits on the primary regardless"
+    [down] = _wait_for(lambda: _events(log, "mirror_unreachable"), 120, "the mirror found down")
+    assert down["step"] == 2 and down["location"] == s3.url("mirror") and "\n" not in down["error"], down
+    s3.start()
+    assert ck.save(3, _model_state(3), wait=True)
+    [back] = _wait_for(lambda: _events(log, "mirror_caught_up"), 120, "the mirror caught up")
+    assert back["step"] in (2, 3), back  # step 2 if its retry came before step 3's commit, else 3 replaced it
+    ck.close()
+    verified = stalwart("ckpt", "verify", s3.url("mirror"), "--json", env=child_env())
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    steps = json.loads(verified.stdout)["checkpoints"]
+    assert "3" in steps and len(steps) == 2, f"the newest commit, keep_last=2 there: {steps}"
+
+
 @pytest.mark.timeout(90)
 def test_unreachable_endpoint_is_one_config_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # A port bound but not listening: connections are refused, and no other process can take it meanwhile.

@@ -84,6 +84,8 @@ class Persister:
         except Exception as exc:  # a defect, not the store: report it and stay alive for the next save
             self._events.emit("checkpoint_skipped", step=step, reason=f"persister error: {describe_error(exc)}")
             ok, committed = False, False
+        if manifest is not None and storage is not None:  # queued before the reply: a commit the trainer saw is
+            self._mirrors.committed(storage, step, req.keep_last, req.mirrors)  # the mirrors' pending one
         prune_first = req.wait  # a save the trainer waits on (a run's last) ends fully tidied
         if manifest is not None and storage is not None and prune_first:
             self._committer.prune(storage, req.keep_last, manifest)
@@ -99,8 +101,6 @@ class Persister:
         )
         if manifest is not None and storage is not None and not prune_first:
             self._committer.prune_later(storage, req.keep_last, manifest)
-        if manifest is not None and storage is not None:
-            self._mirrors.committed(storage, step, req.keep_last, req.mirrors)
 
     def finish(self) -> None:
         """Let queued retention and the mirrors' pending copies finish (bounded), at exit."""
