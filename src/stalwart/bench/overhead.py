@@ -39,6 +39,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "memory_every_step": {"snapshot_every": 1, "checkpoint_every": NEVER},
     "default_spares": {},
     "default_warm_spares": {},
+    "default_mirror": {"mirrors": ["mirror"]},
     "no_guard": {"nonfinite_grads": "off", "grad_spike": "off"},
     "no_detectors": {
         "nonfinite_grads": "off",
@@ -49,7 +50,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 """JobConfig keywords per configuration. memory_every_step is what the memory tier cost before the budget;
 no_guard is the default without the numeric guard (detect/numeric.py), no_detectors without any of the
-in-job detectors (guard, stragglers, replica divergence): their cost is the difference to the default."""
+in-job detectors (guard, stragglers, replica divergence): their cost is the difference to the default.
+default_mirror copies each durable checkpoint to a mirror (a directory in the run's own, on the same disk)."""
 LAUNCHER: dict[str, list[str]] = {
     "default_spares": ["--spares", "2"],
     "default_warm_spares": ["--spares", "2", "--warm-spares"],
@@ -195,6 +197,8 @@ def _run(
         # judgment of light snapshots says how much, else the last interval decision.
         budgets = [e["full_copy_budget"] for e in judged if "full_copy_budget" in e]
         measured["full_copy_budget"] = budgets[-1] if budgets else decisions[-1]["budget"] if decisions else None
+        mirrored = [e for e in read_events(log) if e["event"] == "mirrored"]
+        measured["mirrored"] = [{"step": e["step"], "lag_s": e["lag_s"]} for e in mirrored]
         saves = [e for e in read_events(log) if e["event"] == "checkpoint_snapshot" and e.get("rank", 0) == 0]
         measured["save_stalls"] = [e["stall_s"] for e in saves]
         measured["save_costs"] = save_costs(measured["step_times"], [e["step"] for e in saves], job["warmup"])
@@ -342,6 +346,8 @@ def build_report(
             "parked_s": sum(s["seconds"] for r in runs for s in r.get("parked", [])),
             "parked_rss_mb": _mean_of(runs, "rss_mb"),
             "parked_private_mb": _mean_of(runs, "private_mb"),
+            # default_mirror: the checkpoints copied to the mirror, and how far behind their commit each landed.
+            "mirrored": [m for r in runs for m in r.get("mirrored", [])],
             "config": CONFIGS[name],
             "launcher": LAUNCHER.get(name, []),
         }

@@ -3,10 +3,11 @@
 Runs one rank of an MLP with AdamW without stalwart and under `stalwart run` with its defaults, with the
 durable tier alone, with the memory tier alone (budgeted interval), with a memory snapshot every step and with
 two hot spares warming up beside it (`--spares 2`), with two warm spares that also run the job's set-up and park
-(`--warm-spares`), and
-prints each configuration's median step time over the plain one (the ratio), the time stalwart takes on the
-training thread between steps (inline), the snapshot interval it chose, and the floor: one copy of the state
-into host memory, what a snapshot every step costs at the least.
+(`--warm-spares`; their CPU time while parked and their memory are printed too), with each durable checkpoint
+copied to a mirror (`mirrors=`), and without the guard or the detectors, and prints each configuration's median
+step time over the plain one (the ratio), the time stalwart takes on the training thread between steps (inline),
+the snapshot interval it chose, and the floor: one copy of the state into host memory, what a snapshot every step
+costs at the least.
 About three minutes on CPU with the defaults; progress goes to stderr.
 """
 
@@ -177,6 +178,12 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
                     if c.get("parked_private_mb") is not None
                     else ""
                 )
+            )
+    for name, c in report["configs"].items():
+        if c.get("mirrored"):
+            lags = sorted(m["lag_s"] for m in c["mirrored"])
+            console.print(
+                f"{name}: {len(lags)} checkpoints mirrored, each {lags[0]:.2f}-{lags[-1]:.2f} s after its commit"
             )
     floor = report["floor"]
     console.print(
