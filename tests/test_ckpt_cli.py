@@ -234,3 +234,21 @@ def test_sync_never_commits_a_copy_that_does_not_verify(tmp_path: Path, capsys: 
     assert main(["ckpt", "list", str(dst), "--json"]) == 0
     statuses = {c["step"]: c["status"] for c in json.loads(capsys.readouterr().out)["checkpoints"]}
     assert statuses == {1: "committed", 2: "committed", 3: "interrupted", 4: "interrupted"}
+
+
+def test_status_says_how_far_each_mirror_is_behind_and_whether_it_verifies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src, behind, gone = tmp_path / "ck", tmp_path / "behind", tmp_path / "gone"
+    _make(src, steps=(1, 2, 3, 4), full_every=1)
+    assert main(["ckpt", "sync", str(src), str(behind), "--step", "2"]) == 0
+    capsys.readouterr()
+    assert main(["ckpt", "status", str(src), str(behind), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["locations"]
+    assert [(r["step"], r["steps_behind"], r["problem"]) for r in rows] == [(4, 0, ""), (2, 2, "")]
+    assert rows[1]["seconds_behind"] >= 0
+    assert main(["ckpt", "status", str(src), str(behind)]) == 0 and "ok" in capsys.readouterr().out  # the table
+    _flip(next((behind / "step_00000002").glob("rank*.data")), 200)
+    assert main(["ckpt", "status", str(src), str(behind), str(gone), "--json"]) == 1
+    rows = json.loads(capsys.readouterr().out)["locations"]
+    assert rows[0]["problem"] == "" and "xxh3" in rows[1]["problem"] and "does not exist" in rows[2]["problem"], rows

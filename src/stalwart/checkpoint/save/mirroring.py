@@ -29,8 +29,10 @@ from stalwart.telemetry.events import EventLog
 
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
-FINISH_S = 60.0
-"""At the job's end, how long the persister waits for the mirrors' pending copies."""
+FINISH_S = 20.0
+"""At the job's end, how long the persister waits for the mirrors' pending copies (after retention's own wait): the
+trainer gives its persister 30 s to exit (background.CLOSE_TIMEOUT_S). A copy cut there leaves the mirror at its
+previous step."""
 
 
 @dataclass(slots=True)

@@ -1,5 +1,6 @@
-"""`stalwart ckpt list|verify|inspect|export PATH`: a checkpoint directory, for people; never changes it. `stalwart
-ckpt sync PATH DEST`: its committed checkpoints copied to another location, verified there (tools/sync.py)."""
+"""`stalwart ckpt list|verify|inspect|export|status PATH`: a checkpoint directory, for people; never changes it.
+`stalwart ckpt sync PATH DEST`: its committed checkpoints copied to another location, verified there (tools/sync.py).
+`status PATH MIRROR...`: each location's newest committed step, how far it is behind PATH, whether it verifies."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 from rich.text import Text
@@ -39,14 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     sy = sub.add_parser(
         "sync", help="copy the committed checkpoints to another location (a mirror), verified there; resumable"
     )
+    st = sub.add_parser(
+        "status", help="each location's newest committed step, how far it is behind the first, whether it verifies"
+    )
     sy.add_argument("--step", type=int, help="only this step (default: every committed checkpoint)")
     sy.add_argument(
         "--verify", action="store_true", help="also check the steps the destination holds already; repair any that fail"
     )
-    for sp in (ls, vf, ins, ex, sy):
+    for sp in (ls, vf, ins, ex, sy, st):
         sp.add_argument("path", help="the checkpoint directory or URL (a Job's checkpoint_dir, e.g. s3://bucket/run)")
         sp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     sy.add_argument("destination", help="where the copy goes: empty, or a stalwart checkpoint directory or URL")
+    st.add_argument("mirrors", nargs="*", help="the job's mirrors (paths or URLs), compared with PATH")
     return p
 
 
@@ -71,6 +77,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _verify(root, args.step, args.json)
     if args.command == "export":
         return _export(root, args.step, args.rank, Path(args.to), args.json)
+    if args.command == "status":
+        return _status(root, args.mirrors, args.json)
     if args.command == "sync":
         return _sync(root, args.destination, args.step, args.verify, args.json)
     return _inspect(root, args.step, args.rank, args.json)
@@ -249,3 +257,50 @@ def _sync(root: Storage, destination: str, step: int | None, verify: bool, as_js
             highlight=False,
         )
     return EXIT_INVALID if failed else 0
+
+
+def _status(root: Storage, mirrors: list[str], as_json: bool) -> int:
+    """Each location's newest committed step, its lag behind the first location (steps and seconds between their
+    commits), and whether that step verifies there. Exit 1 when one does not, or one has none."""
+    from stalwart.checkpoint.tools import inspect
+
+    rows: list[dict[str, Any]] = []
+    for i, where in enumerate([root.display(), *mirrors]):
+        try:
+            storage = root if i == 0 else inspect.open_root(where)
+            steps = layout.committed_steps(storage)
+            newest = layout.read_manifest(storage, steps[0]) if steps else None
+        except Exception as exc:  # a mirror that cannot be read is a row, not the end of the command
+            problem = str(exc) if isinstance(exc, StalwartError) else describe_error(exc)
+            rows.append({"location": where, "step": None, "problem": problem})
+            continue
+        if newest is None:
+            rows.append({"location": where, "step": None, "problem": "no committed checkpoint"})
+            continue
+        problems = inspect.verify(storage, newest.step)
+        rows.append(
+            {"location": where, "step": newest.step, "created": newest.created, "problem": "; ".join(problems[:1])}
+        )
+    first = rows[0]
+    for row in rows:
+        if row.get("step") is not None and first.get("step") is not None:
+            row["steps_behind"] = first["step"] - row["step"]
+            row["seconds_behind"] = max(0.0, first["created"] - row["created"])
+    if as_json:
+        print(json.dumps({"locations": rows}))
+    else:
+        table = Table(title="checkpoint locations")
+        for column in ("location", "newest step", "behind", "verifies"):
+            table.add_column(column, justify="right" if column == "newest step" else "left")
+        for row in rows:
+            behind = (
+                ""
+                if "steps_behind" not in row
+                else f"{row['steps_behind']} steps, {row['seconds_behind']:.0f} s"
+                if row is not first
+                else "-"
+            )
+            verdict = Text("ok", "green") if not row["problem"] else Text(row["problem"], "red")
+            table.add_row(row["location"], str(row["step"] if row["step"] is not None else ""), behind, verdict)
+        console().print(table)
+    return EXIT_INVALID if any(row["problem"] for row in rows) else 0
