@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import stalwart
-from conftest import open_checkpointer
+from conftest import open_checkpointer, tiny_args
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.storage import open_storage
 from stalwart.cli import main
@@ -100,6 +100,15 @@ def test_a_job_with_a_mirror_resumes_from_it_alone(tmp_path: Path) -> None:
     assert _committed(tmp_path / "mirror")[0] == 6
     resumed = train(tmp_path / "mirror", 8)
     assert torch.equal(straight, resumed)
+
+
+def test_stalwart_run_mirror_keeps_a_scripts_checkpoints_there(launch: Any) -> None:
+    """A script that cannot change: `stalwart run --mirror DIR` gives its Job the mirror (the tiny job passes no
+    mirrors=); the run's last checkpoint is there, verified, once the run ended."""
+    job = launch(["--mirror", "mirror", *tiny_args("--steps", "8")])
+    assert job.wait(180) == 0, job.output()
+    assert _committed(job.workdir / "mirror")[0] == 8
+    assert {e["step"] for e in job.events("mirrored")} >= {8}
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from stalwart.detect.numeric import LOSS_SPIKE_POLICIES, NONFINITE_POLICIES, SPI
 from stalwart.detect.straggler import STRAGGLER_POLICIES
 from stalwart.errors import ConfigError
 from stalwart.policy.auto_checkpoint import DEFAULT_PRIOR_MTBF_S
+from stalwart.runtime.env import MIRRORS_ENV
 
 # -- shared validators: each raises ConfigError naming the option as the user wrote it -----------------------------
 
@@ -122,11 +123,13 @@ class CheckpointOptions:
         self.mirror_specs()
 
     def mirror_specs(self) -> list[dict[str, Any]]:
-        """`mirrors` as the persister takes them: [{"url", "options"}], each checked."""
+        """`mirrors` as the persister takes them: [{"url", "options"}], each checked; without any, those of
+        `stalwart run --mirror` (MIRRORS_ENV)."""
         if isinstance(self.mirrors, str | os.PathLike | dict):
             raise ConfigError(f"mirrors must be a list of locations, got {self.mirrors!r}")
+        launched = [line.strip() for line in os.environ.get(MIRRORS_ENV, "").splitlines() if line.strip()]
         specs = []
-        for m in self.mirrors:
+        for m in self.mirrors or launched:
             spec = dict(m) if isinstance(m, dict) else {"url": os.fspath(m), "options": None}
             url, options = spec.get("url"), spec.get("options")
             if not isinstance(url, str | os.PathLike) or not os.fspath(url) or set(spec) - {"url", "options"}:

@@ -49,6 +49,7 @@ from stalwart.runtime.env import (
     HEARTBEAT_ENV,
     IN_LOOP_ENV,
     LAUNCH_TIME_ENV,
+    MIRRORS_ENV,
     NCCL_ERRORS_ENV,
     QUIET_ENV,
     REFORM_ENV,
@@ -245,6 +246,8 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
     os.environ[REFORM_ENV] = "1" if reforms(args) else "0"
     os.environ[IN_LOOP_ENV] = "0" if args.reform_by_rerun else "1"
     os.environ[WAIT_FOR_REPLACEMENT_ENV] = "1" if args.wait_for_replacement else "0"
+    if args.mirror:
+        os.environ[MIRRORS_ENV] = "\n".join(args.mirror)
     if args.quiet:
         os.environ[QUIET_ENV] = "1"
     if reforms(args) and not args.reform_by_rerun:

@@ -18,6 +18,7 @@ from stalwart.runtime.env import (
     HANG_TIMEOUT_ENV,
     IN_LOOP_ENV,
     METRICS_PORT_ENV,
+    MIRRORS_ENV,
     PREEMPT_NOTICE_ENV,
     QUIET_ENV,
     REFORM_ENV,
@@ -122,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="under --nnodes MIN:MAX, seconds the job waits for a lost node's replacement (or a waiting node) "
         "before it goes on with the nodes it has; the first rendezvous keeps torch's wait for late starters "
         f"(default {REPLACE_WAIT_S:g}; docs/schedulers.md)",
+    )
+    own.add_argument(
+        "--mirror",
+        action="append",
+        metavar="URL",
+        help="also keep each committed checkpoint at this location, a path or fsspec URL as checkpoint_dir "
+        "(repeatable): the job's Job copies each commit there in the background, verified (a script's own "
+        "mirrors= wins; ${ENV}, one per line, also does)".replace("${ENV}", MIRRORS_ENV),
     )
     preflight_gate.add_arguments(own)
     own.add_argument(
