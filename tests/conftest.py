@@ -37,6 +37,17 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    """`predicate()`'s first truthy value, asked every 50 ms; the test fails after `timeout` s without one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

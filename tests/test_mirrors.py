@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import stalwart
-from conftest import open_checkpointer, tiny_args
+from conftest import open_checkpointer, tiny_args, wait_for
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.storage import open_storage
 from stalwart.cli import main
@@ -66,11 +66,11 @@ def test_a_mirror_that_is_down_stalls_nothing_and_is_caught_up(tmp_path: Path) -
     for step in (1, 2):
         assert ck.save(step, _state(step), wait=True)
     assert _committed(tmp_path / "ck") == [2, 1], "the primary's saves go on"
-    [down] = _wait_for(lambda: _events(log, "mirror_unreachable"), "the mirror to be found down")
+    [down] = wait_for(lambda: _events(log, "mirror_unreachable"), 60, "the mirror to be found down")
     assert down["location"] == str(mirror) and down["error"], down
     blocker.unlink()  # the store answers again
     assert ck.save(3, _state(3), wait=True)
-    [back] = _wait_for(lambda: _events(log, "mirror_caught_up"), "the mirror to be caught up")
+    [back] = wait_for(lambda: _events(log, "mirror_caught_up"), 60, "the mirror to be caught up")
     assert back["step"] in (2, 3) and back["outage_s"] > 0  # 2 if its retry came before step 3's commit
     ck.close()
     # The newest commit, not every one it missed: step 1 never reaches it (step 2 replaced it while it was down).
@@ -124,15 +124,3 @@ def test_stalwart_run_mirror_keeps_a_scripts_checkpoints_there(launch: Any) -> N
 def test_bad_mirrors_are_one_clear_error(mirrors: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         CheckpointOptions(dir="/ck", mirrors=mirrors)
-
-
-def _wait_for(predicate: Any, what: str, timeout: float = 60.0) -> Any:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")

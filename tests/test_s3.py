@@ -21,7 +21,7 @@ import pytest
 import torch
 from moto.server import ThreadedMotoServer
 
-from conftest import Launch, child_env, open_checkpointer, stalwart, tiny_args
+from conftest import Launch, child_env, open_checkpointer, stalwart, tiny_args, wait_for
 from stalwart.checkpoint import Checkpointer
 from stalwart.checkpoint.format import layout
 from stalwart.errors import ConfigError
@@ -117,16 +117,6 @@ def _events(log: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in read_events(log) if e["event"] == kind]
 
 
-def _wait_for(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
-
-
 def _model_state(step: int) -> dict[str, Any]:
     """`frozen` never changes (a delta points into its base for it); `w` and `b` change every step."""
     frozen = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
@@ -210,7 +200,7 @@ def test_outage_during_persist_does_not_block_training_and_the_save_commits_afte
         assert not lost, f"the outage made the persist give up instead of retrying: {lost}"
         return _events(log, "checkpoint_write_retry")
 
-    retry = _wait_for(first_retry, 60, "a checkpoint_write_retry event")[0]
+    retry = wait_for(first_retry, 60, "a checkpoint_write_retry event")[0]
     assert retry["step"] == 7 and retry["source"] == "persister", retry
     assert retry["error"] and "\n" not in retry["error"]
     # Training goes on: the next save is skipped (one save in flight), not blocked.
@@ -238,14 +228,14 @@ def test_a_mirror_on_s3_gets_each_commit_and_is_caught_up_after_an_outage(s3: S3
     log = tmp_path / "events.jsonl"
     ck = _checkpointer(str(tmp_path / "ck"), log, keep_last=2, mirrors=[{"url": s3.url("mirror"), "options": None}])
     assert ck.save(1, _model_state(1), wait=True)
-    _wait_for(lambda: _events(log, "mirrored"), 60, "step 1 on the mirror")
+    wait_for(lambda: _events(log, "mirrored"), 60, "step 1 on the mirror")
     s3.stop()
     assert ck.save(2, _model_state(2), wait=True), "the mirror is down: the save commits on the primary regardless"
-    [down] = _wait_for(lambda: _events(log, "mirror_unreachable"), 120, "the mirror found down")
+    [down] = wait_for(lambda: _events(log, "mirror_unreachable"), 120, "the mirror found down")
     assert down["step"] == 2 and down["location"] == s3.url("mirror") and "\n" not in down["error"], down
     s3.start()
     assert ck.save(3, _model_state(3), wait=True)
-    [back] = _wait_for(lambda: _events(log, "mirror_caught_up"), 120, "the mirror caught up")
+    [back] = wait_for(lambda: _events(log, "mirror_caught_up"), 120, "the mirror caught up")
     assert back["step"] in (2, 3), back  # step 2 if its retry came before step 3's commit, else 3 replaced it
     ck.close()
     verified = stalwart("ckpt", "verify", s3.url("mirror"), "--json", env=child_env())

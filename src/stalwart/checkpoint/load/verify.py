@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from stalwart.checkpoint.format import layout
-from stalwart.checkpoint.storage import Storage
+from stalwart.checkpoint.storage import Storage, describe_error
 from stalwart.errors import CheckpointCorruptError
 
 T = TypeVar("T")
@@ -87,6 +87,23 @@ def read_tensor(
     if layout.xxh3(raw) != entry.xxh3 or (entry.blocks and layout.blocks_of(raw, entry.block_bytes) != entry.blocks):
         raise CheckpointCorruptError(f"tensor {where} fails its xxh3 check")
     return raw
+
+
+def tensor_problems(storage: Storage, manifest: layout.Manifest) -> list[str]:
+    """Every tensor of `manifest` read back from `storage` and checked, one data file in memory at a time: a line
+    for each that fails (`stalwart ckpt verify`, and a mirror's copy before it is committed)."""
+    problems = []
+    files: dict[str, bytes] = {}
+    for tid, entry in sorted(manifest.tensors.items(), key=lambda item: (item[1].file, item[1].offset)):
+        if files and entry.file not in files:
+            files.clear()
+        try:
+            read_tensor(storage, entry, files)
+        except CheckpointCorruptError as exc:
+            problems.append(f"{tid}: {exc}")
+        except Exception as exc:
+            problems.append(f"{tid}: {storage.display(entry.file)} cannot be read: {describe_error(exc)}")
+    return problems
 
 
 def read_tensor_part(

@@ -4,7 +4,7 @@ Used by `stalwart ckpt sync` (tools/sync.py) and by rank 0's persister for a job
 step's files go first (every rank's meta file and every data file its tensors are in, a delta's base files among
 them), each skipped when the destination already holds it whole (files are never rewritten in place: a repeated
 save writes under a new token, so the same name and size is the same file); then the copy is verified where it
-landed against the source's manifest (each meta file's size and xxh3, each tensor's xxh3), and the manifest is
+landed against the source's manifest (each meta file's size, xxh3 and format, each tensor's xxh3), and the manifest is
 written last: its presence commits the step there. A copy that does not verify is not committed (a destination's
 earlier manifest of the step stays as it was). Imports no torch: the persister process uses it.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from stalwart.checkpoint.format import layout
-from stalwart.checkpoint.load.verify import read_tensor
+from stalwart.checkpoint.load.verify import read_verified_meta, tensor_problems
 from stalwart.checkpoint.storage import Storage, describe_error
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError
 
@@ -76,27 +76,14 @@ def files_of(manifest: layout.Manifest) -> list[str]:
 
 def verify_copy(storage: Storage, manifest: layout.Manifest) -> list[str]:
     """Every problem of the files `manifest` lists as `storage` holds them, byte for byte against the manifest
-    (each meta file's size and xxh3, each tensor's xxh3); an empty list means they are the committed bytes."""
+    (each meta file's size, xxh3 and format, each tensor's xxh3); an empty list means they are the committed bytes."""
     problems = []
-    step_dir = layout.step_dir_name(manifest.step)
     for rank in manifest.ranks:
-        name = f"{step_dir}/{rank.meta}"
         try:
-            meta = storage.read(name)
-        except FileNotFoundError:
-            problems.append(f"{storage.display(name)} is missing")
-            continue
-        if len(meta) != rank.bytes or layout.xxh3(meta) != rank.xxh3:
-            problems.append(f"{storage.display(name)} fails its xxh3 check")
-    files: dict[str, bytes] = {}
-    for tid, entry in sorted(manifest.tensors.items(), key=lambda item: (item[1].file, item[1].offset)):
-        if files and entry.file not in files:
-            files.clear()  # one data file in memory at a time
-        try:
-            read_tensor(storage, entry, files)
+            read_verified_meta(storage, f"{layout.step_dir_name(manifest.step)}/{rank.meta}", rank)
         except CheckpointCorruptError as exc:
-            problems.append(f"{tid}: {exc}")
-    return problems
+            problems.append(str(exc))
+    return problems + tensor_problems(storage, manifest)
 
 
 def _copy_files(src: Storage, dst: Storage, names: list[str], *, whole: bool) -> tuple[int, int]:

@@ -16,7 +16,7 @@ import torch
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.format.sharded import SavedShard
 from stalwart.checkpoint.load.rank_state import load_rank_state
-from stalwart.checkpoint.load.verify import read_tensor
+from stalwart.checkpoint.load.verify import tensor_problems
 from stalwart.checkpoint.storage import Storage, describe_error, open_storage
 from stalwart.errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 from stalwart.runtime import torch_compat
@@ -103,12 +103,6 @@ def verify(storage: Storage, step: int) -> list[str]:
         return [str(exc)]
     except Exception as exc:
         return [f"the manifest of step {step} cannot be read: {describe_error(exc)}"]
-    return verify_manifest(storage, manifest)
-
-
-def verify_manifest(storage: Storage, manifest: layout.Manifest) -> list[str]:
-    """Every problem of the files `manifest` lists, as `storage` holds them (whether or not the manifest itself is
-    there: `stalwart ckpt sync` checks a copy before it commits it); an empty list means they verify."""
     problems = []
     for rank in range(manifest.world_size):
         try:
@@ -117,17 +111,7 @@ def verify_manifest(storage: Storage, manifest: layout.Manifest) -> list[str]:
             problems.append(str(exc))
         except Exception as exc:
             problems.append(f"rank {rank}'s shard cannot be read: {describe_error(exc)}")
-    files: dict[str, bytes] = {}
-    for tid, entry in sorted(manifest.tensors.items(), key=lambda item: (item[1].file, item[1].offset)):
-        if files and entry.file not in files:
-            files.clear()  # one data file in memory at a time
-        try:
-            read_tensor(storage, entry, files)
-        except CheckpointCorruptError as exc:
-            problems.append(f"{tid}: {exc}")
-        except Exception as exc:
-            problems.append(f"{tid}: {storage.display(entry.file)} cannot be read: {describe_error(exc)}")
-    return problems
+    return problems + tensor_problems(storage, manifest)
 
 
 def read_shard(storage: Storage, step: int, rank: int) -> tuple[layout.Manifest, dict[str, Any]]:
