@@ -6,6 +6,7 @@ server with `stalwart ckpt sync`, which copies the same way (checkpoint/save/ste
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from conftest import open_checkpointer, tiny_args, wait_for
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.storage import open_storage
 from stalwart.cli import main
-from stalwart.errors import ConfigError
+from stalwart.errors import CheckpointError, ConfigError
 from stalwart.job.config import CheckpointOptions
 from stalwart.telemetry.events import read_events
 
@@ -78,8 +79,9 @@ def test_a_mirror_that_is_down_stalls_nothing_and_is_caught_up(tmp_path: Path) -
     assert len(_events(log, "mirror_unreachable")) == 1, "once per outage"
 
 
-def test_a_job_with_a_mirror_resumes_from_it_alone(tmp_path: Path) -> None:
-    """The region's loss: the primary is gone, a new launch points at the mirror and resumes there bitwise."""
+def test_a_job_with_a_mirror_resumes_from_it_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The region's loss: the primary is gone; a new launch elsewhere resumes bitwise from the mirror, pointed at
+    it as its checkpoint directory or with a new checkpoint directory and the mirror as its mirror (failover)."""
 
     def train(ckpt: Path, steps: int, **options: Any) -> torch.Tensor:
         job = stalwart.Job(ckpt, checkpoint_every=2, **options)
@@ -96,10 +98,82 @@ def test_a_job_with_a_mirror_resumes_from_it_alone(tmp_path: Path) -> None:
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
     straight = train(tmp_path / "straight", 8)
-    train(tmp_path / "primary", 6, mirrors=[str(tmp_path / "mirror")])
-    assert _committed(tmp_path / "mirror")[0] == 6
-    resumed = train(tmp_path / "mirror", 8)
-    assert torch.equal(straight, resumed)
+    m1, m2 = tmp_path / "m1", tmp_path / "m2"
+    train(tmp_path / "primary", 6, mirrors=[str(m1), str(m2)])
+    assert _committed(m1)[0] == 6 and _committed(m2)[0] == 6
+    assert torch.equal(straight, train(m1, 8))
+    log = tmp_path / "events.jsonl"
+    monkeypatch.setenv("STALWART_EVENT_LOG", str(log))
+    assert torch.equal(straight, train(tmp_path / "elsewhere", 8, mirrors=[str(m2)]))
+    [resumed] = _events(log, "resumed")
+    assert (resumed["step"], resumed["mirror"]) == (6, str(m2)), resumed
+    assert _committed(tmp_path / "elsewhere")[0] == 8, "saves go to the new checkpoint directory"
+
+
+def _flip_a_byte(root: Path, step: int) -> None:
+    """Damage one tensor byte of `step` under `root` in place (the manifest and sizes stay as they were)."""
+    manifest = layout.read_manifest(open_storage(root), step)
+    data = root / next(iter(manifest.tensors.values())).file
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+def test_a_load_takes_the_newest_step_that_verifies_in_any_location(tmp_path: Path) -> None:
+    """Failover at load: every location's committed steps are candidates, newest first and the checkpoint
+    directory first at equal steps; a copy that does not verify (damaged, or a manifest without its files) falls
+    back to the next, is never loaded, and is moved aside where it lies."""
+    primary, m1, m2 = tmp_path / "ck", tmp_path / "m1", tmp_path / "m2"
+    ck = open_checkpointer(primary, keep_last=5)
+    for step in (1, 2, 3, 4):
+        assert ck.save(step, _state(step), wait=True)
+    ck.close()
+    for mirror, steps in ((m1, (2, 3, 4)), (m2, (2,))):
+        for step in steps:
+            assert main(["ckpt", "sync", str(primary), str(mirror), "--step", str(step)]) == 0
+
+    def load(**options: Any) -> tuple[int, str, list[dict[str, Any]]]:
+        log = tmp_path / f"events{len(list(tmp_path.glob('events*')))}.jsonl"
+        ck = open_checkpointer(primary, log, keep_last=5, mirrors=[{"url": str(m1)}, {"url": str(m2)}], **options)
+        restored = ck.load_latest()
+        ck.close()
+        assert restored is not None
+        assert torch.equal(restored.state["objects"]["w"]["weight"], _state(restored.step)["objects"]["w"]["weight"])
+        return restored.step, restored.mirror, _events(log, "checkpoint_quarantined")
+
+    assert load() == (4, "", []), "the checkpoint directory first at equal steps"
+    _flip_a_byte(primary, 4)
+    step, mirror, moved = load()
+    assert (step, mirror) == (4, str(m1)), "the same step from the mirror"
+    assert [(e["step"], Path(e["path"]).parent) for e in moved] == [(4, primary)], "moved aside where it lies"
+    assert _committed(primary) == [3, 2, 1]
+    for name in (m1 / layout.step_dir_name(4)).iterdir():  # a manifest there without its files
+        if name.name != layout.MANIFEST:
+            name.unlink()
+    (m1 / layout.step_dir_name(3) / layout.MANIFEST).unlink()  # an interrupted copy: never a candidate
+    assert load()[:2] == (3, ""), "m1's step 4 never loads: the next candidate is the primary's step 3"
+    shutil.rmtree(primary)  # the region is lost: a new launch with an empty checkpoint directory
+    assert load()[:2] == (2, str(m1)), "the newest step that verifies among the mirrors, the first at equal steps"
+
+
+def test_a_start_from_step_0_needs_every_location_listed(tmp_path: Path) -> None:
+    """A mirror that cannot be listed for a moment must not turn a resume into a fresh run: with nothing found
+    elsewhere, the start fails as a store that cannot be read fails (the launcher tries again); with a checkpoint
+    found elsewhere, it loads."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)  # listing it fails (ELOOP), as a store that does not answer does
+    log = tmp_path / "events.jsonl"
+    ck = open_checkpointer(tmp_path / "ck", log, mirrors=[{"url": str(loop)}])
+    with pytest.raises(CheckpointError, match="cannot list"):
+        ck.load_latest()
+    ck.close()
+    assert _events(log, "checkpoint_list_failed")[0]["location"] == str(loop)
+    ck = open_checkpointer(tmp_path / "ck")
+    assert ck.save(1, _state(1), wait=True)
+    ck.close()
+    ck = open_checkpointer(tmp_path / "ck", log, mirrors=[{"url": str(loop)}])
+    restored = ck.load_latest()
+    assert restored is not None and restored.step == 1 and not restored.mirror
 
 
 def test_stalwart_run_mirror_keeps_a_scripts_checkpoints_there(launch: Any) -> None:

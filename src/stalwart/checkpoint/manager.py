@@ -20,10 +20,11 @@ final save of a run (`wait=True`) always waits, then waits for its own commit.
 Every decision that must be the same on all ranks is taken once and shared: rank 0 lists the checkpoints, the ranks
 vote on each candidate, rank 0 reports the commit. At start every rank must see a file rank 0 wrote, or it stops.
 
-Loading walks the committed steps newest first; every rank verifies what it reads (meta file and every tensor
-against the manifest's xxh3) and the newest step valid on every rank is loaded. Newer ones that failed an
-integrity check are moved to `step_XXXXXXXX.invalid-<ns>` for inspection, never deleted. If checkpoints exist
-but none verifies, loading stops with NoValidCheckpointError rather than silently starting again from step 0.
+Loading walks the committed steps newest first, here and in the mirrors; every rank verifies what it reads (meta
+file and every tensor against the manifest's xxh3) and the newest step valid on every rank is loaded. Newer ones
+that failed an integrity check are moved to `step_XXXXXXXX.invalid-<ns>` for inspection, never deleted. If
+checkpoints exist but none verifies, loading stops with NoValidCheckpointError rather than silently starting again
+from step 0.
 """
 
 from __future__ import annotations
@@ -42,13 +43,7 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.format import layout
-from stalwart.checkpoint.format.serialize import (
-    TensorItem,
-    assign_owners,
-    dtype_name,
-    fingerprint,
-    flatten,
-)
+from stalwart.checkpoint.format.serialize import TensorItem, assign_owners, dtype_name, fingerprint, flatten
 from stalwart.checkpoint.load.newest import load_newest
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.save.background import Background
@@ -56,11 +51,7 @@ from stalwart.checkpoint.save.overlap import UpdateFence
 from stalwart.checkpoint.save.request import PersistReply, PersistRequest
 from stalwart.checkpoint.save.staging import Staging, aligned
 from stalwart.checkpoint.storage import Storage, describe_error, open_storage
-from stalwart.errors import (
-    ConfigError,
-    PeerError,
-    UnsavableStateError,
-)
+from stalwart.errors import ConfigError, PeerError, UnsavableStateError
 from stalwart.runtime.dist import Comm, Flag, IntMessage, Placement
 from stalwart.telemetry.events import EventLog
 
@@ -434,10 +425,15 @@ class Checkpointer:
         return moved
 
     def load_latest(self, *, allow_world_size_change: bool = False, at_most: int | None = None) -> Restored | None:
-        """Load the newest checkpoint (not after step `at_most`) that verifies on every rank; None when there is no
-        such checkpoint at all (checkpoint/load/newest.py)."""
+        """Load the newest checkpoint (not after step `at_most`) that verifies on every rank, here or in a mirror;
+        None when there is no such checkpoint at all (checkpoint/load/newest.py)."""
+        mirrors = [open_storage(m["url"], m.get("options")) for m in self._mirrors]  # failover (issue 46)
         restored = load_newest(
-            self.storage, self._comm, self._events, allow_world_size_change=allow_world_size_change, at_most=at_most
+            [self.storage, *mirrors],
+            self._comm,
+            self._events,
+            allow_world_size_change=allow_world_size_change,
+            at_most=at_most,
         )
         if restored is not None and self._comm.rank == 0:
             self._last_full = None  # the persister starts afresh: the next save is a full one

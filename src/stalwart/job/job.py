@@ -165,9 +165,11 @@ class Job:
             tier=restored.tier,
             bytes=restored.bytes,
             seconds=seconds,
+            **({"mirror": restored.mirror} if restored.mirror else {}),
         )
         if self.is_main:  # where training goes on from, for the person watching (the event log has the rest)
-            say(f"stalwart: resumed at step {restored.step} from {restored.source} ({seconds:.2f} s to load)")
+            mirror = ", a mirror: no newer copy in the checkpoint directory verifies" if restored.mirror else ""
+            say(f"stalwart: resumed at step {restored.step} from {restored.source} ({seconds:.2f} s to load{mirror})")
         return self.step
 
     def load_restored(self, restored: Restored) -> None:

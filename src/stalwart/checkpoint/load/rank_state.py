@@ -40,6 +40,8 @@ class Restored:
     shards: ShardSource | None = None
     """Every rank's saved shards, for a checkpoint of another world size: sharded tensors are resharded from them
     onto this job's mesh (format/sharded.py)."""
+    mirror: str = ""
+    """The mirror a durable checkpoint came from (checkpoint/load/newest.py); empty for the checkpoint directory."""
 
 
 def try_load(
