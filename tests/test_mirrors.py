@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import stalwart
-from conftest import open_checkpointer, tiny_args, wait_for
+from conftest import open_checkpointer, run_forked_ranks, tiny_args, wait_for
 from stalwart.checkpoint.format import layout
+from stalwart.checkpoint.save import failover
 from stalwart.checkpoint.storage import open_storage
 from stalwart.cli import main
 from stalwart.errors import CheckpointError, ConfigError
@@ -174,6 +177,149 @@ def test_a_start_from_step_0_needs_every_location_listed(tmp_path: Path) -> None
     ck = open_checkpointer(tmp_path / "ck", log, mirrors=[{"url": str(loop)}])
     restored = ck.load_latest()
     assert restored is not None and restored.step == 1 and not restored.mirror
+
+
+class _Outage:
+    """The checkpoint directory down for a while, its data kept: moved aside, a file in its place (every write fails,
+    as with a store that does not answer), then put back."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.away = root, root.with_name(root.name + ".away")
+
+    def __enter__(self) -> None:
+        self.root.rename(self.away)
+        self.root.write_text("the store is down")
+
+    def __exit__(self, *exc: object) -> None:
+        self.root.unlink()
+        self.away.rename(self.root)
+
+
+def test_with_the_checkpoint_directory_down_saves_commit_in_a_mirror_and_it_is_caught_up(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Each save tries the primary for failover_s, then commits in the mirror, and rank 0 says so once; no save is
+    given up. When the primary answers again, the newest commit is copied back there and saves go there again."""
+    log, primary, mirror = tmp_path / "events.jsonl", tmp_path / "ck", tmp_path / "mirror"
+    ck = open_checkpointer(primary, log, keep_last=5, mirrors=[{"url": str(mirror)}], failover_s=0.5)
+    assert ck.save(1, _state(1), wait=True)
+    with _Outage(primary):
+        for step in (2, 3):
+            assert ck.save(step, _state(step), wait=True), "a checkpoint commits in the mirror"
+        assert _committed(mirror)[:2] == [3, 2]
+        moved = _events(log, "checkpoint_failover")
+        assert {(e["step"], e["location"], e["to"]) for e in moved} == {(s, str(primary), str(mirror)) for s in (2, 3)}
+        committed = {e["step"]: e["path"] for e in _events(log, "checkpoint_committed")}
+        assert Path(committed[3]).parent == mirror, committed
+        assert capfd.readouterr().err.count("the checkpoint directory does not answer") == 1, "said once per outage"
+    caught_up = lambda: [e for e in _events(log, "mirror_caught_up") if e["location"] == str(primary)]  # noqa: E731
+    assert wait_for(caught_up, 60, "the primary to be caught up")[0]["step"] == 3
+    assert ck.save(4, _state(4), wait=True)
+    assert Path(_events(log, "checkpoint_committed")[-1]["path"]).parent == primary, "saves go there again"
+    assert "the checkpoint directory answers again" in capfd.readouterr().err
+    ck.close()
+    # The newest commit made in the mirror is copied back (step 2's copy was replaced by step 3's while it was down).
+    assert _committed(primary)[:2] == [4, 3] and main(["ckpt", "verify", str(primary)]) == 0
+    restored = open_checkpointer(primary, mirrors=[{"url": str(mirror)}]).load_latest()
+    assert restored is not None and restored.step == 4 and not restored.mirror
+
+
+def test_a_delta_does_not_fail_over_and_a_checkpoint_in_a_mirror_is_no_deltas_base(tmp_path: Path) -> None:
+    """A delta's base may not be in the mirror: a delta keeps to the checkpoint directory (given up while it is
+    down), and a checkpoint committed in a mirror is never the base of a later delta there."""
+    log, primary, mirror = tmp_path / "events.jsonl", tmp_path / "ck", tmp_path / "mirror"
+    options: dict[str, Any] = {"full_every": 3, "failover_s": 0.3, "persist_timeout_s": 2}
+    ck = open_checkpointer(primary, log, keep_last=9, mirrors=[{"url": str(mirror)}], **options)
+    assert ck.save(1, _state(1), wait=True)  # full
+    with _Outage(primary):
+        assert not ck.save(2, _state(2), wait=True), "a delta on step 1: not written in the mirror"
+        assert not ck.save(3, _state(3), wait=True)
+        assert ck.save(4, _state(4), wait=True), "full: committed in the mirror"
+    assert ck.save(5, _state(5), wait=True)
+    ck.close()
+    assert layout.read_manifest(open_storage(primary), 5).base == 1, "not step 4, committed in the mirror"
+    assert {e["step"] for e in _events(log, "checkpoint_failover")} == {4}
+
+
+def test_rank_0_commits_where_every_shard_is_and_gives_up_a_split_save() -> None:
+    """failover.py's rule for the commit: rank 0's own location when every other rank's meta file is there, else
+    the one location where they all are (rank 0 writes its shard there too), else none; when each is somewhere but
+    no location holds them all, the save is split and given up."""
+    wanted = {"meta-1", "meta-2"}
+    assert failover.one_place({0: {"meta-1", "meta-2", "data-1"}}, wanted, 0) == 0
+    assert failover.one_place({0: {"meta-1"}, 1: {"meta-1", "meta-2"}}, wanted, 0) == 1, "the others failed over"
+    assert failover.one_place({0: {"meta-1", "meta-2"}, 1: {"meta-1", "meta-2"}}, wanted, 1) == 1, "its own first"
+    assert failover.one_place({0: {"meta-1"}, 1: set()}, wanted, 0) is None, "rank 2 is still writing"
+    assert failover.split({0: {"meta-1"}, 1: set()}, wanted) is None
+    assert (
+        failover.split({0: {"meta-1"}, 1: {"meta-2"}}, wanted) == "['meta-1'] in location 0; ['meta-2'] in location 1"
+    )
+    assert failover.one_place({0: set()}, set(), 0) == 0, "one rank: its own location"
+
+
+def _split_rank(rank: int, store_path: str, root: str) -> None:
+    """Rank 1's writes fail in the checkpoint directory (it moves on to the mirror), rank 0's do not: rank 0 writes
+    its shard again in the mirror and commits there."""
+    from stalwart.checkpoint import Checkpointer
+    from stalwart.runtime.dist import Comm, Placement
+    from stalwart.telemetry.events import EventLog
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    comm = Comm(Placement(rank, 2, rank, 0), timedelta(seconds=30))
+    faults = {"storage_error": {"errno": "EIO", "times": 2}} if rank == 1 else None
+    ck = Checkpointer(
+        f"{root}/ck",
+        comm,
+        EventLog(f"{root}/events.jsonl", rank=rank),
+        keep_last=3,
+        token="t",
+        mirrors=[{"url": f"{root}/mirror"}],
+        failover_s=0.3,
+        save_faults=lambda step: faults if step == 2 else None,
+    )
+    try:
+        state = {"step": 2, "world_size": 2, "objects": {"w": {"weight": torch.full((8,), float(rank))}}}
+        assert ck.save(2, state, wait=True), "committed"
+        restored = ck.load_latest()
+        assert restored is not None and restored.step == 2 and restored.mirror == f"{root}/mirror", restored
+        assert torch.equal(restored.state["objects"]["w"]["weight"], torch.full((8,), float(rank)))
+    finally:
+        ck.close()
+        dist.destroy_process_group()
+
+
+def test_rank_0_joins_the_other_ranks_shards_in_the_mirror(tmp_path: Path) -> None:
+    run_forked_ranks(_split_rank, tmp_path, str(tmp_path), timeout=120)
+    events = read_events(tmp_path / "events.jsonl")
+    moved = sorted((e["rank"], e["to"]) for e in events if e["event"] == "checkpoint_failover")
+    assert moved == [(0, str(tmp_path / "mirror")), (1, str(tmp_path / "mirror"))], moved
+    assert layout.committed_steps(open_storage(tmp_path / "mirror")) == [2]
+
+
+def test_prometheus_shows_each_mirrors_step_lag_and_state() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from stalwart.telemetry.metrics import RunMetrics
+
+    registry = CollectorRegistry()
+    metrics = RunMetrics(registry)
+    for e in (
+        {"event": "mirrored", "rank": 0, "step": 20, "location": "s3://eu/run", "lag_s": 1.5},
+        {"event": "mirrored", "rank": 0, "step": 20, "location": "/nfs/run", "lag_s": 0.25},
+        {"event": "mirror_unreachable", "rank": 0, "step": 30, "location": "/nfs/run"},
+        {"event": "checkpoint_failover", "rank": 0, "step": 30, "location": "s3://us/run", "to": "s3://eu/run"},
+        {"event": "checkpoint_failover", "rank": 1, "step": 30, "location": "s3://us/run", "to": "s3://eu/run"},
+    ):
+        metrics.observe(e)
+    text = generate_latest(registry).decode()
+    for line in (
+        'stalwart_mirror_step{location="s3://eu/run"} 20.0',
+        'stalwart_mirror_lag_seconds{location="s3://eu/run"} 1.5',
+        'stalwart_mirror_up{location="s3://eu/run"} 1.0',
+        'stalwart_mirror_up{location="/nfs/run"} 0.0',
+        "stalwart_checkpoint_failovers_total 1.0",
+    ):
+        assert line in text.splitlines(), (line, text)
 
 
 def test_stalwart_run_mirror_keeps_a_scripts_checkpoints_there(launch: Any) -> None:

@@ -48,7 +48,7 @@ from stalwart.checkpoint.load.newest import load_newest
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.save.background import Background
 from stalwart.checkpoint.save.overlap import UpdateFence
-from stalwart.checkpoint.save.request import PersistReply, PersistRequest
+from stalwart.checkpoint.save.request import DEFAULT_FAILOVER_S, PersistReply, PersistRequest
 from stalwart.checkpoint.save.staging import Staging, aligned
 from stalwart.checkpoint.storage import Storage, describe_error, open_storage
 from stalwart.errors import ConfigError, PeerError, UnsavableStateError
@@ -102,6 +102,7 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         save_faults: Callable[[int], dict[str, Any] | None] | None = None,
         mirrors: list[dict[str, Any]] | None = None,
+        failover_s: float = DEFAULT_FAILOVER_S,
     ) -> None:
         self.url = os.fspath(root)
         self.storage: Storage = open_storage(self.url, storage_options)
@@ -113,6 +114,7 @@ class Checkpointer:
         self._when_busy = when_busy
         self._persist_timeout_s = persist_timeout_s
         self._mirrors = mirrors or []  # {"url", "options"}: rank 0's persister copies each commit there (mirroring.py)
+        self._failover_s = failover_s  # and a save is written there when this store does not answer (failover.py)
         self._save_faults = save_faults or (lambda step: None)
         """The faults a save of a step is to meet (job/hooks.StepHooks.save_faults), carried to the persister,
         where checkpoint/save/save_hooks.py turns them into its hooks."""
@@ -287,6 +289,7 @@ class Checkpointer:
             faults=self._save_faults(step),
             wait=wait,
             mirrors=self._mirrors,
+            failover_s=self._failover_s,
         )
         placed = [(i.id, o, i.nbytes, i.tensor.dtype, i.tensor.shape) for i, o in zip(mine, offsets, strict=True)]
 

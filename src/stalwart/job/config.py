@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stalwart.checkpoint.save.request import DEFAULT_FAILOVER_S
 from stalwart.checkpoint.tiers.replicas import MAX_REPLICAS
 from stalwart.detect.numeric import LOSS_SPIKE_POLICIES, NONFINITE_POLICIES, SPIKE_POLICIES
 from stalwart.detect.straggler import STRAGGLER_POLICIES
@@ -107,7 +108,11 @@ class CheckpointOptions:
     mirrors: Sequence[str | os.PathLike[str] | dict[str, Any]] = ()
     """Other locations each committed checkpoint is copied to, in the background, verified there, `keep_last` kept
     (checkpoint/save/mirroring.py): paths or fsspec URLs (another region's bucket, another provider), each a string
-    or {"url": ..., "options": {...}} with its own fsspec options. A job pointed at a mirror resumes from it."""
+    or {"url": ..., "options": {...}} with its own fsspec options. A start resumes from the newest checkpoint that
+    verifies in any of them or in `checkpoint_dir` (docs/disaster-recovery.md)."""
+    failover_s: float = DEFAULT_FAILOVER_S
+    """With mirrors: how long a save tries `checkpoint_dir` before it writes to the first mirror instead, while that
+    store does not answer (checkpoint/save/failover.py)."""
 
     def __post_init__(self) -> None:
         auto_or_int("checkpoint_every", self.every)
@@ -117,6 +122,7 @@ class CheckpointOptions:
         positive_int("keep_last", self.keep_last)
         positive_int("full_every", self.full_every)
         seconds("persist_timeout_s", self.persist_timeout_s)
+        seconds("failover_s", self.failover_s)
         one_of("when_busy", self.when_busy, ("skip", "wait"))
         if not str(self.dir):
             raise ConfigError("checkpoint_dir must not be empty")
@@ -327,6 +333,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "persist_timeout_s": ("checkpoint", "persist_timeout_s"),
     "storage_options": ("checkpoint", "storage_options"),
     "mirrors": ("checkpoint", "mirrors"),
+    "failover_s": ("checkpoint", "failover_s"),
     "snapshot_every": ("snapshot", "every"),
     "snapshot_budget": ("snapshot", "budget"),
     "light_snapshot_budget": ("snapshot", "light_budget"),

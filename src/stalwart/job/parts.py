@@ -156,6 +156,7 @@ def make_parts(
             storage_options=ck.storage_options,
             save_faults=hooks.save_faults,
             mirrors=ck.mirror_specs(),
+            failover_s=ck.failover_s,
         )
         undo.callback(checkpointer.close)
         snapshots = Snapshots(

@@ -13,6 +13,10 @@ Names follow Prometheus' conventions (base units, `_total` for counters, no per-
     stalwart_checkpoint_stall_seconds_total    training time blocked by checkpoint snapshots (rank 0)
     stalwart_checkpoint_persist_seconds        histogram of the background persists' durations
     stalwart_detector_events_total{event}      events of the detectors (NaN skips, spikes, stragglers, ...)
+    stalwart_mirror_step{location}             the newest step copied to each mirror (docs/disaster-recovery.md)
+    stalwart_mirror_lag_seconds{location}      how long after its commit that step reached the mirror
+    stalwart_mirror_up{location}               1 while the mirror takes copies, 0 from a failed copy until one works
+    stalwart_checkpoint_failovers_total        times rank 0 wrote a save to the next location (save/failover.py)
 """
 
 from __future__ import annotations
@@ -68,6 +72,18 @@ class RunMetrics:
             registry=registry,
         )
         self.detector = Counter("stalwart_detector_events", "Detector events", ["event"], registry=registry)
+        self.mirror_step = Gauge(
+            "stalwart_mirror_step", "Newest step copied to a mirror", ["location"], registry=registry
+        )
+        self.mirror_lag = Gauge(
+            "stalwart_mirror_lag_seconds", "From a commit to its copy on a mirror", ["location"], registry=registry
+        )
+        self.mirror_up = Gauge("stalwart_mirror_up", "Whether a mirror takes copies", ["location"], registry=registry)
+        self.failovers = Counter(
+            "stalwart_checkpoint_failovers",
+            "Times rank 0 wrote a save to the next location",
+            registry=registry,
+        )
         self._cause = "unknown"
 
     def observe(self, e: dict[str, Any]) -> None:
@@ -89,6 +105,19 @@ class RunMetrics:
             self._cause = "unknown"
         if kind in DETECTOR_EVENTS:
             self.detector.labels(event=kind).inc()
+        self._mirrors(kind, e, worker0)
+
+    def _mirrors(self, kind: Any, e: dict[str, Any], worker0: bool) -> None:
+        """Mirrors (rank 0's persister copies, checkpoint/save/mirroring.py) and failovers (save/failover.py)."""
+        where = str(e.get("location", ""))
+        if kind == "mirrored":
+            self.mirror_step.labels(location=where).set(e.get("step", 0))
+            self.mirror_lag.labels(location=where).set(e.get("lag_s", 0.0))
+            self.mirror_up.labels(location=where).set(1)
+        elif kind == "mirror_unreachable":
+            self.mirror_up.labels(location=where).set(0)
+        elif kind == "checkpoint_failover" and worker0:
+            self.failovers.inc()
 
 
 def _cause(e: dict[str, Any]) -> str | None:

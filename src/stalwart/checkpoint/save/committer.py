@@ -1,7 +1,8 @@
 """Where a checkpoint becomes visible: rank 0's persister writes the manifest last, then applies retention.
 
 Every rank's persister writes its data file and then its meta file. Rank 0's persister (the coordinator) waits
-for every rank's meta file, or for a rank's `.failed` marker, until the persist deadline; it then writes
+for every rank's meta file, or for a rank's `.failed` marker, until the persist deadline (in its own location, and
+once a rank may have moved on, in the others: failover.py); it then writes
 `manifest.json`, listing each rank's meta file with its xxh3 and every tensor. That write is the commit: a
 crash at any instant before it leaves the previous checkpoint the newest loadable one (load/verify.py reads a
 checkpoint back only through its manifest). Retention runs after the commit, on its own thread, because
@@ -15,8 +16,10 @@ import json
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from stalwart.checkpoint.format import layout
+from stalwart.checkpoint.save import failover
 from stalwart.checkpoint.save.request import PersistRequest
 from stalwart.checkpoint.save.retry import GaveUp, Quit, Retrier
 from stalwart.checkpoint.save.save_hooks import SaveHooks
@@ -26,6 +29,9 @@ from stalwart.telemetry.events import EventLog
 POLL_LOCAL_S = 0.01
 POLL_REMOTE_S = 0.2
 RETENTION_JOIN_S = 30.0
+
+Rewrite = Callable[[int], bytes]
+"""Writes rank 0's shard again in the location of that index; returns its new meta file's bytes."""
 
 
 class Committer:
@@ -39,11 +45,22 @@ class Committer:
         self._retainer: threading.Thread | None = None
         self._prune_lock = threading.Lock()
 
-    def commit(self, storage: Storage, req: PersistRequest, own_meta: bytes, hooks: SaveHooks) -> layout.Manifest:
-        """Write the manifest of `req.step` once every rank's meta file is there; raises GaveUp otherwise."""
+    def commit(
+        self,
+        storages: dict[int, Storage],
+        own: int,
+        req: PersistRequest,
+        own_meta: bytes,
+        hooks: SaveHooks,
+        rewrite: Rewrite,
+    ) -> tuple[int, layout.Manifest]:
+        """Write the manifest of `req.step` once every rank's meta file is in one location (rank 0's own, `own`,
+        or another: `rewrite` then writes rank 0's shard there too; failover.py); returns the location's index and
+        the manifest. Raises GaveUp otherwise."""
         step, token, world = req.step, req.token, req.world_size
         step_dir = layout.step_dir_name(step)
-        metas = self._wait_for_metas(storage, req, own_meta)
+        own, metas = self._wait_for_metas(storages, own, req, own_meta, rewrite)
+        storage = storages[own]
         ranks, tensors, written = [], {}, 0
         for rank in range(world):
             raw = metas[rank]
@@ -75,36 +92,50 @@ class Committer:
             seconds=time.monotonic() - req.snapshot_mono,
             path=storage.display(step_dir),
         )
-        return manifest
+        return own, manifest
 
-    def _wait_for_metas(self, storage: Storage, req: PersistRequest, own_meta: bytes) -> dict[int, bytes]:
+    def _wait_for_metas(
+        self, storages: dict[int, Storage], own: int, req: PersistRequest, own_meta: bytes, rewrite: Rewrite
+    ) -> tuple[int, dict[int, bytes]]:
         step, token, world = req.step, req.token, req.world_size
         step_dir = layout.step_dir_name(step)
         wanted = {layout.meta_name(r, token): r for r in range(1, world)}  # rank 0's own meta is in memory
         failed = {layout.failed_name(r, token): r for r in range(world)}
         deadline = time.monotonic() + req.deadline_s
-        poll = POLL_LOCAL_S if storage.local_path() is not None else POLL_REMOTE_S
-        while wanted:
+        elsewhere_from = req.snapshot_mono + req.failover_s  # before then, no rank has moved on (failover.py)
+        poll = POLL_LOCAL_S if storages[own].local_path() is not None else POLL_REMOTE_S
+        while True:
             if self._quitting.is_set():
                 raise Quit
-            try:
-                names = set(storage.listdir(step_dir))
-            except Exception:  # an outage while polling: keep waiting until the deadline
-                names = set()
-            gave_up = sorted(failed[n] for n in names & set(failed))
+            listings: dict[int, set[str]] = {}
+            for index, storage in storages.items():
+                if index == own or time.monotonic() >= elsewhere_from:
+                    try:
+                        listings[index] = set(storage.listdir(step_dir))
+                    except Exception:  # an outage while polling: keep waiting until the deadline
+                        listings[index] = set()
+            gave_up = sorted(failed[n] for names in listings.values() for n in names & set(failed))
             if gave_up:
                 raise GaveUp(f"rank {gave_up[0]} could not write its shard")
-            if set(wanted) <= names:
+            place = failover.one_place(listings, set(wanted), own)
+            if place is not None:
                 break
+            split = failover.split(listings, set(wanted))
+            if split is not None:
+                raise GaveUp(f"the ranks' shards are in different locations ({split})")
             if time.monotonic() > deadline:
+                names = set().union(*listings.values())
                 missing = sorted(r for n, r in wanted.items() if n not in names)
                 raise GaveUp(f"ranks {missing} did not finish their shards within {req.deadline_s} s")
             time.sleep(poll)
+        if place != own:  # the others' shards are elsewhere: rank 0's joins them there
+            own_meta = rewrite(place)
         metas: dict[int, bytes] = {0: own_meta}
         for name, rank in wanted.items():
             rel = f"{step_dir}/{name}"
-            metas[rank] = self._retrier.run(req, "meta read", lambda rel=rel: storage.read(rel))  # type: ignore[misc]
-        return metas
+            read = storages[place].read
+            metas[rank] = self._retrier.run(req, "meta read", lambda rel=rel, read=read: read(rel))  # type: ignore[misc]
+        return place, metas
 
     # -- retention ---------------------------------------------------------------------------------------------
 

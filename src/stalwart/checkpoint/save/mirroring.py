@@ -57,11 +57,17 @@ class Mirrors:
         self._stopping = self._finishing = False
         self._thread: threading.Thread | None = None
 
-    def committed(self, primary: Storage, step: int, keep_last: int, mirrors: list[dict[str, Any]]) -> None:
-        """`step` is committed in `primary`: copy it to each of `mirrors` ({"url", "options"}) in the background."""
+    def committed(
+        self, primary: Storage, step: int, keep_last: int, mirrors: list[dict[str, Any]], source: str = ""
+    ) -> None:
+        """`step` is committed in `primary`: copy it to each of `mirrors` ({"url", "options"}) in the background.
+        `source`: the URL of `primary` when it is one of the mirrors (a save that failed over, failover.py),
+        whose own pending copy of an older step is dropped."""
         if not mirrors:
             return
         with self._wake:
+            if source in self._mirrors:
+                self._mirrors[source].pending = None
             for spec in mirrors:
                 mirror = self._mirrors.setdefault(spec["url"], _Mirror(spec["url"], spec.get("options")))
                 mirror.pending = (primary, step, time.monotonic(), keep_last)

@@ -29,13 +29,14 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from stalwart.checkpoint.format import layout
+from stalwart.checkpoint.save import failover
 from stalwart.checkpoint.save.committer import Committer
 from stalwart.checkpoint.save.mirroring import Mirrors
 from stalwart.checkpoint.save.request import PersistReply, PersistRequest
-from stalwart.checkpoint.save.retry import GaveUp, Quit, Retrier
+from stalwart.checkpoint.save.retry import GaveUp, Quit, Retrier, Unanswered
 from stalwart.checkpoint.save.save_hooks import NoSaveHooks, SaveHooks, save_hooks
 from stalwart.checkpoint.storage import LocalStorage, Storage, describe_error, open_storage
-from stalwart.runtime.process import die_with_parent
+from stalwart.runtime.process import die_with_parent, say
 from stalwart.telemetry.events import EventLog
 
 WRITE_CHUNK = 8 << 20
@@ -55,26 +56,35 @@ class Persister:
         self._fulls: dict[int, dict[str, layout.TensorEntry]] = {}  # this rank's newest full checkpoints
         self._own_meta = b""
         self.quitting = threading.Event()
-        self._retrier = Retrier(events, self.quitting, lambda req: self._storage(req.url, req.options))
+        self._retrier = Retrier(events, self.quitting)
         self._committer = Committer(events, self._retrier, self.quitting)
         self._hooks: SaveHooks = NoSaveHooks()  # the current save's (checkpoint/save/save_hooks.py)
         self._mirrors = Mirrors(events)  # rank 0's: each committed checkpoint copied to the job's mirrors
+        self._elsewhere = False  # rank 0: the newest commit went to a mirror (failover.py)
 
     def handle(self, req: PersistRequest) -> None:
         started = time.monotonic()
         step, ok, committed = req.step, False, None
         manifest: layout.Manifest | None = None
         written = 0
-        storage: Storage | None = None
+        place: failover.Location | None = None
         try:
             self._hooks = save_hooks(req.faults, req.step, int(req.staging["pid"]), self._events)
-            storage = self._hooks.storage(self._storage(req.url, req.options))
             view = self._staging(req.staging)
-            written = self._write_shard(storage, view, req)
+            places = failover.locations(req)
+            place, written = self._write_somewhere(places, view, req)
             ok = True
             if req.coordinator:
-                manifest = self._committer.commit(storage, req, self._own_meta, self._hooks)
-                committed = True
+                storages = {p.index: self._located(p) for p in places}
+                index, manifest = self._committer.commit(
+                    storages,
+                    place.index,
+                    req,
+                    self._own_meta,
+                    self._hooks,
+                    lambda i: self._rewrite(places[i], view, req),
+                )
+                place, committed = places[index], True
         except Quit:
             self._events.emit("checkpoint_abandoned", step=step, reason="the job is closing")
         except GaveUp as exc:
@@ -84,23 +94,69 @@ class Persister:
         except Exception as exc:  # a defect, not the store: report it and stay alive for the next save
             self._events.emit("checkpoint_skipped", step=step, reason=f"persister error: {describe_error(exc)}")
             ok, committed = False, False
-        if manifest is not None and storage is not None:  # queued before the reply: a commit the trainer saw is
-            self._mirrors.committed(storage, step, req.keep_last, req.mirrors)  # the mirrors' pending one
+        storage = self._located(place) if manifest is not None and place is not None else None
+        if manifest is not None and storage is not None and place is not None:  # queued before the reply: a commit
+            self._committed_elsewhere(place, step)  # the trainer saw is the mirrors' pending one
+            self._mirrors.committed(storage, step, req.keep_last, failover.others(req, place.url), source=place.url)
         prune_first = req.wait  # a save the trainer waits on (a run's last) ends fully tidied
         if manifest is not None and storage is not None and prune_first:
             self._committer.prune(storage, req.keep_last, manifest)
+        elsewhere = committed and place is not None and place.index != 0
         self._reply(
             PersistReply(
                 step=step,
                 ok=ok,
                 committed=committed,
-                full=req.base is None,
+                full=req.base is None and not elsewhere,  # a later delta's base must be in the checkpoint directory
                 written_bytes=written,
                 seconds=time.monotonic() - started,
+                location=place.url if elsewhere and place is not None else "",
             )
         )
         if manifest is not None and storage is not None and not prune_first:
             self._committer.prune_later(storage, req.keep_last, manifest)
+
+    def _write_somewhere(
+        self, places: list[failover.Location], view: memoryview, req: PersistRequest
+    ) -> tuple[failover.Location, int]:
+        """This rank's shard written in the first location that takes it within `failover_s` (the last one: within
+        the save's deadline); see failover.py."""
+        for place, after in zip(places, [*places[1:], None], strict=True):
+            until = None if after is None else time.monotonic() + req.failover_s
+            try:
+                return place, self._write_shard(self._located(place), view, req, until)
+            except Unanswered as exc:
+                assert after is not None
+                self._events.emit(
+                    "checkpoint_failover",
+                    step=req.step,
+                    location=place.url,
+                    to=after.url,
+                    error=str(exc),
+                    after_s=req.failover_s,
+                )
+        raise AssertionError("the last location raises GaveUp, not Unanswered")
+
+    def _rewrite(self, place: failover.Location, view: memoryview, req: PersistRequest) -> bytes:
+        """Rank 0's shard written again where the other ranks' are (the commit's, failover.py); its new meta."""
+        self._events.emit("checkpoint_failover", step=req.step, location=req.url, to=place.url, error="", after_s=0.0)
+        self._write_shard(self._located(place), view, req, None)
+        return self._own_meta
+
+    def _located(self, place: failover.Location) -> Storage:
+        return self._hooks.storage(self._storage(place.url, place.options))
+
+    def _committed_elsewhere(self, place: failover.Location, step: int) -> None:
+        """Say once per outage, in rank 0's output, that checkpoints are committed in a mirror (and when the
+        checkpoint directory takes them again)."""
+        if place.index != 0 and not self._elsewhere:
+            say(
+                f"stalwart: the checkpoint directory does not answer; step {step} was committed in the mirror "
+                f"{place.url}, and the checkpoint directory is caught up when it answers"
+            )
+        elif place.index == 0 and self._elsewhere:
+            say(f"stalwart: the checkpoint directory answers again; step {step} was committed there")
+        self._elsewhere = place.index != 0
 
     def finish(self) -> None:
         """Let queued retention and the mirrors' pending copies finish (bounded), at exit."""
@@ -109,17 +165,19 @@ class Persister:
 
     # -- the rank's own files ---------------------------------------------------------------------------------
 
-    def _write_shard(self, storage: Storage, view: memoryview, req: PersistRequest) -> int:
-        """Write the rank's data file, then its meta file; returns the bytes of data written."""
+    def _write_shard(self, storage: Storage, view: memoryview, req: PersistRequest, until: float | None) -> int:
+        """Write the rank's data file, then its meta file; returns the bytes of data written. Raises Unanswered
+        when `storage` fails until `until` (failover.py)."""
         step, rank, token = req.step, req.rank, req.token
         step_dir = layout.step_dir_name(step)
         data_rel = f"{step_dir}/{layout.data_name(rank, token)}"
+        self._retrier.target = storage  # where a `.failed` marker goes
         base = self._fulls.get(req.base)  # type: ignore[arg-type]
-        self._retrier.run(req, "directory", lambda: storage.makedirs(step_dir))
+        self._retrier.run(req, "directory", lambda: storage.makedirs(step_dir), until)
         if base is None and isinstance(storage, LocalStorage):
-            entries = self._write_image(storage, view, req, data_rel)
+            entries = self._write_image(storage, view, req, data_rel, until)
         else:
-            entries = self._write_stream(storage, view, req, data_rel, base)
+            entries = self._write_stream(storage, view, req, data_rel, base, until)
         written = sum(e.stored_bytes for e in entries.values() if e.file == data_rel)
         meta = {
             "format": "stalwart-shard",
@@ -134,7 +192,7 @@ class Persister:
         meta_rel = f"{step_dir}/{layout.meta_name(rank, token)}"
         # Atomic: rank 0 polls for this name and must never read it half-written. Its directory fsync also
         # makes the data file's name durable.
-        self._retrier.run(req, "meta", lambda: storage.write(meta_rel, _writer(self._own_meta)))
+        self._retrier.run(req, "meta", lambda: storage.write(meta_rel, _writer(self._own_meta)), until)
         if base is None:
             self._fulls[step] = dict(entries)
             while len(self._fulls) > 2:  # the newest full one, and the one before while it may still commit
@@ -142,7 +200,7 @@ class Persister:
         return written
 
     def _write_image(
-        self, storage: LocalStorage, view: memoryview, req: PersistRequest, data_rel: str
+        self, storage: LocalStorage, view: memoryview, req: PersistRequest, data_rel: str, until: float | None
     ) -> dict[str, layout.TensorEntry]:
         """A full checkpoint on a local filesystem: the data file is the staging memory as it is, written with
         O_DIRECT while this thread hashes the tensors (the write releases the GIL)."""
@@ -153,7 +211,8 @@ class Persister:
 
         def write() -> None:
             try:
-                self._retrier.run(req, "data", lambda: self._image_once(storage, data_rel, view, length, req, on_half))
+                image = lambda: self._image_once(storage, data_rel, view, length, req, on_half)  # noqa: E731
+                self._retrier.run(req, "data", image, until)
             except BaseException as exc:
                 failure.append(exc)
 
@@ -196,6 +255,7 @@ class Persister:
         req: PersistRequest,
         data_rel: str,
         base: dict[str, layout.TensorEntry] | None,
+        until: float | None,
     ) -> dict[str, layout.TensorEntry]:
         """Object stores, and delta checkpoints: tensors one after another, each hashed as it goes; a delta
         skips tensors whose hash matches its base and compresses the others."""
@@ -238,7 +298,7 @@ class Persister:
                     fire, on_half = on_half, None
                     fire()
 
-        self._retrier.run(req, "data", lambda: storage.write(data_rel, body, atomic=False))
+        self._retrier.run(req, "data", lambda: storage.write(data_rel, body, atomic=False), until)
         return entries
 
     # -- resources ---------------------------------------------------------------------------------------------

@@ -11,6 +11,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+DEFAULT_FAILOVER_S = 20.0
+"""How long a save tries the checkpoint directory before it writes to the first mirror instead: longer than a
+store's usual blips, short enough that a `checkpoint_every` of minutes loses no checkpoint to an outage."""
+
 
 @dataclass(kw_only=True, slots=True)
 class PersistRequest:
@@ -37,7 +41,10 @@ class PersistRequest:
     wait: bool = False
     """The trainer waits for this save (a run's last): retention runs before the reply."""
     mirrors: list[dict[str, Any]] = field(default_factory=list)
-    """Where rank 0's persister copies the checkpoint once committed ({"url", "options"}; save/mirroring.py)."""
+    """Where rank 0's persister copies the checkpoint once committed ({"url", "options"}; save/mirroring.py), and
+    where a full checkpoint is written instead when the checkpoint directory does not answer (save/failover.py)."""
+    failover_s: float = DEFAULT_FAILOVER_S
+    """How long a full checkpoint's writes try a location before the next one (save/failover.py)."""
     skeleton: str = ""
     """The state's non-tensor structure, torch.save'd and base64-encoded (filled after the stall)."""
     tensors: list[dict[str, Any]] = field(default_factory=list)
@@ -65,6 +72,9 @@ class PersistReply:
     """A full checkpoint (a later delta may refer to it), not a delta."""
     written_bytes: int = 0
     seconds: float = 0.0
+    location: str = ""
+    """Rank 0: the mirror the checkpoint was committed in instead of the checkpoint directory (save/failover.py);
+    empty when it was committed there."""
 
     @classmethod
     def failed(cls, step: int) -> PersistReply:

@@ -36,16 +36,27 @@ class GaveUp(Exception):
     """This save cannot be completed; the previous checkpoint stays the newest."""
 
 
+class Unanswered(Exception):
+    """A location did not answer within its time (`until`): the persister tries the next (the save's failover to
+    a mirror, issue 46); no marker is left, since this rank's shard may yet land elsewhere."""
+
+
 class Retrier:
     """Runs one storage operation of a save until it succeeds, the deadline passes or the persister quits."""
 
-    def __init__(self, events: EventLog, quitting: threading.Event, storage: Callable[[PersistRequest], Storage]):
+    def __init__(self, events: EventLog, quitting: threading.Event) -> None:
         self._events = events
         self._quitting = quitting
-        self._storage = storage
+        self.target: Storage | None = None
+        """Where the current save is being written: a `.failed` marker goes there."""
 
-    def run(self, req: PersistRequest, what: str, op: Callable[[], T]) -> T:
+    def run(self, req: PersistRequest, what: str, op: Callable[[], T], until: float | None = None) -> T:
+        """`op`'s result; retried until the save's deadline, or until `until` (CLOCK_MONOTONIC) where that is sooner,
+        when the failure raises Unanswered instead of GaveUp."""
         deadline = req.snapshot_mono + req.deadline_s
+        moving_on = until is not None and until < deadline
+        if until is not None:
+            deadline = min(deadline, until)
         delay = BACKOFF_START_S
         attempt = 0
         while True:
@@ -59,6 +70,8 @@ class Retrier:
             except Exception as exc:
                 error = describe_error(exc)
                 if time.monotonic() + delay > deadline:
+                    if moving_on:
+                        raise Unanswered(f"{what} could not be written: {error}") from exc
                     self._events.emit("checkpoint_write_failed", step=req.step, what=what, error=error)
                     self._leave_failed_marker(req)
                     raise GaveUp(f"{what} could not be written: {error}") from exc
@@ -73,4 +86,5 @@ class Retrier:
         """Tell rank 0's commit not to wait for this rank any longer (best effort: the store may be down)."""
         with contextlib.suppress(Exception):
             rel = f"{layout.step_dir_name(req.step)}/{layout.failed_name(req.rank, req.token)}"
-            self._storage(req).write_bytes(rel, b"")
+            assert self.target is not None
+            self.target.write_bytes(rel, b"")
