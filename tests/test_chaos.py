@@ -14,6 +14,7 @@ from conftest import stalwart
 from stalwart.chaos import netns
 from stalwart.chaos.scenario import parse
 from stalwart.errors import ConfigError
+from stalwart.telemetry.events import read_events
 
 
 def _chaos(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -50,9 +51,19 @@ def test_a_scenario_becomes_step_faults_for_the_job_and_time_faults_for_the_harn
         ({"fault": []}, "unknown sections"),
         ({"faults": [{"kind": "partition", "step": 3}]}, "needs a run over two hosts"),
         ({"run": {"hosts": 3}, "faults": [{"kind": "kill", "step": 3}]}, "hosts must be 1 or 2"),
-        ({"faults": [{"kind": "kill", "step": 3, "duration_s": 4}]}, "duration_s = seconds is for a partition"),
+        ({"faults": [{"kind": "kill", "step": 3, "duration_s": 4}]}, "duration_s = seconds is for a partition or"),
         ({"run": {"hosts": 2}, "faults": [{"kind": "kill_node", "step": 3, "host": 2}]}, "host outside 2"),
         ({"run": {"hosts": 2}, "faults": [{"kind": "preempt", "step": 3}]}, "not supported yet"),
+        ({"faults": [{"kind": "store_outage", "step": 3, "until_step": 9}]}, "store_outage wants a mirror"),
+        ({"faults": [{"kind": "region_loss", "at_s": 3}]}, "region_loss wants a mirror"),
+        ({"faults": [{"kind": "partition", "step": 3, "until_step": 9}]}, "until_step = a step is for a store_outage"),
+        (
+            {
+                "run": {"launcher_args": ["--mirror", "m"]},
+                "faults": [{"kind": "store_outage", "step": 3, "duration_s": 0}],
+            },
+            "store_outage's duration_s must be positive",
+        ),
     ],
 )
 def test_a_bad_scenario_is_one_clear_error(raw: dict[str, Any], message: str) -> None:
@@ -118,7 +129,7 @@ def test_the_quick_suite_recovers_from_every_fault_type_bitwise(tmp_path: Path) 
     assert all(o["passed"] for o in outcomes.values())
     for name in ("kill", "hang", "bit_flip", "kill_node", "corrupt_checkpoint", "stop_and_kill",
                  "kill_during_recovery", "storage_full", "kill_in_save", "preemption", "gpu_warning",
-                 "gpu_xid_13"):  # fmt: skip
+                 "gpu_xid_13", "store_outage", "region_loss"):  # fmt: skip
         assert outcomes[name]["identical"], name
     (preempt,) = outcomes["preemption"]["recoveries"]
     assert preempt["kind"] == "preempt" and preempt["steps_lost"] == 0 and preempt["tier"] == "durable"
@@ -126,6 +137,14 @@ def test_the_quick_suite_recovers_from_every_fault_type_bitwise(tmp_path: Path) 
     assert outcomes["kill_node"]["recoveries"][0]["tier"] == "durable"
     assert [r["kind"] for r in outcomes["gpu_xid_13"]["recoveries"]] == ["gpu_xid"], "paired with the XID's action"
     assert any("corrupted" in s for s in outcomes["corrupt_checkpoint"]["sent"])
+    # The checkpoint directory down from step 5 to 35: saves committed in the mirror, and it caught up (the
+    # scenario requires checkpoint_failover and mirror_caught_up); no restart. Then a region lost at step 45: the
+    # new launch resumed from the mirror (its own directory was empty), bitwise.
+    assert outcomes["store_outage"]["recoveries"] == [], outcomes["store_outage"]
+    (lost,) = outcomes["region_loss"]["recoveries"]
+    assert lost["kind"] == "region_loss" and lost["tier"] == "durable", lost
+    resumed = [e for e in read_events(tmp_path / "region_loss" / "events.jsonl") if e["event"] == "resumed"]
+    assert resumed and all(e["mirror"] == "mirror" for e in resumed), resumed
     if netns.available() is None:  # root: two hosts in network namespaces, one of them cut off for 3 s
         partition = outcomes["partition"]
         assert partition["identical"] and partition["sent"] == ["cut host 1 off for 3 s"], partition

@@ -38,6 +38,7 @@ def _one_error_line(stderr: str) -> str:
         (["run", "--max-restarts", "-1", str(TINY)], "--max-restarts must be >= 0"),
         (["run", "--replace-wait-s", "-1", str(TINY)], "--replace-wait-s must be a number of seconds >= 0"),
         (["run", "--replace-wait-s", "nan", str(TINY)], "--replace-wait-s must be a number of seconds >= 0"),
+        (["run", "--failover-s", "0", str(TINY)], "--failover-s must be a positive number of seconds"),
         (["run", "--nnodes", "2:1", str(TINY)], "--nnodes"),
         (["run", "--nnodes", "2", str(TINY)], "--rdzv-endpoint"),
         # 192.0.2.1 (TEST-NET-1) is no address of this host: as the store's host it cannot bind there.

@@ -331,6 +331,18 @@ def test_stalwart_run_mirror_keeps_a_scripts_checkpoints_there(launch: Any) -> N
     assert {e["step"] for e in job.events("mirrored")} >= {8}
 
 
+def test_stalwart_run_failover_s_is_the_jobs_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`stalwart run --failover-s S` reaches a script that cannot change through STALWART_FAILOVER_S; the script's
+    own value wins; a value that is no number is one clear error."""
+    assert CheckpointOptions(dir="/ck").failover_s == 20.0
+    monkeypatch.setenv("STALWART_FAILOVER_S", "0.5")
+    assert CheckpointOptions(dir="/ck").failover_s == 0.5
+    assert CheckpointOptions(dir="/ck", failover_s=3.0).failover_s == 3.0
+    monkeypatch.setenv("STALWART_FAILOVER_S", "soon")
+    with pytest.raises(ConfigError, match="STALWART_FAILOVER_S must be a number of seconds"):
+        CheckpointOptions(dir="/ck")
+
+
 @pytest.mark.parametrize(
     ("mirrors", "message"),
     [

@@ -100,6 +100,22 @@ def quick_suite(say: Any = None) -> list[Scenario]:
             FaultSpec("kill", rank=1, step=20),
             FaultSpec("kill", rank=0, step=20, options={"restart": 1}),
         ),
+        # The checkpoint directory down from step 5 until step 35 (saves 10-30 commit in the mirror and it is
+        # caught up afterwards), and lost with every host once a checkpoint reached the mirror (chaos/store_faults.py).
+        Scenario(
+            "store_outage",
+            (FaultSpec("store_outage", step=5, options={"until_step": 35}),),
+            timeout_s=240,
+            launcher_args=("--mirror", "mirror", "--failover-s", "0.2"),
+            require_events=("checkpoint_failover", "mirror_caught_up"),
+        ),
+        Scenario(
+            "region_loss",
+            (FaultSpec("region_loss", step=45),),
+            timeout_s=240,
+            launcher_args=("--mirror", "mirror"),
+            require_events=("mirrored",),
+        ),
         *partition,
     ]
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from stalwart.chaos import netns
 from stalwart.chaos.scenario import GPU_KINDS, HARNESS_KINDS, FaultSpec, Scenario
+from stalwart.chaos.store_faults import StoreOutages, lose_region
 from stalwart.detect.gpu_providers import add_to_script, write_script
 from stalwart.runtime.env import EVENT_LOG_ENV, EXCLUDE_FILE_ENV, FAULTS_ENV, GPU_POLL_ENV, GPU_TELEMETRY_ENV
 from stalwart.runtime.process import spawn
@@ -203,7 +204,8 @@ def _run(
         if scenario is not None
         else []
     )
-    progress_of: dict[str, int] = {"step": 0, "shrunk": 0}
+    progress_of: dict[str, int] = {"step": 0, "shrunk": 0, "mirrored": -1}
+    store = StoreOutages(directory / (scenario.checkpoint_dir if scenario else "ckpt"), chaos_log, progress)
     started = time.monotonic()
     for node in nodes:
         node.start(directory)
@@ -224,6 +226,7 @@ def _run(
             for at in [a for a in at_steps if _reached(a[1], a[0], progress_of)]:
                 at_steps.remove(at)
                 due.append(at[1])
+            store.mend_due(now, progress_of["step"])
             for when, host in [m for m in mends if m[0] <= now]:
                 mends.remove((when, host))
                 assert net is not None
@@ -235,6 +238,10 @@ def _run(
                     _add_gpu_fault(spec, gpu_script, chaos_log)
                     result.sent.append(f"{spec.label}: added to the GPU telemetry script")
                     progress(f"{spec.label}: added to the GPU telemetry script")
+                    continue
+                if spec.kind == "store_outage":
+                    until = spec.options.get("until_step")
+                    result.sent.append(store.cut(spec.duration_s, None if until is None else int(until), now))
                     continue
                 if spec.kind == "partition":
                     assert net is not None
@@ -281,6 +288,7 @@ def _run(
         for node in nodes:
             if node.launch is not None and node.launch.proc.poll() is None:
                 node.launch.kill()
+        store.close()
         _read_pids(log, offset, workers, progress_of)
         for pid in workers.values():
             with contextlib.suppress(ProcessLookupError):
@@ -342,7 +350,11 @@ def _reached(spec: FaultSpec, step: int, progress: dict[str, int]) -> bool:
     """Whether a harness fault at `step` is due: rank 0 has logged that step, and, for an `add_node`, the job has
     gone on at fewer ranks first (launched before the survivors re-formed without it, the host would be their
     replacement, not a new node the job grows back to)."""
-    return progress["step"] >= step and (spec.kind != "add_node" or bool(progress["shrunk"]))
+    return (
+        progress["step"] >= step
+        and (spec.kind != "add_node" or bool(progress["shrunk"]))
+        and (spec.kind != "region_loss" or progress["mirrored"] >= 0)
+    )
 
 
 def _read_pids(log: Path, offset: int, workers: dict[int, int], progress: dict[str, int]) -> int:
@@ -362,6 +374,8 @@ def _read_pids(log: Path, offset: int, workers: dict[int, int], progress: dict[s
                 workers[int(e["rank"])] = int(e["pid"])
             elif e.get("event") == "step_done" and e.get("rank") == 0:
                 progress["step"] = max(progress["step"], int(e["step"]))
+            elif e.get("event") == "mirrored":
+                progress["mirrored"] = max(progress["mirrored"], int(e["step"]))
             elif e.get("event") == "world_resized" and e.get("rank") == 0:
                 progress["shrunk"] = int(int(e["to"]) < int(e["from"]))
     return offset + end
@@ -413,6 +427,9 @@ def _send(
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     again = "" if lost else "; launched it again"
+    if spec.kind == "region_loss":
+        assert scenario is not None
+        again = f", {lose_region(directory / scenario.checkpoint_dir)}; launched it again elsewhere"
     result.sent.append(f"killed the node (launcher and workers){again}")
     progress(f"{spec.label}: node killed{', not launched again' if lost else ', launching it again'}")
     return not lost

@@ -44,7 +44,18 @@ from stalwart.errors import ConfigError
 
 STEP_KINDS = ("kill", "hang", "slow", "nan", "spike", "flip", "storage_error", "kill_in_save", "stop")
 """Faults the job's injector fires at a step (`stop` is a hang by SIGSTOP)."""
-TIME_KINDS = ("kill", "stop", "kill_node", "corrupt_checkpoint", "preempt", "partition", "lose_node", "add_node")
+TIME_KINDS = (
+    "kill",
+    "stop",
+    "kill_node",
+    "corrupt_checkpoint",
+    "preempt",
+    "partition",
+    "lose_node",
+    "add_node",
+    "store_outage",
+    "region_loss",
+)
 """Faults the harness sends at a time or as a Poisson process: SIGKILL or SIGSTOP to a rank's worker, SIGKILL to
 the launcher and every worker (a node lost; the harness launches it again, as a scheduler would), and damage to
 the newest committed checkpoint followed by a node loss (the restart must fall back to the one before), and
@@ -54,8 +65,20 @@ On two hosts the node-level faults hit host `host` (default 1: host 0 holds the 
 outlives the loss of any node but that one, as under torchrun). `lose_node` kills host `host` for good (no new
 launch: the job must go on shrunk, `stalwart run --nnodes 1:2`), `add_node` launches it again later (the job
 grows back; at a step, once rank 0 has logged it at fewer ranks); a scenario with either runs the hosts
-elastically, with `--replace-wait-s 2`."""
-HARNESS_KINDS = ("kill_node", "corrupt_checkpoint", "preempt", "partition", "lose_node", "add_node")
+elastically, with `--replace-wait-s 2`. `store_outage`: the checkpoint directory unreachable for `duration_s`
+seconds (or until rank 0 has logged step `until_step`), its data kept; `region_loss`: every host and the
+checkpoint directory lost, the job launched again with the same flags, once a checkpoint has reached a mirror
+(chaos/store_faults.py; both want `--mirror` among the scenario's launcher_args)."""
+HARNESS_KINDS = (
+    "kill_node",
+    "corrupt_checkpoint",
+    "preempt",
+    "partition",
+    "lose_node",
+    "add_node",
+    "store_outage",
+    "region_loss",
+)
 """Faults only the harness can send; at a step, it sends them once rank 0 has logged that step."""
 ELASTIC_KINDS = ("lose_node", "add_node")
 GPU_KINDS = ("gpu_warning", "gpu_xid")
@@ -65,7 +88,21 @@ on that GPU, or exclude the node, kept in the run's own exclusion file). At a st
 script once rank 0 has logged that step) or at `at_s` after the launcher starts."""
 EXPECTS = ("identical", "completes")
 KINDS = tuple(dict.fromkeys((*STEP_KINDS, *TIME_KINDS, *GPU_KINDS)))
-_OPTIONS = {"how", "ms", "errno", "times", "phase", "factor", "signal", "restart", "gpu", "xid", "host", "duration_s"}
+_OPTIONS = {
+    "how",
+    "ms",
+    "errno",
+    "times",
+    "phase",
+    "factor",
+    "signal",
+    "restart",
+    "gpu",
+    "xid",
+    "host",
+    "duration_s",
+    "until_step",
+}
 PARTITION_S = 10.0
 """How long a partition lasts unless `duration_s` says."""
 
@@ -95,8 +132,10 @@ class FaultSpec:
             if self.kind in GPU_KINDS
             else f" rank {self.rank}"
         )
-        if self.kind == "partition":
-            who = f" host {self.host} for {self.duration_s:g} s"
+        if self.kind in ("partition", "store_outage"):
+            who = f" host {self.host}" if self.kind == "partition" else ""
+            until = self.options.get("until_step")
+            who += f" until step {until}" if until is not None else f" for {self.duration_s:g} s"
         elif self.kind in HARNESS_KINDS and "host" in self.options:
             who = f" host {self.host}"
         return f"{self.kind}{who} at {when}"
@@ -225,8 +264,10 @@ def parse(raw: dict[str, Any], name: str) -> Scenario:
             raise ConfigError(f"scenario {name}: {f.label} names a host outside {scenario.hosts}")
         if f.kind == "preempt" and scenario.hosts == 2:
             raise ConfigError(f"scenario {name}: a preemption of one host of two is not supported yet")
-        if f.kind == "partition" and f.duration_s <= 0:
-            raise ConfigError(f"scenario {name}: a partition's duration_s must be positive")
+        if f.kind in ("partition", "store_outage") and f.duration_s <= 0:
+            raise ConfigError(f"scenario {name}: a {f.kind}'s duration_s must be positive")
+        if f.kind in ("store_outage", "region_loss") and "--mirror" not in scenario.launcher_args:
+            raise ConfigError(f'scenario {name}: {f.kind} wants a mirror ([run] launcher_args = ["--mirror", "DIR"])')
     return scenario
 
 
@@ -267,6 +308,10 @@ def _fault(raw: Any, name: str, index: int) -> FaultSpec:
         raise ConfigError(f"{where}: mtbf_s must be positive")
     if "host" in raw and (not isinstance(raw["host"], int) or kind not in HARNESS_KINDS):
         raise ConfigError(f"{where}: host = 0 or 1 is for node-level faults ({', '.join(HARNESS_KINDS)})")
-    if "duration_s" in raw and (not isinstance(raw["duration_s"], int | float) or kind != "partition"):
-        raise ConfigError(f"{where}: duration_s = seconds is for a partition")
+    if "duration_s" in raw and (
+        not isinstance(raw["duration_s"], int | float) or kind not in ("partition", "store_outage")
+    ):
+        raise ConfigError(f"{where}: duration_s = seconds is for a partition or a store_outage")
+    if "until_step" in raw and (not isinstance(raw["until_step"], int) or kind != "store_outage"):
+        raise ConfigError(f"{where}: until_step = a step is for a store_outage")
     return spec

@@ -20,7 +20,7 @@ from stalwart.detect.numeric import LOSS_SPIKE_POLICIES, NONFINITE_POLICIES, SPI
 from stalwart.detect.straggler import STRAGGLER_POLICIES
 from stalwart.errors import ConfigError
 from stalwart.policy.auto_checkpoint import DEFAULT_PRIOR_MTBF_S
-from stalwart.runtime.env import MIRRORS_ENV
+from stalwart.runtime.env import FAILOVER_ENV, MIRRORS_ENV
 
 # -- shared validators: each raises ConfigError naming the option as the user wrote it -----------------------------
 
@@ -44,6 +44,15 @@ def auto_or_int(name: str, value: Any, *, minimum: int = 1) -> None:
     if value != "auto" and (not _is_int(value) or value < minimum):
         wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ConfigError(f'{name} must be "auto" or {wanted}, got {value!r}')
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A default from the launcher's environment (a flag of `stalwart run`), checked where the option is."""
+    text = os.environ.get(name, "")
+    try:
+        return float(text) if text else default
+    except ValueError as exc:
+        raise ConfigError(f"{name} must be a number of seconds, got {text!r}") from exc
 
 
 def seconds(name: str, value: Any, *, optional: bool = False) -> None:
@@ -110,9 +119,9 @@ class CheckpointOptions:
     (checkpoint/save/mirroring.py): paths or fsspec URLs (another region's bucket, another provider), each a string
     or {"url": ..., "options": {...}} with its own fsspec options. A start resumes from the newest checkpoint that
     verifies in any of them or in `checkpoint_dir` (docs/disaster-recovery.md)."""
-    failover_s: float = DEFAULT_FAILOVER_S
+    failover_s: float = field(default_factory=lambda: _env_seconds(FAILOVER_ENV, DEFAULT_FAILOVER_S))
     """With mirrors: how long a save tries `checkpoint_dir` before it writes to the first mirror instead, while that
-    store does not answer (checkpoint/save/failover.py)."""
+    store does not answer (checkpoint/save/failover.py). Default: `stalwart run --failover-s`, else 20 s."""
 
     def __post_init__(self) -> None:
         auto_or_int("checkpoint_every", self.every)

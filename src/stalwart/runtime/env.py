@@ -39,6 +39,9 @@ ELASTIC_ENV = "STALWART_ELASTIC"
 MIRRORS_ENV = "STALWART_MIRRORS"
 """Locations, one per line, where the job's checkpoints are also kept (`stalwart run --mirror`): a Job's `mirrors`
 when the script gives none (checkpoint/save/mirroring.py)."""
+FAILOVER_ENV = "STALWART_FAILOVER_S"
+"""Seconds (`stalwart run --failover-s`): a Job's `failover_s` when the script gives none
+(checkpoint/save/failover.py)."""
 SPARES_ENV = "STALWART_SPARES"
 """The default of `stalwart run --spares`."""
 WARM_SPARES_ENV = "STALWART_WARM_SPARES"

@@ -44,6 +44,7 @@ from stalwart.runtime.env import (
     AGENT_PID_ENV,
     ELASTIC_ENV,
     EVENT_LOG_ENV,
+    FAILOVER_ENV,
     GLOO_IFNAME_ENV,
     HANG_TIMEOUT_ENV,
     HEARTBEAT_ENV,
@@ -248,6 +249,8 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
     os.environ[WAIT_FOR_REPLACEMENT_ENV] = "1" if args.wait_for_replacement else "0"
     if args.mirror:
         os.environ[MIRRORS_ENV] = "\n".join(args.mirror)
+    if args.failover_s is not None:
+        os.environ[FAILOVER_ENV] = repr(args.failover_s)
     if args.quiet:
         os.environ[QUIET_ENV] = "1"
     if reforms(args) and not args.reform_by_rerun:

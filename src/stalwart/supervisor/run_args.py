@@ -132,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable): the job's Job copies each commit there in the background, verified (a script's own "
         "mirrors= wins; ${ENV}, one per line, also does)".replace("${ENV}", MIRRORS_ENV),
     )
+    own.add_argument(
+        "--failover-s",
+        type=float,
+        metavar="S",
+        help="with mirrors: seconds a save tries checkpoint_dir before it writes to the first mirror instead "
+        "(a script's own failover_s= wins; default 20)",
+    )
     preflight_gate.add_arguments(own)
     own.add_argument(
         "--metrics-port",
@@ -259,6 +266,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not 0 <= args.replace_wait_s < float("inf"):
         raise ConfigError(f"--replace-wait-s must be a number of seconds >= 0, got {args.replace_wait_s}")
+    if args.failover_s is not None and not 0 < args.failover_s < float("inf"):
+        raise ConfigError(f"--failover-s must be a positive number of seconds, got {args.failover_s}")
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     if not 0 < min_nodes <= max_nodes:
         raise ConfigError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {args.nnodes}")

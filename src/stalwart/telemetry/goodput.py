@@ -272,7 +272,7 @@ def _attach_failures(
                 e
                 for e in events
                 if e["event"] == "fault_injected"
-                and e.get("fault") in ("kill_node", "preempt")
+                and e.get("fault") in ("kill_node", "preempt", "region_loss")
                 and seg.start <= e["mono"] <= nxt_start
             ]
             if lost:

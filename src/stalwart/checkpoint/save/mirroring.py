@@ -61,13 +61,19 @@ class Mirrors:
         self, primary: Storage, step: int, keep_last: int, mirrors: list[dict[str, Any]], source: str = ""
     ) -> None:
         """`step` is committed in `primary`: copy it to each of `mirrors` ({"url", "options"}) in the background.
-        `source`: the URL of `primary` when it is one of the mirrors (a save that failed over, failover.py),
-        whose own pending copy of an older step is dropped."""
-        if not mirrors:
-            return
+        `source`: the URL of `primary`: when this thread has copied to it before (it is a mirror a save failed over
+        to, or the checkpoint directory after such a save, failover.py), its own pending copy of an older step is
+        dropped, and if it was down, it is caught up now."""
         with self._wake:
-            if source in self._mirrors:
-                self._mirrors[source].pending = None
+            own = self._mirrors.get(source)
+            if own is not None:
+                own.pending = None
+                if own.down_since is not None:
+                    outage = time.monotonic() - own.down_since
+                    self._events.emit("mirror_caught_up", step=step, location=source, outage_s=outage)
+                    own.down_since, own.backoff_s, own.retry_at = None, BACKOFF_FIRST_S, 0.0
+            if not mirrors:
+                return
             for spec in mirrors:
                 mirror = self._mirrors.setdefault(spec["url"], _Mirror(spec["url"], spec.get("options")))
                 mirror.pending = (primary, step, time.monotonic(), keep_last)

@@ -18,6 +18,7 @@ Protocol: one JSON object per line on stdin (requests) and stdout (replies).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import mmap
 import os
@@ -61,6 +62,7 @@ class Persister:
         self._hooks: SaveHooks = NoSaveHooks()  # the current save's (checkpoint/save/save_hooks.py)
         self._mirrors = Mirrors(events)  # rank 0's: each committed checkpoint copied to the job's mirrors
         self._elsewhere = False  # rank 0: the newest commit went to a mirror (failover.py)
+        self._prepared: set[str] = set()  # mirrors whose root this persister checked and marked (failover.py)
 
     def handle(self, req: PersistRequest) -> None:
         started = time.monotonic()
@@ -124,6 +126,11 @@ class Persister:
         for place, after in zip(places, [*places[1:], None], strict=True):
             until = None if after is None else time.monotonic() + req.failover_s
             try:
+                if place.index != 0 and place.url not in self._prepared:  # a mirror: its root marker first
+                    self._retrier.run(
+                        req, "root", functools.partial(layout.prepare_root, self._located(place), create=True), until
+                    )
+                    self._prepared.add(place.url)
                 return place, self._write_shard(self._located(place), view, req, until)
             except Unanswered as exc:
                 assert after is not None
