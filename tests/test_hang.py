@@ -154,14 +154,14 @@ def test_a_save_is_watched_with_the_step_timeout_and_only_a_wait_for_the_store_g
         ck = job.checkpointer
         save, settled = ck.save, ck._bg.settled
 
-        def watched_save(step: int, state: Any, *, wait: bool = False, on_store_wait: Any = None) -> bool:
+        def watched_save(step: int, state: Any, *, wait: bool = False, on_store_wait: Any = None, **more: Any) -> bool:
             seen.append(("save", step, timeout()))
 
             def hook(waiting: bool) -> None:
                 on_store_wait(waiting)
                 seen.append(("waiting" if waiting else "waited", step, timeout()))
 
-            return save(step, state, wait=wait, on_store_wait=hook if on_store_wait else None)
+            return save(step, state, wait=wait, on_store_wait=hook if on_store_wait else None, **more)
 
         faked: list[int] = []
 

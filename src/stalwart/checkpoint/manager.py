@@ -49,7 +49,7 @@ from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.save.background import Background
 from stalwart.checkpoint.save.overlap import UpdateFence
 from stalwart.checkpoint.save.request import DEFAULT_FAILOVER_S, PersistReply, PersistRequest
-from stalwart.checkpoint.save.staging import Staging, aligned
+from stalwart.checkpoint.save.staging import Staging, placed_in_staging
 from stalwart.checkpoint.storage import Storage, describe_error, open_storage
 from stalwart.errors import ConfigError, PeerError, UnsavableStateError
 from stalwart.runtime.dist import Comm, Flag, IntMessage, Placement
@@ -73,15 +73,6 @@ class SaveVote(IntMessage):
     """Of the replicated tensors' names, dtypes and shapes: must be equal everywhere."""
     base: int
     """Rank 0's choice: the full checkpoint a delta refers to, or -1 for a full one."""
-
-
-def _layout(items: list[TensorItem]) -> tuple[list[int], int]:
-    """Each tensor's offset in staging, and the bytes staging must hold."""
-    offsets, total = [], 0
-    for item in items:
-        offsets.append(total)
-        total = aligned(total + item.nbytes)
-    return offsets, total
 
 
 class Checkpointer:
@@ -206,6 +197,7 @@ class Checkpointer:
         *,
         wait: bool = False,
         on_store_wait: Callable[[bool], None] | None = None,
+        store_paced: bool = False,
     ) -> bool:
         """Snapshot `step` and hand it to the persister. Collective: every rank calls it for the same step.
 
@@ -214,7 +206,8 @@ class Checkpointer:
         A state that can never be saved (unloadable types) raises UnsavableStateError on every rank.
         With `when_busy="wait"`, a save that finds a rank's previous one persisting waits for it on every rank
         and agrees again; `on_store_wait(True)` before that wait and `(False)` after it let the caller tell the
-        hang detector that this wait runs at the store's pace, while the agreement does not.
+        hang detector that this wait runs at the store's pace, while the agreement does not (unless it waits for
+        another rank's store: `store_paced`, internal).
         """
         started = time.monotonic()
         if wait:
@@ -233,6 +226,8 @@ class Checkpointer:
             self._note(finished)  # a persist that ended since the last poll(): a base only from a noted commit
         base = self._next_base() if self._comm.rank == 0 else -1
         every = self._comm.gather(SaveVote(vote, -1 if busy is None else busy, fp, base))
+        if store_paced and on_store_wait is not None:
+            on_store_wait(False)  # the agreement after a wait for another rank's store is done
         if any(v.vote == _UNSAVABLE for v in every):
             raise unsavable or PeerError("another rank's state cannot be checkpointed; see its error")
         if len({v.fingerprint for v in every}) > 1:
@@ -245,12 +240,15 @@ class Checkpointer:
             # Every rank waits for its own and agrees again (the second agreement finds none in flight, and rank
             # 0's base is chosen after the commit). Agreeing first keeps the wait out of the agreement: a rank
             # slow at its store would otherwise hold the others in the gather, where a hang is watched for.
+            # The next agreement waits for the slowest rank's store: at the store's pace too (rank 0's persist,
+            # which commits, ends last; a failover to a mirror takes failover_s).
+            others = any(v.in_flight >= 0 for r, v in enumerate(every) if r != self._comm.rank)
             if on_store_wait is not None:
                 on_store_wait(True)
             self._finish_in_flight()
-            if on_store_wait is not None:
+            if on_store_wait is not None and not others:
                 on_store_wait(False)
-            return self.save(step, state, on_store_wait=on_store_wait)
+            return self.save(step, state, on_store_wait=on_store_wait, store_paced=others)
         if in_flight:
             self._events.emit(
                 "checkpoint_skipped", step=step, reason=f"the save of step {in_flight[0]} is still persisting"
@@ -258,7 +256,7 @@ class Checkpointer:
             return False
         chosen_base = None if every[0].base < 0 else every[0].base
         mine = self._owned(items)
-        offsets, total = _layout(mine)
+        offsets, total = placed_in_staging([i.nbytes for i in mine])
         cuda = next((i.tensor.device for i in mine if i.tensor.is_cuda), None)
         self._settle_prepare()
         self._staging.ensure(total, pin=cuda is not None, device=cuda)
@@ -323,7 +321,7 @@ class Checkpointer:
         except UnsavableStateError:
             return
         mine = self._owned(items)
-        _, total = _layout(mine)
+        _, total = placed_in_staging([i.nbytes for i in mine])
         device = next((i.tensor.device for i in mine if i.tensor.is_cuda), None)
 
         def allocate() -> None:

@@ -107,13 +107,9 @@ class Committer:
         while True:
             if self._quitting.is_set():
                 raise Quit
-            listings: dict[int, set[str]] = {}
-            for index, storage in storages.items():
-                if index == own or time.monotonic() >= elsewhere_from:
-                    try:
-                        listings[index] = set(storage.listdir(step_dir))
-                    except Exception:  # an outage while polling: keep waiting until the deadline
-                        listings[index] = set()
+            listings = {own: _listing(storages[own], step_dir)}
+            if not set(wanted) <= listings[own] and time.monotonic() >= elsewhere_from:  # the others, if need be
+                listings |= {i: _listing(s, step_dir) for i, s in storages.items() if i != own}
             gave_up = sorted(failed[n] for names in listings.values() for n in names & set(failed))
             if gave_up:
                 raise GaveUp(f"rank {gave_up[0]} could not write its shard")
@@ -167,3 +163,11 @@ class Committer:
         if self._retainer is not None:
             self._retention.put(None)
             self._retainer.join(RETENTION_JOIN_S)
+
+
+def _listing(storage: Storage, step_dir: str) -> set[str]:
+    """The names in a step directory; none while the store cannot be listed (an outage: keep waiting)."""
+    try:
+        return set(storage.listdir(step_dir))
+    except Exception:
+        return set()

@@ -82,6 +82,15 @@ class Mirrors:
                 self._thread.start()
             self._wake.notify()
 
+    def failed_over(self, url: str, options: dict[str, Any] | None, step: int, error: str) -> None:
+        """A save could not be written at `url` (it went to another location, failover.py): that location is down
+        from now (`mirror_unreachable`, once per outage) until a copy to it or a commit there works."""
+        with self._wake:
+            place = self._mirrors.setdefault(url, _Mirror(url, options))
+            if place.down_since is None:
+                place.down_since = time.monotonic()
+                self._events.emit("mirror_unreachable", step=step, location=url, error=error)
+
     def finish(self, timeout_s: float = FINISH_S) -> None:
         """Give the pending copies up to `timeout_s` (one try each at least), then stop."""
         deadline = time.monotonic() + timeout_s
@@ -110,9 +119,13 @@ class Mirrors:
                     return
                 mirror, job = due, due.pending
                 assert job is not None
-            ok = self._copy(mirror, *job)
+            failure = self._copy(mirror, *job)
             with self._wake:
-                if (ok or self._finishing) and mirror.pending == job:
+                # A copy whose location committed a newer step itself meanwhile (which pruned this one there, as an
+                # interrupted save) failed for nothing: that location is up (`committed` cleared its pending copy).
+                if failure is not None and mirror.pending is not None:
+                    self._down(mirror, job[1], failure)
+                if (failure is None or self._finishing) and mirror.pending == job:
                     mirror.pending = None  # else a newer step came meanwhile: it is next
                 self._wake.notify_all()
 
@@ -120,7 +133,16 @@ class Mirrors:
         now = time.monotonic()
         return next((m for m in self._mirrors.values() if m.pending and m.retry_at <= now), None)
 
-    def _copy(self, mirror: _Mirror, primary: Storage, step: int, committed: float, keep_last: int) -> bool:
+    def _down(self, mirror: _Mirror, step: int, error: str) -> None:
+        """A copy failed: retried with backoff; `mirror_unreachable` once per outage."""
+        if mirror.down_since is None:
+            mirror.down_since = time.monotonic()
+            self._events.emit("mirror_unreachable", step=step, location=mirror.url, error=error)
+        mirror.retry_at = time.monotonic() + mirror.backoff_s
+        mirror.backoff_s = min(BACKOFF_MAX_S, mirror.backoff_s * 2)
+
+    def _copy(self, mirror: _Mirror, primary: Storage, step: int, committed: float, keep_last: int) -> str | None:
+        """Copy `step` there; None when it worked, else why not."""
         started = time.monotonic()
         try:
             if mirror.storage is None:
@@ -132,12 +154,7 @@ class Mirrors:
                 raise OSError(copy.problem)
             layout.prune(mirror.storage, keep_last, layout.read_manifest(mirror.storage, step))
         except Exception as exc:
-            if mirror.down_since is None:
-                mirror.down_since = started
-                self._events.emit("mirror_unreachable", step=step, location=mirror.url, error=describe_error(exc))
-            mirror.retry_at = time.monotonic() + mirror.backoff_s
-            mirror.backoff_s = min(BACKOFF_MAX_S, mirror.backoff_s * 2)
-            return False
+            return describe_error(exc)
         now = time.monotonic()
         if mirror.down_since is not None:
             self._events.emit("mirror_caught_up", step=step, location=mirror.url, outage_s=now - mirror.down_since)
@@ -151,4 +168,4 @@ class Mirrors:
             seconds=now - started,
             lag_s=now - committed,
         )
-        return True
+        return None

@@ -63,6 +63,7 @@ class Persister:
         self._mirrors = Mirrors(events)  # rank 0's: each committed checkpoint copied to the job's mirrors
         self._elsewhere = False  # rank 0: the newest commit went to a mirror (failover.py)
         self._prepared: set[str] = set()  # mirrors whose root this persister checked and marked (failover.py)
+        self._skipped: dict[str, str] = {}  # why a location was passed over, by URL (failover.py)
 
     def handle(self, req: PersistRequest) -> None:
         started = time.monotonic()
@@ -98,7 +99,7 @@ class Persister:
             ok, committed = False, False
         storage = self._located(place) if manifest is not None and place is not None else None
         if manifest is not None and storage is not None and place is not None:  # queued before the reply: a commit
-            self._committed_elsewhere(place, step)  # the trainer saw is the mirrors' pending one
+            self._committed_elsewhere(place, req)  # the trainer saw is the mirrors' pending one
             self._mirrors.committed(storage, step, req.keep_last, failover.others(req, place.url), source=place.url)
         prune_first = req.wait  # a save the trainer waits on (a run's last) ends fully tidied
         if manifest is not None and storage is not None and prune_first:
@@ -134,6 +135,7 @@ class Persister:
                 return place, self._write_shard(self._located(place), view, req, until)
             except Unanswered as exc:
                 assert after is not None
+                self._skipped[place.url] = str(exc)
                 self._events.emit(
                     "checkpoint_failover",
                     step=req.step,
@@ -153,9 +155,12 @@ class Persister:
     def _located(self, place: failover.Location) -> Storage:
         return self._hooks.storage(self._storage(place.url, place.options))
 
-    def _committed_elsewhere(self, place: failover.Location, step: int) -> None:
+    def _committed_elsewhere(self, place: failover.Location, req: PersistRequest) -> None:
         """Say once per outage, in rank 0's output, that checkpoints are committed in a mirror (and when the
-        checkpoint directory takes them again)."""
+        checkpoint directory takes them again); the locations before it are down until they take a copy."""
+        step = req.step
+        for skipped in failover.locations(req)[: place.index]:
+            self._mirrors.failed_over(skipped.url, skipped.options, step, self._skipped.get(skipped.url, ""))
         if place.index != 0 and not self._elsewhere:
             say(
                 f"stalwart: the checkpoint directory does not answer; step {step} was committed in the mirror "

@@ -34,6 +34,15 @@ GROW_SLACK = 1.1
 reallocate at every save."""
 
 
+def placed_in_staging(sizes: list[int]) -> tuple[list[int], int]:
+    """Each tensor's offset in staging (tensors of `sizes` bytes, in order), and the bytes staging must hold."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total = aligned(total + size)
+    return offsets, total
+
+
 def aligned(n: int, to: int = ALIGN) -> int:
     return (n + to - 1) // to * to
 
