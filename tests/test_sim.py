@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from stalwart.policy import interval
-from stalwart.sim.engine import BADPUT, POLICIES, Policy, SimJob, simulate
+from stalwart.sim.engine import BADPUT, POLICIES, Policy, SimJob, simulate, simulate_side_by_side
 from stalwart.sim.failures import LLAMA3_CAUSES, FailureModel
+from stalwart.sim.outages import CHOICES, Regions
 from stalwart.sim.profiles import PROFILES, STALWART
+from stalwart.sim.regions import Prices, outcome, study
 
 
 def _sim(*args: str) -> subprocess.CompletedProcess[str]:
@@ -101,6 +103,7 @@ def test_stalwart_sim_alone_runs_the_llama3_setup(tmp_path: Path) -> None:
     best = min(report["spares_sweep"], key=lambda s: s["cost_per_useful_gpu_hour"])
     assert report["spares"] == best["spares"] > 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "regions" not in report, "regions only when asked for"
     table = _sim("--runs", "4", "--profile", "stalwart", "--policy", "adaptive", "--spares", "8")
     assert table.returncode == 0 and "stalwart" in table.stdout and "adaptive" in table.stdout
 
@@ -112,7 +115,11 @@ def test_bad_input_is_one_clear_error(tmp_path: Path) -> None:
                           (["--spares", "many"], "--spares must be a number"),
                           (["--costs", str(tmp_path / "no.json")], "does not exist"),
                           (["--costs", str(costs)], "unknown fields ['restart_s']"),
-                          (["--plot", str(tmp_path / "x.txt"), "--spares", "0"], ".png or .svg")):  # fmt: skip
+                          (["--plot", str(tmp_path / "x.txt"), "--spares", "0"], ".png or .svg"),
+                          (["--region-outage-hours", "0"], "--region-outage-hours must be positive"),
+                          (["--standby-fraction", "-0.5"], "--standby-fraction must be >= 0"),
+                          (["--cross-region-gbps", "fast"], "--cross-region-gbps must be a number"),
+                          (["--keep-last", "0"], "--keep-last must be positive")):  # fmt: skip
         out = _sim(*args)
         assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, (args, out.stderr)
 
@@ -129,3 +136,93 @@ def test_costs_can_come_from_this_machines_bench_report(tmp_path: Path) -> None:
     out = _sim("--costs", str(bench), "--runs", "4", "--spares", "32", "--profile", "stalwart", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["profiles"]["stalwart"]["process_restart_s"] == pytest.approx(0.38)
+
+
+REGIONS_JOB = SimJob(4096, 30, spares=8)
+
+
+def _choices(regions: Regions, runs: int = 16) -> dict[str, object]:
+    model = FailureModel.named("llama3")
+    return {
+        c: outcome(REGIONS_JOB, model, STALWART, Policy("adaptive"), replace(regions, choice=c), Prices(), runs=runs)
+        for c in CHOICES
+    }
+
+
+def test_without_regional_outages_every_choice_trains_alike_and_single_is_cheapest() -> None:
+    model = FailureModel.named("llama3")
+    alone = simulate(REGIONS_JOB, model, STALWART, Policy("adaptive"), runs=16)
+    calm = Regions(outages_per_year=0.0)
+    for choice in CHOICES:
+        r = simulate(REGIONS_JOB, model, STALWART, Policy("adaptive"), runs=16, regions=replace(calm, choice=choice))
+        assert r.ettr == alone.ettr and r.badput["waiting_for_region"] == r.badput["failover_queue"] == 0.0
+    c = _choices(calm)
+    single, mirror, standby = c["single"], c["mirror"], c["standby"]
+    assert single.ettr == mirror.ettr == standby.ettr and single.outages == 0
+    assert single.cost_per_useful_gpu_hour < mirror.cost_per_useful_gpu_hour < standby.cost_per_useful_gpu_hour
+    assert single.transfer_cost == 0 < mirror.transfer_cost and mirror.storage_cost == 2 * single.storage_cost
+
+
+def test_choices_side_by_side_are_each_as_alone() -> None:
+    model = FailureModel.named("llama3")
+    blocks = [Regions(choice=c, outages_per_year=r) for c, r in (("single", 30.0), ("standby", 5.0), ("mirror", 30.0))]
+    together = simulate_side_by_side(REGIONS_JOB, model, STALWART, Policy("adaptive"), blocks, runs=8)
+    for regions, (result, runs) in zip(blocks, together, strict=True):
+        alone = simulate(REGIONS_JOB, model, STALWART, Policy("adaptive"), runs=8, regions=regions)
+        assert result == alone and runs.ettr.mean() == alone.ettr
+    assert together[0][0].ettr < together[2][0].ettr, "the mirror keeps more of the same outages' time"
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+def test_regional_outages_are_accounted_for_in_the_wall_clock(choice: str) -> None:
+    regions = Regions(choice=choice, outages_per_year=50.0, outage_hours=24.0)
+    r = simulate(REGIONS_JOB, FailureModel.named("llama3"), STALWART, Policy("adaptive"), runs=8, regions=regions)
+    assert r.ettr + sum(r.badput.values()) == pytest.approx(1.0, abs=1e-9)
+    assert all(v >= -1e-12 for v in r.badput.values())
+    waited, went = r.by_cause["regional outage: waited"], r.by_cause["regional outage: failed over"]
+    assert waited + went > 2 and (went == 0) == (choice == "single")
+
+
+def test_with_frequent_long_outages_a_mirror_pays_and_a_standby_recovers_fastest() -> None:
+    c = _choices(Regions(outages_per_year=50.0, outage_hours=24.0))
+    single, mirror, standby = c["single"], c["mirror"], c["standby"]
+    assert min(single.outages, mirror.outages, standby.outages) > 2
+    assert mirror.ettr > single.ettr + 0.05 and standby.ettr > mirror.ettr
+    assert standby.hours_down_per_outage < mirror.hours_down_per_outage < single.hours_down_per_outage
+    assert standby.failovers == standby.outages > mirror.failovers > single.failovers == 0
+    assert mirror.work_lost_per_outage_h > single.work_lost_per_outage_h, "the mirror lags the primary"
+    assert mirror.cost_per_useful_gpu_hour < single.cost_per_useful_gpu_hour
+
+
+def test_the_break_even_rate_is_where_the_costs_cross() -> None:
+    model = FailureModel.named("llama3")
+    s = study(REGIONS_JOB, model, STALWART, Policy("adaptive"), Regions(), Prices(), runs=16)
+    assert [b.choice for b in s.break_even] == ["mirror", "standby"]
+    for even in s.break_even:
+        assert even.per_year is not None and even.above is not None
+        assert even.below <= even.per_year <= even.above <= even.below * 1.02
+        for factor, dearer in ((0.8, True), (1.25, False)):
+            c = _choices(Regions(outages_per_year=even.per_year * factor))
+            gap = c[even.choice].cost_per_useful_gpu_hour - c["single"].cost_per_useful_gpu_hour
+            assert (gap > 0) == dearer, (even, factor, gap)
+    mirror, standby = s.break_even
+    assert mirror.per_year is not None and standby.per_year is not None and standby.per_year > mirror.per_year
+    free = study(REGIONS_JOB, model, STALWART, Policy("adaptive"), Regions(), Prices(transfer_gb=0.0), runs=16)
+    assert free.break_even[0].per_year is not None and free.break_even[0].per_year < mirror.per_year / 10
+
+
+def test_stalwart_sim_with_regions_reports_each_choice_and_the_break_even() -> None:
+    out = _sim("--regions", "--runs", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["gpus"] == 16384 and len(report["results"]) == len(PROFILES) * len(POLICIES), "the usual rows too"
+    regions = report["regions"]
+    assert [c["choice"] for c in regions["choices"]] == list(CHOICES)
+    assert (regions["profile"], regions["policy"], regions["spares"]) == ("stalwart", "adaptive", report["spares"])
+    assert regions["regions"]["outages_per_year"] == 1.0 and regions["prices"]["transfer_gb"] == 0.02
+    for even in regions["break_even"]:
+        assert even["below"] <= even["per_year"] <= even["above"]
+    small = ("--gpus", "4096", "--days", "30", "--spares", "8", "--profile", "stalwart", "--policy", "adaptive")
+    implied = _sim("--region-outages-per-year", "20", "--runs", "4", *small)
+    assert implied.returncode == 0, implied.stderr
+    assert "regional outages: 20 a year" in implied.stdout and "mirror pays for itself above" in implied.stdout

@@ -3,10 +3,13 @@
     stalwart sim --gpus 16384 --days 54                 # the Llama 3 setup: every policy, both systems, spares
     stalwart sim --gpus 100000 --days 30 --policy adaptive --profile stalwart --spares 64 --json
     stalwart sim --validate                             # the comparisons with published figures
+    stalwart sim --regions                              # and regional outages: single region, mirror, standby
 
 Prints one row per (system, policy): ETTR (mean and the 5-95% range over the runs), interruptions, where the
 lost time went, GPU-hours and money; with `--spares auto` (the default) first the number of spare nodes that
-minimises the cost per useful GPU-hour under stalwart's adaptive policy, then every row with that many.
+minimises the cost per useful GPU-hour under stalwart's adaptive policy, then every row with that many. With
+`--regions` (or any flag of its group), then one row per way through a regional outage (sim/regions.py) and the
+outage rate at which a mirror, and a standby, pays for itself.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from stalwart.errors import ConfigError
 from stalwart.runtime.args import Parser
 from stalwart.sim.engine import BADPUT, POLICIES, Policy, Result, SimJob, simulate
 from stalwart.sim.failures import MODELS, FailureModel
+from stalwart.sim.outages import Regions
 from stalwart.sim.profiles import PROFILES, load_costs
+from stalwart.sim.regions import Prices, Study, study
 from stalwart.telemetry.console import console
 
 SPARE_CHOICES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -33,17 +38,54 @@ SPARE_CHOICES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _Parser = Parser
 
 
-def _positive(kind: type, name: str) -> Any:
+def _positive(kind: type, name: str, *, zero: bool = False) -> Any:
+    """A parser of positive numbers (`zero`: or zero) whose error names the flag."""
+
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if not value > 0 or value != value or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"{name} must be positive, got {text}")
+        if not (value >= 0 if zero else value > 0) or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{name} must be {'>= 0' if zero else 'positive'}, got {text}")
         return value
 
     return parse
+
+
+REGION_FLAGS = (  # flag, type, zero allowed, the field of Regions or Prices it sets, help
+    ("--region-outages-per-year", float, True, "outages_per_year", "outages of the job's region a year"),
+    ("--region-outage-hours", float, False, "outage_hours", "mean hours an outage lasts (exponential)"),
+    ("--failover-queue-hours", float, True, "failover_queue_hours", "hours to get the job's capacity elsewhere"),
+    ("--failover-startup-s", float, True, "startup_s", "a cold start of the whole job, seconds"),
+    ("--checkpoint-gb", float, False, "checkpoint_gb", "one checkpoint's size in GB"),
+    ("--cross-region-gbps", float, False, "cross_region_gbps", "Gbit/s between regions, copies and reads"),
+    ("--storage-price-gb-month", float, True, "storage_gb_month", "money per GB-month stored"),
+    ("--transfer-price-gb", float, True, "transfer_gb", "money per GB sent across regions"),
+    ("--standby-fraction", float, True, "standby_fraction", "the standby's cost as a share of the GPU-hours"),
+    ("--keep-last", int, False, "keep_last", "checkpoints kept in each location"),
+)
+
+
+def _add_region_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("regions", "regional outages (docs/simulation.md); any of these implies --regions")
+    group.add_argument("--regions", action="store_true", help="add the study of regional outages")
+    defaults = {**asdict(Regions()), **asdict(Prices())}
+    for flag, kind, zero, field, text in REGION_FLAGS:
+        parse = _positive(kind, flag, zero=zero)
+        group.add_argument(
+            flag, type=parse, default=None, dest=field, metavar="N", help=f"{text} (default {defaults[field]:g})"
+        )
+
+
+def _regions(args: argparse.Namespace) -> tuple[Regions, Prices] | None:
+    given = {field: getattr(args, field) for *_, field, _ in REGION_FLAGS if getattr(args, field) is not None}
+    if not (args.regions or given):
+        return None
+    prices = {
+        k: given.pop(k) for k in ("storage_gb_month", "transfer_gb", "standby_fraction", "keep_last") if k in given
+    }
+    return Regions(**given), Prices(**prices)
 
 
 def main(argv: list[str]) -> int:
@@ -80,6 +122,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--plot", type=Path, default=None, help="write a PNG or SVG figure of the results")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--validate", action="store_true", help="compare with published figures (docs/simulation.md)")
+    _add_region_flags(p)
     args = p.parse_args(argv)
     if args.validate:
         from stalwart.sim.validate import main as validate
@@ -100,10 +143,11 @@ def main(argv: list[str]) -> int:
         return simulate(replace(base, spares=spares), model, profiles[profile], pol, runs=args.runs, seed=args.seed)
 
     sweep: list[Result] = []
+    # The spares sweep and the regions study: stalwart's adaptive policy, or the first of those chosen.
+    main_profile = "stalwart" if "stalwart" in chosen else chosen[0]
+    main_policy = "adaptive" if "adaptive" in policies else policies[0]
     if args.spares == "auto":
-        sweep_profile = "stalwart" if "stalwart" in chosen else chosen[0]
-        sweep_policy = "adaptive" if "adaptive" in policies else policies[0]
-        sweep = [run(sweep_profile, sweep_policy, s) for s in SPARE_CHOICES]
+        sweep = [run(main_profile, main_policy, s) for s in SPARE_CHOICES]
         spares = min(sweep, key=lambda r: r.cost_per_useful_gpu_hour).spares
     else:
         try:
@@ -113,6 +157,11 @@ def main(argv: list[str]) -> int:
         if spares < 0:
             raise ConfigError(f"--spares must be >= 0, got {spares}")
     results = [run(prof, pol, spares) for prof in chosen for pol in policies]
+    regional: Study | None = None
+    if (asked := _regions(args)) is not None:
+        pol = fixed if main_policy == "fixed" else Policy(main_policy)
+        job = replace(base, spares=spares)
+        regional = study(job, model, profiles[main_profile], pol, *asked, runs=args.runs, seed=args.seed)
     seconds = time.perf_counter() - started
     if args.plot is not None:
         from stalwart.sim.plot import write
@@ -141,11 +190,14 @@ def main(argv: list[str]) -> int:
                         for r in sweep
                     ],
                     "plot": str(args.plot) if args.plot else None,
+                    **({"regions": asdict(regional)} if regional is not None else {}),
                 }
             )
         )
         return 0
     _print(results, sweep, model, args, spares, seconds)
+    if regional is not None:
+        _print_regions(regional, args.price)
     return 0
 
 
@@ -209,3 +261,51 @@ def _print(
         f"checkpoint every: durable / memory snapshot (seconds of work). Cost at {args.price:g} per GPU-hour, "
         f"spares included. {seconds:.2f} s."
     )
+
+
+def _print_regions(s: Study, price: float) -> None:
+    r = s.regions
+    out = console()
+    table = Table(
+        title=f"regional outages: {r['outages_per_year']:g} a year, {r['outage_hours']:g} h on average "
+        f"({s.profile}, {s.policy} policy, {s.spares} spare nodes)"
+    )
+    columns = (
+        *("choice", "ETTR", "5-95%", "outages", "failed over", "down per outage", "work lost per outage"),
+        *("storage", "transfer", "standby", "cost per useful GPU-hour", "5-95% "),
+    )
+    for column in columns:
+        table.add_column(column, justify="left" if column == "choice" else "right", no_wrap=True)
+    for c in s.choices:
+        table.add_row(
+            c.choice,
+            f"{100 * c.ettr:.2f}%",
+            f"{100 * c.ettr_p05:.1f}-{100 * c.ettr_p95:.1f}%",
+            f"{c.outages:.2f}",
+            f"{c.failovers:.2f}",
+            f"{c.hours_down_per_outage:.2f} h",
+            f"{c.work_lost_per_outage_h:.2f} h",
+            f"{c.storage_cost:,.0f}",
+            f"{c.transfer_cost:,.0f}",
+            f"{c.standby_cost:,.0f}",
+            f"{c.cost_per_useful_gpu_hour:.4f}",
+            f"{c.cost_per_useful_p05:.4f}-{c.cost_per_useful_p95:.4f}",
+        )
+    out.print(table)
+    copy_s = r["checkpoint_gb"] * 8 / r["cross_region_gbps"]
+    out.print(
+        f"A checkpoint of {r['checkpoint_gb']:,.0f} GB, {s.prices['keep_last']} kept in each location, copied or "
+        f"read across regions in {copy_s:.0f} s at {r['cross_region_gbps']:g} Gbit/s; a failover queues "
+        f"{r['failover_queue_hours']:g} h for capacity (none with the standby) and starts in "
+        f"{r['startup_s']:g} s. Prices: {price:g} per GPU-hour, {s.prices['storage_gb_month']:g} per GB-month, "
+        f"{s.prices['transfer_gb']:g} per GB across regions, the standby {s.prices['standby_fraction']:g} of the "
+        "GPU-hours."
+    )
+    for b in s.break_even:
+        if b.per_year is None:
+            out.print(f"{b.choice} does not pay for itself below {b.below:g} regional outages a year.")
+        else:
+            out.print(
+                f"{b.choice} pays for itself above {b.per_year:.1f} regional outages a year (it costs more per useful "
+                f"GPU-hour than single at {b.below:.1f}, less at {b.above:.1f})."
+            )

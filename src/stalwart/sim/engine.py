@@ -6,7 +6,11 @@ runs, a few hundred steps for a 54-day 16k-GPU job, not over time). Between two 
 `C / tau` of each second for checkpoints every `tau` seconds of work (per tier). At a failure the work since the
 last usable save of the tier it recovers from is lost; detection, restart (a spare node, or a wait for one when
 none is free), and the restore follow (sim/profiles.py). A failure that comes during a recovery cuts it short
-and starts another. Spare nodes come back from repair after `repair_s`.
+and starts another. Spare nodes come back from repair after `repair_s`. With `regions` (sim/outages.py), the
+job's regional outages join its failures in the same sequence: one costs the wait for the region or a failover,
+a cold start and a restore from storage, and nothing else happens to the job until it trains again. Several
+ways through the same outages run side by side as more rows (`simulate_side_by_side`): the loop's cost is
+mostly per step, so more rows cost less than more passes.
 
 What it answers: effective training time ratio (ETTR: useful work / wall time, Kokolis et al.), the badput by
 category (the goodput categories of telemetry/goodput.py), interruptions by cause, and the cost in GPU-hours,
@@ -16,11 +20,14 @@ spares included.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from stalwart.sim import outages
 from stalwart.sim.failures import DAY, HOUR, NODE, SDC, FailureModel
+from stalwart.sim.outages import Regions
 from stalwart.sim.profiles import Profile
 
 POLICIES = ("fixed", "young", "daly", "adaptive")
@@ -84,11 +91,50 @@ class Result:
     job_mtbf_h: float
 
 
+@dataclass(slots=True)
+class Runs:
+    """Each run's own outcome (arrays of `runs`): what sim/regions.py prices run by run."""
+
+    ettr: np.ndarray
+    training_s: np.ndarray
+    """Wall seconds spent training (checkpoint stalls and work later lost included)."""
+    outages: np.ndarray
+    failovers: np.ndarray
+    outage_down_s: np.ndarray
+    """Wall seconds from each regional outage to training again, summed."""
+    outage_lost_s: np.ndarray
+    """Work lost to regional outages (seconds of training)."""
+
+
 def simulate(
-    job: SimJob, model: FailureModel, profile: Profile, policy: Policy, *, runs: int = 64, seed: int = 0
+    job: SimJob,
+    model: FailureModel,
+    profile: Profile,
+    policy: Policy,
+    *,
+    runs: int = 64,
+    seed: int = 0,
+    regions: Regions | None = None,
 ) -> Result:
     """Simulate `runs` independent runs of `job` (the same draws for the same seed: policies and profiles can
-    be compared on identical failures)."""
+    be compared on identical failures), with the regional outages of `regions` when given."""
+    blocks = (regions,) if regions is not None else ()
+    return simulate_side_by_side(job, model, profile, policy, blocks, runs=runs, seed=seed)[0][0]
+
+
+def simulate_side_by_side(
+    job: SimJob,
+    model: FailureModel,
+    profile: Profile,
+    policy: Policy,
+    regions: Sequence[Regions],
+    *,
+    runs: int = 64,
+    seed: int = 0,
+) -> list[tuple[Result, Runs]]:
+    """`simulate` with each of `regions` (none: without outages), on the same failures, and each run's outcome.
+    One pass for all: the loop costs mostly per step, so another choice costs less as more rows than as another
+    pass."""
     if job.gpus < 1 or job.days <= 0 or runs < 1 or job.spares < 0:
         raise ValueError("gpus >= 1, days > 0, runs >= 1 and spares >= 0")
     if policy.name not in POLICIES:
@@ -96,6 +142,15 @@ def simulate(
     rng = np.random.default_rng(seed)
     horizon = job.days * DAY
     times, causes = model.sample(rng, runs, job.gpus, job.gpus_per_node, horizon)
+    blocks = max(1, len(regions))
+    rows = runs * blocks
+    sides = outages.Sides.of(regions, seed, runs, horizon) if regions else None
+    outage_s = copy_phase = np.zeros((rows, 0))
+    if sides is not None:
+        times, causes, outage_s, copy_phase = outages.merge(
+            np.tile(times, (blocks, 1)), np.tile(causes, (blocks, 1)), sides.drawn
+        )
+    is_outage = causes == outages.OUTAGE
     kinds = np.array([c.kind for c in model.causes])
     hangs = np.array([c.shows_as == "hang" for c in model.causes])
     safe = np.maximum(causes, 0)
@@ -106,26 +161,36 @@ def simulate(
     mtbf = model.job_mtbf_s(job.gpus)
     probs = model.probabilities()
     sdc_share = float(sum(p for p, c in zip(probs, model.causes, strict=True) if c.kind == SDC))
-    intervals = _Intervals(policy, profile, mtbf, sdc_share, runs)
+    intervals = _Intervals(policy, profile, mtbf, sdc_share, rows)
+    region_phases = outages.PHASES if sides is not None else ()
+    # A recovery's phases, latest first: a failure that cuts one short takes them back in this order.
+    undo = ("restore", "reformation", "waiting_for_node", *region_phases, "detection")
 
-    ready = np.zeros(runs)  # when training resumes after the latest failure
-    work = np.zeros(runs)  # useful work kept so far (seconds of training)
-    bad = {k: np.zeros(runs) for k in BADPUT}
-    last = {k: np.zeros(runs) for k in ("detection", "waiting_for_node", "reformation", "restore")}
-    seen = np.zeros(runs)  # failures so far (for the adaptive policy)
+    ready = np.zeros(rows)  # when training resumes after the latest failure
+    work = np.zeros(rows)  # useful work kept so far (seconds of training)
+    bad = {k: np.zeros(rows) for k in (*BADPUT, *region_phases)}
+    last = {k: np.zeros(rows) for k in undo}
+    seen = np.zeros(rows)  # failures so far (for the adaptive policy)
+    took = np.zeros(times.shape, dtype=bool)  # the events the job went through
     repair_until = np.full(times.shape, -np.inf)  # per earlier node failure: when that node is back
     restart_extra = profile.rendezvous_per_node_s * job.nodes
+    in_outage = np.zeros(rows, dtype=bool)  # the recovery under way is from a regional outage
+    no_time = np.zeros(rows)
+    tally = {k: np.zeros(rows) for k in ("outages", "failovers", "outage_down_s", "outage_lost_s")}
     for i in range(times.shape[1]):
         at = times[:, i]
-        active = np.isfinite(at)
-        if not active.any():
+        if not np.isfinite(at).any():
             break
+        # While the region is away the job is not running: its failures then, or a second outage, change nothing.
+        active = np.isfinite(at) & ~(in_outage & (at < ready))
+        out = active & is_outage[:, i]
+        took[:, i] = active
         tau_d, tau_m = intervals.now(seen, np.where(active, at, horizon))
         overhead = profile.checkpoint_stall_s / tau_d + (profile.snapshot_stall_s / tau_m if tau_m is not None else 0)
         # A failure during the previous recovery cuts it short: take the time it did not use back, latest phase first.
         early = active & (at < ready)
         spare = np.where(early, ready - at, 0.0)
-        for phase in ("restore", "reformation", "waiting_for_node", "detection"):
+        for phase in undo:
             cut = np.minimum(spare, last[phase])
             bad[phase] -= cut
             spare -= cut
@@ -135,47 +200,63 @@ def simulate(
         detect = np.where(
             sdc, profile.sdc_detect_s, np.where(is_hang[:, i], profile.detect_hang_s, profile.detect_crash_s)
         )
+        persist_work = profile.persist_s / (1.0 + overhead)
         if tau_m is None:  # durable checkpoints only: exact cycles of tau of work then C of stall from the restore
             cycle = tau_d + profile.checkpoint_stall_s
             n = np.floor(span / cycle)
             rest = span - n * cycle
             usable = n - ((n > 0) & (rest < profile.persist_s))  # the newest one may still be persisting
             reached = work + n * tau_d + np.minimum(rest, tau_d)
-            back_to = work + usable * tau_d
+            durable = work + usable * tau_d
+            back_to = durable
             bad["checkpoint"] += span - (reached - work)
         else:  # two interleaved tiers: their stalls spread over the work (each far below 1% of it)
             done = span / (1.0 + overhead)
             bad["checkpoint"] += span - done
             reached = work + done
             # Silent corruption: the job trains on, for nothing, until it is found, and rolls back past it.
-            durable = _durable_point(reached, tau_d, profile.persist_s / (1.0 + overhead))
+            durable = _durable_point(reached, tau_d, persist_work)
             memory = np.maximum(np.floor(reached / tau_m) * tau_m, np.minimum(work, reached))
             back_to = np.where(sdc, durable, memory)
         back_to = np.minimum(back_to, reached)
-        bad["wasted_progress"] += np.where(active, reached - back_to, 0.0)
-        has_spare = np.zeros(runs, dtype=bool)
+        has_spare = np.zeros(rows, dtype=bool)
         if job.spares > 0:
             has_spare = (repair_until[:, :i] > at[:, None]).sum(axis=1) < job.spares
-        restart = np.where(node, profile.node_swap_s, profile.process_restart_s) + restart_extra
-        wait = np.where(node & ~has_spare, profile.node_wait_s, 0.0)
-        restore = np.where(profile.memory_tier & ~sdc, profile.restore_memory_s, profile.restore_durable_s)
-        for phase, value in (
-            ("detection", detect),
-            ("reformation", restart),
-            ("waiting_for_node", wait),
-            ("restore", restore),
-        ):
+        phases = {
+            "detection": detect,
+            "reformation": np.where(node, profile.node_swap_s, profile.process_restart_s) + restart_extra,
+            "waiting_for_node": np.where(node & ~has_spare, profile.node_wait_s, 0.0),
+            "restore": np.where(profile.memory_tier & ~sdc, profile.restore_memory_s, profile.restore_durable_s),
+        }
+        if sides is not None:
+            phases.update(dict.fromkeys(outages.PHASES, no_time))
+        if sides is not None and out.any():  # rare: most steps have no outage in any run
+            # The newest checkpoint on the mirror: the primary's newest as it was one copy's lag earlier.
+            lag = sides.mirror_lag_s(tau_d, copy_phase[:, i]) / (1.0 + overhead)
+            mirrored = np.minimum(_durable_point(np.maximum(reached - lag, 0.0), tau_d, persist_work), durable)
+            went = out & sides.fails_over(outage_s[:, i], profile.restore_durable_s)
+            back_to = np.where(out, np.where(went, mirrored, np.minimum(durable, reached)), back_to)
+            sides.recovery(phases, profile, out, went, outage_s[:, i])
+            tally["outages"] += out
+            tally["failovers"] += went
+            tally["outage_lost_s"] += np.where(out, reached - back_to, 0.0)
+        bad["wasted_progress"] += np.where(active, reached - back_to, 0.0)
+        resumes, down = at, np.zeros(rows)
+        for phase, value in phases.items():
             bad[phase] += np.where(active, value, 0.0)
             last[phase] = np.where(active, value, last[phase])  # a run without an i-th failure keeps its last
+            resumes, down = resumes + value, down + value
         repair_until[:, i] = np.where(node, at + profile.repair_s, -np.inf)
         work = np.where(active, back_to, work)
-        ready = np.where(active, at + detect + restart + wait + restore, ready)
-        seen += active
-    tau_d, tau_m = intervals.now(seen, np.full(runs, horizon))
+        tally["outage_down_s"] += np.where(out, down, 0.0)
+        ready = np.where(active, resumes, ready)
+        in_outage = np.where(active, out, in_outage)
+        seen += active & ~out
+    tau_d, tau_m = intervals.now(seen, np.full(rows, horizon))
     overhead = profile.checkpoint_stall_s / tau_d + (profile.snapshot_stall_s / tau_m if tau_m is not None else 0)
     tail = np.maximum(horizon - ready, 0.0)
     over = np.maximum(ready - horizon, 0.0)  # the last recovery runs past the end: only its part inside counts
-    for phase in ("restore", "reformation", "waiting_for_node", "detection"):
+    for phase in undo:
         cut = np.minimum(over, last[phase])
         bad[phase] -= cut
         over -= cut
@@ -185,35 +266,46 @@ def simulate(
     else:
         done = tail / (1.0 + overhead)
     bad["checkpoint"] += tail - done
-    work = work + done
-    ettr = work / horizon
-    n = np.isfinite(times).sum(axis=1)
-    counts = np.bincount(causes[causes >= 0], minlength=len(model.causes)) / runs
-    wall_h = horizon / HOUR
+    ettr = (work + done) / horizon
+    training = horizon - np.sum([bad[phase] for phase in undo], axis=0)
+    took &= causes >= 0
+    results = []
+    for b in range(blocks):
+        part = slice(b * runs, (b + 1) * runs)
+        counts = np.bincount(causes[part][took[part]], minlength=len(model.causes)) / runs
+        by_cause = {c.name: float(k) for c, k in zip(model.causes, counts, strict=True)}
+        if sides is not None:
+            by_cause["regional outage: waited"] = float((tally["outages"] - tally["failovers"])[part].mean())
+            by_cause["regional outage: failed over"] = float(tally["failovers"][part].mean())
+        result = Result(
+            profile=profile.name,
+            policy=policy.name,
+            gpus=job.gpus,
+            days=job.days,
+            spares=job.spares,
+            runs=runs,
+            ettr=float(ettr[part].mean()),
+            ettr_p05=float(np.quantile(ettr[part], 0.05)),
+            ettr_p95=float(np.quantile(ettr[part], 0.95)),
+            interruptions=float((seen + tally["outages"])[part].mean()),
+            by_cause=by_cause,
+            badput={k: float(v[part].mean() / horizon) for k, v in bad.items()},
+            checkpoint_interval_s=float(np.mean(tau_d[part])),
+            snapshot_interval_s=float(np.mean(tau_m[part])) if tau_m is not None else None,
+            job_mtbf_h=mtbf / HOUR,
+            **_money(job, float(ettr[part].mean())),
+        )
+        results.append((result, Runs(ettr[part], training[part], **{k: v[part] for k, v in tally.items()})))
+    return results
+
+
+def _money(job: SimJob, ettr: float) -> dict[str, float]:
+    wall_h = job.days * DAY / HOUR
     gpu_hours = (job.gpus + job.spares * job.gpus_per_node) * wall_h
-    useful = job.gpus * wall_h * float(ettr.mean())
+    useful = job.gpus * wall_h * ettr
     cost = gpu_hours * job.price_per_gpu_hour
-    return Result(
-        profile=profile.name,
-        policy=policy.name,
-        gpus=job.gpus,
-        days=job.days,
-        spares=job.spares,
-        runs=runs,
-        ettr=float(ettr.mean()),
-        ettr_p05=float(np.quantile(ettr, 0.05)),
-        ettr_p95=float(np.quantile(ettr, 0.95)),
-        interruptions=float(n.mean()),
-        by_cause={c.name: float(k) for c, k in zip(model.causes, counts, strict=True)},
-        badput={k: float(v.mean() / horizon) for k, v in bad.items()},
-        gpu_hours=gpu_hours,
-        cost=cost,
-        useful_gpu_hours=useful,
-        cost_per_useful_gpu_hour=cost / useful if useful > 0 else math.inf,
-        checkpoint_interval_s=float(np.mean(tau_d)),
-        snapshot_interval_s=float(np.mean(tau_m)) if tau_m is not None else None,
-        job_mtbf_h=mtbf / HOUR,
-    )
+    per_useful = cost / useful if useful > 0 else math.inf
+    return {"gpu_hours": gpu_hours, "cost": cost, "useful_gpu_hours": useful, "cost_per_useful_gpu_hour": per_useful}
 
 
 def _durable_point(reached: np.ndarray, tau: np.ndarray | float, persist_work: np.ndarray | float) -> np.ndarray:
