@@ -322,6 +322,18 @@ def test_prometheus_shows_each_mirrors_step_lag_and_state() -> None:
         assert line in text.splitlines(), (line, text)
 
 
+def test_bench_mirror_read_resumes_from_the_mirror_and_reports_the_raw_floor(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`stalwart bench mirror-read`: each resume must come from the mirror (the bench fails otherwise); the report
+    has both reads of every size and their ratio. The figures are docs/benchmarks.md's, not asserted here."""
+    assert main(["bench", "mirror-read", "--sizes", "4MB", "--repeats", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (row,) = report["sizes"]
+    assert row["bytes"] >= 4_000_000 and row["raw_s"] > 0 and row["resume_s"] > 0
+    assert row["ratio"] == pytest.approx(row["raw_s"] / row["resume_s"]) and report["cold"] is False
+
+
 def test_stalwart_run_mirror_keeps_a_scripts_checkpoints_there(launch: Any) -> None:
     """A script that cannot change: `stalwart run --mirror DIR` gives its Job the mirror (the tiny job passes no
     mirrors=); the run's last checkpoint is there, verified, once the run ended."""

@@ -105,6 +105,9 @@ def load_rank_state(
     except Exception as exc:  # pickle and zip errors come in many types
         raise CheckpointCorruptError(f"the skeleton of rank {rank} in {step_dir} cannot be read safely: {exc}") from exc
     files: dict[str, bytes] | None = None if resharding else {}
+    # On a local filesystem each tensor is read into its own memory (one copy, from the page cache or the disk); an
+    # object store serves a whole data file in one request, and its tensors are cut from it.
+    local = storage.local_path() is not None
     read = 0
 
     def fetch(tid: str) -> torch.Tensor:
@@ -116,12 +119,18 @@ def load_rank_state(
             return torch.empty(0)
         if resharding and tid.startswith("D/"):
             return torch.empty(0, dtype=dtype_from_name(entry.dtype))
+        dtype = dtype_from_name(entry.dtype)
+        if local and entry.codec == "raw":  # one read, straight into the tensor's memory, checked there
+            t = torch.empty(entry.shape, dtype=dtype)
+            target = t.view(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(bytearray())
+            read_tensor(storage, entry, None, into=target)
+            read += entry.nbytes
+            return t
         raw = read_tensor(storage, entry, files)
         read += entry.nbytes
-        t = torch.frombuffer(bytearray(raw), dtype=dtype_from_name(entry.dtype)) if raw else None
-        if t is None:
-            return torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
-        return t.reshape(entry.shape)
+        if not raw:
+            return torch.empty(entry.shape, dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(entry.shape)
 
     state = unflatten(skeleton, fetch)
     if not isinstance(state, dict) or "objects" not in state:
