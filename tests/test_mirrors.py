@@ -195,6 +195,28 @@ class _Outage:
         self.away.rename(self.root)
 
 
+def test_durable_in_all_counts_a_save_once_every_location_has_it(tmp_path: Path) -> None:
+    """durable_in="all": a save the trainer waits on returns once every mirror holds it; with a mirror that cannot
+    take it, the save is reported not committed (`checkpoint_not_everywhere`) at the persist deadline, though the
+    checkpoint directory has it."""
+    log, mirrors = tmp_path / "events.jsonl", [tmp_path / "m1", tmp_path / "m2"]
+    ck = open_checkpointer(tmp_path / "ck", log, mirrors=[{"url": str(m)} for m in mirrors], durable_in="all")
+    for step in (1, 2):
+        assert ck.save(step, _state(step), wait=True)
+        assert all(_committed(m)[0] == step for m in mirrors), "on every mirror when save() returned"
+    ck.close()
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    down = {"url": str(blocker / "m3")}
+    ck = open_checkpointer(tmp_path / "ck", log, mirrors=[down], durable_in="all", persist_timeout_s=2)
+    assert not ck.save(3, _state(3), wait=True), "not on every location within the deadline"
+    [missing] = _events(log, "checkpoint_not_everywhere")
+    assert missing["step"] == 3 and missing["missing"] == [down["url"]], missing
+    assert _committed(tmp_path / "ck")[0] == 3, "committed in the checkpoint directory all the same"
+    with pytest.raises(ConfigError, match="durable_in"):
+        CheckpointOptions(dir="/ck", durable_in="most")
+
+
 def test_with_the_checkpoint_directory_down_saves_commit_in_a_mirror_and_it_is_caught_up(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -94,6 +94,7 @@ class Checkpointer:
         save_faults: Callable[[int], dict[str, Any] | None] | None = None,
         mirrors: list[dict[str, Any]] | None = None,
         failover_s: float = DEFAULT_FAILOVER_S,
+        durable_in: str = "one",
     ) -> None:
         self.url = os.fspath(root)
         self.storage: Storage = open_storage(self.url, storage_options)
@@ -106,6 +107,7 @@ class Checkpointer:
         self._persist_timeout_s = persist_timeout_s
         self._mirrors = mirrors or []  # {"url", "options"}: rank 0's persister copies each commit there (mirroring.py)
         self._failover_s = failover_s  # and a save is written there when this store does not answer (failover.py)
+        self._durable_in = durable_in  # "all": a save counts as committed once every location has it
         self._save_faults = save_faults or (lambda step: None)
         """The faults a save of a step is to meet (job/hooks.StepHooks.save_faults), carried to the persister,
         where checkpoint/save/save_hooks.py turns them into its hooks."""
@@ -288,6 +290,7 @@ class Checkpointer:
             wait=wait,
             mirrors=self._mirrors,
             failover_s=self._failover_s,
+            durable_in=self._durable_in,
         )
         placed = [(i.id, o, i.nbytes, i.tensor.dtype, i.tensor.shape) for i, o in zip(mine, offsets, strict=True)]
 

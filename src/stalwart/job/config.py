@@ -122,6 +122,10 @@ class CheckpointOptions:
     failover_s: float = field(default_factory=lambda: _env_seconds(FAILOVER_ENV, DEFAULT_FAILOVER_S))
     """With mirrors: how long a save tries `checkpoint_dir` before it writes to the first mirror instead, while that
     store does not answer (checkpoint/save/failover.py). Default: `stalwart run --failover-s`, else 20 s."""
+    durable_in: str = "one"
+    """With mirrors: when a save counts as committed (what `save(wait=True)` returns, the newest durable step):
+    "one" once one location committed it, "all" once every location has it (the persister then waits for the
+    mirrors' copies, bounded by `persist_timeout_s`, and a save requested meanwhile meets `when_busy`)."""
 
     def __post_init__(self) -> None:
         auto_or_int("checkpoint_every", self.every)
@@ -133,6 +137,7 @@ class CheckpointOptions:
         seconds("persist_timeout_s", self.persist_timeout_s)
         seconds("failover_s", self.failover_s)
         one_of("when_busy", self.when_busy, ("skip", "wait"))
+        one_of("durable_in", self.durable_in, ("one", "all"))
         if not str(self.dir):
             raise ConfigError("checkpoint_dir must not be empty")
         self.mirror_specs()
@@ -343,6 +348,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "storage_options": ("checkpoint", "storage_options"),
     "mirrors": ("checkpoint", "mirrors"),
     "failover_s": ("checkpoint", "failover_s"),
+    "durable_in": ("checkpoint", "durable_in"),
     "snapshot_every": ("snapshot", "every"),
     "snapshot_budget": ("snapshot", "budget"),
     "light_snapshot_budget": ("snapshot", "light_budget"),

@@ -157,6 +157,7 @@ def make_parts(
             save_faults=hooks.save_faults,
             mirrors=ck.mirror_specs(),
             failover_s=ck.failover_s,
+            durable_in=ck.durable_in,
         )
         undo.callback(checkpointer.close)
         snapshots = Snapshots(

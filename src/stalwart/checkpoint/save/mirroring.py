@@ -45,6 +45,8 @@ class _Mirror:
     retry_at: float = 0.0
     backoff_s: float = BACKOFF_FIRST_S
     down_since: float | None = None
+    newest: int = -1
+    """The newest step this location holds by a copy of this thread's or its own commit."""
 
 
 class Mirrors:
@@ -67,7 +69,7 @@ class Mirrors:
         with self._wake:
             own = self._mirrors.get(source)
             if own is not None:
-                own.pending = None
+                own.pending, own.newest = None, max(own.newest, step)
                 if own.down_since is not None:
                     outage = time.monotonic() - own.down_since
                     self._events.emit("mirror_caught_up", step=step, location=source, outage_s=outage)
@@ -90,6 +92,17 @@ class Mirrors:
             if place.down_since is None:
                 place.down_since = time.monotonic()
                 self._events.emit("mirror_unreachable", step=step, location=url, error=error)
+
+    def wait_copied(self, step: int, urls: list[str], deadline: float) -> list[str]:
+        """Wait until each of `urls` holds `step` (or a newer one), at most until `deadline` (CLOCK_MONOTONIC); the
+        URLs that do not (`durable_in="all"`)."""
+        with self._wake:
+            while True:
+                missing = [u for u in urls if u not in self._mirrors or self._mirrors[u].newest < step]
+                left = deadline - time.monotonic()
+                if not missing or left <= 0:
+                    return missing
+                self._wake.wait(min(left, 0.5))
 
     def finish(self, timeout_s: float = FINISH_S) -> None:
         """Give the pending copies up to `timeout_s` (one try each at least), then stop."""
@@ -160,6 +173,7 @@ class Mirrors:
             self._events.emit("mirror_caught_up", step=step, location=mirror.url, outage_s=now - mirror.down_since)
             mirror.down_since = None
         mirror.backoff_s, mirror.retry_at = BACKOFF_FIRST_S, 0.0
+        mirror.newest = max(mirror.newest, step)
         self._events.emit(
             "mirrored",
             step=step,

@@ -100,7 +100,10 @@ class Persister:
         storage = self._located(place) if manifest is not None and place is not None else None
         if manifest is not None and storage is not None and place is not None:  # queued before the reply: a commit
             self._committed_elsewhere(place, req)  # the trainer saw is the mirrors' pending one
-            self._mirrors.committed(storage, step, req.keep_last, failover.others(req, place.url), source=place.url)
+            others = failover.others(req, place.url)
+            self._mirrors.committed(storage, step, req.keep_last, others, source=place.url)
+            if req.durable_in == "all" and others:  # committed once every location has it
+                committed = self._everywhere(req, [m["url"] for m in others])
         prune_first = req.wait  # a save the trainer waits on (a run's last) ends fully tidied
         if manifest is not None and storage is not None and prune_first:
             self._committer.prune(storage, req.keep_last, manifest)
@@ -151,6 +154,13 @@ class Persister:
         self._events.emit("checkpoint_failover", step=req.step, location=req.url, to=place.url, error="", after_s=0.0)
         self._write_shard(self._located(place), view, req, None)
         return self._own_meta
+
+    def _everywhere(self, req: PersistRequest, urls: list[str]) -> bool:
+        """Whether every one of `urls` got the checkpoint within the save's deadline (`durable_in="all"`)."""
+        missing = self._mirrors.wait_copied(req.step, urls, req.snapshot_mono + req.deadline_s)
+        if missing:
+            self._events.emit("checkpoint_not_everywhere", step=req.step, missing=missing)
+        return not missing
 
     def _located(self, place: failover.Location) -> Storage:
         return self._hooks.storage(self._storage(place.url, place.options))

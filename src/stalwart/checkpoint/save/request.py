@@ -45,6 +45,8 @@ class PersistRequest:
     where a full checkpoint is written instead when the checkpoint directory does not answer (save/failover.py)."""
     failover_s: float = DEFAULT_FAILOVER_S
     """How long a full checkpoint's writes try a location before the next one (save/failover.py)."""
+    durable_in: str = "one"
+    """"all": rank 0 reports the save committed only once every location has it (save/mirroring.py)."""
     skeleton: str = ""
     """The state's non-tensor structure, torch.save'd and base64-encoded (filled after the stall)."""
     tensors: list[dict[str, Any]] = field(default_factory=list)
