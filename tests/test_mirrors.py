@@ -248,19 +248,22 @@ def test_with_the_checkpoint_directory_down_saves_commit_in_a_mirror_and_it_is_c
 
 def test_a_delta_does_not_fail_over_and_a_checkpoint_in_a_mirror_is_no_deltas_base(tmp_path: Path) -> None:
     """A delta's base may not be in the mirror: a delta keeps to the checkpoint directory (given up while it is
-    down), and a checkpoint committed in a mirror is never the base of a later delta there."""
+    down), the save after a delta given up is a full one (which may fail over), and a checkpoint committed in a
+    mirror is never the base of a later delta."""
     log, primary, mirror = tmp_path / "events.jsonl", tmp_path / "ck", tmp_path / "mirror"
     options: dict[str, Any] = {"full_every": 3, "failover_s": 0.3, "persist_timeout_s": 2}
     ck = open_checkpointer(primary, log, keep_last=9, mirrors=[{"url": str(mirror)}], **options)
     assert ck.save(1, _state(1), wait=True)  # full
     with _Outage(primary):
         assert not ck.save(2, _state(2), wait=True), "a delta on step 1: not written in the mirror"
-        assert not ck.save(3, _state(3), wait=True)
-        assert ck.save(4, _state(4), wait=True), "full: committed in the mirror"
+        assert ck.save(3, _state(3), wait=True), "full after it: committed in the mirror"
+    assert ck.save(4, _state(4), wait=True)
     assert ck.save(5, _state(5), wait=True)
     ck.close()
-    assert layout.read_manifest(open_storage(primary), 5).base == 1, "not step 4, committed in the mirror"
-    assert {e["step"] for e in _events(log, "checkpoint_failover")} == {4}
+    storage = open_storage(primary)
+    assert layout.read_manifest(storage, 4).base is None, "not a delta on step 3, committed in the mirror"
+    assert layout.read_manifest(storage, 5).base == 4
+    assert {e["step"] for e in _events(log, "checkpoint_failover")} == {3}
 
 
 def test_rank_0_commits_where_every_shard_is_and_gives_up_a_split_save() -> None:
@@ -354,6 +357,42 @@ def test_bench_mirror_read_resumes_from_the_mirror_and_reports_the_raw_floor(
     (row,) = report["sizes"]
     assert row["bytes"] >= 4_000_000 and row["raw_s"] > 0 and row["resume_s"] > 0
     assert row["ratio"] == pytest.approx(row["raw_s"] / row["resume_s"]) and report["cold"] is False
+
+
+def test_a_delta_copied_alone_keeps_its_base_there_through_retention(tmp_path: Path) -> None:
+    """A delta copied to a mirror brings its base's files without the base's manifest; retention there must keep
+    them (they are no interrupted save), or the mirror would hold a delta that cannot load."""
+    primary, mirror = tmp_path / "ck", tmp_path / "mirror"
+    ck = open_checkpointer(primary, keep_last=3, full_every=2)
+    frozen = torch.arange(4096, dtype=torch.float32)  # unchanged: the delta points into its base for it
+    for step in (1, 2):
+        state = _state(step)
+        state["objects"]["w"]["frozen"] = frozen
+        assert ck.save(step, state, wait=True)
+    ck.close()
+    assert main(["ckpt", "sync", str(primary), str(mirror), "--step", "2"]) == 0
+    storage = open_storage(mirror)
+    manifest = layout.read_manifest(storage, 2)
+    assert manifest.base == 1 and _committed(mirror) == [2] and (mirror / layout.step_dir_name(1)).is_dir()
+    layout.prune(storage, 1, manifest)
+    restored = open_checkpointer(tmp_path / "elsewhere", mirrors=[{"url": str(mirror)}]).load_latest()
+    assert restored is not None and restored.step == 2 and restored.mirror == str(mirror)
+
+
+def test_a_rollback_sets_the_abandoned_steps_aside_in_every_location(tmp_path: Path) -> None:
+    """Steps after a rollback's target are a history the job abandoned: a later start, which lists the mirrors
+    too, must not resume from a mirror's copy of them."""
+    log, primary, mirror = tmp_path / "events.jsonl", tmp_path / "ck", tmp_path / "mirror"
+    ck = open_checkpointer(primary, log, keep_last=5, mirrors=[{"url": str(mirror)}])
+    for step in (1, 2, 3):
+        assert ck.save(step, _state(step), wait=True)
+        wait_for(lambda step=step: step in _committed(mirror), 60, f"step {step} on the mirror")
+    assert ck.set_aside_after(1, "a test's rollback") == [2, 3]
+    assert _committed(primary) == [1] and _committed(mirror) == [1]
+    aside = {(e["step"], Path(e["path"]).parent) for e in _events(log, "checkpoint_set_aside")}
+    assert aside == {(s, where) for s in (2, 3) for where in (primary, mirror)}, aside
+    restored = ck.load_latest()
+    assert restored is not None and restored.step == 1
 
 
 def test_stalwart_run_mirror_keeps_a_scripts_checkpoints_there(launch: Any) -> None:

@@ -44,7 +44,7 @@ import torch
 
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.format.serialize import TensorItem, assign_owners, dtype_name, fingerprint, flatten
-from stalwart.checkpoint.load.newest import load_newest
+from stalwart.checkpoint.load.newest import load_newest, set_aside_after
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.save.background import Background
 from stalwart.checkpoint.save.overlap import UpdateFence
@@ -367,6 +367,8 @@ class Checkpointer:
     def _note(self, reply: PersistReply | None) -> None:
         if reply is not None and reply.committed and reply.full:
             self._last_full = reply.step
+        elif reply is not None and self._mirrors:  # elsewhere or nowhere: the next is full, and may fail over
+            self._last_full = None
 
     def wait_durable(self) -> bool:
         """Wait for the save in flight; whether it committed. Collective: every rank calls it."""
@@ -407,33 +409,23 @@ class Checkpointer:
         return steps[0] if steps else -1
 
     def set_aside_after(self, step: int, reason: str) -> list[int]:
-        """Move committed checkpoints of steps after `step` out of the step namespace, as a corrupt one is (nothing
-        is deleted; retention never removes them): after a rollback they hold a history the job abandoned, which
-        a later restart must not resume from. Rank 0 only; the caller has waited for the save in flight."""
-        moved: list[int] = []
-        try:
-            newer = [s for s in layout.committed_steps(self.storage) if s > step]
-        except Exception as exc:
-            self._events.emit("checkpoint_list_failed", error=describe_error(exc))
-            return moved
-        for newer_step in newer:
-            try:
-                path = layout.quarantine(self.storage, newer_step)
-            except Exception as exc:
-                self._events.emit("checkpoint_quarantine_failed", step=newer_step, error=describe_error(exc))
-                continue
-            moved.append(newer_step)
-            self._events.emit("checkpoint_set_aside", step=newer_step, path=self.storage.display(path), reason=reason)
+        """Move committed checkpoints of steps after `step` out of the step namespace, here and in every mirror (a
+        later start lists them all; checkpoint/load/newest.py): after a rollback they hold a history the job
+        abandoned. Nothing is deleted. Rank 0 only; the caller has waited for the save in flight."""
+        moved = set_aside_after(self._locations(), self._events, step, reason)
         if moved:
             self._last_full = None  # a delta's base may be among them: the next save is a full one
         return moved
 
+    def _locations(self) -> list[Storage]:
+        """The checkpoint directory, then each mirror."""
+        return [self.storage, *(open_storage(m["url"], m.get("options")) for m in self._mirrors)]
+
     def load_latest(self, *, allow_world_size_change: bool = False, at_most: int | None = None) -> Restored | None:
         """Load the newest checkpoint (not after step `at_most`) that verifies on every rank, here or in a mirror;
         None when there is no such checkpoint at all (checkpoint/load/newest.py)."""
-        mirrors = [open_storage(m["url"], m.get("options")) for m in self._mirrors]  # failover (issue 46)
         restored = load_newest(
-            [self.storage, *mirrors],
+            self._locations(),  # failover (issue 46)
             self._comm,
             self._events,
             allow_world_size_change=allow_world_size_change,

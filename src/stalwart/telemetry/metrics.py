@@ -116,6 +116,8 @@ class RunMetrics:
             self.mirror_up.labels(location=where).set(1)
         elif kind == "mirror_unreachable":
             self.mirror_up.labels(location=where).set(0)
+        elif kind == "mirror_caught_up":  # also a location caught up by a commit of its own (a failover's end)
+            self.mirror_up.labels(location=where).set(1)
         elif kind == "checkpoint_failover" and worker0:
             self.failovers.inc()
 

@@ -306,7 +306,7 @@ def prune(storage: Storage, keep_last: int, current: Manifest) -> list[int]:
     newest = committed[0] if committed else current.step
     removed = []
     for step, name in step_dirs(storage):
-        interrupted = step not in committed and step < newest
+        interrupted = step not in committed and step < newest and step not in keep  # a base a copy brought along
         if (step in committed and step not in keep) or interrupted:
             for file in storage.listdir(name):  # a data file becomes the next one of its rank, if it may
                 m = _DATA_NAME.match(file)

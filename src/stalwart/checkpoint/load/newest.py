@@ -108,7 +108,7 @@ def load_newest(
             unreadable_only = False
     if not tries:
         return None
-    if unreadable_only:
+    if unreadable_only or listing.unlisted:  # another location may hold what verifies: not final
         raise CheckpointError(f"no checkpoint in {root} can be read now ({first_problem or 'see other ranks'})")
     if first_problem is None:
         raise PeerError("no checkpoint verifies on another rank; see its error")
@@ -134,3 +134,23 @@ def quarantine(locations: list[Storage], comm: Comm, events: EventLog, steps: li
             except Exception as exc:
                 events.emit("checkpoint_quarantine_failed", step=step, error=describe_error(exc))
     comm.barrier()  # no rank writes a new save of that step until it has been moved aside
+
+
+def set_aside_after(locations: list[Storage], events: EventLog, step: int, reason: str) -> list[int]:
+    """Move every committed step after `step` aside in each location (`checkpoint_set_aside`); the steps moved."""
+    moved: set[int] = set()
+    for storage in locations:
+        try:
+            newer = [s for s in layout.committed_steps(storage) if s > step]
+        except Exception as exc:
+            events.emit("checkpoint_list_failed", error=describe_error(exc), location=storage.display())
+            continue
+        for newer_step in newer:
+            try:
+                path = layout.quarantine(storage, newer_step)
+            except Exception as exc:
+                events.emit("checkpoint_quarantine_failed", step=newer_step, error=describe_error(exc))
+                continue
+            moved.add(newer_step)
+            events.emit("checkpoint_set_aside", step=newer_step, path=storage.display(path), reason=reason)
+    return sorted(moved)

@@ -122,6 +122,8 @@ def load_rank_state(
         dtype = dtype_from_name(entry.dtype)
         if local and entry.codec == "raw":  # one read, straight into the tensor's memory, checked there
             t = torch.empty(entry.shape, dtype=dtype)
+            if t.numel() * t.element_size() != entry.nbytes:
+                raise CheckpointCorruptError(f"tensor {tid} of {step_dir}: its shape and its size disagree")
             target = t.view(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(bytearray())
             read_tensor(storage, entry, None, into=target)
             read += entry.nbytes

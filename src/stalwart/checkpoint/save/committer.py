@@ -101,7 +101,7 @@ class Committer:
         step_dir = layout.step_dir_name(step)
         wanted = {layout.meta_name(r, token): r for r in range(1, world)}  # rank 0's own meta is in memory
         failed = {layout.failed_name(r, token): r for r in range(world)}
-        deadline = time.monotonic() + req.deadline_s
+        deadline = req.snapshot_mono + req.deadline_s  # the save's, as every write of it
         elsewhere_from = req.snapshot_mono + req.failover_s  # before then, no rank has moved on (failover.py)
         poll = POLL_LOCAL_S if storages[own].local_path() is not None else POLL_REMOTE_S
         while True:

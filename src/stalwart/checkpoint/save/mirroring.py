@@ -162,6 +162,8 @@ class Mirrors:
                 storage = open_storage(mirror.url, mirror.options)
                 layout.prepare_root(storage, create=True)
                 mirror.storage = storage
+            if not primary.exists(f"{layout.step_dir_name(step)}/{layout.MANIFEST}"):
+                return None  # set aside there since (a rollback) or pruned: nothing to copy, and no outage
             copy = copy_step(primary, mirror.storage, step)
             if copy.problem:
                 raise OSError(copy.problem)

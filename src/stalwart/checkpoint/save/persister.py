@@ -75,6 +75,7 @@ class Persister:
             self._hooks = save_hooks(req.faults, req.step, int(req.staging["pid"]), self._events)
             view = self._staging(req.staging)
             places = failover.locations(req)
+            self._skipped.clear()
             place, written = self._write_somewhere(places, view, req)
             ok = True
             if req.coordinator:
@@ -85,7 +86,7 @@ class Persister:
                     req,
                     self._own_meta,
                     self._hooks,
-                    lambda i: self._rewrite(places[i], view, req),
+                    functools.partial(self._rewrite, place, places, view, req),
                 )
                 place, committed = places[index], True
         except Quit:
@@ -130,6 +131,7 @@ class Persister:
         for place, after in zip(places, [*places[1:], None], strict=True):
             until = None if after is None else time.monotonic() + req.failover_s
             try:
+                self._retrier.target = self._located(place)  # where a `.failed` marker goes
                 if place.index != 0 and place.url not in self._prepared:  # a mirror: its root marker first
                     self._retrier.run(
                         req, "root", functools.partial(layout.prepare_root, self._located(place), create=True), until
@@ -149,9 +151,13 @@ class Persister:
                 )
         raise AssertionError("the last location raises GaveUp, not Unanswered")
 
-    def _rewrite(self, place: failover.Location, view: memoryview, req: PersistRequest) -> bytes:
-        """Rank 0's shard written again where the other ranks' are (the commit's, failover.py); its new meta."""
-        self._events.emit("checkpoint_failover", step=req.step, location=req.url, to=place.url, error="", after_s=0.0)
+    def _rewrite(
+        self, own: failover.Location, places: list[failover.Location], view: memoryview, req: PersistRequest, index: int
+    ) -> bytes:
+        """Rank 0's shard, first written in `own`, written again where the other ranks' are (`places[index]`, the
+        commit's, failover.py); its new meta."""
+        place = places[index]
+        self._events.emit("checkpoint_failover", step=req.step, location=own.url, to=place.url, error="", after_s=0.0)
         self._write_shard(self._located(place), view, req, None)
         return self._own_meta
 
