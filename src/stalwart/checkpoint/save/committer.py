@@ -147,10 +147,12 @@ class Committer:
             self.prune(*item)
 
     def prune(self, storage: Storage, keep_last: int, manifest: layout.Manifest) -> None:
-        """Retention after a commit. A step still being written has no manifest and is newer than every
-        committed one, so retention never takes it for an interrupted save."""
+        """Retention after a commit. A step a save is still writing has no manifest and is newer than every
+        committed one, so retention never takes it for an interrupted save; a copy of an older step into this
+        location (mirroring.py) holds the location's lock until its manifest lands (failover.location_lock)."""
         try:
-            with self._prune_lock:  # a waited-on save prunes on the persist thread: never two at once
+            # A waited-on save prunes on the persist thread: never two at once; nor during a copy there (mirroring).
+            with self._prune_lock, failover.location_lock(storage.display()):
                 removed = layout.prune(storage, keep_last, manifest)
         except Exception as exc:  # the commit stands; old checkpoints go after a later save
             self._events.emit("checkpoint_prune_failed", step=manifest.step, error=describe_error(exc))

@@ -19,6 +19,7 @@ Imports no torch.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,3 +72,15 @@ def split(listings: dict[int, set[str]], wanted: set[str]) -> str | None:
     if found != wanted or one_place(listings, wanted, 0) is not None:
         return None
     return "; ".join(f"{sorted(names & wanted)} in location {index}" for index, names in sorted(listings.items()))
+
+
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def location_lock(where: str) -> threading.Lock:
+    """The lock rank 0's persister holds on a location (by its display name) while it prunes there or copies a step
+    there: retention takes a step directory without a manifest older than the newest commit for an interrupted
+    save, which a copy of an older step into a location that committed newer ones is, until its manifest lands."""
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(where, threading.Lock())

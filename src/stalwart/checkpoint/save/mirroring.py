@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stalwart.checkpoint.format import layout
+from stalwart.checkpoint.save.failover import location_lock
 from stalwart.checkpoint.save.step_copy import copy_step
 from stalwart.checkpoint.storage import Storage, describe_error, open_storage
 from stalwart.telemetry.events import EventLog
@@ -164,10 +165,11 @@ class Mirrors:
                 mirror.storage = storage
             if not primary.exists(f"{layout.step_dir_name(step)}/{layout.MANIFEST}"):
                 return None  # set aside there since (a rollback) or pruned: nothing to copy, and no outage
-            copy = copy_step(primary, mirror.storage, step)
-            if copy.problem:
-                raise OSError(copy.problem)
-            layout.prune(mirror.storage, keep_last, layout.read_manifest(mirror.storage, step))
+            with location_lock(mirror.storage.display()):  # no retention there meanwhile (the committer's)
+                copy = copy_step(primary, mirror.storage, step)
+                if copy.problem:
+                    raise OSError(copy.problem)
+                layout.prune(mirror.storage, keep_last, layout.read_manifest(mirror.storage, step))
         except Exception as exc:
             return describe_error(exc)
         now = time.monotonic()
