@@ -481,3 +481,25 @@ def test_the_persister_process_does_not_import_torch() -> None:
     code = "import sys, stalwart.checkpoint.save.persister; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_persister_remaps_staging_while_a_view_of_the_old_map_lives(tmp_path: Path) -> None:
+    """A failed upload's traceback can hold a view of the staging it was writing; when the next save's staging is
+    another memfd (it grew), closing the old map raised BufferError, a persister error that skipped that save on
+    its rank (issue 46's 60-s S3 outage). The old map is now left to the last view."""
+    import os
+
+    from stalwart.checkpoint.save.persister import Persister
+    from stalwart.telemetry.events import EventLog
+
+    persister = Persister(EventLog(None), lambda reply: None)
+    specs = []
+    for size in (4096, 8192):
+        fd = os.memfd_create("test-staging")
+        os.ftruncate(fd, size)
+        specs.append({"pid": os.getpid(), "fd": fd, "size": size})
+    held = persister._staging(specs[0])[:16]  # as a traceback's frame would
+    assert len(persister._staging(specs[1])) == 8192
+    assert bytes(held) == bytes(16)
+    for spec in specs:
+        os.close(spec["fd"])

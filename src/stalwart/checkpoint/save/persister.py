@@ -98,6 +98,7 @@ class Persister:
         except Exception as exc:  # a defect, not the store: report it and stay alive for the next save
             self._events.emit("checkpoint_skipped", step=step, reason=f"persister error: {describe_error(exc)}")
             ok, committed = False, False
+            self._gave_up(req)
         storage = self._located(place) if manifest is not None and place is not None else None
         if manifest is not None and storage is not None and place is not None:  # queued before the reply: a commit
             self._committed_elsewhere(place, req)  # the trainer saw is the mirrors' pending one
@@ -167,6 +168,15 @@ class Persister:
         if missing:
             self._events.emit("checkpoint_not_everywhere", step=req.step, missing=missing)
         return not missing
+
+    def _gave_up(self, req: PersistRequest) -> None:
+        """This rank will not write its shard: a `.failed` marker wherever rank 0 may look for it, so that its
+        commit gives up now rather than at the save's deadline (best effort: a store may be down)."""
+        rel = f"{layout.step_dir_name(req.step)}/{layout.failed_name(req.rank, req.token)}"
+        for place in failover.locations(req):
+            if place.index == 0 or place.url in self._prepared:  # never files in a mirror stalwart has not marked
+                with contextlib.suppress(Exception):
+                    self._storage(place.url, place.options).write_bytes(rel, b"")
 
     def _located(self, place: failover.Location) -> Storage:
         return self._hooks.storage(self._storage(place.url, place.options))
@@ -340,7 +350,11 @@ class Persister:
         key = (int(spec["pid"]), int(spec["fd"]), int(spec["size"]))
         if key not in self._maps:
             for old in self._maps.values():
-                old.close()
+                # A view of it may outlive its save (a failed upload's traceback holds the data it was writing):
+                # the map is then freed with the last view, not here (BufferError was a persister error that
+                # skipped the next save, issue 46's 60-s S3 outage).
+                with contextlib.suppress(BufferError):
+                    old.close()
             self._maps.clear()
             with open(f"/proc/{key[0]}/fd/{key[1]}", "rb") as f:
                 self._maps[key] = mmap.mmap(f.fileno(), key[2], prot=mmap.PROT_READ) if key[2] else mmap.mmap(-1, 1)
