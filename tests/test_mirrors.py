@@ -395,6 +395,51 @@ def test_a_rollback_sets_the_abandoned_steps_aside_in_every_location(tmp_path: P
     assert restored is not None and restored.step == 1
 
 
+def test_a_copy_killed_half_way_is_never_a_checkpoint_and_the_next_copy_tidies_it(tmp_path: Path) -> None:
+    """The persister killed while it copies a commit to the mirror (its process SIGKILLed as soon as the step's
+    directory appears there, before the manifest): that step is not committed there, nothing loads it, and the next
+    save's copy commits and prunes the remains. Should the copy finish before the kill lands (a fast disk), the step
+    is there whole and verified: both outcomes are checked for what must hold."""
+    import os
+    import signal
+
+    log, primary, mirror = tmp_path / "events.jsonl", tmp_path / "ck", tmp_path / "mirror"
+    big = {"step": 1, "world_size": 1, "objects": {"w": {"weight": torch.randn(32 << 20 >> 2)}}}  # 32 MiB
+    ck = open_checkpointer(primary, log, keep_last=2, mirrors=[{"url": str(mirror)}])
+    assert ck.save(1, big, wait=True)
+    step_dir = mirror / layout.step_dir_name(1)
+    wait_for(lambda: step_dir.is_dir(), 60, "the copy to start")
+    os.kill(ck._bg._proc.pid, signal.SIGKILL)
+    ck.close()
+    assert _committed(mirror) in ([], [1]), "a copy is committed whole or not at all"
+    assert main(["ckpt", "verify", str(mirror)]) == 0, "what the mirror holds as committed verifies"
+    ck = open_checkpointer(primary, log, keep_last=2, mirrors=[{"url": str(mirror)}])
+    assert ck.save(2, _state(2), wait=True)
+    ck.close()  # its copy commits before the persister ends
+    assert _committed(mirror)[0] == 2 and main(["ckpt", "verify", str(mirror)]) == 0
+    restored = open_checkpointer(tmp_path / "elsewhere", mirrors=[{"url": str(mirror)}]).load_latest()
+    assert restored is not None and restored.step == 2
+
+
+def test_a_mirror_back_after_the_primary_pruned_what_it_missed_gets_the_newest(tmp_path: Path) -> None:
+    """The mirror down for three saves while the primary keeps one checkpoint (it pruned the steps the mirror
+    missed): back, it gets the newest commit, not a step that is gone, and reports no outage for those."""
+    log, blocker = tmp_path / "events.jsonl", tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    mirror = blocker / "mirror"
+    ck = open_checkpointer(tmp_path / "ck", log, keep_last=1, mirrors=[{"url": str(mirror)}])
+    for step in (1, 2, 3):
+        assert ck.save(step, _state(step), wait=True)
+    assert _committed(tmp_path / "ck") == [3], "the primary pruned 1 and 2"
+    blocker.unlink()
+    assert ck.save(4, _state(4), wait=True)
+    ck.close()
+    assert _committed(mirror) == [4]
+    restored = open_checkpointer(tmp_path / "elsewhere", mirrors=[{"url": str(mirror)}]).load_latest()
+    assert restored is not None and restored.step == 4
+    assert len(_events(log, "mirror_unreachable")) == 1 and len(_events(log, "mirror_caught_up")) == 1
+
+
 def test_stalwart_run_mirror_keeps_a_scripts_checkpoints_there(launch: Any) -> None:
     """A script that cannot change: `stalwart run --mirror DIR` gives its Job the mirror (the tiny job passes no
     mirrors=); the run's last checkpoint is there, verified, once the run ended."""
