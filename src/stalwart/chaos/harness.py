@@ -223,6 +223,10 @@ def _run(
             due = []
             while schedule and schedule[0][0] <= now:
                 due.append(schedule.pop(0)[1])
+            if progress_of["mirrored"] < 0 and any(f.kind == "region_loss" for f in due):  # at a time, as at a step:
+                schedule += [(now + POLL_S, f) for f in due if f.kind == "region_loss"]  # not before a mirror has one
+                schedule.sort(key=lambda item: item[0])
+                due = [f for f in due if f.kind != "region_loss"]
             for at in [a for a in at_steps if _reached(a[1], a[0], progress_of)]:
                 at_steps.remove(at)
                 due.append(at[1])
