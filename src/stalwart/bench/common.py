@@ -56,6 +56,19 @@ def parse_size(text: str) -> int:
     return size
 
 
+def parse_sizes(text: str) -> list[int]:
+    """`--sizes 10MB,1GB` for argparse: each part as `parse_size` reads it."""
+    try:
+        return [parse_size(part) for part in text.split(",")]
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def size_text(n: int) -> str:
+    """A size as the tables print it: 100 MB, 1 GB (decimal units)."""
+    return f"{n / GB:.3g} GB" if n >= GB else f"{n / MB:.3g} MB"
+
+
 def peak_rss_mb() -> float:
     """Peak RSS of this process or of its largest reaped child (stalwart may persist in a child process).
 

@@ -26,8 +26,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.bench.common import GB, MB, parse_size, positive_int, run_ranks
-from stalwart.errors import BenchError, ConfigError
+from stalwart.bench.common import GB, MB, parse_sizes, positive_int, run_ranks, size_text
+from stalwart.errors import BenchError
 
 WORKER = "stalwart.bench.handover_worker"
 WAYS = ("broadcast", "file", "direct_new", "direct")
@@ -42,22 +42,13 @@ def run_bench(sizes: list[int], repeats: int, progress: Any) -> dict[str, Any]:
         tempfile.TemporaryDirectory(prefix="stalwart-bench-handover-", dir=shm) as memory,
     ):
         out = Path(root)
-        progress(f"handing over {', '.join(_size(n) for n in sizes)} between two processes, {repeats} rounds each way")
+        progress(
+            f"handing over {', '.join(size_text(n) for n in sizes)} between two processes, {repeats} rounds each way"
+        )
         args = ["--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats), "--out", str(out), "--shm", memory]
         run_ranks(WORKER, 2, args, out, "the hand-overs", TIMEOUT_S)
         results = json.loads((out / "rank0.json").read_text())
     return {"repeats": repeats, "cpu_count": os.cpu_count(), "sizes": results}
-
-
-def _size(n: int) -> str:
-    return f"{n / GB:g} GB" if n >= GB else f"{n / MB:g} MB"
-
-
-def _sizes(text: str) -> list[int]:
-    try:
-        return [parse_size(part) for part in text.split(",")]
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_parser(subparsers: Any) -> Any:
@@ -67,7 +58,7 @@ def add_parser(subparsers: Any) -> Any:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--sizes", type=_sizes, default=[10 * MB, 100 * MB, GB], help="default 10MB,100MB,1GB")
+    p.add_argument("--sizes", type=parse_sizes, default=[10 * MB, 100 * MB, GB], help="default 10MB,100MB,1GB")
     p.add_argument("--repeats", type=positive_int, default=3, help="rounds per size and way (default 3; the median)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of a table")
     p.set_defaults(run=_run)
@@ -88,7 +79,7 @@ def _run(args: Any) -> int:
     table = Table(title=f"hand-over on one node, seconds to the state in the model (median of {report['repeats']})")
     table.add_column("way")
     for r in sizes:
-        table.add_column(_size(r["bytes"]), justify="right")
+        table.add_column(size_text(r["bytes"]), justify="right")
     table.add_row("floor: copy into the model", *(f"{r['floor']['copy_s']:.3f}" for r in sizes))
     table.add_row("floor: copy into new memory", *(f"{r['floor']['allocating_copy_s']:.3f}" for r in sizes))
     lanes = sizes[0]["floor"]["threads"] if sizes else 1

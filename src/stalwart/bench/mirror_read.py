@@ -28,8 +28,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.bench.common import GB, MB, parse_size, positive_int
-from stalwart.errors import BenchError, ConfigError
+from stalwart.bench.common import GB, MB, parse_sizes, positive_int, size_text
+from stalwart.errors import BenchError
 
 CHUNK = 8 << 20
 TENSORS = 8
@@ -42,7 +42,7 @@ def run_bench(sizes: list[int], repeats: int, cold: bool, progress: Any) -> dict
     rows = []
     for size in sizes:
         with tempfile.TemporaryDirectory(prefix="stalwart-bench-mirror-") as root:
-            progress(f"{_size(size)}: writing a checkpoint to the mirror, then {repeats} reads of each kind")
+            progress(f"{size_text(size)}: writing a checkpoint to the mirror, then {repeats} reads of each kind")
             mirror = Path(root) / "mirror"
             files = _write(mirror, size)
             nbytes = sum(f.stat().st_size for f in files)
@@ -126,17 +126,6 @@ def _can_drop_caches() -> bool:
     return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
 
 
-def _size(n: int) -> str:
-    return f"{n / GB:.3g} GB" if n >= GB else f"{n / MB:.3g} MB"
-
-
-def _sizes(text: str) -> list[int]:
-    try:
-        return [parse_size(part) for part in text.split(",")]
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_parser(subparsers: Any) -> Any:
     p = subparsers.add_parser(
         "mirror-read",
@@ -144,7 +133,7 @@ def add_parser(subparsers: Any) -> Any:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--sizes", type=_sizes, default=[100 * MB, GB], help="default 100MB,1GB")
+    p.add_argument("--sizes", type=parse_sizes, default=[100 * MB, GB], help="default 100MB,1GB")
     p.add_argument("--repeats", type=positive_int, default=3, help="reads of each kind per size (default 3; median)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each read (root)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of a table")
@@ -168,7 +157,7 @@ def _run(args: Any) -> int:
         table.add_column(head, justify="right")
     for r in report["sizes"]:
         table.add_row(
-            _size(r["bytes"]),
+            size_text(r["bytes"]),
             f"{r['raw_s']:.3f} s ({r['raw_gb_s']:.2f} GB/s)",
             f"{r['resume_s']:.3f} s ({r['resume_gb_s']:.2f} GB/s)",
             f"{r['ratio']:.0%}",

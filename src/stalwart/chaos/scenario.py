@@ -44,9 +44,7 @@ from stalwart.errors import ConfigError
 
 STEP_KINDS = ("kill", "hang", "slow", "nan", "spike", "flip", "storage_error", "kill_in_save", "stop")
 """Faults the job's injector fires at a step (`stop` is a hang by SIGSTOP)."""
-TIME_KINDS = (
-    "kill",
-    "stop",
+HARNESS_KINDS = (
     "kill_node",
     "corrupt_checkpoint",
     "preempt",
@@ -56,6 +54,8 @@ TIME_KINDS = (
     "store_outage",
     "region_loss",
 )
+"""Faults only the harness can send; at a step, it sends them once rank 0 has logged that step."""
+TIME_KINDS = ("kill", "stop", *HARNESS_KINDS)
 """Faults the harness sends at a time or as a Poisson process: SIGKILL or SIGSTOP to a rank's worker, SIGKILL to
 the launcher and every worker (a node lost; the harness launches it again, as a scheduler would), and damage to
 the newest committed checkpoint followed by a node loss (the restart must fall back to the one before), and
@@ -69,17 +69,6 @@ elastically, with `--replace-wait-s 2`. `store_outage`: the checkpoint directory
 seconds (or until rank 0 has logged step `until_step`), its data kept; `region_loss`: every host and the
 checkpoint directory lost, the job launched again with the same flags, once a checkpoint has reached a mirror
 (chaos/store_faults.py; both want `--mirror` among the scenario's launcher_args)."""
-HARNESS_KINDS = (
-    "kill_node",
-    "corrupt_checkpoint",
-    "preempt",
-    "partition",
-    "lose_node",
-    "add_node",
-    "store_outage",
-    "region_loss",
-)
-"""Faults only the harness can send; at a step, it sends them once rank 0 has logged that step."""
 ELASTIC_KINDS = ("lose_node", "add_node")
 GPU_KINDS = ("gpu_warning", "gpu_xid")
 """Scripted GPU telemetry (detect/gpu_providers.py's scripted provider): a thermal slowdown on GPU `gpu` (a

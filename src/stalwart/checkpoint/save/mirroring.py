@@ -89,10 +89,7 @@ class Mirrors:
         """A save could not be written at `url` (it went to another location, failover.py): that location is down
         from now (`mirror_unreachable`, once per outage) until a copy to it or a commit there works."""
         with self._wake:
-            place = self._mirrors.setdefault(url, _Mirror(url, options))
-            if place.down_since is None:
-                place.down_since = time.monotonic()
-                self._events.emit("mirror_unreachable", step=step, location=url, error=error)
+            self._down(self._mirrors.setdefault(url, _Mirror(url, options)), step, error)
 
     def wait_copied(self, step: int, urls: list[str], deadline: float) -> list[str]:
         """Wait until each of `urls` holds `step` (or a newer one), at most until `deadline` (CLOCK_MONOTONIC); the

@@ -34,7 +34,7 @@ from stalwart.checkpoint.save import failover
 from stalwart.checkpoint.save.committer import Committer
 from stalwart.checkpoint.save.mirroring import Mirrors
 from stalwart.checkpoint.save.request import PersistReply, PersistRequest
-from stalwart.checkpoint.save.retry import GaveUp, Quit, Retrier, Unanswered
+from stalwart.checkpoint.save.retry import GaveUp, Quit, Retrier, Unanswered, failed_marker
 from stalwart.checkpoint.save.save_hooks import NoSaveHooks, SaveHooks, save_hooks
 from stalwart.checkpoint.storage import LocalStorage, Storage, describe_error, open_storage
 from stalwart.runtime.process import die_with_parent, say
@@ -172,7 +172,7 @@ class Persister:
     def _gave_up(self, req: PersistRequest) -> None:
         """This rank will not write its shard: a `.failed` marker wherever rank 0 may look for it, so that its
         commit gives up now rather than at the save's deadline (best effort: a store may be down)."""
-        rel = f"{layout.step_dir_name(req.step)}/{layout.failed_name(req.rank, req.token)}"
+        rel = failed_marker(req)
         for place in failover.locations(req):
             if place.index == 0 or place.url in self._prepared:  # never files in a mirror stalwart has not marked
                 with contextlib.suppress(Exception):

@@ -85,6 +85,10 @@ class Retrier:
     def _leave_failed_marker(self, req: PersistRequest) -> None:
         """Tell rank 0's commit not to wait for this rank any longer (best effort: the store may be down)."""
         with contextlib.suppress(Exception):
-            rel = f"{layout.step_dir_name(req.step)}/{layout.failed_name(req.rank, req.token)}"
             assert self.target is not None
-            self.target.write_bytes(rel, b"")
+            self.target.write_bytes(failed_marker(req), b"")
+
+
+def failed_marker(req: PersistRequest) -> str:
+    """Where a rank that gives up its shard says so, relative to a location's root: rank 0's commit looks for it."""
+    return f"{layout.step_dir_name(req.step)}/{layout.failed_name(req.rank, req.token)}"
