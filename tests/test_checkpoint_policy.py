@@ -59,9 +59,14 @@ def test_a_job_under_auto_checkpoints_at_the_decided_rhythm(tmp_path: Path, monk
     job.close()
     events = [json.loads(line) for line in log.read_text().splitlines()]
     (first, *_) = [e for e in events if e["event"] == "checkpoint_interval"]
-    assert first["step"] == FIRST_EVERY and first["previous"] == FIRST_EVERY
+    # Decided at the first checkpoint whose stall and step time were both measured: step 100 as a rule; a
+    # checkpoint with either not measured yet keeps the interval (job/step_end.plan_checkpoints), which put the
+    # decision at step 200 once in a fresh-clone suite (fc106, 2026-11-30). Every save before it keeps the rhythm.
+    assert first["step"] % FIRST_EVERY == 0 and first["previous"] == FIRST_EVERY
     assert first["every"] < FIRST_EVERY and first["mtbf_s"] >= 5.0 and first["stall_s"] > 0 and first["step_s"] > 0
     assert first["interval_s"] == pytest.approx(daly(first["stall_s"], first["mtbf_s"]), abs=1e-3)  # rounded
     saved = [e["step"] for e in events if e["event"] == "checkpoint_snapshot"]
-    assert saved[0] == FIRST_EVERY and saved[1] == FIRST_EVERY + first["every"], saved
+    before = [s for s in saved if s <= first["step"]]
+    assert before == list(range(FIRST_EVERY, first["step"] + 1, FIRST_EVERY)), saved
+    assert saved[len(before)] == first["step"] + first["every"], saved
     assert saved[-1] == 260, "and the last step, as always"
