@@ -243,7 +243,12 @@ def test_two_hosts_with_their_own_addresses(launch: Any, tmp_path: Path, two_hos
         assert {e["master"].split(":")[0] for e in node.events("worker_spawned")} == {head}
     victim = next(n for n in nodes if 1 in n.worker_pids(restart=0))
     survivor = next(n for n in nodes if n is not victim)
-    assert "killed by SIGKILL" in victim.output() and "lost a peer" in survivor.output()
+    assert "killed by SIGKILL" in victim.output()
+    # The survivor's worker re-forms in its loop; its agent reports it as a peer lost only when it joins the new round
+    # through a restart of its own, not when the round comes to it as a membership change with the worker kept (fc108,
+    # 2026-11-30: a race, both correct, as in test_two_nodes_recover_from_a_killed_worker).
+    reformed = "re-forming in place, inside the training loop" in survivor.output()
+    assert reformed or "lost a peer" in survivor.output(), survivor.output()
     reference = launch(["--nproc-per-node", "2", str(TINY), "--ckpt", "c", "--out", "o", "--steps", "20"], name="ref")
     assert reference.wait(120) == 0, reference.output()
     two_hosts_result = json.loads((tmp_path / "out" / "rank1.json").read_text())
