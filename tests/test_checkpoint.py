@@ -478,7 +478,8 @@ def test_the_persister_process_does_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, stalwart.checkpoint.save.persister; print('torch' in sys.modules)"
+    code = "import sys, stalwart.checkpoint.save.persister, stalwart.checkpoint.save.forked\n"
+    code += "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
 

@@ -1,21 +1,25 @@
-"""The persister a worker host forks ahead (checkpoint/save/forked.py): a job's first persister is that fork, runs
-in the job's working directory, holds none of the host's file descriptors, and is named; a
-process forked from the host later cannot take it; an unclaimed one ends with its host."""
+"""Persisters forked by their process's forker (checkpoint/save/forked.py): a worker host forks its forker ahead,
+each job's persister is a fork of it in the job's directory holding none of the host's file descriptors, named; a
+process forked from the host later does not use it; a process with threads starts its forker as an interpreter and
+keeps it; a forker ends with its host, and its persisters with it."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import textwrap
+import time
 from pathlib import Path
 
 from conftest import child_env, served_script
+from stalwart.runtime.process import process_state
 
 # Run as a script forked from the tests' launch server: one thread, torch imported, as a worker host is when it
 # forks ahead. It prints one JSON line of what it saw.
 SCRIPT = textwrap.dedent(
     """
-    import json, os, socket, sys, time
+    import json, os, socket, sys
     from pathlib import Path
 
     import torch
@@ -25,36 +29,46 @@ SCRIPT = textwrap.dedent(
     from stalwart.telemetry.events import EventLog, read_events
 
     work = Path(sys.argv[1])
-    marker = socket.socket()  # a connection of the host's: the persister must not hold it
+    marker = socket.socket()  # a connection of the host's: neither the forker nor a persister may hold it
     marker.bind(("127.0.0.1", 0))
     marker.listen()
     os.set_inheritable(marker.fileno(), True)
     assert forked.prefork()
     assert not forked.prefork(), "one at a time"
-    ahead = forked._ahead
-    child = os.fork()  # a process forked from the host later (a DataLoader worker): it has no claim
+    forker = forked._forker.proc.pid
+    child = os.fork()  # a process forked from the host later (a DataLoader worker): the forker is not its own
     if child == 0:
-        os._exit(0 if forked.claim({"path": None, "common": {}}) is None else 1)
+        os._exit(0 if forked._current() is None else 1)
     _, status = os.waitpid(child, 0)
     os.chdir(work)  # after the fork: the persister must write where the job is
-    ck = Checkpointer.standalone("ckpt", events=EventLog(work / "events.jsonl"), token="t", keep_last=3)
-    assert ck.save(1, {"objects": {"w": {"weight": torch.ones(64)}}}, wait=True)
-    pid = ahead.pid
-    fds = {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
-    committed = [e for e in read_events(work / "events.jsonl") if e["event"] == "checkpoint_committed"]
-    seen = {
-        "pid": pid,
-        "committed_by": [e["pid"] for e in committed],
-        "comm": Path(f"/proc/{pid}/comm").read_text().strip(),
-        "cwd": os.readlink(f"/proc/{pid}/cwd"),
-        "holds_marker": os.readlink(f"/proc/self/fd/{marker.fileno()}") in fds.values(),
-        "fds": sorted(fds),
-        "forked_child_claimed": os.waitstatus_to_exitcode(status) != 0,
-        "committed": sorted(p.name for p in (work / "ckpt").iterdir()),
-    }
-    ck.close()  # tells the persister to quit and waits for it
-    seen["ended_on_close"] = ahead.poll() is not None
-    assert forked.claim({"path": None, "common": {}}) is None, "taken once"
+    marker_path = os.readlink(f"/proc/self/fd/{marker.fileno()}")
+
+    def held(pid):
+        return sorted(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+
+    def parent(pid):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    seen = {"forker": forker, "forker_comm": Path(f"/proc/{forker}/comm").read_text().strip(),
+            "forker_holds_marker": marker_path in held(forker), "jobs": []}
+    for step in (1, 2):  # two jobs one after the other, as a survivor's script run again
+        ck = Checkpointer.standalone(f"ckpt{step}", events=EventLog(work / "events.jsonl"), token="t", keep_last=3)
+        assert ck.save(step, {"objects": {"w": {"weight": torch.ones(64)}}}, wait=True)
+        proc = ck._bg._proc
+        pid = proc.pid
+        seen["jobs"].append({
+            "pid": pid,
+            "parent": parent(pid),
+            "comm": Path(f"/proc/{pid}/comm").read_text().strip(),
+            "cwd": os.readlink(f"/proc/{pid}/cwd"),
+            "holds_marker": marker_path in held(pid),
+            "committed": sorted(p.name for p in (work / f"ckpt{step}").iterdir()),
+        })
+        ck.close()  # tells the persister to quit and waits for it
+        seen["jobs"][-1]["exit_code"] = proc.poll()
+    events = read_events(work / "events.jsonl")
+    seen["committed_by"] = [e["pid"] for e in events if e["event"] == "checkpoint_committed"]
+    seen["forked_child_used_it"] = os.waitstatus_to_exitcode(status) != 0
     print(json.dumps(seen))
     """
 )
@@ -65,8 +79,38 @@ UNCLAIMED = textwrap.dedent(
     from stalwart.checkpoint.save import forked
 
     assert forked.prefork()
-    print(forked._ahead.pid, flush=True)
-    os._exit(0)  # the host ends without a job: its persister reads the end of its pipe and ends too
+    print(forked._forker.proc.pid, flush=True)
+    os._exit(0)  # the host ends without a job: its forker reads the end of its socket and ends too
+    """
+)
+
+# A process with a second thread (no fork of it is safe): its first persister's forker is a new interpreter, kept
+# for the next job's. It prints the forker's and the last persister's pids, then waits to be killed.
+THREADED = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    from pathlib import Path
+
+    import torch
+
+    from stalwart.checkpoint import Checkpointer
+    from stalwart.checkpoint.save import forked
+    from stalwart.telemetry.events import EventLog
+
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+    os.chdir(sys.argv[1])
+    assert not forked.prefork(), "two threads: no fork"
+    pids = []
+    for step in (1, 2):
+        ck = Checkpointer.standalone(f"ckpt{step}", events=EventLog(None), token="t", keep_last=3)
+        assert ck.save(step, {"objects": {"w": {"weight": torch.ones(8)}}}, wait=True)
+        pids.append(ck._bg._proc.pid)
+        if step == 1:
+            ck.close()
+    forker = forked._forker.proc.pid
+    cmdline = Path(f"/proc/{forker}/cmdline").read_bytes().split(b"\\0")
+    print(forker, *pids, b"stalwart.checkpoint.save.forked" in cmdline, flush=True)
+    time.sleep(600)
     """
 )
 
@@ -82,31 +126,56 @@ def _run(tmp_path: Path, script: str, name: str) -> str:
     return text
 
 
-def test_the_first_persister_is_the_fork_in_the_jobs_directory_holding_none_of_the_hosts_descriptors(
+def _ends(pid: int, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process_state(pid) in ("?", "Z"):  # gone, or ended and waiting for whoever adopted it to reap it
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_each_jobs_persister_is_a_fork_of_the_hosts_forker_in_the_jobs_directory_holding_none_of_its_descriptors(
     tmp_path: Path,
 ) -> None:
     seen = json.loads(_run(tmp_path, SCRIPT, "host").strip().splitlines()[-1])
-    assert seen["committed_by"] == [seen["pid"]], "the save was persisted by the forked persister"
-    assert seen["comm"] == "stalwart-persis"  # 15 bytes of "stalwart-persist"
-    # The job's working directory, taken at the claim (with its environment: /proc shows only an environment set
-    # at exec): the relative checkpoint directory is the job's.
-    assert seen["cwd"] == str(tmp_path)
-    assert not seen["holds_marker"] and not seen["forked_child_claimed"]
-    assert "step_00000001" in seen["committed"]
-    assert seen["ended_on_close"]
+    assert seen["forker_comm"] == "stalwart-forker" and not seen["forker_holds_marker"]
+    assert not seen["forked_child_used_it"]
+    jobs = seen["jobs"]
+    assert seen["committed_by"] == [job["pid"] for job in jobs], "each save persisted by its job's forked persister"
+    assert len({job["pid"] for job in jobs}) == 2
+    for job in jobs:
+        assert job["parent"] == seen["forker"], "forked by the host's forker, not started as an interpreter"
+        assert job["comm"] == "stalwart-persis"  # 15 bytes of "stalwart-persist"
+        # The job's working directory, taken at each request (with its environment: /proc shows only an
+        # environment set at exec): the relative checkpoint directory is the job's.
+        assert job["cwd"] == str(tmp_path)
+        assert not job["holds_marker"]
+        assert job["exit_code"] == 0, "ended on close, its exit code as the forker reported it"
+    assert "step_00000001" in jobs[0]["committed"] and "step_00000002" in jobs[1]["committed"]
 
 
-def test_an_unclaimed_persister_ends_with_its_host(tmp_path: Path) -> None:
-    import time
-
+def test_an_unused_forker_ends_with_its_host(tmp_path: Path) -> None:
     pid = int(_run(tmp_path, UNCLAIMED, "bare").split()[0])
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return
-        if state == "Z":  # ended, waiting for whoever adopted it to reap it
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"persister {pid} outlived its host: {os.popen(f'ps -o pid,stat,cmd -p {pid}').read()}")
+    assert _ends(pid), f"forker {pid} outlived its host: {os.popen(f'ps -o pid,stat,cmd -p {pid}').read()}"
+
+
+def test_a_process_with_threads_starts_one_forker_and_a_kill_ends_it_and_its_persister(tmp_path: Path) -> None:
+    path = tmp_path / "threaded.py"
+    path.write_text(THREADED)
+    out = tmp_path / "threaded.out"
+    proc = served_script(path, [str(tmp_path)], child_env(), tmp_path, out)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and out.read_text().strip()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        forker, first, second, interpreter = out.read_text().split()
+        assert interpreter == "True", "the forker of a process with threads is a new interpreter"
+        assert first != second
+        assert process_state(int(second)) not in ("?", "Z"), "the second job's persister runs"
+        os.kill(proc.pid, signal.SIGKILL)
+        assert _ends(int(forker)), "the forker ends with its process (its socket's other end closed)"
+        assert _ends(int(second)), "and so does the persister it forked"
+    finally:
+        proc.kill()
+        proc.wait(30)

@@ -50,7 +50,7 @@ def die_with_parent(sig: int = signal.SIGKILL, *, parent: int | None = None) -> 
 
 def name_process(name: bytes) -> None:
     """Set this process's short name (/proc/self/comm, 15 bytes), which top and `ps -o comm` show: a process
-    forked without exec (the zygote, a persister forked ahead) is told apart from the one it was forked from."""
+    forked without exec (the zygote, a forker of persisters) is told apart from the one it was forked from."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
@@ -75,6 +75,24 @@ def spawn(cmd: list[str], *, death_signal: int = signal.SIGTERM, **popen: Any) -
     if sys.platform != "linux":
         return subprocess.Popen(cmd, **popen)
     return subprocess.Popen(cmd, preexec_fn=_arm_in_child(int(death_signal), os.getpid()), **popen)
+
+
+def python_signal_handlers() -> None:
+    """Every signal's handler back to what a new interpreter has: in a fork that is to behave as one (a forker of
+    persisters, a launch server), no handler of the process it was forked from runs."""
+    for signum in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            handler = signal.getsignal(signum)
+            if callable(handler) and handler is not signal.default_int_handler:
+                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+
+def fd_limit() -> int:
+    """The highest descriptor number this process may have, plus one: where closing every inherited one ends."""
+    try:
+        return int(os.sysconf("SC_OPEN_MAX"))
+    except (OSError, ValueError):
+        return 1 << 16
 
 
 def single_threaded() -> bool:

@@ -244,8 +244,8 @@ def _host(control_fd: int, status: int, *, warm: bool) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    # The job's persister, forked now while this process is one thread: a fork instead of a new interpreter when
-    # the script's Job starts its first one (checkpoint/save/forked.py).
+    # The forker of the job's persisters, forked now while this process is one thread: each persister the script's
+    # Jobs start is then a fork instead of a new interpreter (checkpoint/save/forked.py).
     from stalwart.checkpoint.save import forked
 
     forked.prefork()

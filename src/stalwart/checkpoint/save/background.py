@@ -1,10 +1,9 @@
 """The training process's handle on its persister: submit a request, ask whether one is in flight, wait for it.
 
-The persister is a child process (see persister.py) started when the job starts, so its start-up overlaps the
-first training steps: under `stalwart run` the one its worker host forked ahead (forked.py), else a new
-interpreter. A thread reads its replies; it only wakes when a persist finishes, so it costs the
-training thread no GIL time. If the persister dies, the save in flight counts as failed, an event says so, and
-the next save starts a new one.
+The persister is a process of its own (see persister.py) started when the job starts, so its start-up overlaps
+the first training steps: forked by this process's forker (forked.py), else a new interpreter. A thread reads its
+replies; it only wakes when a persist finishes, so it costs the training thread no GIL time. If the persister
+dies, the save in flight counts as failed, an event says so, and the next save starts a new one.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from stalwart.telemetry.events import EventLog
 CLOSE_TIMEOUT_S = 30.0
 
 PersisterProcess: TypeAlias = subprocess.Popen[str] | ForkedPersister
-"""A persister in a process: started as an interpreter, or forked ahead by the worker host (forked.py)."""
+"""A persister in a process: forked by this process's forker (forked.py), or started as an interpreter."""
 
 
 class Background:
@@ -60,7 +59,7 @@ class Background:
 
     def _start_process(self) -> None:
         log = {"path": str(self._events.path) if self._events.path else None, "common": self._events.common}
-        proc: PersisterProcess | None = forked.claim(log)  # the one the worker host forked ahead, if any
+        proc: PersisterProcess | None = forked.claim(log)  # a fork of this process's forker, if it can
         if proc is None:
             cmd = [sys.executable, "-m", "stalwart.checkpoint.save.persister", json.dumps(log)]
             proc = subprocess.Popen(

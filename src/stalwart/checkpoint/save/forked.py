@@ -1,21 +1,28 @@
-"""A persister forked ahead of need by a worker host, so that a job's persister costs a fork instead of a new
-interpreter.
+"""Persisters forked from a small server of this process's, the forker, so that each one costs a fork instead of a
+new interpreter.
 
-A persister started as `python -m stalwart.checkpoint.save.persister` (background.py) spends about 0.15-0.2 s of
-CPU importing what it uses, once per rank and per restart, while the job's first steps want the same cores: in
-the test suite, 800 of them were a tenth of all its CPU (2-core VM, 2026-11-29). A worker host (supervisor/
-worker_host.py) has imported all of that already, and before it runs the script it is a single thread, the one
-moment a fork of it is safe. So it forks one child there (`prefork`), which waits on a pipe; the job's first
-persister takes it (`claim`) by sending the environment and working directory the job has then, and the child
-becomes that persister. It keeps the properties of the one started as an interpreter: a process of its own (no
-GIL shared with training), the lowest CPU priority, dead with its worker (a parent-death signal, and its stdin
-closing), and none of the worker's file descriptors (all closed in the child: it must not hold a connection that
-tells a peer its worker is alive, issue 42). Anything the child does not need of the host's memory is shared
+A persister started as `python -m stalwart.checkpoint.save.persister` (background.py) spends about 0.2 s of CPU
+importing what it uses, once per job, per rank and per restart, while the job's first steps want the same cores: in
+the test suite, 313 of them were 70 s of its 1,240 s of CPU (2-core VM, 2026-11-30). So each process that starts
+persisters keeps one forker: a single-threaded process that has imported the persister and forks one per request.
+
+- A worker host (supervisor/worker_host.py) has imported all of that already, and before it runs the script it is a
+  single thread, the one moment a fork of it is safe: it forks its forker there (`prefork`).
+- Any other process (a script run without `stalwart run`, or a survivor's host after its forker died) starts one as
+  an interpreter at its first persister (`python -m stalwart.checkpoint.save.forked`) and keeps it for the next.
+
+A persister keeps the properties of the one started as an interpreter: a process of its own (no GIL shared with
+training), the lowest CPU priority, the job's environment and working directory (sent with each request), and
+none of the worker's file descriptors (its pipes are passed over the forker's socket; everything else is closed in
+the forker: it must not hold a connection that tells a peer its worker is alive, issue 42). It is dead with its
+worker: its stdin closes, and the forker, which learns of the worker's end as its socket's end (or, forked ahead,
+from a parent-death signal), kills it. Anything a fork does not need of the host's memory is shared
 copy-on-write and never written, so it costs pages only for what the persister itself allocates.
 
-Only the first persister of a host is forked: a later one (after a persister died, or in a survivor's next run)
-is started as an interpreter, since by then the host runs the script's threads and a fork would copy their locks
-in whatever state they are.
+Protocol on the forker's socket (SOCK_SEQPACKET, one JSON object per packet): this process sends {"log", "env",
+"cwd"} with three passed descriptors: the persister's stdin and stdout, and this process's stderr of the moment (a
+Popen's child would inherit it); the forker answers {"started": pid} (or {"error": text}) and, when a persister
+ends, {"exit": pid, "code": exit code as Popen gives it}.
 """
 
 from __future__ import annotations
@@ -24,110 +31,313 @@ import contextlib
 import gc
 import json
 import os
+import select
 import signal
+import socket
 import sys
+import threading
+import time
 import traceback
+from collections.abc import Iterator
 from typing import IO, Any
 
 from stalwart.checkpoint.save import persister
-from stalwart.runtime.process import Forked, die_with_parent, name_process, single_threaded
+from stalwart.runtime.process import (
+    Forked,
+    die_with_parent,
+    fd_limit,
+    name_process,
+    process_state,
+    python_signal_handlers,
+    single_threaded,
+)
 
 NAME = b"stalwart-persist"
-"""The forked child's short name (`ps -o comm`, top), which otherwise would be its host's."""
+"""A persister's short name (`ps -o comm`, top), which otherwise would be its host's."""
+FORKER_NAME = b"stalwart-forker"
+PACKET = 1 << 20
+"""The largest packet read: a request carries the job's environment."""
+START_TIMEOUT_S = 30.0
+"""How long a request waits for the forker's answer before the persister is started as an interpreter instead."""
 
 
 class ForkedPersister(Forked):
-    """A forked persister as background.py uses a `subprocess.Popen`: its pipes besides `Forked`'s."""
+    """A persister forked by this process's forker, as background.py uses a `subprocess.Popen`: its pipes, and its
+    exit code as the forker reports it (it is the forker's child, not this process's)."""
 
-    def __init__(self, pid: int, stdin: IO[str], stdout: IO[str]) -> None:
+    def __init__(self, pid: int, stdin: IO[str], stdout: IO[str], forker: Forker) -> None:
         super().__init__(pid)
         self.stdin = stdin
         self.stdout = stdout
+        self._forker = forker
+
+    def poll(self) -> int | None:
+        with self._lock:  # the code is told once: two threads waiting on one persister must both see it
+            if self.returncode is None:
+                self.returncode = self._forker.exit_code(self.pid)
+            return self.returncode
 
 
-_ahead: ForkedPersister | None = None
-_forker = 0  # the pid of the process that forked `_ahead`: a fork of that process (a DataLoader worker) has no claim
+class Forker:
+    """This process's handle on its forker: its socket, the process, and the answers read from it."""
+
+    def __init__(self, sock: int, proc: Forked) -> None:
+        self._sock = sock  # a descriptor, not a socket object: one left open at exit is no ResourceWarning
+        self.proc = proc
+        self.owner = os.getpid()
+        self._requests = threading.Lock()  # one request at a time
+        self._io = threading.Lock()  # one reader of the socket at a time
+        self._started: list[dict[str, Any]] = []
+        self._exits: dict[int, int] = {}
+        self._gone = False
+
+    def alive(self) -> bool:
+        return not self._gone and self.proc.poll() is None
+
+    def start(self, log: dict[str, Any]) -> ForkedPersister | None:
+        """A new persister for a job whose event log is `log` (its path and common fields), with this process's
+        environment and working directory; None if the forker cannot start one (then: an interpreter)."""
+        with self._requests:
+            if not self.alive():
+                return None
+            requests_r, requests_w = os.pipe()
+            replies_r, replies_w = os.pipe()
+            stdin = os.fdopen(requests_w, "w", encoding="utf-8", buffering=1)
+            stdout = os.fdopen(replies_r, "r", encoding="utf-8")
+            request = {"log": log, "env": dict(os.environ), "cwd": os.getcwd()}
+            try:
+                with _socket(self._sock) as sock:
+                    socket.send_fds(sock, [json.dumps(request).encode()], [requests_r, replies_w, 2])
+            except OSError:
+                self._gone = True
+            finally:
+                os.close(requests_r)
+                os.close(replies_w)
+            answer = self._answer() if not self._gone else None
+            if answer is None or "started" not in answer:
+                for stream in (stdin, stdout):
+                    with contextlib.suppress(OSError):
+                        stream.close()
+                return None
+            return ForkedPersister(int(answer["started"]), stdin, stdout, self)
+
+    def exit_code(self, pid: int) -> int | None:
+        """The persister `pid`'s exit code once the forker reported it (or -SIGKILL once the forker is gone: its
+        persisters die with it), else None."""
+        with self._io:
+            while self._read(0.0):
+                pass
+            if pid in self._exits:
+                return self._exits.pop(pid)
+            if process_state(pid) not in ("?", "Z"):
+                return None
+            if self._gone or self.proc.poll() is not None:  # its persisters die with it
+                return -signal.SIGKILL
+            if process_state(pid) == "?":  # reaped: its notice is on its way
+                self._read(0.5)
+                return self._exits.pop(pid, None)
+            return None
+
+    def _answer(self) -> dict[str, Any] | None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            with self._io:
+                if self._started:
+                    return self._started.pop(0)
+                if not self._read(0.1) and (self._gone or self.proc.poll() is not None):
+                    return None
+        return None
+
+    def _read(self, timeout: float) -> bool:
+        """Read one packet if one comes within `timeout` and file it; whether one was read."""
+        if self._gone:
+            return False
+        waiting = select.poll()  # not select.select: this process's descriptors may number over 1,024
+        waiting.register(self._sock, select.POLLIN)
+        try:
+            if not waiting.poll(int(timeout * 1000)):
+                return False
+            with _socket(self._sock) as sock:
+                data = sock.recv(PACKET)
+        except OSError:
+            data = b""
+        if not data:
+            self._gone = True
+            return False
+        msg = json.loads(data)
+        if "exit" in msg:
+            self._exits[int(msg["exit"])] = int(msg["code"])
+        else:
+            self._started.append(msg)
+        return True
+
+
+_forker: Forker | None = None
+SOCKET_FD = 3
+"""The forker's socket in a forker started as an interpreter."""
+_making = threading.Lock()
 
 
 def prefork() -> bool:
-    """Fork a persister that waits to be claimed, if this process runs a single thread (runtime/process.py);
+    """Fork this process's forker now, if this process runs a single thread (runtime/process.py) and has none;
     returns whether one was forked."""
-    global _ahead, _forker
-    if _ahead is not None or not single_threaded():
+    global _forker
+    if _current() is not None or not single_threaded():
         return False
-    requests_r, requests_w = os.pipe()
-    replies_r, replies_w = os.pipe()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:  # the child: never returns
         code = 1
         try:
-            os.dup2(requests_r, 0)
-            os.dup2(replies_w, 1)
-            code = _child()
+            ours.close()
+            code = _forker_main(theirs, ahead=True)
         except BaseException:
             with contextlib.suppress(BaseException):
                 traceback.print_exc()
         finally:
             os._exit(code)
-    os.close(requests_r)
-    os.close(replies_w)
-    stdin = os.fdopen(requests_w, "w", encoding="utf-8", buffering=1)
-    stdout = os.fdopen(replies_r, "r", encoding="utf-8")
-    for stream in (stdin, stdout):
-        os.set_inheritable(stream.fileno(), False)
-    _ahead, _forker = ForkedPersister(pid, stdin, stdout), os.getpid()
+    theirs.close()
+    _forker = Forker(ours.detach(), Forked(pid))
     return True
 
 
 def claim(log: dict[str, Any]) -> ForkedPersister | None:
-    """The persister forked ahead, now running for a job whose event log is `log` (its path and common fields)
-    with this process's environment and working directory; None if there is none to take (this process forked
-    none, it was taken, or it has ended)."""
-    global _ahead
-    ahead, _ahead = _ahead, None
-    if ahead is None or _forker != os.getpid():
+    """A persister for a job whose event log is `log`, forked by this process's forker (started as an interpreter
+    first if this process has none); None if none can be forked (then the caller starts an interpreter)."""
+    forker = _current() or _start_forker()
+    return forker.start(log) if forker is not None else None
+
+
+def _current() -> Forker | None:
+    """This process's forker if it has one that runs (a process forked from this one, a DataLoader worker, has
+    its parent's socket but not its forker)."""
+    forker = _forker
+    if forker is None or forker.owner != os.getpid() or not forker.alive():
         return None
-    if ahead.poll() is not None:
-        _close(ahead)
-        return None
-    start = {"log": log, "env": dict(os.environ), "cwd": os.getcwd()}
+    return forker
+
+
+def _start_forker() -> Forker | None:
+    global _forker
+    with _making:
+        if (forker := _current()) is not None:
+            return forker
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # posix_spawn rather than subprocess.Popen: a Popen still running when this process exits warns
+        # (ResourceWarning), and the forker is meant to live as long as this process. Its socket becomes its fd 3.
+        actions: list[tuple[Any, ...]] = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
+        if theirs.fileno() == SOCKET_FD:
+            os.set_inheritable(SOCKET_FD, True)
+        else:
+            actions.append((os.POSIX_SPAWN_DUP2, theirs.fileno(), SOCKET_FD))
+        try:
+            argv = [sys.executable, "-m", "stalwart.checkpoint.save.forked"]
+            pid = os.posix_spawn(sys.executable, argv, dict(os.environ), file_actions=actions)
+        except OSError:
+            ours.close()
+            return None
+        finally:
+            theirs.close()
+        _forker = Forker(ours.detach(), Forked(pid))
+        return _forker
+
+
+@contextlib.contextmanager
+def _socket(fd: int) -> Iterator[socket.socket]:
+    """The socket object over descriptor `fd`, for one call; the descriptor stays open."""
+    sock = socket.socket(fileno=fd)
     try:
-        ahead.stdin.write(json.dumps(start) + "\n")
-        ahead.stdin.flush()
-    except (OSError, ValueError):
-        ahead.kill()
-        ahead.wait()
-        _close(ahead)
-        return None
-    return ahead
+        yield sock
+    finally:
+        sock.detach()
 
 
-def _close(ahead: ForkedPersister) -> None:
-    for stream in (ahead.stdin, ahead.stdout):
-        with contextlib.suppress(OSError, ValueError):
-            stream.close()
+def _forker_main(sock: socket.socket, *, ahead: bool) -> int:
+    """The forker: fork a persister for each request on `sock` until its other end closes (this process's parent
+    ended), then kill the persisters still running and end."""
+    if ahead:
+        # Nothing of the host's is ever collected here: its objects stay as the fork left them (one wrapping a file
+        # descriptor closed below must never close the number again once a file of ours reuses it).
+        gc.freeze()
+        die_with_parent()  # the host's main thread, which lives as long as the host
+        python_signal_handlers()  # a new interpreter's handlers, not the host's
+    _close_all_but(sock.fileno())
+    name_process(FORKER_NAME)
+    # Its own priority stays the host's: a job's start waits for its fork (its persisters yield, in _persist).
+    children: dict[int, int | None] = {}  # pid: a pidfd that becomes readable when it ends (None where unsupported)
+    try:
+        while True:
+            waits = [sock.fileno(), *(fd for fd in children.values() if fd is not None)]
+            timeout = None if all(fd is not None for fd in children.values()) else 1.0
+            ready, _, _ = select.select(waits, [], [], timeout)
+            _reap(sock, children)
+            if sock.fileno() in ready:
+                try:
+                    data, fds, _, _ = socket.recv_fds(sock, PACKET, 3)
+                except OSError:
+                    data, fds = b"", []
+                if not data:
+                    return 0
+                _fork_persister(sock, json.loads(data), fds, children)
+    finally:
+        for pid in children:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
-def _child() -> int:
-    """In the forked child: become a process of its own, wait for the claim, then serve as the persister."""
-    # Nothing of the host's is ever collected here: its objects stay as the fork left them (one wrapping a file
-    # descriptor closed below must never close the number again once a file of the persister's reuses it).
-    gc.freeze()
-    os.closerange(3, _fd_limit())
+def _fork_persister(
+    sock: socket.socket, start: dict[str, Any], fds: list[int], children: dict[int, int | None]
+) -> None:
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        sock.send(json.dumps({"error": str(exc)}).encode())
+        return
+    if pid == 0:  # the persister: never returns
+        code = 1
+        try:
+            for target, fd in enumerate(fds):  # stdin, stdout, and this process's stderr of the moment
+                os.dup2(fd, target)
+            _close_all_but()
+            die_with_parent()
+            code = _persist(start)
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                traceback.print_exc()
+        finally:
+            os._exit(code)
+    for fd in fds:
+        os.close(fd)
+    pidfd: int | None = None
+    with contextlib.suppress(AttributeError, OSError):
+        pidfd = os.pidfd_open(pid)
+    children[pid] = pidfd
+    sock.send(json.dumps({"started": pid}).encode())
+
+
+def _reap(sock: socket.socket, children: dict[int, int | None]) -> None:
+    for pid in list(children):
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done, status = pid, 0
+        if not done:
+            continue
+        pidfd = children.pop(pid)
+        if pidfd is not None:
+            os.close(pidfd)
+        with contextlib.suppress(OSError):
+            sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _persist(start: dict[str, Any]) -> int:
+    """In a forked persister: take the job's environment and directory, then serve."""
     name_process(NAME)
-    die_with_parent()
     persister.yield_cpu()
-    for signum in signal.valid_signals():  # a new interpreter's handlers, not the host's
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            handler = signal.getsignal(signum)
-            if callable(handler) and handler is not signal.default_int_handler:
-                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
     sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 (the process's own stream)
     sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
-    line = sys.stdin.readline()
-    if not line:  # never claimed: the host ended
-        return 0
-    start = json.loads(line)
     os.environ.clear()
     os.environ.update(start["env"])
     os.chdir(start["cwd"])
@@ -136,8 +346,19 @@ def _child() -> int:
     return 0
 
 
-def _fd_limit() -> int:
-    try:
-        return int(os.sysconf("SC_OPEN_MAX"))
-    except (OSError, ValueError):
-        return 1 << 16
+def _close_all_but(*keep: int) -> None:
+    """Close every descriptor from 3 up but `keep`."""
+    low = 3
+    for fd in sorted(keep):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, fd_limit())
+
+
+def main() -> None:
+    """The forker started as a new interpreter by a process that had none (`claim`)."""
+    _forker_main(socket.socket(fileno=SOCKET_FD), ahead=False)
+
+
+if __name__ == "__main__":
+    main()

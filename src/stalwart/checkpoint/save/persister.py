@@ -1,8 +1,9 @@
 """The persist half of a save: from the staging area to durable storage, off the training thread.
 
 Each rank has one persister. By default it is a child process that takes no GIL time from training: hashing,
-compressing and writing run in another interpreter at a lower CPU priority. Under `stalwart run` it is forked by
-the worker host before the script starts (forked.py, `serve`); otherwise it is started as
+compressing and writing run in another process at a lower CPU priority. It is forked by this process's forker
+(forked.py, `serve`): under `stalwart run` one the worker host forked before the script started, else one started
+as an interpreter at the first persister; where none can fork it is started as
 `python -m stalwart.checkpoint.save.persister` (`main`), which imports no torch, so it starts in a fraction of a
 second. For a store only this process can see (`memory://`) it runs as a thread of the training process instead.
 
