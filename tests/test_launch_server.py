@@ -3,6 +3,7 @@ launches with), in its own session and output, its exit status reported as Popen
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env
+from conftest import child_env, served_python
 from stalwart.supervisor.launch_server import LaunchServer
 
 SCRIPT = """
@@ -50,15 +51,46 @@ def test_a_served_run_has_its_session_environment_and_appended_output(tmp_path: 
         server.close()
 
 
-def test_the_products_server_runs_stalwart_run_only(tmp_path: Path) -> None:
-    server = LaunchServer(child_env())
-    try:
-        proc = server.start(["ckpt", "list", str(tmp_path)], child_env(), tmp_path, tmp_path / "out.log")
-        assert proc.wait(timeout=120) == 2
-        assert (tmp_path / "out.log").read_text().count("\n") == 1, "one line"
-    finally:
-        server.close()
-    assert not server.alive()
+# A client of one thread (as `stalwart chaos` or `stalwart demo` when they start theirs): its server is a fork of it,
+# holding only its pipes and stderr. It prints one JSON line of what it saw.
+FORKED_CLIENT = """
+import json, os, sys
+from pathlib import Path
+
+from stalwart.supervisor.launch_server import ForkedServer, LaunchServer
+
+work = Path(sys.argv[1])
+env = json.loads(sys.argv[2])
+server = LaunchServer(env)
+pid = server._proc.pid
+seen = {
+    "forked": isinstance(server._proc, ForkedServer),
+    "same_program": Path(f"/proc/{pid}/cmdline").read_bytes() == Path("/proc/self/cmdline").read_bytes(),
+    "fds": sorted(int(fd) for fd in os.listdir(f"/proc/{pid}/fd")),
+}
+other = server.start(["ckpt", "list", str(work)], env, work, work / "other.log")
+seen["other"] = [other.wait(timeout=120), (work / "other.log").read_text()]
+run = server.start(["run", "--nproc-per-node", "1", "--max-restarts", "0", str(work / "job.py"), "0", "0"],
+                   {**env, "STALWART_TEST_MARK": "a forked server"}, work, work / "run.log")
+seen["run"] = [run.wait(timeout=120), (work / "run.log").read_text()]
+server.close()
+seen["closed"] = server._proc.poll()
+print(json.dumps(seen))
+"""
+
+
+def test_a_client_of_one_thread_forks_its_server_which_runs_stalwart_run_only(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(SCRIPT)
+    done = served_python(FORKED_CLIENT, str(tmp_path), json.dumps(child_env()), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["forked"] and seen["same_program"], "a fork of its client, not a new interpreter"
+    assert seen["fds"] == [0, 1, 2], "its pipes and stderr, none of its client's other descriptors"
+    code, text = seen["other"]
+    assert code == 2 and text.count("\n") == 1, "any command but `stalwart run`: one line, status 2"
+    code, text = seen["run"]
+    assert code == 0 and "worker of a forked server" in text, text
+    assert seen["closed"] == 0, "ended when its client closed it"
 
 
 def _parent(pid: int) -> int:

@@ -35,11 +35,20 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from stalwart.runtime.process import die_with_parent, run_as_main, spawn
+from stalwart.runtime.process import (
+    Forked,
+    die_with_parent,
+    fd_limit,
+    python_signal_handlers,
+    run_as_main,
+    single_threaded,
+    spawn,
+)
 
 MODULE = "stalwart.supervisor.launch_server"
 
@@ -78,7 +87,7 @@ class LaunchServer:
     children's exit codes."""
 
     def __init__(self, env: dict[str, str], command: list[str] | None = None) -> None:
-        self._proc = spawn(
+        self._proc: subprocess.Popen[bytes] | ForkedServer = (command is None and _fork_server(env)) or spawn(
             command or [sys.executable, "-u", "-m", MODULE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -168,6 +177,60 @@ class LaunchServer:
         with self._lock:
             self._gone = True
             self._lock.notify_all()
+
+
+class ForkedServer(Forked):
+    """The server forked from its client, as LaunchServer uses a `subprocess.Popen`: its pipes besides `Forked`'s."""
+
+    def __init__(self, pid: int, stdin: IO[bytes], stdout: IO[bytes]) -> None:
+        super().__init__(pid)
+        self.stdin = stdin
+        self.stdout = stdout
+
+
+def _fork_server(env: dict[str, str]) -> ForkedServer | None:
+    """The server as a fork of this process where it runs one thread, else None (then: a new interpreter). A tool
+    that starts one (`stalwart chaos`, `stalwart demo`) has imported much of what the server imports; a new
+    interpreter spent 5-7 s of CPU importing it again (2-core VM, 2026-11-30: the test suite started 7). The fork
+    starts as the interpreter would: the pipes as its stdin and stdout, no other descriptor of this process's,
+    `env` as its environment, Python's signal handlers and no atexit handler of this process's."""
+    if not single_threaded():
+        return None
+    requests_r, requests_w = os.pipe()
+    replies_r, replies_w = os.pipe()
+    for stream in (sys.stdout, sys.stderr):  # nothing of ours written twice
+        with contextlib.suppress(Exception):
+            stream.flush()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the server: never returns
+        code = 1
+        try:
+            os.dup2(requests_r, 0)
+            os.dup2(replies_w, 1)
+            os.closerange(3, fd_limit())
+            die_with_parent(signal.SIGKILL, parent=parent)
+            python_signal_handlers()
+            os.environ.clear()
+            os.environ.update(env)
+            atexit._clear()
+            # As `python -u`: text streams over the descriptors, written through (the server's own writes to its
+            # stdout go through os.write; a launcher it forks writes to the output it was given).
+            sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 (the process's own stream)
+            for name, fd in (("stdout", 1), ("stderr", 2)):
+                setattr(sys, name, open(fd, "w", encoding="utf-8", buffering=1, closefd=False))  # noqa: SIM115
+                getattr(sys, name).reconfigure(write_through=True)
+            from stalwart.supervisor import cli  # noqa: F401 - imported once, before the forks
+
+            code = main(_run_only)
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(requests_r)
+    os.close(replies_w)
+    return ForkedServer(pid, os.fdopen(requests_w, "wb"), os.fdopen(replies_r, "rb"))
 
 
 def started(current: LaunchServer | None, env: dict[str, str], command: list[str] | None = None) -> LaunchServer:
