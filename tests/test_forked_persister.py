@@ -179,3 +179,39 @@ def test_a_process_with_threads_starts_one_forker_and_a_kill_ends_it_and_its_per
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def test_an_answer_to_an_older_request_is_passed_over() -> None:
+    """A request that timed out may be answered later: the next request must take its own answer, not that one (a
+    forker stands in here, on the other end of the socket)."""
+    import socket
+    import subprocess
+    import threading
+
+    from stalwart.checkpoint.save.forked import Forker
+    from stalwart.runtime.process import Forked
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    alive = subprocess.Popen(["sleep", "60"])  # the forker's process, as far as the handle can tell
+
+    def stand_in() -> None:
+        data, fds, _, _ = socket.recv_fds(theirs, 1 << 20, 3)
+        for fd in fds:
+            os.close(fd)
+        asked = json.loads(data)["id"]
+        theirs.send(json.dumps({"started": 111, "id": asked - 1}).encode())  # the late answer to an older one
+        theirs.send(json.dumps({"started": 222, "id": asked}).encode())
+
+    threading.Thread(target=stand_in, daemon=True).start()
+    fd = ours.detach()
+    try:
+        forker = Forker(fd, Forked(alive.pid))
+        persister = forker.start({"path": None, "common": {}})
+        assert persister is not None and persister.pid == 222
+        for stream in (persister.stdin, persister.stdout):
+            stream.close()
+    finally:
+        alive.kill()
+        alive.wait()
+        theirs.close()
+        os.close(fd)

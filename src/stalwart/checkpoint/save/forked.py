@@ -19,10 +19,10 @@ worker: its stdin closes, and the forker, which learns of the worker's end as it
 from a parent-death signal), kills it. Anything a fork does not need of the host's memory is shared
 copy-on-write and never written, so it costs pages only for what the persister itself allocates.
 
-Protocol on the forker's socket (SOCK_SEQPACKET, one JSON object per packet): this process sends {"log", "env",
-"cwd"} with three passed descriptors: the persister's stdin and stdout, and this process's stderr of the moment (a
-Popen's child would inherit it); the forker answers {"started": pid} (or {"error": text}) and, when a persister
-ends, {"exit": pid, "code": exit code as Popen gives it}.
+Protocol on the forker's socket (SOCK_SEQPACKET, one JSON object per packet): this process sends {"id", "log",
+"env", "cwd"} with three passed descriptors: the persister's stdin and stdout, and this process's stderr of the
+moment (a Popen's child would inherit it); the forker answers {"started": pid} (or {"error": text}) with the
+request's "id" and, when a persister ends, {"exit": pid, "code": exit code as Popen gives it}.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ class Forker:
         self._started: list[dict[str, Any]] = []
         self._exits: dict[int, int] = {}
         self._gone = False
+        self._asked = 0  # the id of the newest request: an answer to an older one (it timed out) is passed over
 
     def alive(self) -> bool:
         return not self._gone and self.proc.poll() is None
@@ -104,7 +105,8 @@ class Forker:
             replies_r, replies_w = os.pipe()
             stdin = os.fdopen(requests_w, "w", encoding="utf-8", buffering=1)
             stdout = os.fdopen(replies_r, "r", encoding="utf-8")
-            request = {"log": log, "env": dict(os.environ), "cwd": os.getcwd()}
+            self._asked += 1
+            request = {"id": self._asked, "log": log, "env": dict(os.environ), "cwd": os.getcwd()}
             try:
                 with _socket(self._sock) as sock:
                     socket.send_fds(sock, [json.dumps(request).encode()], [requests_r, replies_w, 2])
@@ -142,8 +144,10 @@ class Forker:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             with self._io:
-                if self._started:
-                    return self._started.pop(0)
+                while self._started:
+                    answer = self._started.pop(0)
+                    if answer.get("id") == self._asked:
+                        return answer
                 if not self._read(0.1) and (self._gone or self.proc.poll() is not None):
                     return None
         return None
@@ -293,7 +297,7 @@ def _fork_persister(
     except OSError as exc:
         for fd in fds:
             os.close(fd)
-        sock.send(json.dumps({"error": str(exc)}).encode())
+        sock.send(json.dumps({"error": str(exc), "id": start.get("id")}).encode())
         return
     if pid == 0:  # the persister: never returns
         code = 1
@@ -314,7 +318,7 @@ def _fork_persister(
     with contextlib.suppress(AttributeError, OSError):
         pidfd = os.pidfd_open(pid)
     children[pid] = pidfd
-    sock.send(json.dumps({"started": pid}).encode())
+    sock.send(json.dumps({"started": pid, "id": start.get("id")}).encode())
 
 
 def _reap(sock: socket.socket, children: dict[int, int | None]) -> None:
