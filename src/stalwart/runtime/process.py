@@ -23,7 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -169,8 +169,8 @@ def fork_module(
     pid = os.fork()
     if pid:
         return Forked(pid)
-    code = 1
-    try:
+
+    def child() -> int:
         die_with_parent(death_signal, parent=parent)
         for signum in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_DFL)
@@ -189,14 +189,26 @@ def fork_module(
         atexit._clear()
         random.seed()
         sys.argv = [module, *args]
-        code = _run_module(module)
+        return _run_module(module)
+
+    end_fork(child, flush=True)
+
+
+def end_fork(body: Callable[[], int], *, flush: bool = False) -> NoReturn:
+    """In a forked child: run `body`, print what escapes it, and end the process with its status (1 if it raised),
+    never returning into the frames the fork copied. `flush`: the standard streams first (a child that writes
+    through Python's streams; one that must not write a buffer it copied from its parent leaves them)."""
+    code = 1
+    try:
+        code = body()
     except BaseException:
         with contextlib.suppress(BaseException):
             traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(BaseException):
-                stream.flush()
+        if flush:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(BaseException):
+                    stream.flush()
         os._exit(code)
 
 

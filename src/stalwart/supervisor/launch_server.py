@@ -35,7 +35,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -43,6 +42,7 @@ from typing import IO, Any
 from stalwart.runtime.process import (
     Forked,
     die_with_parent,
+    end_fork,
     fd_limit,
     python_signal_handlers,
     run_as_main,
@@ -204,33 +204,31 @@ def _fork_server(env: dict[str, str]) -> ForkedServer | None:
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the server: never returns
-        code = 1
-        try:
-            os.dup2(requests_r, 0)
-            os.dup2(replies_w, 1)
-            os.closerange(3, fd_limit())
-            die_with_parent(signal.SIGKILL, parent=parent)
-            python_signal_handlers()
-            os.environ.clear()
-            os.environ.update(env)
-            atexit._clear()
-            # As `python -u`: text streams over the descriptors, written through (the server's own writes to its
-            # stdout go through os.write; a launcher it forks writes to the output it was given).
-            sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 (the process's own stream)
-            for name, fd in (("stdout", 1), ("stderr", 2)):
-                setattr(sys, name, open(fd, "w", encoding="utf-8", buffering=1, closefd=False))  # noqa: SIM115
-                getattr(sys, name).reconfigure(write_through=True)
-            from stalwart.supervisor import cli  # noqa: F401 - imported once, before the forks
-
-            code = main(_run_only)
-        except BaseException:
-            with contextlib.suppress(BaseException):
-                traceback.print_exc()
-        finally:
-            os._exit(code)
+        end_fork(lambda: _serve_forked(requests_r, replies_w, parent, env))
     os.close(requests_r)
     os.close(replies_w)
     return ForkedServer(pid, os.fdopen(requests_w, "wb"), os.fdopen(replies_r, "rb"))
+
+
+def _serve_forked(requests: int, replies: int, parent: int, env: dict[str, str]) -> int:
+    """In the forked server: become what `python -u -m stalwart.supervisor.launch_server` is, then serve."""
+    os.dup2(requests, 0)
+    os.dup2(replies, 1)
+    os.closerange(3, fd_limit())
+    die_with_parent(signal.SIGKILL, parent=parent)
+    python_signal_handlers()
+    os.environ.clear()
+    os.environ.update(env)
+    atexit._clear()
+    # As `python -u`: text streams over the descriptors, written through (the server's own writes to its stdout go
+    # through os.write; a launcher it forks writes to the output it was given).
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 (the process's own stream)
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        setattr(sys, name, open(fd, "w", encoding="utf-8", buffering=1, closefd=False))  # noqa: SIM115
+        getattr(sys, name).reconfigure(write_through=True)
+    from stalwart.supervisor import cli  # noqa: F401 - imported once, before the forks
+
+    return main(_run_only)
 
 
 def started(current: LaunchServer | None, env: dict[str, str], command: list[str] | None = None) -> LaunchServer:

@@ -37,7 +37,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -45,6 +44,7 @@ from stalwart.checkpoint.save import persister
 from stalwart.runtime.process import (
     Forked,
     die_with_parent,
+    end_fork,
     fd_limit,
     name_process,
     process_state,
@@ -191,15 +191,8 @@ def prefork() -> bool:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:  # the child: never returns
-        code = 1
-        try:
-            ours.close()
-            code = _forker_main(theirs, ahead=True)
-        except BaseException:
-            with contextlib.suppress(BaseException):
-                traceback.print_exc()
-        finally:
-            os._exit(code)
+        ours.close()
+        end_fork(lambda: _forker_main(theirs, ahead=True))
     theirs.close()
     _forker = Forker(ours.detach(), Forked(pid))
     return True
@@ -300,18 +293,7 @@ def _fork_persister(
         sock.send(json.dumps({"error": str(exc), "id": start.get("id")}).encode())
         return
     if pid == 0:  # the persister: never returns
-        code = 1
-        try:
-            for target, fd in enumerate(fds):  # stdin, stdout, and this process's stderr of the moment
-                os.dup2(fd, target)
-            _close_all_but()
-            die_with_parent()
-            code = _persist(start)
-        except BaseException:
-            with contextlib.suppress(BaseException):
-                traceback.print_exc()
-        finally:
-            os._exit(code)
+        end_fork(lambda: _persist(start, fds))
     for fd in fds:
         os.close(fd)
     pidfd: int | None = None
@@ -336,8 +318,13 @@ def _reap(sock: socket.socket, children: dict[int, int | None]) -> None:
             sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
 
 
-def _persist(start: dict[str, Any]) -> int:
-    """In a forked persister: take the job's environment and directory, then serve."""
+def _persist(start: dict[str, Any], fds: list[int]) -> int:
+    """In a forked persister: take its descriptors (`fds`: stdin, stdout, and the requester's stderr of the moment),
+    the job's environment and directory, then serve."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    _close_all_but()
+    die_with_parent()
     name_process(NAME)
     persister.yield_cpu()
     sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 (the process's own stream)
