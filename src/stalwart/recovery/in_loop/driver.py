@@ -125,12 +125,16 @@ def _undo(job: LoopJob) -> int | None:
     stash, memory, step = survivor.stashed(), job.parts.snapshots.memory, job.step
     if memory is None:
         return None
-    snapshot = None
+    snapshot, why = None, f"no live state of step {step} was kept"
     if stash is not None and stash.step == step:
-        with contextlib.suppress(Exception):
+        try:
             wanted, content = memory.light(step)
-            if all(tid in stash.tensors for tid in wanted):
+            missing = sorted(set(wanted) - set(stash.tensors))
+            why = f"the light snapshot of step {step} wants tensors the survivor does not hold: {missing[:3]}"
+            if not missing:
                 snapshot = memory.load_light(step, content, stash.tensors, stash.skeleton)
+        except Exception as exc:
+            why = str(exc)
     # No light snapshot of the step (or no live state): a full one, the newest that reads back whole (one whose
     # copy the failure interrupted does not).
     for older in [] if snapshot is not None else [s for s in memory.steps() if s <= step]:
@@ -141,6 +145,8 @@ def _undo(job: LoopJob) -> int | None:
         return None
     if step != job.step:  # the live tensors are about to hold an older step: the stash of the failed one is void
         survivor.drop_stash()
+        # Steps redone: why its own state of the failed step did not serve (for the person reading the events).
+        job.events.emit("went_back", step=step, failed_at=job.step, why=why)
     try:
         where = f"this rank's snapshot of step {step}"
         job.tracked.load(Restored(step, job.world_size, snapshot.state, where, snapshot.bytes, tier="memory"))
