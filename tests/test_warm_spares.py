@@ -12,14 +12,23 @@ import pytest
 
 from conftest import alive, child_env, fault_free_results, tiny_args
 
-STEPS = 200
+STEPS = 40
 ARGS = ("--steps", str(STEPS), "--step-sleep", "0.05", "--no-randomness", "--setup-s", "1")
-"""About 10 s of steps: a spare parks after the pool's refill delay (5 s) and its set-up, then a rank is killed."""
+HOLD = ("--hold-at", "10", "--hold-file", "go")
+"""The job waits at step 10 until the test has killed its rank (a spare parks only after the pool's refill delay,
+5 s, and its set-up, however long that takes under load): no test races the job's end, and no step is run only
+to keep the job alive meanwhile (200 such steps were most of these tests' CPU)."""
 
 
 def _launch_with_warm_spare(launch: Any, wait: bool, *extra: str) -> Any:
     env = child_env(STALWART_WAIT_FOR_REPLACEMENT="1" if wait else "0")
-    return launch(["--spares", "1", "--warm-spares", *tiny_args(*ARGS, "--setup-log", "setups.log", *extra)], env=env)
+    args = tiny_args(*ARGS, *HOLD, "--setup-log", "setups.log", *extra)
+    return launch(["--spares", "1", "--warm-spares", *args], env=env)
+
+
+def _go_on(job: Any) -> None:
+    """Let the job past its hold (HOLD)."""
+    (job.workdir / "go").touch()
 
 
 def _kill_once_a_spare_parked(job: Any, rank: int) -> tuple[int, int]:
@@ -29,6 +38,7 @@ def _kill_once_a_spare_parked(job: Any, rank: int) -> tuple[int, int]:
     assert 0 < parked["private_mb"] < parked["rss_mb"] and parked["gpu_mb"] == 0, parked
     victim = job.worker_pids(restart=0)[rank]
     os.kill(victim, signal.SIGKILL)
+    _go_on(job)
     return parked["pid"], victim
 
 
@@ -109,7 +119,7 @@ def test_warm_spares_without_what_they_need_is_one_line(launch: Any, flags: tupl
 def test_a_spare_killed_while_parked_is_replaced_by_a_new_one(launch: Any) -> None:
     """A parked spare's death is the pool's business: it starts another (after its refill delay), which runs the
     set-up and parks; the next lost rank takes that one."""
-    job = _launch_with_warm_spare(launch, False, "--steps", "400")  # two spares' set-ups, one after the other
+    job = _launch_with_warm_spare(launch, False)
     [first] = job.wait_for(lambda: job.events("spare_parked"), 120, "a warm spare to park")
     os.kill(first["pid"], signal.SIGKILL)
     second = job.wait_for(
@@ -117,6 +127,7 @@ def test_a_spare_killed_while_parked_is_replaced_by_a_new_one(launch: Any) -> No
     )[0]
     victim = job.worker_pids(restart=0)[1]
     os.kill(victim, signal.SIGKILL)
+    _go_on(job)
     assert job.wait(240) == 0, job.output()[-3000:]
     [died] = job.events("spare_died")
     assert died["spare_pid"] == first["pid"] and died["parking"], died
@@ -129,7 +140,7 @@ def test_a_warm_spare_killed_while_joining_is_a_failure_like_any_other(launch: A
     (chaos/faults.py `kill_in_join`). The survivor, at its step boundary in the hand-over, re-forms again and trains
     on; the pool's next spare (or a new process) takes rank 1; the run ends with the ranks as replicas."""
     env = child_env(STALWART_WAIT_FOR_REPLACEMENT="0", STALWART_FAULTS="kill_in_join@rank=1,step=0,restart=1")
-    args = tiny_args(*ARGS, "--steps", "400", "--setup-log", "setups.log")  # the pool's second spare in time
+    args = tiny_args(*ARGS, *HOLD, "--setup-log", "setups.log")
     job = launch(["--spares", "1", "--warm-spares", *args], env=env)
     spare, _ = _kill_once_a_spare_parked(job, rank=1)
     assert job.wait(240) == 0, job.output()[-3000:]
@@ -137,7 +148,7 @@ def test_a_warm_spare_killed_while_joining_is_a_failure_like_any_other(launch: A
     assert fired["fault"] == "kill_in_join" and fired["pid"] == spare, fired
     assert not alive(spare)
     results = job.results()
-    assert sorted(results) == [0, 1] and {r["step"] for r in results.values()} == {400}, results
+    assert sorted(results) == [0, 1] and {r["step"] for r in results.values()} == {STEPS}, results
     assert results[0]["sha256"] == results[1]["sha256"], "the ranks end as replicas"
     final = job.worker_pids(restart=max(e["restart"] for e in job.events("worker_spawned")))
     assert final[1] != spare, final
@@ -147,12 +158,13 @@ def test_two_ranks_lost_at_once_with_one_warm_spare(launch: Any) -> None:
     """Ranks 1 and 2 of 3 killed together: one takes the parked spare, the other a new process that runs the
     set-up; the survivor trains on meanwhile and the job grows back to 3."""
     env = child_env(STALWART_WAIT_FOR_REPLACEMENT="0")
-    args = tiny_args(*ARGS, "--setup-log", "setups.log", "--gbs", "6", nproc=3)
+    args = tiny_args(*ARGS, *HOLD, "--setup-log", "setups.log", "--gbs", "6", nproc=3)
     job = launch(["--spares", "1", "--warm-spares", *args], env=env)
     [parked] = job.wait_for(lambda: job.events("spare_parked"), 120, "a warm spare to park")
     first = job.worker_pids(restart=0)
     for rank in (1, 2):
         os.kill(first[rank], signal.SIGKILL)
+    _go_on(job)
     assert job.wait(240) == 0, job.output()[-3000:]
     results = job.results()
     assert sorted(results) == [0, 1, 2] and len({r["sha256"] for r in results.values()}) == 1, results
@@ -172,7 +184,7 @@ def test_a_warm_spare_with_sharded_state_given_another_rank_runs_its_set_up_agai
     reference = fault_free_results(tmp_path_factory.mktemp("warm-fsdp-reference"), *fsdp)
     env = child_env(STALWART_WAIT_FOR_REPLACEMENT="0")
     extra = ("--setup-s", "1", "--setup-log", "setups.log")
-    job = launch(["--spares", "1", "--warm-spares", *tiny_args(*fsdp, *extra)], env=env)
+    job = launch(["--spares", "1", "--warm-spares", *tiny_args(*fsdp, *extra, *HOLD)], env=env)
     spare, _ = _kill_once_a_spare_parked(job, rank=0)
     assert job.wait(240) == 0, job.output()[-3000:]
     assert "holds state sharded for that rank and was given rank 0: its set-up runs again" in job.output()

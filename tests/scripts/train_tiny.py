@@ -127,6 +127,8 @@ def main() -> None:
     p.add_argument("--straggler-policy", default="report", help="JobConfig.straggler_policy")
     p.add_argument("--busy-at", type=int, default=-1, help="at this step, a long stretch marked with job.busy()")
     p.add_argument("--busy-s", type=float, default=0.0)
+    p.add_argument("--hold-at", type=int, default=-1, help="at the end of this step, wait (job.busy) for --hold-file")
+    p.add_argument("--hold-file", default="", help="the test creates it once it has done what needs the job running")
     p.add_argument("--when-busy", default="wait", help="wait: every save happens (deterministic steps for tests)")
     p.add_argument("--ckpt-per-rank", action="store_true", help="a node-local checkpoint dir on each rank (wrong)")
     p.add_argument("--unsavable-on-rank", type=int, default=-1, help="track a numpy scalar on this rank (wrong)")
@@ -290,6 +292,8 @@ def main() -> None:
         if step == args.busy_at:
             with job.busy():
                 time.sleep(args.busy_s)
+        if step == args.hold_at:
+            _hold(job, Path(args.hold_file))
 
     if args.dump_dir:
         _dump(model, optim, job, Path(args.dump_dir) / f"end-{job.step}.pt")
@@ -308,6 +312,17 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{job.rank}.json").write_text(json.dumps(result))
+
+
+def _hold(job: stalwart.Job, path: Path, timeout_s: float = 240.0) -> None:
+    """Wait at a step's end until the test created `path` (it does once what needs the job still running is done: a
+    warm spare parked, a rank killed), so that no test races the job's end; already there: no wait."""
+    deadline = time.monotonic() + timeout_s
+    with job.busy():
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"train_tiny: {path} did not appear in {timeout_s:.0f} s")
+            time.sleep(0.05)
 
 
 def _own(own: OwnBatches, data: Samples) -> tuple[torch.Tensor, torch.Tensor]:
