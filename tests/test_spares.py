@@ -8,9 +8,12 @@ import pytest
 
 from conftest import alive, child_env, fault_free_results, tiny_args
 
-# Long enough for the pool to fill (5 s after the first start, then the spares import torch) before the fault.
-ARGS = ("--steps", "240", "--every", "50", "--num-samples", "3000", "--step-sleep", "0.06")
-FAULT_STEP = 200
+ARGS = ("--steps", "40", "--every", "50", "--num-samples", "3000", "--step-sleep", "0.06")
+FAULT_STEP = 25
+HOLD = ("--hold-at", "20", "--hold-file", "go")
+"""The job waits at step 20 until the pool is full of ready spares (5 s after the first start, then each warms up),
+however long that takes under load; the fault comes after. (240 steps run to outlast the pool's filling were a
+race with its end.)"""
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +23,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, A
 
 @pytest.mark.parametrize("fault", [f"kill@rank=1,step={FAULT_STEP}", f"hang@rank=0,step={FAULT_STEP}"])
 def test_restart_runs_in_spares_and_ends_bitwise_identical(launch: Any, reference: Any, fault: str) -> None:
-    job = launch(["--spares", "2", *tiny_args(*ARGS)], env=child_env(STALWART_FAULTS=fault))
+    job = launch(["--spares", "2", *tiny_args(*ARGS, *HOLD)], env=child_env(STALWART_FAULTS=fault))
+    [ready] = job.wait_for(lambda: job.events("spares_ready"), 120, "the pool's spares to be ready")
+    (job.workdir / "go").touch()
     assert job.wait(240) == 0, job.output()
+    started = job.events("spares_started")[0]  # the first fill: what was ready before the fault
+    assert sorted(ready["spare_pids"]) == sorted(started["spare_pids"]) and ready["target"] == 2, (ready, started)
     spawned = job.events("worker_spawned")
     assert [e["spare"] for e in spawned if e["restart"] == 0] == [False, False]
     victim = 1 if fault.startswith("kill") else 0
