@@ -12,13 +12,27 @@ from typing import Any
 from conftest import child_env, tiny_args
 from stalwart.supervisor.preempt_notice import NoticeWatch
 
-ARGS = ("--steps", "300", "--step-sleep", "0.02", "--every", "1000")  # no regular checkpoint before the end
+ARGS = ("--steps", "100", "--step-sleep", "0.02", "--every", "1000")  # no regular checkpoint before the end
+
+
+def _held_at(step: int) -> tuple[str, ...]:
+    """The job waits in step `step` until the launcher has asked for the preemption (`_go_on`): no race with the
+    job's end."""
+    return ("--hold-at", str(step), "--hold-file", "go")
+
+
+def _go_on(job: Any) -> None:
+    """Once the launcher has asked the workers (its board is set before the event): they see it at their next
+    window's end."""
+    job.wait_for(lambda: job.events("preemption_requested"), 60, "the launcher to ask for a last checkpoint")
+    (job.workdir / "go").touch()
 
 
 def test_sigterm_saves_at_an_agreed_step_and_the_next_launch_resumes_there(launch: Any) -> None:
-    job = launch(tiny_args(*ARGS))
+    job = launch(tiny_args(*ARGS, *_held_at(41)))
     job.wait_for(lambda: any(e["step"] >= 40 for e in job.events("step_done")), 120, "step 40")
     job.proc.send_signal(signal.SIGTERM)
+    _go_on(job)
     assert job.wait(60) == 143, job.output()
     preempted = job.events("preempted")
     assert {e["rank"] for e in preempted} == {0, 1} and len({e["step"] for e in preempted}) == 1
@@ -54,9 +68,10 @@ def test_with_no_grace_sigterm_stops_at_once(launch: Any) -> None:
 def test_a_preemption_notice_file_is_answered_like_sigterm(launch: Any, tmp_path: Path) -> None:
     notice = tmp_path / "preempt-notice"
     env = child_env(STALWART_PREEMPT_POLL_S="0.2")
-    job = launch(["--preempt-notice", f"file:{notice}", *tiny_args(*ARGS)], env=env)
+    job = launch(["--preempt-notice", f"file:{notice}", *tiny_args(*ARGS, *_held_at(31))], env=env)
     job.wait_for(lambda: any(e["step"] >= 30 for e in job.events("step_done")), 120, "step 30")
     notice.write_text("")
+    _go_on(job)
     assert job.wait(60) == 143, job.output()
     (asked,) = job.events("preemption_requested")
     assert asked["why"] == f"preemption notice: {notice} exists"
