@@ -408,7 +408,9 @@ def test_prometheus_metrics_of_a_running_job(launch: Any) -> None:
     import urllib.request
 
     faults = child_env(STALWART_FAULTS="kill@rank=1,step=10;nan@rank=0,step=30,restart=1")
-    job = launch(["--metrics-port", "0", *tiny_args("--steps", "400", "--step-sleep", "0.02")], env=faults)
+    # Held in step 61 until the metrics were read (train_tiny --hold-at): no race with the job's end.
+    args = tiny_args("--steps", "100", "--step-sleep", "0.02", "--hold-at", "61", "--hold-file", "go")
+    job = launch(["--metrics-port", "0", *args], env=faults)
     listening = job.wait_for(lambda: job.events("metrics_listening"), 60, "the metrics server")[0]
     assert listening["addr"] == "127.0.0.1"
     url = f"http://127.0.0.1:{listening['port']}/metrics"
@@ -425,4 +427,5 @@ def test_prometheus_metrics_of_a_running_job(launch: Any) -> None:
     assert metrics["stalwart_checkpoint_persist_seconds_count"] >= 1
     assert 0 < metrics["stalwart_step_seconds"] < 5
     job.wait_for(lambda: 0 < scrape()["stalwart_goodput_ratio"] <= 1, 30, "a goodput figure")
+    (job.workdir / "go").touch()
     assert job.wait(180) == 0, job.output()
