@@ -230,11 +230,16 @@ def test_a_gpu_warning_sign_makes_every_rank_checkpoint_at_the_same_step(launch:
     """Thermal slowdown on GPU 1 (scripted, once rank 0 is at step 15): the agent raises the risk counter on its
     board, the ranks agree on it at a window's end and take a durable checkpoint there, between the regular ones."""
     script = _script(tmp_path)
-    job = launch(tiny_args("--steps", "120", "--step-sleep", "0.05", "--every", "1000"), env=_env(tmp_path, script))
+    # Held in step 16 until the agent raised the risk (train_tiny --hold-at): the ranks agree on it at step 20,
+    # whatever the load (120 steps run to outlast the agent's poll were a race with the job's end).
+    args = tiny_args("--steps", "40", "--step-sleep", "0.05", "--every", "1000", "--hold-at", "16", "--hold-file", "go")
+    job = launch(args, env=_env(tmp_path, script))
     _at_step(job, 15)
     add_to_script(
         script, samples=[{"at": 0, "index": 1, "temperature_c": 92, "throttle_reasons": ["hw_thermal_slowdown"]}]
     )
+    job.wait_for(lambda: job.events("gpu_risk"), 120, "the agent to raise the risk")
+    (job.workdir / "go").touch()
     assert job.wait(240) == 0, job.output()
     (warned,) = job.events("gpu_risk")
     assert warned["gpu"] == 1 and warned["reason"] == "slowdown (hw_thermal_slowdown)"
@@ -243,7 +248,7 @@ def test_a_gpu_warning_sign_makes_every_rank_checkpoint_at_the_same_step(launch:
     assert {e["rank"] for e in taken} == {0, 1} and len({e["step"] for e in taken}) == 1, "every rank, one step"
     assert taken[0]["reason"].startswith("a GPU warning on the node of rank") and taken[0]["taken"]
     step = taken[0]["step"]
-    assert step % 10 == 0 and step < 120
+    assert step % 10 == 0 and step < 40
     assert (job.workdir / "ckpt" / f"step_{step:08d}").is_dir()
 
 
