@@ -92,12 +92,14 @@ def _zygote_of(launcher: int) -> int | None:
 
 
 def test_when_the_zygote_dies_workers_restart_as_new_interpreters(launch: Any, tmp_path: Path) -> None:
-    args = tiny_args("--steps", "60", "--step-sleep", "0.05", "--every", "5")
+    # Held in step 7 until the zygote was killed (train_tiny --hold-at): no race with the job's end.
+    args = tiny_args("--steps", "20", "--step-sleep", "0.05", "--every", "5", "--hold-at", "7", "--hold-file", "go")
     job = launch(args)
     job.wait_for(lambda: len(job.events("step_done")) >= 6, 120, "first steps")
     zygote = _zygote_of(job.proc.pid)
     assert zygote is not None
     os.kill(zygote, signal.SIGKILL)
+    (job.workdir / "go").touch()
     assert job.wait(180) == 0, job.output()
     assert job.events("restarting"), "the workers died with the zygote and were restarted"
     spawned = job.events("worker_spawned")
@@ -105,7 +107,7 @@ def test_when_the_zygote_dies_workers_restart_as_new_interpreters(launch: Any, t
     assert all(not e["forked"] for e in spawned if e["restart"] >= 1), "no zygote: new interpreters"
     # The reference without the zygote at all (STALWART_ZYGOTE=0: every worker a new interpreter from the start):
     # a forked run that went on in new interpreters and a run that never forked end the same.
-    reference = launch(tiny_args("--steps", "60", "--every", "5"), name="reference", env=child_env(STALWART_ZYGOTE="0"))
+    reference = launch(tiny_args("--steps", "20", "--every", "5"), name="reference", env=child_env(STALWART_ZYGOTE="0"))
     assert reference.wait(120) == 0, reference.output()
     assert not any(e["forked"] for e in reference.events("worker_spawned")), "no worker of the reference forked"
     assert job.results()[0]["sha256"] == reference.results()[0]["sha256"]
