@@ -472,6 +472,42 @@ def test_a_persister_found_dead_by_the_sender_is_replaced_for_the_next_save(
     ck.close()
 
 
+@pytest.mark.parametrize("end", ["close", "abandon"])
+def test_the_pipe_to_a_dead_persister_is_closed_whichever_thread_saw_it_die(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str
+) -> None:
+    """The persister killed, its reply reader held back: `close()` (its quit meets the broken pipe) or `abandon()`
+    (a survivor re-forming) takes the process from the reader, which then leaves the pipe alone. Either must close
+    it: a pipe left to the collector is a ResourceWarning, which failed a test (test_mirrors, 2026-11-30)."""
+    import signal
+
+    from stalwart.checkpoint.save.background import Background
+
+    reader_may_go = threading.Event()
+    real_read = Background._read_replies
+
+    def late_reader(self: Background, proc: Any, stream: Any) -> None:
+        reader_may_go.wait(60)
+        real_read(self, proc, stream)
+
+    monkeypatch.setattr(Background, "_read_replies", late_reader)
+    ck = _checkpointer(tmp_path / "ck")
+    ck._bg.start()
+    proc = ck._bg._proc
+    assert proc is not None and proc.stdin is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    letting_go = threading.Timer(0.2, reader_may_go.set)  # once the process is taken from it (close() joins it)
+    letting_go.start()
+    try:
+        getattr(ck._bg, end)()
+        assert proc.stdin.closed, f"{end}() left the pipe to the dead persister open"
+    finally:
+        reader_may_go.set()
+        letting_go.cancel()
+        ck.close()
+
+
 def test_the_persister_process_does_not_import_torch() -> None:
     """Each rank starts one persister; importing torch there costs about 2 s of CPU per start, taken from training
     (a module-level `import torch` in chaos/faults.py once doubled the CPU time of the tests' 2-rank job)."""

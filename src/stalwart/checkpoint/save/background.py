@@ -96,9 +96,7 @@ class Background:
         with self._lock:
             if self._proc is proc:
                 self._proc, self._started = None, False
-                if proc.stdin is not None:
-                    with contextlib.suppress(OSError):
-                        proc.stdin.close()
+                _close_stdin(proc)
                 if self._in_flight is not None:
                     self._events.emit("persister_died", step=self._in_flight, exit_code=code)
                     self._last = PersistReply.failed(self._in_flight)
@@ -130,9 +128,9 @@ class Background:
         try:
             assert proc.stdin is not None
             proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            proc.stdin.close()
         except (OSError, ValueError):
-            pass
+            pass  # it died: the reader thread may have seen it, or not yet (this took `_proc` from it)
+        _close_stdin(proc)
         try:
             proc.wait(CLOSE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -158,6 +156,7 @@ class Background:
             with contextlib.suppress(OSError):
                 proc.kill()
             proc.wait()
+            _close_stdin(proc)
 
     # -- requests ----------------------------------------------------------------------------------------------
 
@@ -236,3 +235,12 @@ class Background:
         with self._lock:
             self._lock.wait_for(lambda: self._in_flight is None, timeout)
             return self._last if self._in_flight is None else None
+
+
+def _close_stdin(proc: PersisterProcess) -> None:
+    """Close the pipe to a persister that was told to quit or is gone, whichever thread saw it go: a pipe left to
+    the collector is a ResourceWarning (once a test failure: close() took the process from the reader thread, then
+    its quit met the broken pipe and skipped the close). Closing flushes; a broken pipe still closes it."""
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError, ValueError):
+            proc.stdin.close()
