@@ -57,7 +57,8 @@ FORKED_CLIENT = """
 import json, os, socket, sys
 from pathlib import Path
 
-from stalwart.supervisor.launch_server import ForkedServer, LaunchServer
+from stalwart.runtime.process import Forked
+from stalwart.supervisor.launch_server import LaunchServer
 
 work = Path(sys.argv[1])
 env = json.loads(sys.argv[2])
@@ -67,7 +68,7 @@ marker.listen()
 server = LaunchServer(env)
 pid = server._proc.pid
 seen = {
-    "forked": isinstance(server._proc, ForkedServer),
+    "forked": isinstance(server._proc, Forked),
     "same_program": Path(f"/proc/{pid}/cmdline").read_bytes() == Path("/proc/self/cmdline").read_bytes(),
 }
 other = server.start(["ckpt", "list", str(work)], env, work, work / "other.log")

@@ -23,7 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -87,12 +87,18 @@ def python_signal_handlers() -> None:
                 signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
 
-def fd_limit() -> int:
-    """The highest descriptor number this process may have, plus one: where closing every inherited one ends."""
+def close_descriptors(*keep: int) -> None:
+    """Close every descriptor from 3 up but `keep`: in a fork that is to hold nothing of the process it was forked
+    from (a connection that tells a peer a dead worker is alive, issue 42)."""
     try:
-        return int(os.sysconf("SC_OPEN_MAX"))
+        limit = int(os.sysconf("SC_OPEN_MAX"))
     except (OSError, ValueError):
-        return 1 << 16
+        limit = 1 << 16
+    low = 3
+    for fd in sorted(keep):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, limit)
 
 
 def single_threaded() -> bool:
@@ -106,13 +112,16 @@ def single_threaded() -> bool:
 
 class Forked:
     """A child forked from this process, handled as a `subprocess.Popen`: `pid`, `returncode`, `poll`, `wait`
-    (raising subprocess.TimeoutExpired), `kill`."""
+    (raising subprocess.TimeoutExpired), `kill`, and the pipes to its stdin and from its stdout if it was given
+    them (a forked launch server's, a forked persister's)."""
 
     POLL_S = 0.01
     """How often `wait` looks: no thread of this process is left blocked in waitpid."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, stdin: IO[Any] | None = None, stdout: IO[Any] | None = None) -> None:
         self.pid = pid
+        self.stdin = stdin
+        self.stdout = stdout
         self.returncode: int | None = None
         self._lock = threading.Lock()
 

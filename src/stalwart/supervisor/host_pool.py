@@ -178,7 +178,7 @@ class SparePool:
         self.warm_script = warm_script
         self._template: Activation | None = None
         self._failed_set_ups = 0
-        self._ready_told = False
+        self._told_ready: set[int] = set()  # the spares the last `spares_ready` event named
 
     def remember(self, argv: list[str], env: dict[str, str]) -> None:
         """A worker's activation of the round just started: what a warm spare runs the script with, marked as a
@@ -209,17 +209,18 @@ class SparePool:
             self._idle.append(spare)
             started.append(spare.pid)
         if started:
-            self._ready_told = False
             self._events.emit("spares_started", spare_pids=started, target=self.target)
 
     def _tell_ready(self) -> None:
-        """A `spares_ready` event each time the pool is full of ready spares (torch imported and warmed up; a warm
-        spare may still be in the script's set-up): from then on a lost rank's replacement needs no interpreter."""
-        if self._ready_told or self.target <= 0 or len(self._idle) < self.target:
+        """A `spares_ready` event each time the pool is full of ready spares it has not named yet (torch imported
+        and warmed up; a warm spare may still be in the script's set-up): from then on a lost rank's replacement
+        needs no interpreter."""
+        pids = {s.pid for s in self._idle}
+        if self.target <= 0 or len(pids) < self.target or pids == self._told_ready:
             return
         if all(s.poll_ready() for s in self._idle):
-            self._ready_told = True
-            self._events.emit("spares_ready", spare_pids=[s.pid for s in self._idle], target=self.target)
+            self._told_ready = pids
+            self._events.emit("spares_ready", spare_pids=sorted(pids), target=self.target)
 
     def _park_ready(self) -> None:
         """Send each ready spare not yet running the script the template activation (warm spares only)."""
@@ -254,7 +255,6 @@ class SparePool:
         for spare in chosen:
             self._idle.remove(spare)
         if chosen:
-            self._ready_told = False
             self.schedule_refill()
         return chosen
 

@@ -37,13 +37,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from stalwart.runtime.process import (
     Forked,
+    close_descriptors,
     die_with_parent,
     end_fork,
-    fd_limit,
     python_signal_handlers,
     run_as_main,
     single_threaded,
@@ -87,7 +87,7 @@ class LaunchServer:
     children's exit codes."""
 
     def __init__(self, env: dict[str, str], command: list[str] | None = None) -> None:
-        self._proc: subprocess.Popen[bytes] | ForkedServer = (command is None and _fork_server(env)) or spawn(
+        self._proc: subprocess.Popen[bytes] | Forked = (command is None and _fork_server(env)) or spawn(
             command or [sys.executable, "-u", "-m", MODULE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -179,16 +179,7 @@ class LaunchServer:
             self._lock.notify_all()
 
 
-class ForkedServer(Forked):
-    """The server forked from its client, as LaunchServer uses a `subprocess.Popen`: its pipes besides `Forked`'s."""
-
-    def __init__(self, pid: int, stdin: IO[bytes], stdout: IO[bytes]) -> None:
-        super().__init__(pid)
-        self.stdin = stdin
-        self.stdout = stdout
-
-
-def _fork_server(env: dict[str, str]) -> ForkedServer | None:
+def _fork_server(env: dict[str, str]) -> Forked | None:
     """The server as a fork of this process where it runs one thread, else None (then: a new interpreter). A tool
     that starts one (`stalwart chaos`, `stalwart demo`) has imported much of what the server imports; a new
     interpreter spent 5-7 s of CPU importing it again (2-core VM, 2026-11-30: the test suite started 7). The fork
@@ -207,14 +198,14 @@ def _fork_server(env: dict[str, str]) -> ForkedServer | None:
         end_fork(lambda: _serve_forked(requests_r, replies_w, parent, env))
     os.close(requests_r)
     os.close(replies_w)
-    return ForkedServer(pid, os.fdopen(requests_w, "wb"), os.fdopen(replies_r, "rb"))
+    return Forked(pid, os.fdopen(requests_w, "wb"), os.fdopen(replies_r, "rb"))
 
 
 def _serve_forked(requests: int, replies: int, parent: int, env: dict[str, str]) -> int:
     """In the forked server: become what `python -u -m stalwart.supervisor.launch_server` is, then serve."""
     os.dup2(requests, 0)
     os.dup2(replies, 1)
-    os.closerange(3, fd_limit())
+    close_descriptors()
     die_with_parent(signal.SIGKILL, parent=parent)
     python_signal_handlers()
     os.environ.clear()

@@ -43,9 +43,9 @@ from typing import IO, Any
 from stalwart.checkpoint.save import persister
 from stalwart.runtime.process import (
     Forked,
+    close_descriptors,
     die_with_parent,
     end_fork,
-    fd_limit,
     name_process,
     process_state,
     python_signal_handlers,
@@ -66,9 +66,7 @@ class ForkedPersister(Forked):
     exit code as the forker reports it (it is the forker's child, not this process's)."""
 
     def __init__(self, pid: int, stdin: IO[str], stdout: IO[str], forker: Forker) -> None:
-        super().__init__(pid)
-        self.stdin = stdin
-        self.stdout = stdout
+        super().__init__(pid, stdin, stdout)
         self._forker = forker
 
     def poll(self) -> int | None:
@@ -258,7 +256,7 @@ def _forker_main(sock: socket.socket, *, ahead: bool) -> int:
         gc.freeze()
         die_with_parent()  # the host's main thread, which lives as long as the host
         python_signal_handlers()  # a new interpreter's handlers, not the host's
-    _close_all_but(sock.fileno())
+    close_descriptors(sock.fileno())
     name_process(FORKER_NAME)
     # Its own priority stays the host's: a job's start waits for its fork (its persisters yield, in _persist).
     children: dict[int, int | None] = {}  # pid: a pidfd that becomes readable when it ends (None where unsupported)
@@ -323,7 +321,7 @@ def _persist(start: dict[str, Any], fds: list[int]) -> int:
     the job's environment and directory, then serve."""
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
-    _close_all_but()
+    close_descriptors()
     die_with_parent()
     name_process(NAME)
     persister.yield_cpu()
@@ -335,15 +333,6 @@ def _persist(start: dict[str, Any], fds: list[int]) -> int:
     persister.serve(start["log"])
     sys.stdout.flush()
     return 0
-
-
-def _close_all_but(*keep: int) -> None:
-    """Close every descriptor from 3 up but `keep`."""
-    low = 3
-    for fd in sorted(keep):
-        os.closerange(low, fd)
-        low = fd + 1
-    os.closerange(low, fd_limit())
 
 
 def main() -> None:
