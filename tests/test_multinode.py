@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from conftest import TINY, alive, child_env
+from conftest import TINY, alive, child_env, fault_free_results
 from stalwart.chaos import netns
 from stalwart.errors import ConfigError
 from stalwart.runtime.env import THREADED_SIDE_COPY_ENV as FAKE_ENV
@@ -182,6 +182,57 @@ def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_bac
                         *fsdp[:-1], "--batch-log", "."], name="reference")  # fmt: skip
     assert reference.wait(180) == 0, reference.output()
     assert _samples(tmp_path / "batches") == _samples(reference.workdir), "each step's samples, once each"
+
+
+def test_a_rank_lost_on_two_nodes_leaves_the_other_node_training_on_shrunk(
+    launch: Any,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    hosts_or_loopback: list[tuple[str, str, str]] | None,
+) -> None:
+    """A DDP job on two nodes (one rank each) loses rank 1 at step 13; that node's agent starts a replacement whose
+    set-up takes 3 s. The survivor on the other node does not wait for it: its agent learns from every node's
+    agent which ranks were kept (supervisor/round_kept.py), it trains on alone with the global batch kept, and the
+    replacement joins at a step boundary once its loop starts, both meeting through the rendezvous store. Every
+    sample is seen once and the parameters are those of a clean run (tests/test_shrink.py's tolerance). The nodes
+    are hosts in network namespaces (two agents on loopback where namespaces cannot be made)."""
+    args = ("--steps", "40", "--step-sleep", "0.05", "--no-randomness")  # test_shrink's: one reference for both
+    reference = fault_free_results(tmp_path_factory.mktemp("shrink-reference"), *args)
+    port = _free_port()
+    env = child_env(STALWART_FAULTS="kill@rank=1,step=13", STALWART_WAIT_FOR_REPLACEMENT="0")
+    job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), *args]
+    job_args += ["--setup-s", "3", "--setup-log", str(tmp_path / "setups.log")]
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "3"]
+
+    def node(i: int) -> Any:
+        node_args, node_env, prefix = _placed(hosts_or_loopback, i, port, env)
+        return launch([*common, *node_args, *job_args], name=f"node{i}", env=node_env, prefix=prefix)
+
+    first = node(0)
+    first.wait_for(lambda: first.events("launcher_started"), 60, "the first agent")
+    nodes = [first, node(1)]
+    for each in nodes:
+        assert each.wait(180) == 0, each.output()
+    events = [e for each in nodes for e in each.events()]
+    output = "\n".join(each.output() for each in nodes)
+    shrunk = [e for e in events if e["event"] == "shrunk"]
+    assert [(e["rank"], e["failed_at"], e["world_size"], e["shares"]) for e in shrunk] == [(0, 13, 1, [0, 1])], output
+    [growing] = [e for e in events if e["event"] == "growing"]
+    assert growing["shrunk_steps"] >= 1, "the survivor trained while the replacement ran its set-up"
+    assert [e["rank"] for e in events if e["event"] == "joined_late"] == [1]
+    grown = {e["rank"]: e for e in events if e["event"] == "resumed" and "grew back" in e["source"]}
+    assert set(grown) == {0, 1} and grown[0]["step"] == grown[1]["step"] == growing["step"], grown
+    pids = [line for line in (tmp_path / "setups.log").read_text().split()]
+    assert len(pids) == len(set(pids)) == 3, f"the set-up ran once in each of 3 processes: {pids}"
+
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in (tmp_path / "out").glob("rank*.json")}
+    assert sorted(i for r in results for i in results[r]["seen"]) == sorted(
+        i for r in reference for i in reference[r]["seen"]
+    ), "every sample once, none twice"
+    scale = max(abs(v) for v in reference[0]["params"])
+    for rank in reference:
+        diff = max(abs(a - b) for a, b in zip(results[rank]["params"], reference[rank]["params"], strict=True))
+        assert diff <= 1e-5 * scale, f"rank {rank}: {diff} from the fault-free run"
 
 
 def _samples(directory: Path) -> dict[int, list[int]]:

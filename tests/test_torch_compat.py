@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
 import weakref
 from datetime import timedelta
@@ -27,7 +28,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 import stalwart
 from conftest import child_env
-from stalwart.runtime import env, store, torch_compat, torch_compat_groups, torch_compat_process
+from stalwart.runtime import (
+    env,
+    store,
+    torch_compat,
+    torch_compat_groups,
+    torch_compat_process,
+    torch_compat_rendezvous,
+)
 from stalwart.runtime.process import spawn
 from stalwart.runtime.torch_compat import CONTRACTS, Contract
 
@@ -36,6 +44,7 @@ COMPAT = (
     "stalwart.runtime.torch_compat",
     "stalwart.runtime.torch_compat_groups",
     "stalwart.runtime.torch_compat_process",
+    "stalwart.runtime.torch_compat_rendezvous",
 )
 """The modules that may reach into torch's internals."""
 CHILD = Path(__file__).parent / "scripts" / "torch_compat_child.py"
@@ -437,22 +446,43 @@ def test_rendezvous_and_launcher_helpers() -> None:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     assert torch_compat.custom_device_name() == "privateuseone", "no device backend is registered beside CUDA here"
-    assert torch_compat.matches_machine_hostname("localhost")
-    assert torch_compat.matches_machine_hostname("127.0.0.1")
-    assert not torch_compat.matches_machine_hostname("192.0.2.1")
+    assert torch_compat_rendezvous.matches_machine_hostname("localhost")
+    assert torch_compat_rendezvous.matches_machine_hostname("127.0.0.1")
+    assert not torch_compat_rendezvous.matches_machine_hostname("192.0.2.1")
     static = RendezvousParameters(backend="static", endpoint="10.1.2.3:29511", run_id="r", min_nodes=1, max_nodes=1)
-    assert torch_compat.static_master(static) == ("10.1.2.3", 29511)
+    assert torch_compat_rendezvous.static_master(static) == ("10.1.2.3", 29511)
     params = RendezvousParameters(backend="c10d", endpoint="localhost:0", run_id="r", min_nodes=1, max_nodes=2)
     hashed = dist.HashStore()
     handler = create_handler(hashed, C10dRendezvousBackend(hashed, "r"), params)
-    assert torch_compat.set_last_call(handler, timedelta(seconds=3))
+    assert torch_compat_rendezvous.set_last_call(handler, timedelta(seconds=3))
     assert handler.settings.timeout.last_call == timedelta(seconds=3)
     from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
-    if torch_compat.rendezvous_gives_local_addr():
+    if torch_compat_rendezvous.rendezvous_gives_local_addr():
         assert RendezvousStoreInfo.build(0, hashed, local_addr="10.9.8.7").master_addr == "10.9.8.7"
     else:  # torch 2.4: the host's FQDN, whatever --local-addr says (supervisor/rendezvous.py publishes it instead)
         assert RendezvousStoreInfo.build(0, hashed).master_addr == socket.getfqdn()
+
+
+def test_an_agent_sees_another_nodes_change_once_its_shortened_state_cache_runs_out() -> None:
+    """supervisor/rendezvous.py shortens how long an agent trusts the rendezvous state it read (torch's 1 s): a node
+    that joined the wait list is seen by the other agent's `num_nodes_waiting()` once that time has passed."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    params = RendezvousParameters(backend="c10d", endpoint="localhost:0", run_id="r", min_nodes=1, max_nodes=2)
+    hashed = dist.HashStore()
+    watching, other = (dr.create_handler(hashed, C10dRendezvousBackend(hashed, "r"), params) for _ in range(2))
+    assert torch_compat_rendezvous.set_state_cache(watching, 0.05)
+    assert watching.num_nodes_waiting() == 0
+    holder = other._state_holder
+    holder.sync()
+    holder.state.wait_list.add(dr._NodeDesc("10.0.0.2", 4242, 0))
+    holder.mark_dirty()
+    holder.sync()
+    time.sleep(0.1)
+    assert watching.num_nodes_waiting() == 1
 
 
 def test_the_environment_variable_unshares_the_rendezvous_store(monkeypatch: pytest.MonkeyPatch) -> None:

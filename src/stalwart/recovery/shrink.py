@@ -1,15 +1,17 @@
 """Training on, shrunk, while a replacement starts: the survivors of a failure do not wait for its set-up.
 
-The default under `stalwart run` (in-loop re-forming, one node; `--wait-for-replacement` turns it off). After a
+The default under `stalwart run` (in-loop re-forming; `--wait-for-replacement` turns it off). After a
 peer's failure the survivors re-arm as in recovery/in_loop/; the agent's next round activates them again and
 starts the replacement, and every worker of that round learns which ranks were kept (KEPT_RANKS_ENV). Then:
 
 1. the replacement's `stalwart.Job()` does not join the job's group yet: its group is a placeholder that runs no
    collective (`ReformableGroup(connect=False)`), so the user's set-up (DDP's constructor included) runs beside
-   training; it announces itself ready when it reaches `job.steps()` (`announce_ready`, a file on the node), and
+   training; it announces itself ready when it reaches `job.steps()` (`announce_ready`, a file on the node or a key
+   in the rendezvous store on several nodes), and
    only then joins;
 2. the survivors undo the failed step locally (their own snapshot of the last completed step) and form a group of
-   their own (`form`), at W' of the job's W ranks. Each goes on with the global batch kept: it takes its own slice
+   their own (`form`; on several nodes through the rendezvous store, supervisor/round_kept.py), at W' of the
+   job's W ranks. Each goes on with the global batch kept: it takes its own slice
    of every global batch and W/W' - 1 slices of the missing ranks (ResumableLoader.take_shares), one loop body per
    slice (`MicroSteps`: the user's `optimizer.step()`, `zero_grad()` and `scheduler.step()` take effect only where
    one step of the full job would), and the gradients, summed over the slices and averaged over W' ranks by DDP,
@@ -45,7 +47,13 @@ import torch
 import torch.distributed as dist
 
 from stalwart.recovery import reform
-from stalwart.runtime.env import KEPT_RANKS_ENV, RESTART_COUNT_ENV, SNAPSHOT_DIR_ENV, WAIT_FOR_REPLACEMENT_ENV
+from stalwart.runtime.env import (
+    KEPT_RANKS_ENV,
+    RESTART_COUNT_ENV,
+    SHRUNK_STORE_ENV,
+    SNAPSHOT_DIR_ENV,
+    WAIT_FOR_REPLACEMENT_ENV,
+)
 from stalwart.runtime.torch_compat import carry_scheduler_mark
 
 
@@ -103,8 +111,8 @@ def wanted() -> bool:
 
 
 def kept_ranks() -> tuple[int, ...] | None:
-    """The survivors of this round (KEPT_RANKS_ENV), None when the agent named none (a first start, several
-    nodes, or every rank kept)."""
+    """The survivors of this round (KEPT_RANKS_ENV), None when the agents named none (a first start, every rank
+    kept, or several nodes whose agents could not agree in time)."""
     text = os.environ.get(KEPT_RANKS_ENV, "")
     try:
         kept = tuple(sorted(int(r) for r in text.split(",") if r))
@@ -144,31 +152,81 @@ def _round_file(name: str) -> Path:
     return Path(directory) / f"stalwart-{name}-{port}-{restart}"
 
 
+SHARED_STORE_TIMEOUT_S = 30.0
+"""How long a worker waits to reach the rendezvous store on several nodes (it is up: the agents use it)."""
+
+_shared: tuple[str, dist.Store] | None = None  # SHRUNK_STORE_ENV's value and this process's client of it
+
+
+def _shared_store() -> dist.Store | None:
+    """Where survivors and replacements meet on several nodes: the rendezvous store, under the round's token
+    (SHRUNK_STORE_ENV, supervisor/round_kept.py); one client per process, for the round it was made for. None on
+    one node, where files on the node serve."""
+    global _shared
+    text = os.environ.get(SHRUNK_STORE_ENV, "")
+    if not text:
+        return None
+    if _shared is None or _shared[0] != text:
+        from stalwart.runtime.store import tcp_store
+
+        address, _, token = text.rpartition("/")
+        host, _, port = address.rpartition(":")
+        client = tcp_store(
+            host.strip("[]"), int(port), is_server=False, timeout=timedelta(seconds=SHARED_STORE_TIMEOUT_S)
+        )
+        _shared = (text, dist.PrefixStore(f"stalwart/shrunk/{token}", client))
+    return _shared[1]
+
+
 def announce_ready(rank: int) -> None:
     """A replacement reached its training loop: the survivors grow back at their next step boundary."""
+    with contextlib.suppress(Exception):  # unheard, the survivors train on shrunk until the round fails
+        store = _shared_store()
+        if store is not None:
+            store.set(f"ready-{rank}", "1")
+            return
     path = _round_file(f"ready-{rank}")
     with contextlib.suppress(OSError):
         path.write_bytes(b"")
 
 
 def replacements_ready(p: Plan) -> bool:
+    try:
+        store = _shared_store()
+        if store is not None:
+            return bool(store.check([f"ready-{r}" for r in p.missing]))
+    except Exception:  # the store is gone: the survivors train on until their round fails
+        return False
     return all(_round_file(f"ready-{r}").exists() for r in p.missing)
 
 
 def forget_round(p: Plan) -> None:
-    """The lowest survivor removes the round's files once the job grew back."""
-    if p.shrunk_rank == 0:
-        for r in p.missing:
-            with contextlib.suppress(OSError):
-                _round_file(f"ready-{r}").unlink()
+    """The lowest survivor removes the round's files (or keys) once the job grew back."""
+    if p.shrunk_rank != 0:
+        return
+    for r in p.missing:
+        with contextlib.suppress(Exception):
+            store = _shared_store()
+            if store is not None:
+                store.delete_key(f"ready-{r}")
+                continue
+        with contextlib.suppress(OSError):
+            _round_file(f"ready-{r}").unlink()
 
 
 def form(p: Plan, timeout: timedelta) -> None:
-    """The survivors' own formation: the default group at W' ranks (one store file on the node; none for one
-    survivor). The job's re-formable group objects forward to it (runtime/group.py)."""
+    """The survivors' own formation: the default group at W' ranks (one store file on the node, or on several
+    nodes the rendezvous store under the round's token; none for one survivor). The job's re-formable group
+    objects forward to it (runtime/group.py)."""
     from stalwart.runtime import group
 
-    store = dist.HashStore() if p.size == 1 else dist.FileStore(str(_round_file("shrunk")), p.size)
+    shared = _shared_store() if p.size > 1 else None
+    if p.size == 1:
+        store: dist.Store = dist.HashStore()
+    elif shared is not None:
+        store = dist.PrefixStore("group", shared)
+    else:
+        store = dist.FileStore(str(_round_file("shrunk")), p.size)
     dist.init_process_group(
         backend=group.BACKEND,
         store=dist.PrefixStore("shrunk", store),

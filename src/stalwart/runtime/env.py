@@ -32,8 +32,12 @@ WAIT_FOR_REPLACEMENT_ENV = "STALWART_WAIT_FOR_REPLACEMENT"
 """1 (`stalwart run --wait-for-replacement`): after a failure the survivors wait for the replacement instead of
 training on shrunk meanwhile (recovery/shrink.py); the job then ends bitwise identical to a run without it."""
 KEPT_RANKS_ENV = "STALWART_KEPT_RANKS"
-"""Set by the agent in a re-formed round of one node: the global ranks whose processes were kept (survivors), as
+"""Set by the agents in a re-formed round: the global ranks whose processes were kept (survivors), of every node, as
 "0,2"; the others are replacements starting (recovery/shrink.py)."""
+SHRUNK_STORE_ENV = "STALWART_SHRUNK_STORE"
+"""Set with KEPT_RANKS_ENV in a re-formed round of several nodes: "host:port/token", the rendezvous store every
+node reaches and the round's token, under which the survivors form their own group and the replacements say they
+are ready (recovery/shrink.py; supervisor/round_kept.py). Absent on one node: files on the node serve."""
 ELASTIC_ENV = "STALWART_ELASTIC"
 """1 under `stalwart run --nnodes MIN:MAX` (MIN < MAX): the world size may change between restarts."""
 MIRRORS_ENV = "STALWART_MIRRORS"

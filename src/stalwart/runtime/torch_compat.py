@@ -14,7 +14,8 @@ Two kinds of entries:
 
 The torch releases named in the docstrings are those whose behaviour a condition here meets (torch 2.4 before 2.5);
 "checked on" names those on which tests/test_torch_compat.py passed. What a process group made in Python needs
-(its backends, its options) is in runtime/torch_compat_groups.py, under the same rules.
+(its backends, its options) is in runtime/torch_compat_groups.py, torch elastic's rendezvous in
+runtime/torch_compat_rendezvous.py, under the same rules.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -269,25 +269,7 @@ if not TYPE_CHECKING:
         return value
 
 
-# ---- torch elastic's rendezvous and launcher
-
-
-def matches_machine_hostname(host: str) -> bool:
-    """Whether `host` names this machine (torch's own guess whether an agent hosts the rendezvous store): torch
-    elastic's private `rendezvous.utils._matches_machine_hostname`, kept so that stalwart's rendezvous decides as
-    torch's. Checked on torch 2.4.1 and 2.13.0."""
-    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
-
-    return bool(_matches_machine_hostname(host))
-
-
-def static_master(params: Any) -> tuple[str | None, int | None]:
-    """MASTER_ADDR and MASTER_PORT of a static rendezvous (torch's RendezvousParameters), as torchrun reads them
-    from its flags: the private `torch.distributed.launcher.api._get_addr_and_port`. Checked on torch 2.4.1 and
-    2.13.0."""
-    from torch.distributed.launcher.api import _get_addr_and_port
-
-    return _get_addr_and_port(params)
+# ---- torch elastic's launcher (its rendezvous: runtime/torch_compat_rendezvous.py)
 
 
 def custom_device_name() -> str:
@@ -295,29 +277,6 @@ def custom_device_name() -> str:
     private `_C._get_privateuse1_backend_name` (its default 'privateuseone' when none is), as torchrun reads it.
     Checked on torch 2.13.0."""
     return str(torch._C._get_privateuse1_backend_name())
-
-
-def set_last_call(handler: Any, wait: timedelta) -> bool:
-    """Make the next rounds of `handler` (torch's DynamicRendezvousHandler) wait `wait` for more nodes once the
-    minimum is there: its `last_call_timeout`, fixed when made, is the private `_settings.timeout._last_call`.
-    False (left as it is) on a torch without it. Checked on torch 2.4.1 and 2.13.0."""
-    timeout = getattr(getattr(handler, "_settings", None), "timeout", None)
-    if timeout is None or not hasattr(timeout, "_last_call"):
-        return False
-    timeout._last_call = wait
-    return True
-
-
-def rendezvous_gives_local_addr() -> bool:
-    """Whether torch's rendezvous gives the workers rank 0's `--local-addr` as MASTER_ADDR (`RendezvousStoreInfo.build`
-    takes `local_addr`). torch 2.4's names the host by `socket.getfqdn()` whatever --local-addr says, and
-    supervisor/rendezvous.py publishes the address itself. By feature. Checked on torch 2.4.1 (it does not) and
-    2.13.0 (it does)."""
-    import inspect
-
-    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
-
-    return "local_addr" in inspect.signature(RendezvousStoreInfo.build).parameters
 
 
 # ---- What cannot move here: overridden and patched in place
@@ -412,7 +371,8 @@ CONTRACTS: tuple[Contract, ...] = (
         "_delay",
         ("seconds",),
         "stalwart.supervisor.rendezvous",
-        "patched during a one-node round: the random start skew (a tuple) is skipped, fixed delays kept",
+        "patched during a round: the 1 s poll (its one fixed delay) shortened, the start skew (a tuple) skipped on "
+        "one node",
     ),
     Contract(
         _RDZV,

@@ -31,7 +31,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from stalwart.detect.heartbeat import Beat, Board
 from stalwart.errors import EXIT_USER_ERROR
 from stalwart.runtime.process import process_state, stopped
-from stalwart.supervisor import exclusion, failure_line, late_failures, peer_check
+from stalwart.supervisor import exclusion, failure_line, late_failures, peer_check, round_kept
 from stalwart.supervisor.exclusion import Exclusion
 from stalwart.supervisor.exit_watch import ExitWatch
 from stalwart.supervisor.gpu_watch import GpuWatch, is_restart
@@ -60,9 +60,11 @@ class StalwartAgent(LocalElasticAgent):
         gpu: GpuWatch | None = None,
         peer_check: PeerCheck | None = None,
         monitor_s: float | None = None,
+        round_store: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self._round_store = round_store  # "host:port" of the rendezvous store on several nodes (round_kept.py)
         self._monitor_s = monitor_s  # None: torch elastic's own sleep alone paces the looks at the workers
         self._exits = ExitWatch()  # wakes the look as soon as a worker ends (supervisor/exit_watch.py)
         self._gpu = gpu
@@ -107,9 +109,8 @@ class StalwartAgent(LocalElasticAgent):
             spares = self._spares.take(len(missing), all_or_none=False) if self._spares is not None else []
             from_spares = {s.pid for s in spares}
             plan.update(zip(missing, spares, strict=False))
-            one_node = worker_group.group_world_size == 1
-            survivors = {r for r, host in plan.items() if host.pid in kept} if one_node else set()
-            with running_in(plan, reform=self._reform, zygote=self._zygote, kept=survivors, spares=self._spares):
+            round_env = self._round_env(worker_group, {r for r, host in plan.items() if host.pid in kept})
+            with running_in(plan, reform=self._reform, zygote=self._zygote, env=round_env, spares=self._spares):
                 pids = super()._start_workers(worker_group)
             if self._spares is not None and len(spares) < len(missing):
                 self._spares.schedule_refill()  # after the start, so spares do not slow it down
@@ -128,6 +129,24 @@ class StalwartAgent(LocalElasticAgent):
             self._unreported = {}
             self._failed_at = None
         return pids
+
+    def _round_env(self, worker_group: WorkerGroup, local_kept: set[int]) -> dict[str, str]:
+        """What every worker of this round learns of the survivors (supervisor/round_kept.py): on several nodes from
+        every node's agent, through the round's store. Every agent of a re-forming job shares, at every start, so
+        that none waits for another."""
+        survivors = sorted(w.global_rank for w in worker_group.workers if w.local_rank in local_kept)
+        world_size = worker_group.workers[0].world_size if worker_group.workers else 0
+        nodes, node, store = worker_group.group_world_size or 1, worker_group.group_rank, worker_group.store
+        if nodes == 1:
+            return round_kept.worker_env(survivors, world_size, None, None)
+        if self._round_store is None or not self._reform or node is None or store is None:
+            return {}  # survivors wait for their replacements
+        shared = round_kept.share(store, node, nodes, survivors)
+        if shared is None:
+            self._events.emit("round_kept_unknown", restart=self.restart_count, nodes=nodes)
+            return {}
+        ranks, token = shared
+        return round_kept.worker_env(ranks, world_size, self._round_store, token)
 
     def _check_peers(self, worker_group: WorkerGroup, check: PeerCheck) -> None:
         """Measure the links between nodes when the job first forms (every node at its first start); report."""

@@ -33,7 +33,13 @@ from typing import Any
 
 from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
 from stalwart.recovery.reform import REFORM_SIGNAL
-from stalwart.runtime.env import HOST_STATUS_FD_ENV, HOST_WARM_ENV, KEPT_RANKS_ENV, WARM_SPARE_ENV
+from stalwart.runtime.env import (
+    HOST_STATUS_FD_ENV,
+    HOST_WARM_ENV,
+    KEPT_RANKS_ENV,
+    SHRUNK_STORE_ENV,
+    WARM_SPARE_ENV,
+)
 from stalwart.runtime.process import say, stopped
 from stalwart.supervisor import stack_dump
 from stalwart.supervisor.host_protocol import Activation, HostStatus
@@ -184,7 +190,7 @@ class SparePool:
         """A worker's activation of the round just started: what a warm spare runs the script with, marked as a
         spare's (its Job parks at the loop's start until it is given a rank)."""
         if self.warm_script:
-            spare_env = {k: v for k, v in env.items() if k != KEPT_RANKS_ENV}
+            spare_env = {k: v for k, v in env.items() if k not in (KEPT_RANKS_ENV, SHRUNK_STORE_ENV)}
             self._template = Activation(list(argv), {**spare_env, WARM_SPARE_ENV: "1"})
 
     def schedule_refill(self, delay: float = REFILL_DELAY_S) -> None:
@@ -388,13 +394,13 @@ def running_in(
     *,
     reform: bool,
     zygote: Zygote | None = None,
-    kept: set[int] | None = None,
+    env: dict[str, str] | None = None,
     spares: SparePool | None = None,
 ) -> Iterator[None]:
     """While active, torch elastic's `start_processes` activates the hosts of `plan` (local rank -> host)
     instead of spawning processes. A host that cannot be activated (it died meanwhile) is replaced by a cold one.
-    `kept`: the local ranks whose hosts are survivors of a one-node job; every worker learns their global ranks
-    (KEPT_RANKS_ENV), so survivors can train on shrunk while the replacements start (recovery/shrink.py).
+    `env`: what every worker of the round learns of its survivors (supervisor/round_kept.py), so survivors can
+    train on shrunk while the replacements start (recovery/shrink.py).
     `spares`: told the node's last local rank's activation, which warm spares run the script's set-up with."""
     import torch.distributed.elastic.agent.server.local_elastic_agent as lea
 
@@ -404,20 +410,19 @@ def running_in(
         *, entrypoint: str, args: dict[int, tuple[Any, ...]], envs: dict[int, dict[str, str]], **kwargs: Any
     ) -> Any:
         workers: dict[int, Host] = {}
-        survivors = ",".join(sorted((envs[r].get("RANK", "") for r in kept or ()), key=lambda r: int(r or -1)))
         for rank in sorted(envs):
-            env = {**os.environ, **envs[rank]}
-            env.pop(KEPT_RANKS_ENV, None)
-            if kept and len(kept) < len(envs):
-                env[KEPT_RANKS_ENV] = survivors
+            worker_env = {**os.environ, **envs[rank]}
+            for name in (KEPT_RANKS_ENV, SHRUNK_STORE_ENV):
+                worker_env.pop(name, None)
+            worker_env.update(env or {})
             argv = [str(a) for a in args[rank]]
             if spares is not None and rank == max(envs):
-                spares.remember(argv, env)
+                spares.remember(argv, worker_env)
             host = plan.pop(rank, None) or Host(warm=False, zygote=zygote)
-            if not host.activate(argv, env):
+            if not host.activate(argv, worker_env):
                 host.kill()
                 host = Host(warm=False, zygote=zygote)
-                host.activate(argv, env)
+                host.activate(argv, worker_env)
             workers[rank] = host
         for host in plan.values():
             host.kill()

@@ -59,7 +59,7 @@ from stalwart.runtime.env import (
     WAIT_FOR_REPLACEMENT_ENV,
 )
 from stalwart.runtime.process import first_line
-from stalwart.runtime.torch_compat import static_master
+from stalwart.runtime.torch_compat_rendezvous import static_master
 from stalwart.supervisor import exclusion, preflight_gate
 from stalwart.supervisor.gpu_watch import GpuWatch
 from stalwart.supervisor.host_pool import SparePool
@@ -70,7 +70,7 @@ from stalwart.supervisor.leftovers import (
     _remove_stale_shared_memory,
 )
 from stalwart.supervisor.preempt_notice import NoticeWatch
-from stalwart.supervisor.rendezvous import KEEP_ALIVE, rendezvous_handler
+from stalwart.supervisor.rendezvous import DEFAULT_PORT, KEEP_ALIVE, rendezvous_handler
 from stalwart.supervisor.run_args import in_hosts, parse_nnodes, reforms
 from stalwart.supervisor.zygote import Zygote
 from stalwart.telemetry.events import EventLog
@@ -121,6 +121,17 @@ def _stop_on_signals() -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _round_store(config: Any) -> str | None:
+    """ "host:port" of the c10d rendezvous store on several nodes, which every node's workers reach too: survivors
+    of a failure meet there to train on shrunk (supervisor/round_kept.py). None on one node (files on the node
+    serve) and for other rendezvous backends (the survivors then wait for their replacements)."""
+    store_type = str(dict(config.rdzv_configs or {}).get("store_type", "tcp")).strip().lower()
+    if config.max_nodes < 2 or config.rdzv_backend != "c10d" or not config.rdzv_endpoint or store_type != "tcp":
+        return None
+    host, port = _host_port(config.rdzv_endpoint)
+    return f"[{host}]:{port or DEFAULT_PORT}" if ":" in host else f"{host}:{port or DEFAULT_PORT}"
 
 
 def _host_port(endpoint: str) -> tuple[str, int]:
@@ -361,6 +372,7 @@ def _run_agent(
         hosts=in_hosts(args),
         peer_check=preflight_gate.peer_check(args, config.max_nodes > 1, *_host_port(config.rdzv_endpoint)),
         monitor_s=float(config.monitor_interval),
+        round_store=_round_store(config),
         **_supported(
             StalwartAgent.__mro__[1],
             spec=spec,

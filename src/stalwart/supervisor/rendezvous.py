@@ -14,7 +14,12 @@ from datetime import timedelta
 from typing import Any
 
 from stalwart.runtime.store import tcp_store
-from stalwart.runtime.torch_compat import matches_machine_hostname, rendezvous_gives_local_addr, set_last_call
+from stalwart.runtime.torch_compat_rendezvous import (
+    matches_machine_hostname,
+    rendezvous_gives_local_addr,
+    set_last_call,
+    set_state_cache,
+)
 
 DEFAULT_PORT = 29400  # torch's c10d rendezvous default
 
@@ -57,12 +62,14 @@ def rendezvous_handler(params: Any, replace_wait_s: float | None = None) -> Any:
     backend = C10dRendezvousBackend(store, params.run_id)
     _cheap_event_names()
     handler = create_handler(store, backend, params)
+    set_state_cache(handler, sync_poll_s(params.max_nodes))  # also how soon an agent sees a node waiting
     if replace_wait_s is not None:
         handler.next_rendezvous = functools.partial(  # type: ignore[method-assign]
             _then_wait_for_replacements, handler.next_rendezvous, handler, timedelta(seconds=replace_wait_s)
         )
-    if params.max_nodes == 1:
-        handler.next_rendezvous = functools.partial(_without_start_skew, handler.next_rendezvous)  # type: ignore[method-assign]
+    handler.next_rendezvous = functools.partial(  # type: ignore[method-assign]
+        _quicker_delays, handler.next_rendezvous, params.max_nodes
+    )
     if not rendezvous_gives_local_addr():
         handler.next_rendezvous = functools.partial(  # type: ignore[method-assign]
             _master_at_local_addr, handler.next_rendezvous, params.local_addr
@@ -72,7 +79,7 @@ def rendezvous_handler(params: Any, replace_wait_s: float | None = None) -> Any:
 
 def _then_wait_for_replacements(next_rendezvous: Callable[[], Any], handler: Any, wait: timedelta) -> Any:
     """`next_rendezvous()`, after which later rounds wait `wait` for more nodes (kept as it is on a torch that has
-    no such setting: runtime/torch_compat.set_last_call)."""
+    no such setting: runtime/torch_compat_rendezvous.set_last_call)."""
     info = next_rendezvous()
     set_last_call(handler, wait)
     return info
@@ -80,7 +87,7 @@ def _then_wait_for_replacements(next_rendezvous: Callable[[], Any], handler: Any
 
 MASTER_ADDR_KEY = "stalwart/master_addr"
 """Where rank 0's agent publishes the workers' MASTER_ADDR in a round's store (a torch whose rendezvous does not:
-runtime/torch_compat.rendezvous_gives_local_addr)."""
+runtime/torch_compat_rendezvous.rendezvous_gives_local_addr)."""
 
 
 def _master_at_local_addr(next_rendezvous: Callable[[], Any], local_addr: str | None) -> Any:
@@ -125,22 +132,43 @@ def _cheap_event_names() -> None:
     dynamic_rendezvous.get_method_name = get_method_name
 
 
-def _without_start_skew(next_rendezvous: Callable[[], Any]) -> Any:
-    """`next_rendezvous()` without the random 0-0.3 s sleep torch takes while the round is still 0 (at the start
-    and at the first restart), meant to spread several nodes' first joins over time. With one node there is
-    nothing to spread, and the sleep was the larger part of a restart's rendezvous (docs/benchmarks.md). Delays
-    of a set length (polling for other nodes) are kept."""
+SYNC_POLL_PER_NODE_S = 0.05
+"""How often, per node of the job, an agent reads the round's state while it waits for other nodes (see
+`_quicker_delays`): every 0.1 s on two nodes, every 1 s (torch's) from 20 nodes on."""
+
+
+def sync_poll_s(max_nodes: int) -> float:
+    """Seconds between two reads of the round's state by one agent of a job of `max_nodes` nodes."""
+    return min(1.0, SYNC_POLL_PER_NODE_S * max_nodes)
+
+
+def _quicker_delays(next_rendezvous: Callable[[], Any], max_nodes: int) -> Any:
+    """`next_rendezvous()` with shorter sleeps.
+
+    While it waits for other nodes (joining the round, leaving the last one) torch's rendezvous sleeps 1 s between
+    two reads of the round's state (and trusts a state it read for 1 s: `rendezvous_handler` shortens that alike).
+    On two nodes those waits were most of a re-formed round: 1.10-1.30 s from a worker's death to the survivors'
+    activation (tests/test_multinode.py, 2026-11-30). Each agent polls every SYNC_POLL_PER_NODE_S per node of the
+    job instead, at most torch's 1 s, so the store answers about 20 polls a second whatever the node count.
+
+    On one node the random 0-0.3 s sleep torch takes while the round is still 0 (at the start and at the first
+    restart) goes too: it spreads several nodes' first joins over time, with one node there is nothing to
+    spread, and it was the larger part of a restart's rendezvous (docs/benchmarks.md)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     delay = getattr(dynamic_rendezvous, "_delay", None)
     if delay is None:  # another torch: as it is
         return next_rendezvous()
+    poll = sync_poll_s(max_nodes)
 
-    def fixed_delays_only(seconds: float | tuple[float, float]) -> None:
-        if not isinstance(seconds, tuple):
-            delay(seconds)
+    def quicker(seconds: float | tuple[float, float]) -> None:
+        if isinstance(seconds, tuple):  # the start skew
+            if max_nodes > 1:
+                delay(seconds)
+        else:
+            delay(poll if seconds == 1 else seconds)  # torch's one fixed delay is the poll's
 
-    dynamic_rendezvous._delay = fixed_delays_only
+    dynamic_rendezvous._delay = quicker
     try:
         return next_rendezvous()
     finally:

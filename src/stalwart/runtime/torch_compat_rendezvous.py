@@ -1,0 +1,65 @@
+"""Torch elastic's rendezvous and launcher: the part of runtime/torch_compat.py that the agent's rendezvous
+(supervisor/rendezvous.py) and the launcher use.
+
+The rules of runtime/torch_compat.py hold here: each entry says what it relies on, why no public way serves, and
+the torch releases on which tests/test_torch_compat.py passed ("checked on"); that test holds every other module to
+importing these from here.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+
+def matches_machine_hostname(host: str) -> bool:
+    """Whether `host` names this machine (torch's own guess whether an agent hosts the rendezvous store): torch
+    elastic's private `rendezvous.utils._matches_machine_hostname`, kept so that stalwart's rendezvous decides as
+    torch's. Checked on torch 2.4.1 and 2.13.0."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    return bool(_matches_machine_hostname(host))
+
+
+def static_master(params: Any) -> tuple[str | None, int | None]:
+    """MASTER_ADDR and MASTER_PORT of a static rendezvous (torch's RendezvousParameters), as torchrun reads them
+    from its flags: the private `torch.distributed.launcher.api._get_addr_and_port`. Checked on torch 2.4.1 and
+    2.13.0."""
+    from torch.distributed.launcher.api import _get_addr_and_port
+
+    return _get_addr_and_port(params)
+
+
+def set_last_call(handler: Any, wait: timedelta) -> bool:
+    """Make the next rounds of `handler` (torch's DynamicRendezvousHandler) wait `wait` for more nodes once the
+    minimum is there: its `last_call_timeout`, fixed when made, is the private `_settings.timeout._last_call`.
+    False (left as it is) on a torch without it. Checked on torch 2.4.1 and 2.13.0."""
+    timeout = getattr(getattr(handler, "_settings", None), "timeout", None)
+    if timeout is None or not hasattr(timeout, "_last_call"):
+        return False
+    timeout._last_call = wait
+    return True
+
+
+def set_state_cache(handler: Any, seconds: float) -> bool:
+    """How long `handler` (torch's DynamicRendezvousHandler) trusts the rendezvous state it read last before it
+    reads it again (torch's 1 s): its state holder's private `_cache_duration`. An agent's look for waiting nodes
+    (`num_nodes_waiting`) and its polls in a rendezvous read through it. False (left as it is) on a torch without
+    it. Checked on torch 2.4.1 and 2.13.0."""
+    holder = getattr(handler, "_state_holder", None)
+    if holder is None or not hasattr(holder, "_cache_duration"):
+        return False
+    holder._cache_duration = seconds
+    return True
+
+
+def rendezvous_gives_local_addr() -> bool:
+    """Whether torch's rendezvous gives the workers rank 0's `--local-addr` as MASTER_ADDR (`RendezvousStoreInfo.build`
+    takes `local_addr`). torch 2.4's names the host by `socket.getfqdn()` whatever --local-addr says, and
+    supervisor/rendezvous.py publishes the address itself. By feature. Checked on torch 2.4.1 (it does not) and
+    2.13.0 (it does)."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    return "local_addr" in inspect.signature(RendezvousStoreInfo.build).parameters
