@@ -158,15 +158,20 @@ def filesystem_of(path: Path) -> str:
     return kind
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now (the rendezvous or store of runs the bench starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run_ranks(module: str, world: int, args: list[str], logs: Path, what: str, timeout_s: float) -> None:
     """Run `world` ranks of `module` (each `python -m module *args`, with torchrun's variables for a gloo group on
     loopback and one thread each) to their end, their output in `logs`/rank<R>.log. Forked with torch imported
     where this process is one thread (runtime/process.py), else interpreters: each rank measures its own work, not
     its start. BenchError, with the failed rank's last lines, when one fails or all do not end within `timeout_s`
     (`what` names the run in the message)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     procs: list[subprocess.Popen[bytes] | Forked] = []
     outputs = [logs / f"{what.replace(' ', '-')}-rank{rank}.log" for rank in range(world)]
     try:

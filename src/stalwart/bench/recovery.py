@@ -111,14 +111,16 @@ def measure_kills(
         _wait(run, lambda: not run.running(), 300, "the end of the run")
     finally:
         run.stop()
-    if run.proc is not None and run.proc.returncode != 0:
-        raise BenchError(f"{system}: the job failed (exit {run.proc.returncode}); see {workdir / 'output.log'}")
+    if run.failed() is not None:
+        raise BenchError(f"{system}: the job failed (exit {run.failed()}); see {workdir / 'output.log'}")
     to_step, lost, stall, replaced = [], [], [], []
     for index, (mono, done) in enumerate(marks):
         until = marks[index + 1][0] if index + 1 < len(marks) else float("inf")
         # A step finished by the old workers just after the kill is not a recovery: count from the new round.
         before = max((e.get("restart", 0) for e in run.events if e["mono"] <= mono and "restart" in e), default=0)
         after = [e for e in run.events if e.get("restart", 0) > before]
+        if shape.nodes > 1:  # a survivor's node may join the next round without a restart of its own
+            after = _after_recovery(run.events, mono)
         first = _first_step_after(after, mono)
         if first is None:
             raise BenchError(f"{system}: no step completed after the kill at step {done}")
@@ -145,6 +147,18 @@ def measure_kills(
         "bitwise_identical": None,
         "step_s_median": _median_step(run.events),
     }
+
+
+RECOVERED = ("resumed", "fresh_start", "shrunk", "shrunk_rearmed", "reformed_in_loop")
+"""Events that say a system went on after a failure: a restore, a fresh start, survivors training on shrunk."""
+
+
+def _after_recovery(events: list[dict[str, Any]], mono: float) -> list[dict[str, Any]]:
+    """The events from the first recovery after the kill at `mono` on: on several nodes a survivor's node may join
+    the next round as a membership change, its restart count unchanged, so the round's count cannot tell a step
+    finished in flight just after the kill from one after the recovery."""
+    marks = [e["mono"] for e in events if e["event"] in RECOVERED and e["mono"] > mono]
+    return [e for e in events if marks and e["mono"] >= min(marks)]
 
 
 def measure_hang(
@@ -271,7 +285,7 @@ def run_bench(
         if len(reference) != NPROC:
             raise BenchError(f"the reference run failed; see {root / 'reference' / 'output.log'}")
         systems: dict[str, Any] = {}
-        torchft = importlib.util.find_spec("torchft") is not None
+        torchft = importlib.util.find_spec("torchft") is not None and shape.nodes == 1
         names = ["torchrun", *(["torchft"] if torchft else []), "stalwart", *(["stalwart_full"] if full else [])]
         for name in names:
             expected = reference
@@ -329,12 +343,13 @@ def run_bench(
                     "(--wait-for-replacement is)"
                 )
         if not torchft:
-            systems["torchft"] = _torchft_entry()
+            systems["torchft"] = _torchft_entry(shape.nodes)
         stock = stock_torchrun(root, stock_trials, 45.0, progress) if stock_trials else None
     base, ours = systems["torchrun"], systems["stalwart"]
     return {
         "job": {
             "nproc": NPROC,
+            "nodes": shape.nodes,
             "model": f"3-layer MLP, {3 * (shape.width**2 + shape.width) / 1e6:.1f}M parameters, DDP, AdamW",
             "data": "own (each rank draws its batches in its loop)" if shape.own_data else "ResumableLoader",
             "checkpoint_every": {
@@ -363,6 +378,7 @@ def run_bench(
         "width": shape.width,
         "own_data": shape.own_data,
         "warm_spares": shape.warm_spares,
+        "nodes": shape.nodes,
     }
 
 
@@ -382,7 +398,7 @@ def _reference_run(
     return results
 
 
-def _torchft_entry() -> dict[str, Any]:
+def _torchft_entry(nodes: int = 1) -> dict[str, Any]:
     keys = (
         "kill_to_step_s_median",
         "kill_to_step_s_max",
@@ -393,4 +409,6 @@ def _torchft_entry() -> dict[str, Any]:
         "goodput_own_pace",
     )
     note = "torchft is not installed in this environment (pip install 'stalwart[bench]' or torchft); not measured"
+    if nodes > 1:
+        note = "torchft's driver runs its replica groups on one node; not measured with --nodes"
     return {**dict.fromkeys(keys), "note": note}

@@ -74,6 +74,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "each kill then includes the hand-over of the survivor's state to the replacement",
     )
     p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="the job's 2 ranks on this many nodes: 2 runs two launchers on loopback, one rank each, meeting "
+        "through the c10d rendezvous as two machines would (torchrun and stalwart; default 1)",
+    )
+    p.add_argument(
         "--width",
         type=positive_int,
         default=WIDTH,
@@ -110,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
                 own_data=args.own_data,
                 warm_spares=args.warm_spares,
                 wait_for_replacement=args.wait_for_replacement,
+                nodes=args.nodes,
             ),
             parent=args.dir,
             progress=lambda line: err.print(f"bench: {line}"),
@@ -133,6 +142,7 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     setup = f", {report['setup_s']:g} s of set-up before the loop" if report.get("setup_s") else ""
     setup += ", each rank drawing its own data" if report.get("own_data") else ""
     setup += ", warm spares" if report.get("warm_spares") else ""
+    setup += f", on {report['nodes']} nodes" if report.get("nodes", 1) > 1 else ""
     title = f"recovery, {report['kills']} kills of rank {killed} per system ({report['job']['model']}{setup})"
     table = Table(title=title)
     for column in (

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.bench.common import Progress as Progress
+from stalwart.bench.common import free_port
 from stalwart.errors import BenchError
 from stalwart.runtime.process import spawn
 from stalwart.telemetry.events import EventLog
@@ -51,6 +52,9 @@ class JobShape:
     wait_for_replacement: bool = False
     """stalwart's survivors wait for the replacement (`stalwart run --wait-for-replacement`): every kill then
     includes the hand-over of the survivor's live state."""
+    nodes: int = 1
+    """The job's NPROC ranks on this many nodes (`--nodes`): with 2, two launchers on loopback of one rank each,
+    meeting through the c10d rendezvous as two machines would (torchft is not measured so)."""
 
     def job_args(self) -> list[str]:
         """The recovery job's options for this shape (torchft's driver takes the first two)."""
@@ -74,6 +78,9 @@ class Run:
     stock: bool = False
     shape: JobShape = DEFAULT_SHAPE
     proc: subprocess.Popen[bytes] | None = None
+    """The first node's launcher (the only one on one node)."""
+    others: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    """The other nodes' launchers (JobShape.nodes)."""
     started: float = 0.0
     offset: int = 0
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -84,15 +91,24 @@ class Run:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        cmd, env = self.command()
-        out = open(self.workdir / "output.log", "wb")  # noqa: SIM115 - closed with the process in stop()
         self.started = time.monotonic()
-        # Its own session (the bench signals the whole group), and SIGTERM to the launcher if the bench dies.
-        self.proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        out.close()
+        nodes = self.shape.nodes if self.system in ("torchrun", "stalwart", "stalwart_full") else 1
+        port = free_port() if nodes > 1 else 0
+        for node in range(nodes):
+            cmd, env = self.command(node, port)
+            name = "output.log" if node == 0 else f"output-node{node}.log"
+            out = open(self.workdir / name, "wb")  # noqa: SIM115 - the launcher holds it; closed here
+            # Its own session (the bench signals the whole group), and SIGTERM to the launcher if the bench dies.
+            proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            out.close()
+            if node == 0:
+                self.proc = proc
+            else:
+                self.others.append(proc)
 
-    def command(self) -> tuple[list[str], dict[str, str]]:
-        """The launch's command line and environment for this system and job shape."""
+    def command(self, node: int = 0, port: int = 0) -> tuple[list[str], dict[str, str]]:
+        """The launch's command line and environment for this system and job shape; on several nodes, node
+        `node`'s, the rendezvous at 127.0.0.1:`port`."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))}
         env.update(STALWART_EVENT_LOG=str(self.log), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         until = [] if self.seconds is None else ["--until", f"{time.time() + self.seconds:.0f}"]
@@ -131,11 +147,10 @@ class Run:
                 sys.executable,
                 "-m",
                 "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={NPROC}",
+                *self._placement(port),
                 "--max-restarts=100",
                 "--log-dir",
-                str(self.workdir / "torchrun-logs"),
+                str(self.workdir / f"torchrun-logs-{node}"),
                 *job,
             ]
         else:
@@ -144,8 +159,7 @@ class Run:
                 "-m",
                 "stalwart",
                 "run",
-                "--nproc-per-node",
-                str(NPROC),
+                *self._placement(port)[1:],
                 "--max-restarts",
                 "100",
                 "--spares",
@@ -157,6 +171,20 @@ class Run:
                 *job,
             ]
         return cmd, env
+
+    def _placement(self, port: int) -> list[str]:
+        """torchrun's (and stalwart run's, without the first) flags placing the job's NPROC ranks: one node, or
+        JobShape.nodes launchers meeting at 127.0.0.1:`port`."""
+        if self.shape.nodes == 1:
+            return ["--standalone", f"--nproc-per-node={NPROC}"]
+        per_node = NPROC // self.shape.nodes
+        return [
+            "--rdzv-backend=c10d",
+            f"--nnodes={self.shape.nodes}",
+            f"--nproc-per-node={per_node}",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=bench",
+        ]
 
     def poll_events(self) -> list[dict[str, Any]]:
         try:
@@ -183,22 +211,32 @@ class Run:
         return max((e["step"] for e in self.events if e["event"] == "step_done"), default=0)
 
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """Whether a launcher of the run still runs (the job has ended once every node's has)."""
+        return any(proc.poll() is None for proc in self.launchers())
+
+    def launchers(self) -> list[subprocess.Popen[bytes]]:
+        return [*([self.proc] if self.proc is not None else []), *self.others]
+
+    def failed(self) -> int | None:
+        """The first non-zero exit status of a launcher that ended; None when none failed."""
+        return next((p.returncode for p in self.launchers() if p.returncode not in (None, 0)), None)
 
     def stop(self) -> None:
-        """End the launcher and every worker this run started (pids from its own events and /proc)."""
+        """End the launchers and every worker this run started (pids from its own events and /proc)."""
         if self.proc is None:
             return
-        workers = _descendants(self.proc.pid)
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
+        workers = [pid for proc in self.launchers() for pid in _descendants(proc.pid)]
+        for proc in self.launchers():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.launchers():
             try:
-                self.proc.wait(timeout=20)
+                proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         self.poll_events()
         known = {e["pid"] for e in self.events if e["event"] == "worker_started"}
         for pid in set(workers) | known:
@@ -234,7 +272,7 @@ def _wait(run: Run, until: Callable[[], bool], timeout: float, what: str) -> Non
             if until():
                 return
             raise BenchError(
-                f"{run.system}: the job exited ({run.proc.returncode if run.proc else '?'}) while "
+                f"{run.system}: the job exited ({run.failed() or 0}) while "
                 f"waiting for {what}; see {run.workdir / 'output.log'}"
             )
         if time.monotonic() > deadline:
