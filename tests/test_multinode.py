@@ -235,6 +235,46 @@ def test_a_rank_lost_on_two_nodes_leaves_the_other_node_training_on_shrunk(
         assert diff <= 1e-5 * scale, f"rank {rank}: {diff} from the fault-free run"
 
 
+def test_a_warm_spare_on_the_lost_ranks_node_takes_its_rank_on_two_nodes(
+    launch: Any, tmp_path: Path, hosts_or_loopback: list[tuple[str, str, str]] | None
+) -> None:
+    """Two nodes of one rank each, each keeping a warm spare (`--spares 1 --warm-spares`). Once the spares parked,
+    rank 1 is killed: its node's parked spare takes the rank and joins the survivor on the other node at its next
+    step boundary with the survivor's state; no process runs the set-up after the failure, and the ranks end as
+    replicas. The job holds at step 10 until the kill (tests/test_warm_spares.py says why)."""
+    port = _free_port()
+    env = child_env(STALWART_WAIT_FOR_REPLACEMENT="0")
+    job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "30"]
+    job_args += ["--step-sleep", "0.05", "--no-randomness", "--setup-s", "1", "--setup-log", str(tmp_path / "setups")]
+    job_args += ["--hold-at", "10", "--hold-file", str(tmp_path / "go")]
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "3", "--spares", "1", "--warm-spares"]
+
+    def node(i: int) -> Any:
+        node_args, node_env, prefix = _placed(hosts_or_loopback, i, port, env)
+        return launch([*common, *node_args, *job_args], name=f"node{i}", env=node_env, prefix=prefix)
+
+    first = node(0)
+    first.wait_for(lambda: first.events("launcher_started"), 60, "the first agent")
+    nodes = [first, node(1)]
+    ranks = [n.wait_for(lambda n=n: n.events("worker_spawned"), 120, "a worker")[0]["rank"] for n in nodes]
+    lost = nodes[ranks.index(1)]
+    [parked] = lost.wait_for(lambda: lost.events("spare_parked"), 180, "a warm spare to park")
+    victim = lost.worker_pids(restart=0)[1]
+    os.kill(victim, signal.SIGKILL)
+    (tmp_path / "go").touch()
+    for each in nodes:
+        assert each.wait(240) == 0, each.output()[-3000:]
+    started = [e for e in lost.events("worker_started") if e.get("spare")]
+    assert [(e["pid"], e["rank"]) for e in started][:1] == [(parked["pid"], 1)], started
+    assert [e["rank"] for e in lost.events("joined_late")][:1] == [1]
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in (tmp_path / "out").glob("rank*.json")}
+    assert {r["step"] for r in results.values()} == {30}
+    assert results[0]["sha256"] == results[1]["sha256"], "the ranks end as replicas"
+    pids = (tmp_path / "setups").read_text().split()
+    assert len(pids) == len(set(pids)) and str(parked["pid"]) in pids, f"each process ran the set-up once: {pids}"
+    assert not [e for n in nodes for e in n.events("spare_died")], "no spare died"
+
+
 def _samples(directory: Path) -> dict[int, list[int]]:
     """step -> the samples of its global batch, from the tiny job's --batch-log: of the latest run that took the step
     (the one resumed from the newest step; a step in flight at a change of world size is redone in the next)."""

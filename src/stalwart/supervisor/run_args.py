@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(WARM_SPARES_ENV) == "1",
         help="the spares run the script's set-up before they are needed, up to job.steps(), and wait there; a "
         "lost rank's spare then joins with the survivors' state at their next step, whatever the set-up costs "
-        "(needs --spares N and re-forming; one node). The script must not keep the rank it reads before "
+        "(needs --spares N and re-forming; each node keeps its own). The script must not keep the rank it reads before "
         "job.steps() in objects it does not track (docs/architecture.md)",
     )
     own.add_argument(
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=os.environ.get(WAIT_FOR_REPLACEMENT_ENV) == "1",
         help="after a failure the survivors wait for the replacement's set-up instead of training on at the smaller "
-        "world size meanwhile with the global batch kept (the default on one node); the job then ends bitwise "
+        "world size meanwhile with the global batch kept (the default); the job then ends bitwise "
         "identical to a run without the failure (${ENV}=1 also does)".replace("${ENV}", WAIT_FOR_REPLACEMENT_ENV),
     )
     own.add_argument(
@@ -273,8 +273,6 @@ def _validate(args: argparse.Namespace) -> None:
         raise ConfigError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {args.nnodes}")
     if max_nodes > 1 and args.rdzv_backend != "static" and not args.rdzv_endpoint and not args.standalone:
         raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT reachable from every node")
-    if args.warm_spares and max_nodes > 1:
-        raise ConfigError("--warm-spares works on one node for now (--nnodes 1); use --spares N alone on several")
     script = args.training_script
     if args.module:
         try:
