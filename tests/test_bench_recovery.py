@@ -196,6 +196,27 @@ def test_wait_for_replacement_reaches_stalwart_run_and_nothing_else(tmp_path: Pa
     assert "--wait-for-replacement" not in torchrun_cmd
 
 
+@pytest.mark.parametrize("system", ["torchrun", "stalwart"])
+def test_two_nodes_are_two_launchers_of_one_rank_meeting_at_one_rendezvous(tmp_path: Path, system: str) -> None:
+    """`--nodes 2`: each node's launcher places one of the job's two ranks, both at the same c10d endpoint, and
+    the recovery after a kill is counted from the first event that says the job went on (a survivor's node may
+    keep its restart count)."""
+    from stalwart.bench.recovery import _after_recovery
+
+    run = Run(system, tmp_path, steps=10, shape=JobShape(nodes=2))
+    commands = [[a for a in run.command(node, 4242)[0] if "torchrun-logs" not in a] for node in (0, 1)]
+    assert commands[0] == commands[1] and "--standalone" not in commands[0]
+    for flag in ("--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=127.0.0.1:4242", "--rdzv-backend=c10d"):
+        assert flag in commands[0], commands[0]
+    assert "--nproc-per-node=2" in Run(system, tmp_path, steps=10).command()[0]
+    events = [
+        {"event": "step_done", "mono": 1.0, "restart": 0},  # finished in flight, before the survivor saw the kill
+        {"event": "shrunk", "mono": 2.0, "restart": 0},
+        {"event": "step_done", "mono": 2.5, "restart": 0},
+    ]
+    assert [e["mono"] for e in _after_recovery(events, 0.5)] == [2.0, 2.5]
+
+
 def test_a_bad_kill_rank_is_one_line() -> None:
     out = stalwart("bench", "recovery", "--kill-rank", "2", env=dict(os.environ), timeout=60)
     assert out.returncode == 2 and out.stdout == ""

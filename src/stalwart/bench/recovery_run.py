@@ -159,7 +159,7 @@ class Run:
                 "-m",
                 "stalwart",
                 "run",
-                *self._placement(port)[1:],
+                *[a for a in self._placement(port) if a != "--standalone"],  # its default on one node
                 "--max-restarts",
                 "100",
                 "--spares",
