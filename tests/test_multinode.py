@@ -156,7 +156,7 @@ def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_bac
     job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "40",
                 "--step-sleep", "0.1", "--every", "1000", *fsdp, *grow]  # fmt: skip
     job_args += ["--batch-log", str(tmp_path / "batches")]
-    common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--replace-wait-s", "2"]
+    common = ["--nnodes", "1:2", "--nproc-per-node", "2"]  # the default --replace-wait-s
 
     def node(i: int, name: str) -> Any:
         args, env, prefix = _placed(hosts_or_loopback, i, port)
@@ -164,6 +164,8 @@ def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_bac
 
     first, workers = _lose_node1(node)
     first.wait_for(lambda: first.events("world_resized"), 120, "the survivors to shrink")
+    # The lost node's agent was known gone at its lifeline's first refusal, not after its keep-alive (6 s) lapsed.
+    assert len(first.events("node_gone")) == 1, first.events("node_gone")
     joining = node(1, "node1-new")
     for node in (first, joining):
         assert node.wait(180) == 0, node.output()

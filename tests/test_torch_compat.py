@@ -485,6 +485,37 @@ def test_an_agent_sees_another_nodes_change_once_its_shortened_state_cache_runs_
     assert watching.num_nodes_waiting() == 1
 
 
+def test_a_node_found_gone_leaves_the_completed_round_at_the_next_sync() -> None:
+    """supervisor/lifeline.py: the node a waiting agent waits for (a participant of a completed round it left) is
+    named, and once marked gone torch's own sanitizer removes it at the handler's next sync."""
+    from datetime import UTC, datetime
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    params = RendezvousParameters(backend="c10d", endpoint="localhost:0", run_id="r", min_nodes=1, max_nodes=2)
+    hashed = dist.HashStore()
+    handler = dr.create_handler(hashed, C10dRendezvousBackend(hashed, "r"), params)
+    holder = handler._state_holder
+    holder.sync()
+    other = dr._NodeDesc("10.0.0.2", 4242, 0)
+    state = holder.state
+    state.participants[other] = 0
+    aware = "timezone.utc" in inspect.getsource(dr._BackendRendezvousStateHolder._sanitize)  # torch 2.4: naive
+    state.last_heartbeats[other] = datetime.now(UTC) if aware else datetime.now(UTC).replace(tzinfo=None)
+    state.complete = True
+    holder.mark_dirty()
+    holder.sync()
+    assert torch_compat_rendezvous.this_node(handler) not in holder.state.participants
+    assert torch_compat_rendezvous.blocking_nodes(handler) == [other]
+    assert torch_compat_rendezvous.node_key(other) == "10.0.0.2_4242_0" == repr(other)
+    assert torch_compat_rendezvous.mark_gone(handler, other)
+    holder.sync()  # writes the lapsed keep-alive; the sanitizer removes the node
+    holder.sync()
+    assert other not in holder.state.participants and not torch_compat_rendezvous.blocking_nodes(handler)
+
+
 def test_the_environment_variable_unshares_the_rendezvous_store(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend

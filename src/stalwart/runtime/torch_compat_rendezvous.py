@@ -63,3 +63,41 @@ def rendezvous_gives_local_addr() -> bool:
     from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
     return "local_addr" in inspect.signature(RendezvousStoreInfo.build).parameters
+
+
+def node_key(node: Any) -> str:
+    """A rendezvous node's name as torch writes it (`_NodeDesc`: its address, its agent's pid, a local id)."""
+    return f"{node.addr}_{node.pid}_{node.local_id}"
+
+
+def this_node(handler: Any) -> Any | None:
+    """`handler`'s own node (torch's DynamicRendezvousHandler's private `_this_node`); None on a torch without it.
+    Checked on torch 2.4.1 and 2.13.0."""
+    return getattr(handler, "_this_node", None)
+
+
+def blocking_nodes(handler: Any) -> list[Any]:
+    """The nodes a waiting agent waits for to leave: participants of a completed round that this node has left
+    (the round opens again once none is left). From the state the handler read last (its private state holder's
+    `state`: `complete`, `participants`). Empty on a torch without them. Checked on torch 2.4.1 and 2.13.0."""
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    me = this_node(handler)
+    if state is None or me is None or not getattr(state, "complete", False) or me in state.participants:
+        return []
+    return [node for node in state.participants if node != me]
+
+
+def mark_gone(handler: Any, node: Any) -> bool:
+    """Take `node` out of the rendezvous as torch's own sanitizer does a node whose keep-alive lapsed: its last
+    keep-alive set to 1970, the state marked for writing at the handler's next sync (which removes it from the
+    participants and opens the round again once none is left). False on a torch without that state. Checked on
+    torch 2.4.1 and 2.13.0."""
+    from datetime import datetime
+
+    holder = getattr(handler, "_state_holder", None)
+    beats = getattr(getattr(holder, "state", None), "last_heartbeats", None)
+    if holder is None or beats is None or node not in beats or not hasattr(holder, "mark_dirty"):
+        return False
+    beats[node] = datetime(1970, 1, 1, tzinfo=beats[node].tzinfo)  # torch 2.4's are naive (UTC), later aware
+    holder.mark_dirty()
+    return True

@@ -337,7 +337,11 @@ def _run_agent(
         max_restarts=config.max_restarts,
     )
     try:
-        rdzv_handler = rendezvous_handler(rdzv_parameters, args.replace_wait_s if elastic else None)
+        rdzv_handler = rendezvous_handler(
+            rdzv_parameters,
+            args.replace_wait_s if elastic else None,
+            on_gone=lambda node: events.emit("node_gone", node=node, why="its agent's lifeline refused a knock"),
+        )
     except (RendezvousError, ValueError) as exc:  # an address this host cannot bind or reach
         raise ConfigError(f"cannot start the rendezvous at {config.rdzv_endpoint}: {first_line(exc)}") from exc
     spec = WorkerSpec(

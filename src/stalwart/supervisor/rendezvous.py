@@ -9,6 +9,7 @@ agent that hosts the store listens only on the endpoint's address: 127.0.0.1 for
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -20,6 +21,7 @@ from stalwart.runtime.torch_compat_rendezvous import (
     set_last_call,
     set_state_cache,
 )
+from stalwart.supervisor.lifeline import Lifeline
 
 DEFAULT_PORT = 29400  # torch's c10d rendezvous default
 
@@ -30,10 +32,14 @@ lost node leaves the rendezvous after 6 s of silence instead of torch's 15 (5 s 
 it that much sooner; each agent writes one small key to the store every 2 s."""
 
 
-def rendezvous_handler(params: Any, replace_wait_s: float | None = None) -> Any:
+def rendezvous_handler(
+    params: Any, replace_wait_s: float | None = None, on_gone: Callable[[str], object] | None = None
+) -> Any:
     """The RendezvousHandler for `params` (torch's RendezvousParameters). `replace_wait_s`: after the first round,
     how long a round below the maximum node count waits for more nodes once the minimum is there (torch's
-    `last_call_timeout`, which the first round keeps, for nodes that start late)."""
+    `last_call_timeout`, which the first round keeps, for nodes that start late). On several nodes the agents
+    knock on each other's lifeline while they wait (supervisor/lifeline.py); `on_gone` is told each node found
+    gone."""
     from torch.distributed.elastic.rendezvous import registry
 
     if params.backend != "c10d" or params.get("store_type", "tcp").strip().lower() != "tcp":
@@ -67,8 +73,17 @@ def rendezvous_handler(params: Any, replace_wait_s: float | None = None) -> Any:
         handler.next_rendezvous = functools.partial(  # type: ignore[method-assign]
             _then_wait_for_replacements, handler.next_rendezvous, handler, timedelta(seconds=replace_wait_s)
         )
+    knock: Callable[[], None] | None = None
+    if params.max_nodes > 1:
+        lifeline = Lifeline(store, handler, host)
+
+        def knock() -> None:
+            for name in lifeline.knock():
+                if on_gone is not None:
+                    on_gone(name)
+
     handler.next_rendezvous = functools.partial(  # type: ignore[method-assign]
-        _quicker_delays, handler.next_rendezvous, params.max_nodes
+        _quicker_delays, handler.next_rendezvous, params.max_nodes, knock
     )
     if not rendezvous_gives_local_addr():
         handler.next_rendezvous = functools.partial(  # type: ignore[method-assign]
@@ -142,7 +157,7 @@ def sync_poll_s(max_nodes: int) -> float:
     return min(1.0, SYNC_POLL_PER_NODE_S * max_nodes)
 
 
-def _quicker_delays(next_rendezvous: Callable[[], Any], max_nodes: int) -> Any:
+def _quicker_delays(next_rendezvous: Callable[[], Any], max_nodes: int, knock: Callable[[], None] | None = None) -> Any:
     """`next_rendezvous()` with shorter sleeps.
 
     While it waits for other nodes (joining the round, leaving the last one) torch's rendezvous sleeps 1 s between
@@ -153,7 +168,9 @@ def _quicker_delays(next_rendezvous: Callable[[], Any], max_nodes: int) -> Any:
 
     On one node the random 0-0.3 s sleep torch takes while the round is still 0 (at the start and at the first
     restart) goes too: it spreads several nodes' first joins over time, with one node there is nothing to
-    spread, and it was the larger part of a restart's rendezvous (docs/benchmarks.md)."""
+    spread, and it was the larger part of a restart's rendezvous (docs/benchmarks.md).
+
+    `knock`: called at each poll (supervisor/lifeline.py: a node whose agent is gone leaves the round at once)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     delay = getattr(dynamic_rendezvous, "_delay", None)
@@ -165,8 +182,15 @@ def _quicker_delays(next_rendezvous: Callable[[], Any], max_nodes: int) -> Any:
         if isinstance(seconds, tuple):  # the start skew
             if max_nodes > 1:
                 delay(seconds)
+        elif seconds == 1:  # torch's one fixed delay is the poll's
+            if knock is not None:
+                started = time.monotonic()
+                knock()
+                delay(max(0.0, poll - (time.monotonic() - started)))
+            else:
+                delay(poll)
         else:
-            delay(poll if seconds == 1 else seconds)  # torch's one fixed delay is the poll's
+            delay(seconds)
 
     dynamic_rendezvous._delay = quicker
     try:

@@ -176,9 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-REPLACE_WAIT_S = 5.0
-"""The default of --replace-wait-s: a restarted process or a spare node on the wait list joins well within it, a
-node rebooting or rescheduled by Kubernetes or Slurm takes minutes, and the job then grows back when it joins."""
+REPLACE_WAIT_S = 1.0
+"""The default of --replace-wait-s. A spare node on the wait list joins the next round at once, whatever this is
+(the round completes when the maximum node count is there); the other survivors join within a poll of the
+rendezvous (0.05 s per node, supervisor/rendezvous.py), which this leaves time for. A node rebooting, rescheduled by
+Kubernetes or Slurm, or an agent started again (its imports alone take seconds) is not worth stalling every other
+node for: the job goes on without it and grows back when it joins. It was 5 s until a lost node's agent was known
+gone at once (supervisor/lifeline.py); the lost node's keep-alive (6 s) came before it anyway."""
 
 _STATIC_FLAGS = (
     "--rdzv-backend",
