@@ -277,6 +277,58 @@ def test_a_warm_spare_on_the_lost_ranks_node_takes_its_rank_on_two_nodes(
     assert not [e for n in nodes for e in n.events("spare_died")], "no spare died"
 
 
+def test_a_spare_host_takes_a_lost_hosts_place_in_the_sharded_job(
+    launch: Any, tmp_path: Path, three_hosts_or_loopback: list[tuple[str, str, str]] | None
+) -> None:
+    """FSDP2 over 4 ranks on two hosts, a third host's agent waiting as a spare (torch's rendezvous keeps an agent
+    beyond --nnodes on its redundancy list). A training host's agent is SIGKILLed after step 10: the survivor's
+    agent finds it gone at once (its lifeline refuses a knock, supervisor/lifeline.py), the round opens again and
+    the spare host joins it at once (the node count is full: nothing to wait for). Its ranks take their state from
+    the peer replicas in the survivor's memory, the survivors from their own node memory in the same processes,
+    and each step's samples are those of a 4-rank run throughout, once each."""
+    port = _free_port()
+    (tmp_path / "batches").mkdir()
+    fsdp = ["--fsdp", "--no-randomness", "--gbs", "12", "--hidden", "30"]
+    job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "30",
+                "--step-sleep", "0.1", "--every", "1000", *fsdp, "--batch-log", str(tmp_path / "batches")]  # fmt: skip
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "3"]
+
+    def node(i: int) -> Any:
+        node_args, env, prefix = _placed(three_hosts_or_loopback, i, port)
+        return launch([*common, *node_args, *job_args], name=f"node{i}", env=env, prefix=prefix)
+
+    first = node(0)
+    first.wait_for(lambda: first.events("launcher_started"), 60, "the first agent")
+    nodes = [first, node(1), node(2)]  # the two that join first train; the third waits as the spare
+
+    def trained(n: Any) -> bool:
+        return any(e["step"] >= 10 for e in n.events("step_done"))
+
+    trainers = first.wait_for(lambda: t if len(t := [n for n in nodes if trained(n)]) == 2 else None, 180, "step 10")
+    lost = next(n for n in trainers if n is not first)  # node 0 hosts the rendezvous store: it stays
+    survivor = next(n for n in trainers if n is not lost)
+    spare = next(n for n in nodes if n not in trainers)
+    assert not spare.events("worker_spawned"), "the spare host waited"
+    lost_ranks = sorted(e["rank"] for e in lost.events("worker_spawned"))
+    os.kill(lost.proc.pid, signal.SIGKILL)
+    lost.proc.wait()
+    for each in (survivor, spare):
+        assert each.wait(180) == 0, each.output()
+    # Found gone by whichever waiting agent knocked first: the survivors' or the spare host's (both correct).
+    gone = [e["node"] for n in (survivor, spare) for e in n.events("node_gone")]
+    assert gone and len(set(gone)) == 1, gone
+    restored = [e for e in spare.events("resumed")]
+    assert sorted(e["rank"] for e in restored) == lost_ranks, (restored, lost_ranks)
+    assert {e["tier"] for e in restored} == {"replica"}, restored
+    spawned = survivor.events("worker_spawned")
+    assert {e["worker_pid"] for e in spawned} == {e["worker_pid"] for e in spawned[:2]}, "the survivors stayed"
+    assert [e for e in spawned[2:] if e["kept"]], f"the survivors were kept for the next round: {spawned}"
+    reference = launch(["--nproc-per-node", "4", *job_args[:1], "--ckpt", "ckpt", "--out", "out", "--steps", "30",
+                        *fsdp, "--batch-log", "."], name="reference")  # fmt: skip
+    assert reference.wait(180) == 0, reference.output()
+    assert _samples(tmp_path / "batches") == _samples(reference.workdir), "each step's samples, once each"
+
+
 def _samples(directory: Path) -> dict[int, list[int]]:
     """step -> the samples of its global batch, from the tiny job's --batch-log: of the latest run that took the step
     (the one resumed from the newest step; a step in flight at a change of world size is redone in the next)."""
@@ -292,6 +344,21 @@ def _samples(directory: Path) -> dict[int, list[int]]:
 def hosts_or_loopback() -> Iterator[list[tuple[str, str, str]] | None]:
     """Two hosts in network namespaces as `two_hosts`, or None where they cannot be made (then: loopback)."""
     hosts = netns.Hosts()
+    try:
+        hosts.__enter__()
+    except ConfigError:
+        yield None
+        return
+    try:
+        yield [(h.namespace, h.device, h.address) for h in hosts]
+    finally:
+        hosts.close()
+
+
+@pytest.fixture
+def three_hosts_or_loopback() -> Iterator[list[tuple[str, str, str]] | None]:
+    """Three hosts on a switch in network namespaces, or None where they cannot be made (then: loopback)."""
+    hosts = netns.Hosts(3)
     try:
         hosts.__enter__()
     except ConfigError:

@@ -73,14 +73,16 @@ def rendezvous_handler(
         handler.next_rendezvous = functools.partial(  # type: ignore[method-assign]
             _then_wait_for_replacements, handler.next_rendezvous, handler, timedelta(seconds=replace_wait_s)
         )
-    knock: Callable[[], None] | None = None
+    knock: Callable[[], bool] | None = None
     if params.max_nodes > 1:
         lifeline = Lifeline(store, handler, host)
 
-        def knock() -> None:
-            for name in lifeline.knock():
+        def knock() -> bool:
+            gone = lifeline.knock()
+            for name in gone:
                 if on_gone is not None:
                     on_gone(name)
+            return bool(gone)
 
     handler.next_rendezvous = functools.partial(  # type: ignore[method-assign]
         _quicker_delays, handler.next_rendezvous, params.max_nodes, knock
@@ -157,7 +159,7 @@ def sync_poll_s(max_nodes: int) -> float:
     return min(1.0, SYNC_POLL_PER_NODE_S * max_nodes)
 
 
-def _quicker_delays(next_rendezvous: Callable[[], Any], max_nodes: int, knock: Callable[[], None] | None = None) -> Any:
+def _quicker_delays(next_rendezvous: Callable[[], Any], max_nodes: int, knock: Callable[[], bool] | None = None) -> Any:
     """`next_rendezvous()` with shorter sleeps.
 
     While it waits for other nodes (joining the round, leaving the last one) torch's rendezvous sleeps 1 s between
@@ -170,7 +172,9 @@ def _quicker_delays(next_rendezvous: Callable[[], Any], max_nodes: int, knock: C
     restart) goes too: it spreads several nodes' first joins over time, with one node there is nothing to
     spread, and it was the larger part of a restart's rendezvous (docs/benchmarks.md).
 
-    `knock`: called at each poll (supervisor/lifeline.py: a node whose agent is gone leaves the round at once)."""
+    `knock`: called at each poll (supervisor/lifeline.py: a node whose agent is gone leaves the round at once); when
+    it took a node out, the poll is not slept: the state is written at once (the sanitizer's removal a poll
+    later)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     delay = getattr(dynamic_rendezvous, "_delay", None)
@@ -185,8 +189,8 @@ def _quicker_delays(next_rendezvous: Callable[[], Any], max_nodes: int, knock: C
         elif seconds == 1:  # torch's one fixed delay is the poll's
             if knock is not None:
                 started = time.monotonic()
-                knock()
-                delay(max(0.0, poll - (time.monotonic() - started)))
+                if not knock():
+                    delay(max(0.0, poll - (time.monotonic() - started)))
             else:
                 delay(poll)
         else:
