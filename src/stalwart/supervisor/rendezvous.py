@@ -68,7 +68,8 @@ def rendezvous_handler(
     backend = C10dRendezvousBackend(store, params.run_id)
     _cheap_event_names()
     handler = create_handler(store, backend, params)
-    set_state_cache(handler, sync_poll_s(params.max_nodes))  # also how soon an agent sees a node waiting
+    if params.max_nodes > 1:  # also how soon an agent sees a node waiting (on one node none ever does)
+        set_state_cache(handler, sync_poll_s(params.max_nodes))
     if replace_wait_s is not None:
         handler.next_rendezvous = functools.partial(  # type: ignore[method-assign]
             _then_wait_for_replacements, handler.next_rendezvous, handler, timedelta(seconds=replace_wait_s)
