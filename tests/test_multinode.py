@@ -417,6 +417,25 @@ def test_two_hosts_with_their_own_addresses(launch: Any, tmp_path: Path, two_hos
     assert two_hosts_result["seen"] == one_host_result["seen"]
 
 
+def test_a_knock_on_a_lifeline_tells_a_gone_agent_from_a_live_one() -> None:
+    """supervisor/lifeline.py: a refused connection is a gone agent; a listening port, or no lifeline published
+    (an older agent, a port it could not bind), proves nothing."""
+    import torch.distributed as dist
+
+    from stalwart.supervisor import lifeline
+
+    store = dist.HashStore()
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen(1)
+        store.set(f"{lifeline.KEY}/live", f"127.0.0.1\n{live.getsockname()[1]}")
+        gone_port = _free_port()  # bound, then closed: nothing listens there
+        store.set(f"{lifeline.KEY}/gone", f"127.0.0.1\n{gone_port}")
+        assert not lifeline._refused(store, "live")
+        assert lifeline._refused(store, "gone")
+        assert not lifeline._refused(store, "never-published")
+
+
 def test_bad_input_on_one_node_stops_the_other_with_one_line(launch: Any, tmp_path: Path) -> None:
     port = _free_port()
     args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "2"]

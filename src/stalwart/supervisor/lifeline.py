@@ -33,6 +33,7 @@ class Lifeline:
         self._store = store
         self._handler = handler
         self._knocked: dict[str, float] = {}
+        self._told: set[str] = set()  # nodes already reported gone (a lost write of the state is marked again)
         self._sock: socket.socket | None = None
         me = this_node(handler)
         if me is None:
@@ -52,7 +53,7 @@ class Lifeline:
 
     def knock(self) -> list[str]:
         """Knock on every node the waiting round is held by (at most once a second each); those whose agent is
-        gone are taken out of the round. Their names."""
+        gone are taken out of the round. The names of those found gone for the first time."""
         gone = []
         now = time.monotonic()
         for node in blocking_nodes(self._handler):
@@ -60,7 +61,8 @@ class Lifeline:
             if now - self._knocked.get(name, -KNOCK_EVERY_S) < KNOCK_EVERY_S:
                 continue
             self._knocked[name] = now
-            if _refused(self._store, name) and mark_gone(self._handler, node):
+            if _refused(self._store, name) and mark_gone(self._handler, node) and name not in self._told:
+                self._told.add(name)
                 gone.append(name)
         return gone
 
