@@ -14,11 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed.fsdp
 
 from conftest import TINY, alive, child_env, fault_free_results
 from stalwart.chaos import netns
 from stalwart.errors import ConfigError
 from stalwart.runtime.env import THREADED_SIDE_COPY_ENV as FAKE_ENV
+
+fsdp2 = pytest.mark.skipif(
+    not hasattr(torch.distributed.fsdp, "fully_shard"),
+    reason="this torch's FSDP2 is private (fully_shard is public from torch 2.6) and makes CUDA streams on a CPU",
+)
 
 
 def _free_port() -> int:
@@ -136,6 +142,7 @@ def test_a_killed_node_is_replaced_and_the_job_ends_bitwise_identical(
     assert two_nodes["sha256"] == one_node["sha256"], "a replaced node ends where one clean node does"
 
 
+@fsdp2
 def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_back(
     launch: Any, tmp_path: Path, hosts_or_loopback: list[tuple[str, str, str]] | None
 ) -> None:
@@ -277,6 +284,7 @@ def test_a_warm_spare_on_the_lost_ranks_node_takes_its_rank_on_two_nodes(
     assert not [e for n in nodes for e in n.events("spare_died")], "no spare died"
 
 
+@fsdp2
 def test_a_spare_host_takes_a_lost_hosts_place_in_the_sharded_job(
     launch: Any, tmp_path: Path, three_hosts_or_loopback: list[tuple[str, str, str]] | None
 ) -> None:
