@@ -173,7 +173,7 @@ class Run:
         return cmd, env
 
     def _placement(self, port: int) -> list[str]:
-        """torchrun's (and stalwart run's, without the first) flags placing the job's NPROC ranks: one node, or
+        """torchrun's (and stalwart run's, without --standalone) flags placing the job's NPROC ranks: one node, or
         JobShape.nodes launchers meeting at 127.0.0.1:`port`."""
         if self.shape.nodes == 1:
             return ["--standalone", f"--nproc-per-node={NPROC}"]
