@@ -128,10 +128,7 @@ class Launch:
         return self.output_path.read_text(errors="replace")
 
     def results(self) -> dict[int, dict[str, Any]]:
-        out = {}
-        for path in sorted((self.workdir / "out").glob("rank*.json")):
-            out[int(path.stem[4:])] = json.loads(path.read_text())
-        return out
+        return read_results(self.workdir / "out")
 
     def reap(self) -> None:
         """End the launcher and every worker it started that is still alive (only our own PIDs)."""
@@ -224,6 +221,22 @@ def launch(tmp_path: Path) -> Iterator[Any]:
     yield start
     for job in started:
         job.reap()
+
+
+def read_results(out: Path) -> dict[int, dict[str, Any]]:
+    """The tiny job's results in `out` (its --out): rank -> step, parameters, their sha256, samples seen."""
+    return {int(path.stem[4:]): json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))}
+
+
+def check_global_batch_kept(results: dict[int, Any], reference: dict[int, Any], tolerance: float) -> None:
+    """Every sample of the fault-free run seen once, none twice, and every rank's parameters within `tolerance` of
+    it, relative to the parameters' largest magnitude (tests/test_shrink.py says why a tolerance)."""
+    seen = sorted(i for r in results for i in results[r]["seen"])
+    assert seen == sorted(i for r in reference for i in reference[r]["seen"]), "every sample once, none twice"
+    scale = max(abs(v) for v in reference[0]["params"])
+    for rank in reference:
+        diff = max(abs(a - b) for a, b in zip(results[rank]["params"], reference[rank]["params"], strict=True))
+        assert diff <= tolerance * scale, f"rank {rank}: {diff} from the fault-free run"
 
 
 def tiny_args(*extra: str, nproc: int = 2, max_restarts: int = 3) -> list[str]:

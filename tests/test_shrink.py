@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import alive, child_env, fault_free_results, tiny_args
+from conftest import alive, check_global_batch_kept, child_env, fault_free_results, tiny_args
 from stalwart.data.loader import ResumableLoader
 from stalwart.recovery.shrink import MicroSteps, Plan
 
@@ -27,13 +27,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, A
 
 
 def _check_global_batch_kept(results: dict[int, Any], reference: dict[int, Any]) -> None:
-    """Every sample of the fault-free run seen once, none twice, and every rank's parameters within TOLERANCE."""
-    seen = sorted(i for r in results for i in results[r]["seen"])
-    assert seen == sorted(i for r in reference for i in reference[r]["seen"]), "every sample once, none twice"
-    scale = max(abs(v) for v in reference[0]["params"])
-    for rank in reference:
-        diff = max(abs(a - b) for a, b in zip(results[rank]["params"], reference[rank]["params"], strict=True))
-        assert diff <= TOLERANCE * scale, f"rank {rank}: {diff} from the fault-free run"
+    check_global_batch_kept(results, reference, TOLERANCE)
 
 
 def _setups(job: Any) -> dict[str, int]:
