@@ -17,7 +17,9 @@ import socket
 import time
 from typing import Any
 
+from stalwart.runtime.store import bound_listener
 from stalwart.runtime.torch_compat_rendezvous import blocking_nodes, mark_gone, node_key, this_node
+from stalwart.supervisor.peer_check import route_address
 
 KEY = "stalwart/lifeline"
 KNOCK_TIMEOUT_S = 0.5
@@ -38,18 +40,11 @@ class Lifeline:
         me = this_node(handler)
         if me is None:
             return
-        with contextlib.suppress(OSError):
-            sock = socket.socket(_family(store_host), socket.SOCK_STREAM)
-            sock.bind((_reaching(store_host), 0))
-            sock.listen(64)
+        with contextlib.suppress(OSError):  # no lifeline: the others wait for this node's keep-alive, as before
+            sock = bound_listener(route_address(store_host, 0), 0)
             host, port = sock.getsockname()[:2]
             store.set(f"{KEY}/{node_key(me)}", f"{host}\n{port}")
-            self._sock = sock
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+            self._sock = sock  # open for the agent's life: the kernel answers the knocks
 
     def knock(self) -> list[str]:
         """Knock on every node the waiting round is held by (at most once a second each); those whose agent is
@@ -81,17 +76,3 @@ def _refused(store: Any, name: str) -> bool:
         return True
     except Exception:
         return False
-
-
-def _family(host: str) -> socket.AddressFamily:
-    with contextlib.suppress(OSError):
-        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
-    return socket.AF_INET
-
-
-def _reaching(host: str) -> str:
-    """This machine's address on the route to `host` (a datagram socket's connect sends nothing): where the other
-    nodes, which reach the store's host, can reach this one."""
-    with socket.socket(_family(host), socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        return str(s.getsockname()[0])
