@@ -148,8 +148,8 @@ def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_bac
     launch: Any, tmp_path: Path, hosts_or_loopback: list[tuple[str, str, str]] | None
 ) -> None:
     """Under --nnodes 1:2 a node dies for good (its agent SIGKILLed): after --replace-wait-s with no replacement the
-    surviving node's ranks go on at 2 of 4 ranks in their own processes, running the script again in the round
-    (their FSDP2 modules are built on the old mesh) and resharding the state from node memory, where their own
+    surviving node's ranks go on at 2 of 4 ranks in their own processes, their FSDP2 modules sharded again in
+    place (the script's set-up does not run again) and the state resharded from node memory, where their own
     snapshots and the peer replicas of the lost node's ranks are. Then a new node joins: the job grows back to 4
     ranks, the new node's state coming from the survivors' memory (moved between nodes, not read from storage),
     the survivors still the same processes. Every step's samples are those of a run of 4 ranks throughout, once
@@ -163,7 +163,7 @@ def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_bac
     grow = ["--grow-to", "4", "--grow-wait-after", "5"]
     job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "40",
                 "--step-sleep", "0.1", "--every", "1000", *fsdp, *grow]  # fmt: skip
-    job_args += ["--batch-log", str(tmp_path / "batches")]
+    job_args += ["--batch-log", str(tmp_path / "batches"), "--setup-log", str(tmp_path / "setups")]
     common = ["--nnodes", "1:2", "--nproc-per-node", "2"]  # the default --replace-wait-s
 
     def node(i: int, name: str) -> Any:
@@ -188,6 +188,13 @@ def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_bac
     assert grown["step"] == resized[1]["step"]
     reruns = [e for e in first.events("worker_failed") if e.get("restart", 0) > 0]
     assert not reruns, "the script ran again inside the rounds: no round was failed"
+    # The survivors sharded their FSDP2 modules again in their processes, at 2 ranks and back at 4: their set-up
+    # (the script up to its loop) ran once in each, and so once per process of the run.
+    resharded = sorted((e["rank"], e["world_from"], e["world_to"]) for e in first.events("resharded_in_place"))
+    assert resharded == [(0, 2, 4), (0, 4, 2), (1, 2, 4), (1, 4, 2)], resharded
+    pids = (tmp_path / "setups").read_text().split()
+    assert len(pids) == len(set(pids)), f"a process ran the script's set-up again: {pids}"
+    assert spawned <= {int(pid) for pid in pids}, (spawned, pids)
     reference = launch(["--nproc-per-node", "4", *job_args[:1], "--ckpt", "ckpt", "--out", "out", "--steps", "40",
                         *fsdp[:-1], "--batch-log", "."], name="reference")  # fmt: skip
     assert reference.wait(180) == 0, reference.output()

@@ -32,6 +32,7 @@ from stalwart.runtime import (
     env,
     store,
     torch_compat,
+    torch_compat_fsdp,
     torch_compat_groups,
     torch_compat_process,
     torch_compat_rendezvous,
@@ -45,6 +46,7 @@ COMPAT = (
     "stalwart.runtime.torch_compat_groups",
     "stalwart.runtime.torch_compat_process",
     "stalwart.runtime.torch_compat_rendezvous",
+    "stalwart.runtime.torch_compat_fsdp",
 )
 """The modules that may reach into torch's internals."""
 CHILD = Path(__file__).parent / "scripts" / "torch_compat_child.py"
@@ -435,6 +437,51 @@ def test_a_rank_change_in_one_process_meets_no_stale_sharding() -> None:
     assert doubled_on(new) == (1,), "torch no longer hands out a stale sharding: the clearing may go"
     assert torch_compat_groups.forget_sharding_caches()
     assert doubled_on(new) == (0,)
+
+
+def test_fsdp2_modules_are_sharded_again_in_place_on_a_smaller_group(tmp_path: Path) -> None:
+    """Two ranks train an FSDP2 model, one leaves: the other shards the same modules again on a group of one, the
+    optimizer follows the new parameters, the full state taken before loads bit for bit and a step trains them
+    (what a survivor of a lost host does instead of running its script again: recovery/in_loop/driver.py)."""
+    if torch_compat.torch_older_than("2.6"):
+        pytest.skip("FSDP2 on CPU needs torch 2.6")
+    done = subprocess.run(
+        [sys.executable, str(CHILD), "reshard", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=100,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["why_not"] is None and report["modules"] == 3, report
+    assert report["class"] == "FSDPSequential", "the root is an FSDP module again"
+    assert report["local_shapes"] == [[13, 7], [13], [5, 13], [5]], "each parameter whole on a group of one"
+    assert report["new_parameters"] and report["optimizer_follows"], report
+    assert report["loaded_equal"] and report["trained"] and report["optimizer_states"] == 4, report
+
+
+def test_what_cannot_be_sharded_again_in_place_is_named() -> None:
+    """Modules wrapped together share one FSDP state: `why_not` names them and leaves the model as it is."""
+    if torch_compat.torch_older_than("2.6"):
+        pytest.skip("FSDP2 on CPU needs torch 2.6")
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+        assert torch_compat_fsdp.why_not([model]) is None, "nothing to shard: nothing stands in the way"
+        try:
+            fully_shard([model[0], model[1]])
+        except (TypeError, AttributeError, AssertionError, ValueError):
+            pytest.skip("this torch's fully_shard takes one module")
+        fully_shard(model)
+        why = torch_compat_fsdp.why_not([model])
+        assert why is not None and "together" in why, why
+        with pytest.raises(ValueError):
+            torch_compat_fsdp.reshard_in_place([model], [])
+    finally:
+        dist.destroy_process_group()
 
 
 # ---- torch elastic

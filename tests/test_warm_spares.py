@@ -98,12 +98,14 @@ def test_a_warm_spare_given_another_rank_than_it_read_says_so(launch: Any) -> No
 
 
 def test_with_wait_for_replacement_a_warm_spare_ends_bitwise(launch: Any, tmp_path_factory: Any) -> None:
+    """Rank 0 lost: the spare, set up as rank 1, trains rank 0's slice of each global batch (its ResumableLoader
+    follows the rank it was given; until 2026-11-30 it kept the set-up's slice, a sample twice a step and one never)."""
     reference = fault_free_results(tmp_path_factory.mktemp("warm-reference"), *ARGS[:-2])
     job = _launch_with_warm_spare(launch, True)
-    spare, _ = _kill_once_a_spare_parked(job, rank=1)
+    spare, _ = _kill_once_a_spare_parked(job, rank=0)
     assert job.wait(240) == 0, job.output()[-3000:]
     assert not job.events("shrunk"), "the survivor waited for the spare"
-    _the_spare_became(job, spare, rank=1)
+    _the_spare_became(job, spare, rank=0)
     results = job.results()
     assert {r: results[r]["sha256"] for r in results} == {r: reference[r]["sha256"] for r in reference}
 
@@ -174,12 +176,12 @@ def test_two_ranks_lost_at_once_with_one_warm_spare(launch: Any) -> None:
     assert set(counts.values()) == {1}, f"each process ran the set-up once: {counts}"
 
 
-def test_a_warm_spare_with_sharded_state_given_another_rank_runs_its_set_up_again(
+def test_a_warm_spare_with_sharded_state_given_another_rank_shards_it_again_in_place(
     launch: Any, tmp_path_factory: Any
 ) -> None:
-    """FSDP2: the spare's set-up sharded the model for the rank it ran as (1); given rank 0 it runs the script again
-    as rank 0 in the same process (its start-up spared, not its set-up), and the run ends bitwise identical (sharded
-    state waits for the replacement; the lost rank's shards come from node memory)."""
+    """FSDP2: the spare's set-up sharded the model for the rank it ran as (1); given rank 0 it shards its modules
+    again as rank 0 in its process (its set-up does not run again: it ran it until 2026-11-30), and the run ends
+    bitwise identical (sharded state waits for the replacement; the lost rank's shards come from node memory)."""
     fsdp = ("--steps", str(STEPS), "--step-sleep", "0.05", "--no-randomness", "--fsdp")
     reference = fault_free_results(tmp_path_factory.mktemp("warm-fsdp-reference"), *fsdp)
     env = child_env(STALWART_WAIT_FOR_REPLACEMENT="0")
@@ -187,9 +189,11 @@ def test_a_warm_spare_with_sharded_state_given_another_rank_runs_its_set_up_agai
     job = launch(["--spares", "1", "--warm-spares", *tiny_args(*fsdp, *extra, *HOLD)], env=env)
     spare, _ = _kill_once_a_spare_parked(job, rank=0)
     assert job.wait(240) == 0, job.output()[-3000:]
-    assert "holds state sharded for that rank and was given rank 0: its set-up runs again" in job.output()
+    assert "its set-up runs again" not in job.output()
     assert job.worker_pids(restart=1)[0] == spare
-    assert _setups(job)[spare] == 2, "the spare's set-up ran as rank 1, then again as rank 0"
+    assert _setups(job)[spare] == 1, "the spare's set-up ran once, as rank 1"
+    resharded = [e for e in job.events("resharded_in_place") if e["pid"] == spare]
+    assert [(e["rank"], e["world_from"], e["world_to"], e["modules"]) for e in resharded] == [(0, 2, 2, 3)], resharded
     restarts = [e["restart"] for e in job.events("restarting")]
     assert restarts == [1], f"the spare trained as rank 0, not replaced again: {restarts}\n{job.output()[-3000:]}"
     results = job.results()

@@ -4,6 +4,9 @@
 were not imported before it), and what `abort_process_group` did to a default group.
 `peer PORT`: rank 1 of a 2-rank gloo group over the TCPStore at PORT: one all-reduce, "ready", then it waits
 to be killed.
+`reshard DIR`: two processes train an FSDP2 model 3 steps on a gloo group, rank 1 leaves, rank 0 alone shards its
+modules again in place (runtime/torch_compat_fsdp.py), loads the full state taken before and trains a step; one
+JSON line from rank 0.
 """
 
 from __future__ import annotations
@@ -40,8 +43,87 @@ def peer(port: int) -> None:
     time.sleep(120)
 
 
+def _reshard_rank(rank: int, directory: str) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    from stalwart.runtime import torch_compat_fsdp
+
+    full = StateDictOptions(full_state_dict=True)
+
+    def whole(value: object) -> object:  # DTensors as plain tensors of their own, taken while both ranks are there
+        if isinstance(value, dict):
+            return {k: whole(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [whole(v) for v in value]
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        return value.clone() if isinstance(value, torch.Tensor) else value  # a copy: at one rank, views of the model
+
+    def step(seed: int) -> None:
+        x = torch.randn(4, 7, generator=torch.Generator().manual_seed(seed))
+        model(x).pow(2).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    dist.init_process_group("gloo", init_method=f"file://{directory}/two", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.ReLU(), torch.nn.Linear(13, 5))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for seed in range(3):
+        step(seed)
+    params = whole(get_model_state_dict(model, options=full))
+    optim_state = whole(get_optimizer_state_dict(model, optim, options=full))
+    assert isinstance(params, dict)
+    kept = {name: value.clone() for name, value in params.items()}
+    dist.destroy_process_group()
+    if rank == 1:
+        return
+    dist.init_process_group("gloo", init_method=f"file://{directory}/one", rank=0, world_size=1)
+    why = torch_compat_fsdp.why_not([model, optim])
+    old = {id(p) for p in model.parameters()}
+    count = torch_compat_fsdp.reshard_in_place([model, optim], [optim])
+    new = [id(p) for p in model.parameters()]
+    set_model_state_dict(model, params, options=full)
+    set_optimizer_state_dict(model, optim, optim_state, options=full)
+    loaded = whole(get_model_state_dict(model, options=full))
+    assert isinstance(loaded, dict)
+    step(3)
+    stepped = whole(get_model_state_dict(model, options=full))
+    assert isinstance(stepped, dict)
+    report = {
+        "why_not": why,
+        "modules": count,
+        "class": type(model).__name__,
+        "local_shapes": [list(p.to_local().shape) for p in model.parameters()],
+        "new_parameters": not old & set(new),
+        "optimizer_follows": [id(p) for p in optim.param_groups[0]["params"]] == new,
+        "loaded_equal": all(torch.equal(kept[k], loaded[k]) for k in kept),
+        "trained": all(not torch.equal(kept[k], stepped[k]) for k in kept),
+        "optimizer_states": len(optim.state),
+    }
+    print(json.dumps(report), flush=True)
+    dist.destroy_process_group()
+
+
+def reshard(directory: str) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_reshard_rank, args=(directory,), nprocs=2)  # ends both on a failure
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "fresh":
         fresh()
+    elif sys.argv[1] == "reshard":
+        reshard(sys.argv[2])
     else:
         peer(int(sys.argv[2]))

@@ -155,11 +155,13 @@ def _own_threads() -> list[int]:
     return found or [threading.get_native_id()]
 
 
-def park(events: Any, provisional: Placement, *, sharded: bool = False) -> Placement:
+def park(events: Any, provisional: Placement, *, sharded: str | None = None) -> Placement:
     """At `job.steps()`: tell the agent this spare is parked and wait for a rank's activation (its environment
     becomes os.environ). Returns that rank's placement; says in one line what the set-up read of the rank it ran
-    as, when it is given another. `sharded`: the set-up sharded state (FSDP2) as the rank it ran as; given another,
-    the spare runs the script again as that rank (RunAgainInRound), its start-up spared but not its set-up."""
+    as, when it is given another. `sharded`: why the state the set-up sharded as the rank it ran as cannot be
+    sharded again in place (runtime/torch_compat_fsdp.py; FSDP2 modules can: the joining spare does it,
+    in_loop/late_join.py); given another rank, such a spare runs the script again as that rank (RunAgainInRound),
+    its start-up spared but not its set-up."""
     global _reads
     reads, _reads = _reads, None
     set_up_s = time.monotonic() - reads.since if reads is not None else None
@@ -176,10 +178,10 @@ def park(events: Any, provisional: Placement, *, sharded: bool = False) -> Place
         if not _set_policy(_own_threads(), os.SCHED_OTHER):
             say("stalwart: a warm spare could not leave idle CPU priority (SCHED_IDLE); its steps may be slow")
     placement = Placement.from_env()
-    if sharded and placement.rank != provisional.rank:
+    if sharded is not None and placement.rank != provisional.rank:
         raise reform.RunAgainInRound(
-            f"a warm spare set up as rank {provisional.rank} holds state sharded for that rank and was given rank "
-            f"{placement.rank}: its set-up runs again"
+            f"a warm spare set up as rank {provisional.rank} holds state sharded for that rank ({sharded}) and was "
+            f"given rank {placement.rank}: its set-up runs again"
         )
     if seen and (placement.rank, placement.local_rank) != (provisional.rank, provisional.local_rank):
         say(

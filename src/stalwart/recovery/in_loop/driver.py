@@ -20,6 +20,8 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
+import torch
+
 from stalwart.checkpoint.format import sharded
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.data.loader import ResumableLoader
@@ -28,6 +30,7 @@ from stalwart.recovery import reform, shrink
 from stalwart.recovery.in_loop import shrunk, survivor
 from stalwart.recovery.in_loop.group_side import InLoop, NewWorldForShards, NothingToGoBackTo
 from stalwart.recovery.in_loop.port import LoopJob
+from stalwart.runtime import torch_compat_fsdp
 from stalwart.runtime.dist import Placement, init_process_group
 from stalwart.telemetry.events import EventLog
 
@@ -260,18 +263,32 @@ def _reform_once(job: LoopJob, in_loop: InLoop, failure: Exception, objects: dic
         abandon(job)
         in_loop.leave(job.rank, reform.reason(failure))
     old_world, old_rank, job.placement = job.world_size, job.rank, Placement.from_env()
-    if job.placement.world_size != old_world and sharded.meshes_of(objects.values()):
-        raise NewWorldForShards(
-            f"the job re-formed at {job.placement.world_size} ranks from {old_world} and holds sharded state; running "
-            "the script again so that its set-up builds the modules at the new size"
-        )
+    reshard = job.placement.world_size != old_world and bool(sharded.meshes_of(objects.values()))
+    if reshard:
+        why = torch_compat_fsdp.why_not(objects.values())
+        if why is not None:
+            raise NewWorldForShards(
+                f"the job re-formed at {job.placement.world_size} ranks from {old_world} and holds sharded state "
+                f"that cannot be sharded again in place ({why}); running the script again so that its set-up builds "
+                "the modules at the new size"
+            )
     if (job.placement.world_size, job.placement.rank) != (old_world, old_rank):  # a loader's slice follows its rank
         for obj in objects.values():
             if isinstance(obj, ResumableLoader):
                 obj.rebind(job.placement.rank, job.placement.world_size)
     timeout = timedelta(seconds=job.config.collective_timeout_s)
     job.membership.owns_process_group = init_process_group(job.placement, timeout, reformable=True)
+    at, resharded = job.step, _reshard_in_place(objects) if reshard else None
     job.set_up_parts(staying=True)
+    if resharded is not None:
+        job.events.emit(
+            "resharded_in_place",
+            step=at,
+            world_from=old_world,
+            world_to=job.world_size,
+            modules=resharded[0],
+            seconds=resharded[1],
+        )
     job.tracked.track(**objects)
     ddp_modules = in_loop.rejoin()
     atexit.register(job.close)
@@ -279,3 +296,15 @@ def _reform_once(job: LoopJob, in_loop: InLoop, failure: Exception, objects: dic
     job.parts.heartbeat.beat(job.step, PHASE_RESUME, job.parts.hang.grace())  # the restore may wait for the replacement
     job.resume()
     return ddp_modules
+
+
+def _reshard_in_place(objects: dict[str, Any]) -> tuple[int, float]:
+    """The job re-formed at another world size and its FSDP2 modules were sharded for the old one: shard them again
+    on the new group in this process (runtime/torch_compat_fsdp.py), the optimizers pointed at the new parameters;
+    the restore that follows reshards the state onto them from node memory or the checkpoint. The script's set-up
+    does not run again (it did until 2026-11-30; recovery/in_loop/group_side.NewWorldForShards is now the fallback
+    for what cannot be sharded again here). Returns the modules sharded again and the seconds it took."""
+    started = time.monotonic()
+    optimizers = [obj for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
+    modules = torch_compat_fsdp.reshard_in_place(objects.values(), optimizers)
+    return modules, round(time.monotonic() - started, 4)

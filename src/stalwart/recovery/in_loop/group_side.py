@@ -57,12 +57,13 @@ class NothingToGoBackTo(reform.ReformRequested):
 
 
 class NewWorldForShards(reform.RunAgainInRound):
-    """The job re-formed at another world size and holds sharded state (DTensors: FSDP2, tensor parallelism): its
-    modules are built on the old device mesh, which no library code can change under them, so the survivor leaves
-    its loop and its host runs the script again, whose set-up builds them at the new size; the restore then
-    reshards the state (from node memory where every old rank's snapshot is held, else from the durable
-    checkpoint). Every rank holds sharded state and sees the same new size, so all of them run it again, in the
-    round they were activated for (raised before any of them made its group)."""
+    """The job re-formed at another world size and holds sharded state that cannot be sharded again in place (FSDP2
+    modules are, in the survivor's process: in_loop/driver.py and runtime/torch_compat_fsdp.py; not modules wrapped
+    together, HSDP or tensor parallelism): its modules are built on the old device mesh, so the survivor leaves its
+    loop and its host runs the script again, whose set-up builds them at the new size; the restore then reshards the
+    state (from node memory where every old rank's snapshot is held, else from the durable checkpoint). Every rank
+    holds the same model and sees the same new size, so all of them run it again, in the round they were activated
+    for (raised before any of them made its group)."""
 
 
 @dataclass(frozen=True, slots=True)

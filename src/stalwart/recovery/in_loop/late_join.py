@@ -22,8 +22,10 @@ from stalwart.data.loader import ResumableLoader
 from stalwart.recovery import reform, script_group, shrink, warm_spare
 from stalwart.recovery.in_loop import survivor
 from stalwart.recovery.in_loop.port import LoopJob
+from stalwart.runtime import torch_compat_fsdp
 from stalwart.runtime.dist import init_process_group
 from stalwart.runtime.process import first_line, say
+from stalwart.runtime.torch_compat_groups import forget_sharding_caches
 
 
 def join_late(job: LoopJob) -> None:
@@ -33,11 +35,19 @@ def join_late(job: LoopJob) -> None:
     if not job.membership.deferred:
         return
     spare = warm_spare.waiting()
-    if spare:  # parked until the agent gives this spare a lost rank
-        shards = bool(sharded.meshes_of(job.tracked.objects.values()))
-        job.placement = warm_spare.park(job.events, job.placement, sharded=shards)
-    started = time.monotonic()
     objects = dict(job.tracked.objects)
+    reshard = False
+    if spare:  # parked until the agent gives this spare a lost rank
+        shards = bool(sharded.meshes_of(objects.values()))
+        why = torch_compat_fsdp.why_not(objects.values()) if shards else None
+        provisional = job.placement
+        job.placement = warm_spare.park(job.events, provisional, sharded=why)
+        reshard = shards and job.placement.rank != provisional.rank
+        if (job.placement.rank, job.placement.world_size) != (provisional.rank, provisional.world_size):
+            for obj in objects.values():  # its slice of each global batch is the given rank's, not the set-up's
+                if isinstance(obj, ResumableLoader):
+                    obj.rebind(job.placement.rank, job.placement.world_size)
+    started = time.monotonic()
     shrink.announce_ready(job.rank)
     job.events.close()
     reform.abort_process_groups()  # the placeholder
@@ -47,12 +57,35 @@ def join_late(job: LoopJob) -> None:
         reformable=True,
         store=script_group.given_store(),  # the script's store holds the round's port on rank 0
     )
+    resharded = _shard_as_given_rank(objects) if reshard else None
     job.set_up_parts()
     job.tracked.track(**objects)
     job.membership.deferred = False
     if spare:
         job.events.emit("worker_started", world_size=job.world_size, local_rank=job.placement.local_rank, spare=True)
+    if resharded is not None:
+        job.events.emit(
+            "resharded_in_place",
+            step=job.step,
+            world_from=job.world_size,
+            world_to=job.world_size,
+            modules=resharded[0],
+            seconds=resharded[1],
+        )
     job.events.emit("joined_late", world_size=job.world_size, seconds=round(time.monotonic() - started, 4))
+
+
+def _shard_as_given_rank(objects: dict[str, Any]) -> tuple[int, float]:
+    """A warm spare whose set-up sharded its FSDP2 modules as another rank, now in the job's group as the rank it was
+    given: shard them again for that rank, in place (runtime/torch_compat_fsdp.py), instead of running the script's
+    set-up again; the hand-over that follows writes the lost rank's state into the new shards. DTensor's caches of
+    the old rank's meshes go first (runtime/torch_compat_groups.forget_sharding_caches says why). Returns the modules
+    sharded again and the seconds it took."""
+    started = time.monotonic()
+    forget_sharding_caches()
+    optimizers = [obj for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
+    modules = torch_compat_fsdp.reshard_in_place(objects.values(), optimizers)
+    return modules, round(time.monotonic() - started, 4)
 
 
 def grow(job: LoopJob, capture_rng: Callable[[], dict[str, Any]]) -> bool:

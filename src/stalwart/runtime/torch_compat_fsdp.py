@@ -1,0 +1,235 @@
+"""FSDP2 modules built again on another mesh in the same process: torch's internals for it, apart from
+runtime/torch_compat.py because they are many and FSDP2's change most between releases.
+
+Why: when the job re-forms at another world size (a lost host, a job shrinking or growing back), a module wrapped
+with `fully_shard` holds its parameters sharded for the old mesh, and torch has no public way to shard it again.
+Without one the survivors must run the script again (recovery/in_loop/group_side.NewWorldForShards), its whole
+set-up included: minutes at scale. `reshard_in_place` undoes each `fully_shard` (its hooks, its state, its class,
+its sharded parameters replaced by plain ones of the full size) and applies it again, with the settings it was
+applied with, on a mesh of the new default group; the optimizers are pointed at the new parameters and their state
+dropped. The values are not moved here: the restore that follows reshards the state from node memory or the
+checkpoint onto the new parameters (recovery/memory_reshard.py), as it does for a script run again.
+
+What it supports, checked before anything changes (`why_not`, None when it can): modules wrapped one at a time
+(not `fully_shard([a, b])`), on a one-dimensional mesh (not HSDP, not a mesh with tensor parallelism), with one
+parameter group each and `reshard_after_forward` a bool or left to FSDP. A script's own references to the old
+parameters (a list made once for clipping) or to the old mesh are not updated: the docs say to read them from the
+model each step.
+
+The rules of runtime/torch_compat.py hold here: each entry says what it relies on and the torch releases on which
+tests/test_torch_compat.py passed ("checked on"); FSDP2 on CPU needs torch 2.6.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _api() -> tuple[Any, Any]:
+    """`fully_shard` and `FSDPModule`, public in torch.distributed.fsdp since 2.6 (torch 2.4-2.5: the composable
+    module's)."""
+    fsdp = torch.distributed.fsdp
+    if hasattr(fsdp, "fully_shard"):
+        return fsdp.fully_shard, fsdp.FSDPModule
+    from torch.distributed._composable import fsdp as composable
+
+    return composable.fully_shard, composable.FSDPModule
+
+
+def fsdp_modules(objects: Iterable[Any]) -> list[nn.Module]:
+    """Every module wrapped with `fully_shard` in the tracked `objects`, each once, children before their parents
+    (the order `fully_shard` must be applied in)."""
+    _, fsdp_module = _api()
+    seen: set[int] = set()
+    found: list[nn.Module] = []
+    for obj in objects:
+        if not isinstance(obj, nn.Module):
+            continue
+        for module in reversed(list(obj.modules())):  # pre-order reversed: every descendant before its ancestor
+            if isinstance(module, fsdp_module) and id(module) not in seen:
+                seen.add(id(module))
+                found.append(module)
+    return found
+
+
+def _groups(state: Any) -> list[Any]:
+    """A state's parameter groups: torch 2.13 keeps a list (`_fsdp_param_groups`), earlier releases one or None
+    (`_fsdp_param_group`)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+@dataclass
+class _Wrapping:
+    """How `fully_shard` was applied to one module, read back from its state: what applying it again takes."""
+
+    module: nn.Module
+    reshard_after_forward: bool | None
+    mp_policy: Any
+    offload: tuple[bool, bool]  # (to CPU, pinned)
+    placements: dict[str, Any] = field(default_factory=dict)  # parameter name on its module -> Shard(dim)
+    params: list[tuple[nn.Module, str, Any, list[tuple[nn.Module, str]]]] = field(default_factory=list)
+    """(owning module, name, the sharded parameter (a DTensor), modules sharing it as (module, name))."""
+
+
+def _wrapping(module: nn.Module) -> _Wrapping | str:
+    """The module's wrapping, or why it cannot be applied again here. Relies on the state's `_modules`, `_mp_policy`,
+    `_auto_reshard_after_forward` and its parameter groups' `mesh_info`, `post_forward_mesh_info` and FSDPParams
+    (`_module_info`, `sharded_param`, `fsdp_placement`, `offload_to_cpu`, `pin_memory`). Checked on torch 2.11.0 and
+    2.13.0."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    if len(getattr(state, "_modules", (module,))) != 1:
+        return "modules wrapped together (fully_shard([...]))"
+    groups = _groups(state)
+    if len(groups) > 1:
+        return "a module with several parameter groups"
+    auto = bool(getattr(state, "_auto_reshard_after_forward", False))
+    wrapping = _Wrapping(module, None, state._mp_policy, (False, False))
+    if not groups:
+        return wrapping
+    group = groups[0]
+    if group.mesh_info.mesh.ndim != 1:
+        return "a mesh of more than one dimension (HSDP or tensor parallelism)"
+    post = group.post_forward_mesh_info
+    if post is not None and post.shard_mesh_size != group.mesh_info.shard_mesh_size:
+        return "reshard_after_forward given as a world size"
+    wrapping.reshard_after_forward = None if auto else post is not None
+    for param in group.fsdp_params:
+        info = param._module_info
+        shared = list(zip(info.shared_modules, info.shared_param_names, strict=True))
+        wrapping.params.append((info.module, info.param_name, param.sharded_param, shared))
+        wrapping.placements[info.param_name] = param.fsdp_placement
+        wrapping.offload = (bool(param.offload_to_cpu), bool(param.pin_memory))
+    return wrapping
+
+
+def why_not(objects: Iterable[Any]) -> str | None:
+    """Why the FSDP2 modules among `objects` cannot be sharded again in place; None when they can (or there are
+    none). Changes nothing."""
+    objects = list(objects)
+    managed: set[int] = set()
+    for module in fsdp_modules(objects):
+        found = _wrapping(module)
+        if isinstance(found, str):
+            return f"{found}: {type(module).__name__}"
+        managed.update(id(sharded) for _, _, sharded, _ in found.params)
+    dtensor = _dtensor_class()
+    for obj in objects:
+        for name, param in obj.named_parameters() if isinstance(obj, nn.Module) else ():
+            if dtensor is not None and isinstance(param, dtensor) and id(param) not in managed:
+                return f"parameters sharded without fully_shard (tensor parallelism): {name}"
+    return None
+
+
+def _dtensor_class() -> type | None:
+    """DTensor's class where torch has it (public since 2.5, private in 2.4)."""
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        try:
+            return getattr(importlib.import_module(name), "DTensor", None)
+        except ImportError:
+            continue
+    return None
+
+
+def _undo(wrapping: _Wrapping, fully_shard: Any, fsdp_module: type) -> None:
+    """Take `fully_shard` off one module: plain parameters of the full size (zeros: the restore writes them), its
+    forward and state-dict hooks, its state in the module and in torch's module-to-state map, and its class. Relies
+    on FSDPParam's `_module_info`, `_orig_size`, `_post_load_hook_handle`, the parameter group's
+    `_module_to_pre_save_state_dict_hook_handle`/`_module_to_pre_load_state_dict_hook_handle`, the state's
+    `_pre_forward_hook_handle`/`_post_forward_hook_handle`, the composable
+    API's STATE_KEY/REGISTRY_KEY entries and `_composable_state._module_state_mapping`."""
+    from torch.distributed import _composable_state
+
+    contract = importlib.import_module("torch.distributed._composable.contract")  # the module, not its function
+    module = wrapping.module
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    sizes = {id(p.sharded_param): p._orig_size for group in _groups(state) for p in group.fsdp_params}
+    for owner, name, sharded, shared in wrapping.params:
+        local = sharded.to_local()
+        plain = nn.Parameter(
+            torch.zeros(sizes[id(sharded)], dtype=local.dtype, device=local.device),
+            requires_grad=sharded.requires_grad,
+        )
+        for holder, holder_name in [(owner, name), *shared]:
+            holder._parameters[holder_name] = plain
+    found = [state._pre_forward_hook_handle, state._post_forward_hook_handle]
+    for group in _groups(state):
+        found += [getattr(p, "_post_load_hook_handle", None) for p in group.fsdp_params]
+        for attr in ("_module_to_pre_save_state_dict_hook_handle", "_module_to_pre_load_state_dict_hook_handle"):
+            found += list(getattr(group, attr, {}).values())
+    handles = {id(h): h for h in found if h is not None}
+    for handle in handles.values():
+        handle.remove()
+    states = module.__dict__.get(contract.STATE_KEY, {})
+    for key in [k for k, v in states.items() if v is state]:  # keyed by the undecorated function
+        del states[key]
+    module.__dict__.get(contract.REGISTRY_KEY, {}).pop(getattr(fully_shard, "__name__", "fully_shard"), None)
+    _composable_state._module_state_mapping.pop(module, None)
+    original = next(c for c in type(module).__mro__ if not issubclass(c, fsdp_module))
+    module.__class__ = cast(type[nn.Module], original)
+
+
+def reshard_in_place(objects: Iterable[Any], optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Shard every FSDP2 module among `objects` again on a one-dimensional mesh of the current default group, as it
+    was sharded before (see the module docstring); point `optimizers` at the new parameters, their state dropped.
+    Call `why_not` first: this raises ValueError where it would have said why. Returns the modules sharded again."""
+    fully_shard, fsdp_module = _api()
+    modules = fsdp_modules(objects)
+    wrappings: list[_Wrapping] = []
+    for module in modules:
+        found = _wrapping(module)
+        if isinstance(found, str):
+            raise ValueError(found)
+        wrappings.append(found)
+    if not wrappings:
+        return 0
+    old = {id(sharded): (owner, name) for w in wrappings for owner, name, sharded, _ in w.params}
+    device = wrappings[0].params[0][2].device if wrappings[0].params else torch.device("cpu")
+    for wrapping in reversed(wrappings):  # parents first: a child's parameters are its own group's
+        _undo(wrapping, fully_shard, fsdp_module)
+    mesh = _mesh(device)
+    for wrapping in wrappings:  # children before parents, as the script applied it
+        _apply(wrapping, fully_shard, mesh)
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, param in enumerate(params):
+                if id(param) in old:
+                    owner, name = old[id(param)]
+                    optimizer.state.pop(param, None)
+                    params[i] = owner._parameters[name]
+    return len(wrappings)
+
+
+def _mesh(device: torch.device) -> Any:
+    """A one-dimensional mesh over the current default group, on the sharded parameters' device type."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def _apply(wrapping: _Wrapping, fully_shard: Any, mesh: Any) -> None:
+    """`fully_shard` again, with the module's settings: the shard placement of each parameter by its name on its
+    owning module (the new plain parameters are known by identity only once made: looked up at the call)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    by_param = {id(owner._parameters[name]): wrapping.placements[name] for owner, name, _, _ in wrapping.params}
+    to_cpu, pinned = wrapping.offload
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": wrapping.reshard_after_forward,
+        "mp_policy": wrapping.mp_policy,
+        "offload_policy": CPUOffloadPolicy(pin_memory=pinned) if to_cpu else OffloadPolicy(),
+    }
+    if any(getattr(p, "dim", 0) != 0 for p in by_param.values()):
+        kwargs["shard_placement_fn"] = lambda param: by_param.get(id(param))
+    fully_shard(wrapping.module, **kwargs)
