@@ -286,21 +286,25 @@ def test_a_warm_spare_on_the_lost_ranks_node_takes_its_rank_on_two_nodes(
 
 
 @fsdp2
-def test_a_spare_host_takes_a_lost_hosts_place_in_the_sharded_job(
+def test_a_warm_spare_host_takes_a_lost_hosts_place_in_the_sharded_job(
     launch: Any, tmp_path: Path, three_hosts_or_loopback: list[tuple[str, str, str]] | None
 ) -> None:
     """FSDP2 over 4 ranks on two hosts, a third host's agent waiting as a spare (torch's rendezvous keeps an agent
-    beyond --nnodes on its redundancy list). A training host's agent is SIGKILLed after step 10: the survivor's
-    agent finds it gone at once (its lifeline refuses a knock, supervisor/lifeline.py), the round opens again and
-    the spare host joins it at once (the node count is full: nothing to wait for). Its ranks take their state from
-    the peer replicas in the survivor's memory, the survivors from their own node memory in the same processes,
-    and each step's samples are those of a 4-rank run throughout, once each."""
+    beyond --nnodes on its redundancy list) with --spares 1 --warm-spares: while it waits it runs the script's set-up
+    in one warm spare per local rank, with the activation the training hosts published (supervisor/spare_host.py).
+    A training host's agent is SIGKILLed after step 10: the survivor's agent finds it gone at once (its lifeline
+    refuses a knock, supervisor/lifeline.py), the round opens again and the spare host joins it at once (the node
+    count is full: nothing to wait for). Its parked spares become the lost ranks (sharding their FSDP2 modules again
+    in place where they were set up as another rank) and take their state from the peer replicas in the survivor's
+    memory, the survivors from their own node memory in the same processes; no process runs the set-up twice, and
+    each step's samples are those of a 4-rank run throughout, once each."""
     port = _free_port()
     (tmp_path / "batches").mkdir()
     fsdp = ["--fsdp", "--no-randomness", "--gbs", "12", "--hidden", "30"]
     job_args = [str(TINY), "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "30",
                 "--step-sleep", "0.1", "--every", "1000", *fsdp, "--batch-log", str(tmp_path / "batches")]  # fmt: skip
-    common = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "3"]
+    job_args += ["--setup-s", "1", "--setup-log", str(tmp_path / "setups")]
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "3", "--spares", "1", "--warm-spares"]
 
     def node(i: int) -> Any:
         node_args, env, prefix = _placed(three_hosts_or_loopback, i, port)
@@ -318,6 +322,8 @@ def test_a_spare_host_takes_a_lost_hosts_place_in_the_sharded_job(
     survivor = next(n for n in trainers if n is not lost)
     spare = next(n for n in nodes if n not in trainers)
     assert not spare.events("worker_spawned"), "the spare host waited"
+    spare.wait_for(lambda: len(spare.events("spare_parked")) >= 2, 120, "the spare host's warm spares to park")
+    parked = {e["pid"] for e in spare.events("spare_parked")}
     lost_ranks = sorted(e["rank"] for e in lost.events("worker_spawned"))
     os.kill(lost.proc.pid, signal.SIGKILL)
     lost.proc.wait()
@@ -326,12 +332,18 @@ def test_a_spare_host_takes_a_lost_hosts_place_in_the_sharded_job(
     # Found gone by whichever waiting agent knocked first: the survivors' or the spare host's (both correct).
     gone = [e["node"] for n in (survivor, spare) for e in n.events("node_gone")]
     assert gone and len(set(gone)) == 1, gone
+    workers = spare.events("worker_spawned")
+    assert sorted(e["rank"] for e in workers) == lost_ranks, (workers, lost_ranks)
+    assert {e["worker_pid"] for e in workers} == parked and all(e["spare"] for e in workers), (workers, parked)
     restored = [e for e in spare.events("resumed")]
     assert sorted(e["rank"] for e in restored) == lost_ranks, (restored, lost_ranks)
     assert {e["tier"] for e in restored} == {"replica"}, restored
     spawned = survivor.events("worker_spawned")
     assert {e["worker_pid"] for e in spawned} == {e["worker_pid"] for e in spawned[:2]}, "the survivors stayed"
     assert [e for e in spawned[2:] if e["kept"]], f"the survivors were kept for the next round: {spawned}"
+    pids = (tmp_path / "setups").read_text().split()
+    assert len(pids) == len(set(pids)), f"a process ran the set-up twice: {pids}"
+    assert parked <= {int(pid) for pid in pids}, "the spare host's workers ran the set-up before they were admitted"
     reference = launch(["--nproc-per-node", "4", *job_args[:1], "--ckpt", "ckpt", "--out", "out", "--steps", "30",
                         *fsdp, "--batch-log", "."], name="reference")  # fmt: skip
     assert reference.wait(180) == 0, reference.output()
@@ -438,6 +450,29 @@ def test_a_knock_on_a_lifeline_tells_a_gone_agent_from_a_live_one() -> None:
         assert not lifeline._refused(store, "live")
         assert lifeline._refused(store, "gone")
         assert not lifeline._refused(store, "never-published")
+
+
+def test_a_spare_node_warms_with_the_published_activation_only_while_it_waits_as_a_spare() -> None:
+    """supervisor/spare_host.py: a round's activation is published without what names a path on the publishing host;
+    an agent that does not wait as a spare (the job's first round, a round it was part of) warms nothing."""
+    import json
+
+    import torch.distributed as dist
+
+    from stalwart.supervisor import spare_host
+    from stalwart.supervisor.host_pool import SparePool
+    from stalwart.telemetry.events import EventLog
+
+    pool = SparePool(1, EventLog(None), warm_script=True)
+    host = spare_host.SpareHost(pool, nproc=2)
+    host.store = dist.HashStore()
+    host.publish(["train.py", "--steps", "3"], {"RANK": "3", "LOCAL_RANK": "1", "TORCHELASTIC_ERROR_FILE": "/tmp/x"})
+    published = json.loads(host.store.get(spare_host.KEY))
+    assert published == {"argv": ["train.py", "--steps", "3"], "env": {"RANK": "3", "LOCAL_RANK": "1"}}
+    host.while_waiting()  # no handler's state: not a spare
+    assert pool.target == 1 and pool._template is None, "nothing warmed"
+    host.admitted()
+    assert pool.target == 1
 
 
 def test_bad_input_on_one_node_stops_the_other_with_one_line(launch: Any, tmp_path: Path) -> None:

@@ -470,16 +470,16 @@ def test_what_cannot_be_sharded_again_in_place_is_named() -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
-        assert torch_compat_fsdp.why_not([model]) is None, "nothing to shard: nothing stands in the way"
+        assert torch_compat_fsdp.why_not([model], 1) is None, "nothing to shard: nothing stands in the way"
         try:
             fully_shard([model[0], model[1]])
         except (TypeError, AttributeError, AssertionError, ValueError):
             pytest.skip("this torch's fully_shard takes one module")
         fully_shard(model)
-        why = torch_compat_fsdp.why_not([model])
+        why = torch_compat_fsdp.why_not([model], 1)
         assert why is not None and "together" in why, why
         with pytest.raises(ValueError):
-            torch_compat_fsdp.reshard_in_place([model], [])
+            torch_compat_fsdp.reshard_in_place([model], [], 1)
     finally:
         dist.destroy_process_group()
 
@@ -561,6 +561,28 @@ def test_a_node_found_gone_leaves_the_completed_round_at_the_next_sync() -> None
     holder.sync()  # writes the lapsed keep-alive; the sanitizer removes the node
     holder.sync()
     assert other not in holder.state.participants and not torch_compat_rendezvous.blocking_nodes(handler)
+
+
+def test_a_node_on_the_redundancy_list_of_a_completed_round_waits_as_a_spare() -> None:
+    """supervisor/spare_host.py warms spares only while its node waits as a spare: on the redundancy list of a
+    completed round it is not part of; not while the round is open, nor as one of its participants."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    params = RendezvousParameters(backend="c10d", endpoint="localhost:0", run_id="r", min_nodes=1, max_nodes=1)
+    hashed = dist.HashStore()
+    handler = dr.create_handler(hashed, C10dRendezvousBackend(hashed, "r"), params)
+    holder = handler._state_holder
+    holder.sync()
+    me, other = torch_compat_rendezvous.this_node(handler), dr._NodeDesc("10.0.0.2", 4242, 0)
+    holder.state.redundancy_list.add(me)
+    assert not torch_compat_rendezvous.waits_as_spare(handler), "the round is not complete"
+    holder.state.participants[other] = 0
+    holder.state.complete = True
+    assert torch_compat_rendezvous.waits_as_spare(handler)
+    holder.state.participants[me] = 1
+    assert not torch_compat_rendezvous.waits_as_spare(handler), "a participant is no spare"
 
 
 def test_the_environment_variable_unshares_the_rendezvous_store(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,9 +4,10 @@
 were not imported before it), and what `abort_process_group` did to a default group.
 `peer PORT`: rank 1 of a 2-rank gloo group over the TCPStore at PORT: one all-reduce, "ready", then it waits
 to be killed.
-`reshard DIR`: two processes train an FSDP2 model 3 steps on a gloo group, rank 1 leaves, rank 0 alone shards its
-modules again in place (runtime/torch_compat_fsdp.py), loads the full state taken before and trains a step; one
-JSON line from rank 0.
+`reshard DIR [cuda]`: two processes train an FSDP2 model 3 steps on a gloo group, rank 1 leaves, rank 0 alone
+shards its modules again in place (runtime/torch_compat_fsdp.py), loads the full state taken before and trains a
+step; one JSON line from rank 0. `cuda`: one process on GPU 0 over NCCL, its group made again at the same size
+(scripts/gpu_checks.sh inplace: the CUDA parameters and mesh no CPU test reaches).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def peer(port: int) -> None:
     time.sleep(120)
 
 
-def _reshard_rank(rank: int, directory: str) -> None:
+def _reshard_rank(rank: int, directory: str, cuda: bool) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -66,14 +67,18 @@ def _reshard_rank(rank: int, directory: str) -> None:
         return value.clone() if isinstance(value, torch.Tensor) else value  # a copy: at one rank, views of the model
 
     def step(seed: int) -> None:
-        x = torch.randn(4, 7, generator=torch.Generator().manual_seed(seed))
+        x = torch.randn(4, 7, generator=torch.Generator().manual_seed(seed)).to(device)
         model(x).pow(2).sum().backward()
         optim.step()
         optim.zero_grad()
 
-    dist.init_process_group("gloo", init_method=f"file://{directory}/two", rank=rank, world_size=2)
+    backend, before = ("nccl", 1) if cuda else ("gloo", 2)  # one GPU lent: 1 rank, its group made again
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"file://{directory}/two", rank=rank, world_size=before)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.ReLU(), torch.nn.Linear(13, 5))
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.ReLU(), torch.nn.Linear(13, 5)).to(device)
     for layer in (model[0], model[2]):
         fully_shard(layer)
     fully_shard(model)
@@ -87,10 +92,10 @@ def _reshard_rank(rank: int, directory: str) -> None:
     dist.destroy_process_group()
     if rank == 1:
         return
-    dist.init_process_group("gloo", init_method=f"file://{directory}/one", rank=0, world_size=1)
-    why = torch_compat_fsdp.why_not([model, optim])
+    dist.init_process_group(backend, init_method=f"file://{directory}/one", rank=0, world_size=1)
+    why = torch_compat_fsdp.why_not([model, optim], before)
     old = {id(p) for p in model.parameters()}
-    count = torch_compat_fsdp.reshard_in_place([model, optim], [optim])
+    count = torch_compat_fsdp.reshard_in_place([model, optim], [optim], before)
     new = [id(p) for p in model.parameters()]
     set_model_state_dict(model, params, options=full)
     set_optimizer_state_dict(model, optim, optim_state, options=full)
@@ -109,21 +114,22 @@ def _reshard_rank(rank: int, directory: str) -> None:
         "loaded_equal": all(torch.equal(kept[k], loaded[k]) for k in kept),
         "trained": all(not torch.equal(kept[k], stepped[k]) for k in kept),
         "optimizer_states": len(optim.state),
+        "device": str(next(model.parameters()).device),
     }
     print(json.dumps(report), flush=True)
     dist.destroy_process_group()
 
 
-def reshard(directory: str) -> None:
+def reshard(directory: str, cuda: bool = False) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_reshard_rank, args=(directory,), nprocs=2)  # ends both on a failure
+    mp.spawn(_reshard_rank, args=(directory, cuda), nprocs=1 if cuda else 2)  # ends both on a failure
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "fresh":
         fresh()
     elif sys.argv[1] == "reshard":
-        reshard(sys.argv[2])
+        reshard(sys.argv[2], cuda=sys.argv[3:] == ["cuda"])
     else:
         peer(int(sys.argv[2]))

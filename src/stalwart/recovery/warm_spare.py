@@ -178,7 +178,7 @@ def park(events: Any, provisional: Placement, *, sharded: str | None = None) -> 
         if not _set_policy(_own_threads(), os.SCHED_OTHER):
             say("stalwart: a warm spare could not leave idle CPU priority (SCHED_IDLE); its steps may be slow")
     placement = Placement.from_env()
-    if sharded is not None and placement.rank != provisional.rank:
+    if sharded is not None and (placement.rank, placement.world_size) != (provisional.rank, provisional.world_size):
         raise reform.RunAgainInRound(
             f"a warm spare set up as rank {provisional.rank} holds state sharded for that rank ({sharded}) and was "
             f"given rank {placement.rank}: its set-up runs again"

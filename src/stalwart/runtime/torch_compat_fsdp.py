@@ -76,16 +76,16 @@ class _Wrapping:
     reshard_after_forward: bool | None
     mp_policy: Any
     offload: tuple[bool, bool]  # (to CPU, pinned)
-    placements: dict[str, Any] = field(default_factory=dict)  # parameter name on its module -> Shard(dim)
-    params: list[tuple[nn.Module, str, Any, list[tuple[nn.Module, str]]]] = field(default_factory=list)
-    """(owning module, name, the sharded parameter (a DTensor), modules sharing it as (module, name))."""
+    params: list[tuple[nn.Module, str, Any, list[tuple[nn.Module, str]], Any]] = field(default_factory=list)
+    """(owning module, name, the sharded parameter (a DTensor), modules sharing it as (module, name), its shard
+    placement)."""
 
 
-def _wrapping(module: nn.Module) -> _Wrapping | str:
+def _wrapping(module: nn.Module, world_size: int) -> _Wrapping | str:
     """The module's wrapping, or why it cannot be applied again here. Relies on the state's `_modules`, `_mp_policy`,
     `_auto_reshard_after_forward` and its parameter groups' `mesh_info`, `post_forward_mesh_info` and FSDPParams
     (`_module_info`, `sharded_param`, `fsdp_placement`, `offload_to_cpu`, `pin_memory`). Checked on torch 2.11.0 and
-    2.13.0."""
+    2.13.0. `world_size`: the job's, which the mesh must span (not a sub-mesh of a larger world)."""
     state = module._get_fsdp_state()  # type: ignore[operator]
     if len(getattr(state, "_modules", (module,))) != 1:
         return "modules wrapped together (fully_shard([...]))"
@@ -99,6 +99,8 @@ def _wrapping(module: nn.Module) -> _Wrapping | str:
     group = groups[0]
     if group.mesh_info.mesh.ndim != 1:
         return "a mesh of more than one dimension (HSDP or tensor parallelism)"
+    if group.mesh_info.mesh.size() != world_size:
+        return f"a mesh of {group.mesh_info.mesh.size()} of the job's {world_size} ranks"
     post = group.post_forward_mesh_info
     if post is not None and post.shard_mesh_size != group.mesh_info.shard_mesh_size:
         return "reshard_after_forward given as a world size"
@@ -106,22 +108,21 @@ def _wrapping(module: nn.Module) -> _Wrapping | str:
     for param in group.fsdp_params:
         info = param._module_info
         shared = list(zip(info.shared_modules, info.shared_param_names, strict=True))
-        wrapping.params.append((info.module, info.param_name, param.sharded_param, shared))
-        wrapping.placements[info.param_name] = param.fsdp_placement
+        wrapping.params.append((info.module, info.param_name, param.sharded_param, shared, param.fsdp_placement))
         wrapping.offload = (bool(param.offload_to_cpu), bool(param.pin_memory))
     return wrapping
 
 
-def why_not(objects: Iterable[Any]) -> str | None:
-    """Why the FSDP2 modules among `objects` cannot be sharded again in place; None when they can (or there are
-    none). Changes nothing."""
+def why_not(objects: Iterable[Any], world_size: int) -> str | None:
+    """Why the FSDP2 modules among `objects`, sharded over a job of `world_size` ranks, cannot be sharded again in
+    place; None when they can (or there are none). Changes nothing."""
     objects = list(objects)
     managed: set[int] = set()
     for module in fsdp_modules(objects):
-        found = _wrapping(module)
+        found = _wrapping(module, world_size)
         if isinstance(found, str):
             return f"{found}: {type(module).__name__}"
-        managed.update(id(sharded) for _, _, sharded, _ in found.params)
+        managed.update(id(p[2]) for p in found.params)
     dtensor = _dtensor_class()
     for obj in objects:
         for name, param in obj.named_parameters() if isinstance(obj, nn.Module) else ():
@@ -153,7 +154,7 @@ def _undo(wrapping: _Wrapping, fully_shard: Any, fsdp_module: type) -> None:
     module = wrapping.module
     state = module._get_fsdp_state()  # type: ignore[operator]
     sizes = {id(p.sharded_param): p._orig_size for group in _groups(state) for p in group.fsdp_params}
-    for owner, name, sharded, shared in wrapping.params:
+    for owner, name, sharded, shared, _ in wrapping.params:
         local = sharded.to_local()
         plain = nn.Parameter(
             torch.zeros(sizes[id(sharded)], dtype=local.dtype, device=local.device),
@@ -178,21 +179,22 @@ def _undo(wrapping: _Wrapping, fully_shard: Any, fsdp_module: type) -> None:
     module.__class__ = cast(type[nn.Module], original)
 
 
-def reshard_in_place(objects: Iterable[Any], optimizers: Iterable[torch.optim.Optimizer]) -> int:
+def reshard_in_place(objects: Iterable[Any], optimizers: Iterable[torch.optim.Optimizer], world_size: int) -> int:
     """Shard every FSDP2 module among `objects` again on a one-dimensional mesh of the current default group, as it
     was sharded before (see the module docstring); point `optimizers` at the new parameters, their state dropped.
-    Call `why_not` first: this raises ValueError where it would have said why. Returns the modules sharded again."""
+    `world_size`: the job's before (as `why_not`'s). Call `why_not` first: this raises ValueError where it would have
+    said why. Returns the modules sharded again."""
     fully_shard, fsdp_module = _api()
     modules = fsdp_modules(objects)
     wrappings: list[_Wrapping] = []
     for module in modules:
-        found = _wrapping(module)
+        found = _wrapping(module, world_size)
         if isinstance(found, str):
             raise ValueError(found)
         wrappings.append(found)
     if not wrappings:
         return 0
-    old = {id(sharded): (owner, name) for w in wrappings for owner, name, sharded, _ in w.params}
+    old = {id(p[2]): (p[0], p[1]) for w in wrappings for p in w.params}
     device = wrappings[0].params[0][2].device if wrappings[0].params else torch.device("cpu")
     for wrapping in reversed(wrappings):  # parents first: a child's parameters are its own group's
         _undo(wrapping, fully_shard, fsdp_module)
@@ -222,7 +224,7 @@ def _apply(wrapping: _Wrapping, fully_shard: Any, mesh: Any) -> None:
     owning module (the new plain parameters are known by identity only once made: looked up at the call)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    by_param = {id(owner._parameters[name]): wrapping.placements[name] for owner, name, _, _ in wrapping.params}
+    by_param = {id(owner._parameters[name]): placement for owner, name, _, _, placement in wrapping.params}
     to_cpu, pinned = wrapping.offload
     kwargs: dict[str, Any] = {
         "mesh": mesh,

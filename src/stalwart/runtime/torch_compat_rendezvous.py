@@ -87,6 +87,18 @@ def blocking_nodes(handler: Any) -> list[Any]:
     return [node for node in state.participants if node != me]
 
 
+def waits_as_spare(handler: Any) -> bool:
+    """Whether this node waits on the redundancy list of a completed round it is not a participant of: a spare node,
+    beyond the round's maximum node count, admitted when a participant leaves. From the state the handler read last
+    (`complete`, `participants`, `redundancy_list`). False on a torch without them. Checked on torch 2.4.1 and
+    2.13.0."""
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    me = this_node(handler)
+    if state is None or me is None or not getattr(state, "complete", False) or me in state.participants:
+        return False
+    return me in getattr(state, "redundancy_list", ())
+
+
 def mark_gone(handler: Any, node: Any) -> bool:
     """Take `node` out of the rendezvous as torch's own sanitizer does a node whose keep-alive lapsed: its last
     keep-alive set to 1970, the state marked for writing at the handler's next sync (which removes it from the

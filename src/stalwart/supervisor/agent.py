@@ -38,6 +38,7 @@ from stalwart.supervisor.gpu_watch import GpuWatch, is_restart
 from stalwart.supervisor.host_pool import REARM_TIMEOUT_S, Host, HostContext, SparePool, running_in
 from stalwart.supervisor.late_failures import signal_name
 from stalwart.supervisor.peer_check import PeerCheck
+from stalwart.supervisor.spare_host import SpareHost
 from stalwart.supervisor.zygote import Zygote
 from stalwart.telemetry.events import EventLog
 
@@ -61,9 +62,11 @@ class StalwartAgent(LocalElasticAgent):
         peer_check: PeerCheck | None = None,
         monitor_s: float | None = None,
         round_store: str | None = None,
+        spare_host: SpareHost | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self._spare_host = spare_host  # publishes each round's activation; warms spares while a spare node waits
         self._round_store = round_store  # "host:port" of the rendezvous store on several nodes (round_kept.py)
         self._monitor_s = monitor_s  # None: torch elastic's own sleep alone paces the looks at the workers
         self._exits = ExitWatch()  # wakes the look as soon as a worker ends (supervisor/exit_watch.py)
@@ -107,10 +110,15 @@ class StalwartAgent(LocalElasticAgent):
             kept = {host.pid for host in plan.values()}
             missing = [r for r in range(worker_group.spec.local_world_size) if r not in plan]
             spares = self._spares.take(len(missing), all_or_none=False) if self._spares is not None else []
+            if self._spare_host is not None:
+                self._spare_host.admitted()  # a spare node's warm spares were just taken for its ranks
             from_spares = {s.pid for s in spares}
             plan.update(zip(missing, spares, strict=False))
             round_env = self._round_env(worker_group, {r for r, host in plan.items() if host.pid in kept})
-            with running_in(plan, reform=self._reform, zygote=self._zygote, env=round_env, spares=self._spares):
+            publish = self._spare_host.publish if self._spare_host is not None else None
+            with running_in(
+                plan, reform=self._reform, zygote=self._zygote, env=round_env, spares=self._spares, publish=publish
+            ):
                 pids = super()._start_workers(worker_group)
             if self._spares is not None and len(spares) < len(missing):
                 self._spares.schedule_refill()  # after the start, so spares do not slow it down

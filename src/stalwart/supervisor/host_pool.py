@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from stalwart.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
@@ -396,12 +396,14 @@ def running_in(
     zygote: Zygote | None = None,
     env: dict[str, str] | None = None,
     spares: SparePool | None = None,
+    publish: Callable[[list[str], dict[str, str]], None] | None = None,
 ) -> Iterator[None]:
     """While active, torch elastic's `start_processes` activates the hosts of `plan` (local rank -> host)
     instead of spawning processes. A host that cannot be activated (it died meanwhile) is replaced by a cold one.
     `env`: what every worker of the round learns of its survivors (supervisor/round_kept.py), so survivors can
     train on shrunk while the replacements start (recovery/shrink.py).
-    `spares`: told the node's last local rank's activation, which warm spares run the script's set-up with."""
+    `spares`: told the node's last local rank's activation, which warm spares run the script's set-up with;
+    `publish`: given it too (torch elastic's part of its environment), for spare nodes (supervisor/spare_host.py)."""
     import torch.distributed.elastic.agent.server.local_elastic_agent as lea
 
     real = lea.start_processes
@@ -418,6 +420,8 @@ def running_in(
             argv = [str(a) for a in args[rank]]
             if spares is not None and rank == max(envs):
                 spares.remember(argv, worker_env)
+            if publish is not None and rank == max(envs):
+                publish(argv, {k: str(v) for k, v in envs[rank].items()})
             host = plan.pop(rank, None) or Host(warm=False, zygote=zygote)
             if not host.activate(argv, worker_env):
                 host.kill()

@@ -72,6 +72,7 @@ from stalwart.supervisor.leftovers import (
 from stalwart.supervisor.preempt_notice import NoticeWatch
 from stalwart.supervisor.rendezvous import DEFAULT_PORT, KEEP_ALIVE, rendezvous_handler
 from stalwart.supervisor.run_args import in_hosts, parse_nnodes, reforms
+from stalwart.supervisor.spare_host import SpareHost
 from stalwart.supervisor.zygote import Zygote
 from stalwart.telemetry.events import EventLog
 from stalwart.telemetry.metrics import MetricsServer
@@ -336,11 +337,13 @@ def _run_agent(
         nnodes=f"{config.min_nodes}:{config.max_nodes}",
         max_restarts=config.max_restarts,
     )
+    spare_host = SpareHost(pool if pool.target else None, config.nproc_per_node) if config.max_nodes > 1 else None
     try:
         rdzv_handler = rendezvous_handler(
             rdzv_parameters,
             args.replace_wait_s if elastic else None,
             on_gone=lambda node: events.emit("node_gone", node=node, why="its agent's lifeline refused a knock"),
+            spare_host=spare_host,
         )
     except (RendezvousError, ValueError) as exc:  # an address this host cannot bind or reach
         raise ConfigError(f"cannot start the rendezvous at {config.rdzv_endpoint}: {first_line(exc)}") from exc
@@ -377,6 +380,7 @@ def _run_agent(
         peer_check=preflight_gate.peer_check(args, config.max_nodes > 1, *_host_port(config.rdzv_endpoint)),
         monitor_s=float(config.monitor_interval),
         round_store=_round_store(config),
+        spare_host=spare_host if spare_host is not None and spare_host.enabled else None,
         **_supported(
             StalwartAgent.__mro__[1],
             spec=spec,

@@ -22,6 +22,7 @@ from stalwart.runtime.torch_compat_rendezvous import (
     set_state_cache,
 )
 from stalwart.supervisor.lifeline import Lifeline
+from stalwart.supervisor.spare_host import SpareHost
 
 DEFAULT_PORT = 29400  # torch's c10d rendezvous default
 
@@ -33,13 +34,17 @@ it that much sooner; each agent writes one small key to the store every 2 s."""
 
 
 def rendezvous_handler(
-    params: Any, replace_wait_s: float | None = None, on_gone: Callable[[str], object] | None = None
+    params: Any,
+    replace_wait_s: float | None = None,
+    on_gone: Callable[[str], object] | None = None,
+    spare_host: SpareHost | None = None,
 ) -> Any:
     """The RendezvousHandler for `params` (torch's RendezvousParameters). `replace_wait_s`: after the first round,
     how long a round below the maximum node count waits for more nodes once the minimum is there (torch's
     `last_call_timeout`, which the first round keeps, for nodes that start late). On several nodes the agents
     knock on each other's lifeline while they wait (supervisor/lifeline.py); `on_gone` is told each node found
-    gone."""
+    gone; `spare_host` is given the store and the handler, and warms its spares at each poll while this node waits
+    as a spare (supervisor/spare_host.py)."""
     from torch.distributed.elastic.rendezvous import registry
 
     if params.backend != "c10d" or params.get("store_type", "tcp").strip().lower() != "tcp":
@@ -77,12 +82,16 @@ def rendezvous_handler(
     knock: Callable[[], bool] | None = None
     if params.max_nodes > 1:
         lifeline = Lifeline(store, handler, host)
+        if spare_host is not None:
+            spare_host.store, spare_host.handler = store, handler
 
         def knock() -> bool:
             gone = lifeline.knock()
             for name in gone:
                 if on_gone is not None:
                     on_gone(name)
+            if spare_host is not None:
+                spare_host.while_waiting()
             return bool(gone)
 
     handler.next_rendezvous = functools.partial(  # type: ignore[method-assign]

@@ -265,7 +265,7 @@ def _reform_once(job: LoopJob, in_loop: InLoop, failure: Exception, objects: dic
     old_world, old_rank, job.placement = job.world_size, job.rank, Placement.from_env()
     reshard = job.placement.world_size != old_world and bool(sharded.meshes_of(objects.values()))
     if reshard:
-        why = torch_compat_fsdp.why_not(objects.values())
+        why = torch_compat_fsdp.why_not(objects.values(), old_world)
         if why is not None:
             raise NewWorldForShards(
                 f"the job re-formed at {job.placement.world_size} ranks from {old_world} and holds sharded state "
@@ -278,7 +278,7 @@ def _reform_once(job: LoopJob, in_loop: InLoop, failure: Exception, objects: dic
                 obj.rebind(job.placement.rank, job.placement.world_size)
     timeout = timedelta(seconds=job.config.collective_timeout_s)
     job.membership.owns_process_group = init_process_group(job.placement, timeout, reformable=True)
-    at, resharded = job.step, _reshard_in_place(objects) if reshard else None
+    at, resharded = job.step, _reshard_in_place(objects, old_world) if reshard else None
     job.set_up_parts(staying=True)
     if resharded is not None:
         job.events.emit(
@@ -298,7 +298,7 @@ def _reform_once(job: LoopJob, in_loop: InLoop, failure: Exception, objects: dic
     return ddp_modules
 
 
-def _reshard_in_place(objects: dict[str, Any]) -> tuple[int, float]:
+def _reshard_in_place(objects: dict[str, Any], old_world: int) -> tuple[int, float]:
     """The job re-formed at another world size and its FSDP2 modules were sharded for the old one: shard them again
     on the new group in this process (runtime/torch_compat_fsdp.py), the optimizers pointed at the new parameters;
     the restore that follows reshards the state onto them from node memory or the checkpoint. The script's set-up
@@ -306,5 +306,5 @@ def _reshard_in_place(objects: dict[str, Any]) -> tuple[int, float]:
     for what cannot be sharded again here). Returns the modules sharded again and the seconds it took."""
     started = time.monotonic()
     optimizers = [obj for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
-    modules = torch_compat_fsdp.reshard_in_place(objects.values(), optimizers)
+    modules = torch_compat_fsdp.reshard_in_place(objects.values(), optimizers, old_world)
     return modules, round(time.monotonic() - started, 4)

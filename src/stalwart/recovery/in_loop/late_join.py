@@ -36,14 +36,15 @@ def join_late(job: LoopJob) -> None:
         return
     spare = warm_spare.waiting()
     objects = dict(job.tracked.objects)
-    reshard = False
+    reshard, set_up_world = False, job.world_size
     if spare:  # parked until the agent gives this spare a lost rank
         shards = bool(sharded.meshes_of(objects.values()))
-        why = torch_compat_fsdp.why_not(objects.values()) if shards else None
+        why = torch_compat_fsdp.why_not(objects.values(), job.world_size) if shards else None
         provisional = job.placement
         job.placement = warm_spare.park(job.events, provisional, sharded=why)
-        reshard = shards and job.placement.rank != provisional.rank
-        if (job.placement.rank, job.placement.world_size) != (provisional.rank, provisional.world_size):
+        moved = (job.placement.rank, job.placement.world_size) != (provisional.rank, provisional.world_size)
+        reshard = shards and moved
+        if moved:
             for obj in objects.values():  # its slice of each global batch is the given rank's, not the set-up's
                 if isinstance(obj, ResumableLoader):
                     obj.rebind(job.placement.rank, job.placement.world_size)
@@ -57,7 +58,7 @@ def join_late(job: LoopJob) -> None:
         reformable=True,
         store=script_group.given_store(),  # the script's store holds the round's port on rank 0
     )
-    resharded = _shard_as_given_rank(objects) if reshard else None
+    resharded = _shard_as_given_rank(objects, set_up_world) if reshard else None
     job.set_up_parts()
     job.tracked.track(**objects)
     job.membership.deferred = False
@@ -67,7 +68,7 @@ def join_late(job: LoopJob) -> None:
         job.events.emit(
             "resharded_in_place",
             step=job.step,
-            world_from=job.world_size,
+            world_from=set_up_world,
             world_to=job.world_size,
             modules=resharded[0],
             seconds=resharded[1],
@@ -75,7 +76,7 @@ def join_late(job: LoopJob) -> None:
     job.events.emit("joined_late", world_size=job.world_size, seconds=round(time.monotonic() - started, 4))
 
 
-def _shard_as_given_rank(objects: dict[str, Any]) -> tuple[int, float]:
+def _shard_as_given_rank(objects: dict[str, Any], world_size: int) -> tuple[int, float]:
     """A warm spare whose set-up sharded its FSDP2 modules as another rank, now in the job's group as the rank it was
     given: shard them again for that rank, in place (runtime/torch_compat_fsdp.py), instead of running the script's
     set-up again; the hand-over that follows writes the lost rank's state into the new shards. DTensor's caches of
@@ -84,7 +85,7 @@ def _shard_as_given_rank(objects: dict[str, Any]) -> tuple[int, float]:
     started = time.monotonic()
     forget_sharding_caches()
     optimizers = [obj for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
-    modules = torch_compat_fsdp.reshard_in_place(objects.values(), optimizers)
+    modules = torch_compat_fsdp.reshard_in_place(objects.values(), optimizers, world_size)
     return modules, round(time.monotonic() - started, 4)
 
 

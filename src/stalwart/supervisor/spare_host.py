@@ -1,0 +1,103 @@
+"""A warm spare host: a node waiting in the rendezvous runs the script's set-up before it is admitted.
+
+Why: on several nodes an agent beyond `--nnodes` waits on torch's redundancy list; when a training node is lost it
+is admitted at once, but its workers then start and run the script's whole set-up while the survivors wait (minutes
+at scale; the tiny job's 0.3 s in tests/test_multinode.py). With `--spares N --warm-spares` such a node warms one
+spare per local rank while it waits: warm spares (recovery/warm_spare.py) run the script up to `job.steps()` and
+park; once admitted, the agent gives them the round's ranks (supervisor/agent.py takes spares for the ranks it
+lacks) and they join the survivors with their state. A spare whose FSDP2 modules were sharded as another rank shards
+them again in place (recovery/in_loop/late_join.py), and a ResumableLoader takes the given rank's slice.
+
+What a waiting agent lacks is a worker's activation to run the script with: no round has given it one. Every agent
+that starts a round's workers publishes the activation of its last local rank in the rendezvous store (torch
+elastic's part of the environment, which is the same on every node but for the node's own ranks, and the argv);
+a waiting agent reads it at each poll of the rendezvous (supervisor/rendezvous.py calls `while_waiting`) and
+runs its spares with it over its own environment. Nothing is published or read on one node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any
+
+from stalwart.runtime.process import first_line, say
+from stalwart.runtime.torch_compat_rendezvous import waits_as_spare
+from stalwart.supervisor.host_pool import SparePool
+
+KEY = "stalwart/warm_template"
+_THIS_HOST_ONLY = frozenset({"TORCHELASTIC_ERROR_FILE"})
+"""What torch elastic sets for a worker that names a path on the publishing host (its error file's directory)."""
+
+
+class SpareHost:
+    """This node's side: publish the activation of the rounds it starts, and warm its spares while it waits."""
+
+    def __init__(self, pool: SparePool | None, nproc: int) -> None:
+        self.store: Any = None  # the rendezvous store, once supervisor/rendezvous.py made it
+        self.handler: Any = None  # the rendezvous handler, whose last read state says whether this node is a spare
+        self._pool = pool
+        self._nproc = nproc
+        self._target = pool.target if pool is not None else 0
+        self._warming = False
+
+    @property
+    def enabled(self) -> bool:
+        return self._pool is not None and self._pool.warm_script
+
+    def publish(self, argv: list[str], torch_env: dict[str, str]) -> None:
+        """A round's activation of this node's last local rank: `torch_env` is what torch elastic set for it (no
+        host's own environment), `argv` its arguments. Best effort: a spare host that cannot read it stays hot."""
+        if not self.enabled:
+            return
+        env = {k: v for k, v in torch_env.items() if k not in _THIS_HOST_ONLY}
+        with contextlib.suppress(Exception):
+            self.store.set(KEY, json.dumps({"argv": argv, "env": env}))
+
+    def while_waiting(self) -> None:
+        """At each poll of a rendezvous this agent waits in: while it waits as a spare node (on the redundancy list
+        of a round it is not part of) and a round's activation is published, keep one warm spare per local rank,
+        running the script's set-up with it (SparePool does the rest). An agent waiting to re-form a round it was
+        part of, or for the job's first round, warms nothing."""
+        try:
+            self._warm()
+        except Exception as exc:  # never the rendezvous's failure: this node's spares stay as they are
+            self._pool = None
+            say(
+                f"stalwart: this spare node cannot warm its spares while it waits ({first_line(exc)}); its workers "
+                "start when it is admitted"
+            )
+
+    def _warm(self) -> None:
+        pool = self._pool
+        if pool is None or not pool.warm_script:
+            return
+        if not self._warming:
+            if not waits_as_spare(self.handler):
+                return
+            template = self._template()
+            if template is None:
+                return
+            argv, env = template
+            pool.remember(argv, {**os.environ, **env})
+            pool.target = max(self._target, self._nproc)
+            pool.schedule_refill(0.0)
+            self._warming = True
+        pool.maintain()
+
+    def admitted(self) -> None:
+        """The agent left the rendezvous with a round: its spares go to the round's ranks; the pool keeps `--spares`
+        from now on."""
+        if self._pool is not None and self._warming:
+            self._pool.target = self._target
+            self._warming = False
+
+    def _template(self) -> tuple[list[str], dict[str, str]] | None:
+        try:
+            if not self.store.check([KEY]):
+                return None
+            found = json.loads(self.store.get(KEY))
+            return [str(a) for a in found["argv"]], {str(k): str(v) for k, v in found["env"].items()}
+        except Exception:  # the store gone or a value not ours: nothing to warm with
+            return None
