@@ -335,6 +335,12 @@ def test_a_warm_spare_host_takes_a_lost_hosts_place_in_the_sharded_job(
     workers = spare.events("worker_spawned")
     assert sorted(e["rank"] for e in workers) == lost_ranks, (workers, lost_ranks)
     assert {e["worker_pid"] for e in workers} == parked and all(e["spare"] for e in workers), (workers, parked)
+    # Each parked spare ran the set-up as the rank of the published activation; one given another rank sharded its
+    # FSDP2 modules again for it in its process.
+    provisional = {e["pid"]: e["provisional_rank"] for e in spare.events("spare_parked")}
+    moved = sorted(e["worker_pid"] for e in workers if e["rank"] != provisional[e["worker_pid"]])
+    assert moved, f"the published activation is one rank's: at least one spare was given another ({workers})"
+    assert sorted(e["pid"] for e in spare.events("resharded_in_place")) == moved, spare.events("resharded_in_place")
     restored = [e for e in spare.events("resumed")]
     assert sorted(e["rank"] for e in restored) == lost_ranks, (restored, lost_ranks)
     assert {e["tier"] for e in restored} == {"replica"}, restored
@@ -452,27 +458,69 @@ def test_a_knock_on_a_lifeline_tells_a_gone_agent_from_a_live_one() -> None:
         assert not lifeline._refused(store, "never-published")
 
 
+class _Pool:
+    """SparePool's seam, as the spare node uses it (a real one would start interpreters)."""
+
+    warm_script = True
+
+    def __init__(self) -> None:
+        self.target, self.maintained, self.trimmed = 1, 0, 0
+        self.remembered: tuple[list[str], dict[str, str]] | None = None
+
+    def remember(self, argv: list[str], env: dict[str, str]) -> None:
+        self.remembered = (argv, env)
+
+    def schedule_refill(self, delay: float = 5.0) -> None:
+        self.refill = delay
+
+    def maintain(self) -> None:
+        self.maintained += 1
+
+    def trim(self) -> None:
+        self.trimmed += 1
+
+
 def test_a_spare_node_warms_with_the_published_activation_only_while_it_waits_as_a_spare() -> None:
-    """supervisor/spare_host.py: a round's activation is published without what names a path on the publishing host;
-    an agent that does not wait as a spare (the job's first round, a round it was part of) warms nothing."""
+    """supervisor/spare_host.py: a round's activation is published without what belongs to the publishing host; a
+    node on the redundancy list of a completed round warms one spare per local rank with it and its own argv; an
+    agent waiting otherwise (the job's first round, re-forming a round it was part of) warms nothing, nor does a
+    node once admitted, which keeps --spares from then on."""
     import json
 
     import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
     from stalwart.supervisor import spare_host
-    from stalwart.supervisor.host_pool import SparePool
-    from stalwart.telemetry.events import EventLog
 
-    pool = SparePool(1, EventLog(None), warm_script=True)
-    host = spare_host.SpareHost(pool, nproc=2)
+    pool = _Pool()
+    host = spare_host.SpareHost(pool, 2, ["train.py", "--steps", "3"])  # type: ignore[arg-type]
     host.store = dist.HashStore()
-    host.publish(["train.py", "--steps", "3"], {"RANK": "3", "LOCAL_RANK": "1", "TORCHELASTIC_ERROR_FILE": "/tmp/x"})
-    published = json.loads(host.store.get(spare_host.KEY))
-    assert published == {"argv": ["train.py", "--steps", "3"], "env": {"RANK": "3", "LOCAL_RANK": "1"}}
-    host.while_waiting()  # no handler's state: not a spare
-    assert pool.target == 1 and pool._template is None, "nothing warmed"
+    params = RendezvousParameters(backend="c10d", endpoint="localhost:0", run_id="r", min_nodes=1, max_nodes=1)
+    host.handler = dr.create_handler(host.store, C10dRendezvousBackend(host.store, "r"), params)
+    host.handler._state_holder.sync()
+    theirs = {"RANK": "3", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "1", "TORCHELASTIC_TIMER_FILE": "/elsewhere"}
+    host.publish(theirs)
+    assert json.loads(host.store.get(spare_host.KEY)) == {"env": {"RANK": "3", "LOCAL_RANK": "1"}}
+    host.while_waiting()  # waiting for the first round: not a spare
+    assert pool.remembered is None and pool.maintained == 0 and pool.target == 1
+    state = host.handler._state_holder.state
+    state.participants[dr._NodeDesc("10.0.0.2", 4242, 0)] = 0
+    state.complete = True
+    state.redundancy_list.add(host.handler._this_node)
+    host.while_waiting()
+    assert pool.remembered is not None, "a spare node warms"
+    argv, env = pool.remembered
+    assert argv == ["train.py", "--steps", "3"] and env["RANK"] == "3" and env["PATH"] == os.environ["PATH"]
+    assert env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES"), "its own devices"
+    assert pool.target == 2 and pool.maintained == 1, "one spare per local rank"
+    host.while_waiting()
+    assert pool.maintained == 2
     host.admitted()
-    assert pool.target == 1
+    assert pool.target == 1 and pool.trimmed == 1, "--spares from then on"
+    host.while_waiting()
+    assert pool.maintained == 2, "an admitted node warms nothing"
 
 
 def test_bad_input_on_one_node_stops_the_other_with_one_line(launch: Any, tmp_path: Path) -> None:

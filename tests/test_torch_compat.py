@@ -440,9 +440,10 @@ def test_a_rank_change_in_one_process_meets_no_stale_sharding() -> None:
 
 
 def test_fsdp2_modules_are_sharded_again_in_place_on_a_smaller_group(tmp_path: Path) -> None:
-    """Two ranks train an FSDP2 model, one leaves: the other shards the same modules again on a group of one, the
-    optimizer follows the new parameters, the full state taken before loads bit for bit and a step trains them
-    (what a survivor of a lost host does instead of running its script again: recovery/in_loop/driver.py)."""
+    """Two ranks train an FSDP2 model, one leaves: the other shards the same modules again on a group of one, each
+    parameter on the dimension it was sharded on, with the settings given after `fully_shard`; the optimizer follows
+    the new parameters, the full state taken before loads bit for bit and a step trains them (what a survivor of a
+    lost host does instead of running its script again: recovery/in_loop/driver.py)."""
     if torch_compat.torch_older_than("2.6"):
         pytest.skip("FSDP2 on CPU needs torch 2.6")
     done = subprocess.run(
@@ -456,7 +457,9 @@ def test_fsdp2_modules_are_sharded_again_in_place_on_a_smaller_group(tmp_path: P
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["why_not"] is None and report["modules"] == 3, report
     assert report["class"] == "FSDPSequential", "the root is an FSDP module again"
-    assert report["local_shapes"] == [[13, 7], [13], [5, 13], [5]], "each parameter whole on a group of one"
+    assert report["local_shapes"] == [[12, 7], [12], [5, 12], [5]], "each parameter whole on a group of one"
+    assert report["shard_dims"] == [0, 0, 1, 0], report
+    assert report["reshard_after_backward"] is False, "a setting given after fully_shard survives"
     assert report["new_parameters"] and report["optimizer_follows"], report
     assert report["loaded_equal"] and report["trained"] and report["optimizer_states"] == 4, report
 
@@ -470,18 +473,34 @@ def test_what_cannot_be_sharded_again_in_place_is_named() -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
-        assert torch_compat_fsdp.why_not([model], 1) is None, "nothing to shard: nothing stands in the way"
+        assert torch_compat_fsdp.why_not([model], 1, 1) is None, "nothing to shard: nothing stands in the way"
         try:
             fully_shard([model[0], model[1]])
         except (TypeError, AttributeError, AssertionError, ValueError):
             pytest.skip("this torch's fully_shard takes one module")
         fully_shard(model)
-        why = torch_compat_fsdp.why_not([model], 1)
+        why = torch_compat_fsdp.why_not([model], 1, 1)
         assert why is not None and "together" in why, why
         with pytest.raises(ValueError):
             torch_compat_fsdp.reshard_in_place([model], [], 1)
     finally:
         dist.destroy_process_group()
+
+
+def test_what_the_modules_are_sharded_for_is_read_once_their_group_is_gone() -> None:
+    """`sharded_as`: the mesh's size and this process's coordinate, read after a failure aborted the group (the
+    survivor's case: asking the mesh its local rank asks the group, which is gone)."""
+    if torch_compat.torch_older_than("2.6"):
+        pytest.skip("FSDP2 on CPU needs torch 2.6")
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    assert torch_compat_fsdp.sharded_as([model]) is None, "nothing sharded"
+    fully_shard(model[0])
+    fully_shard(model)
+    dist.destroy_process_group()
+    assert torch_compat_fsdp.sharded_as([model]) == (1, 0)
 
 
 # ---- torch elastic

@@ -78,10 +78,13 @@ def _reshard_rank(rank: int, directory: str, cuda: bool) -> None:
         torch.cuda.set_device(0)
     dist.init_process_group(backend, init_method=f"file://{directory}/two", rank=rank, world_size=before)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.ReLU(), torch.nn.Linear(13, 5)).to(device)
-    for layer in (model[0], model[2]):
-        fully_shard(layer)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5)).to(device)
+    from torch.distributed.tensor import Shard
+
+    fully_shard(model[0])
+    fully_shard(model[2], shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)  # dim 1: 12 of 2 ranks
     fully_shard(model)
+    model[0].set_reshard_after_backward(False)  # a setting given after fully_shard, which must survive
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     for seed in range(3):
         step(seed)
@@ -93,7 +96,7 @@ def _reshard_rank(rank: int, directory: str, cuda: bool) -> None:
     if rank == 1:
         return
     dist.init_process_group(backend, init_method=f"file://{directory}/one", rank=0, world_size=1)
-    why = torch_compat_fsdp.why_not([model, optim], before)
+    why = torch_compat_fsdp.why_not([model, optim], before, 1)
     old = {id(p) for p in model.parameters()}
     count = torch_compat_fsdp.reshard_in_place([model, optim], [optim], before)
     new = [id(p) for p in model.parameters()]
@@ -115,6 +118,8 @@ def _reshard_rank(rank: int, directory: str, cuda: bool) -> None:
         "trained": all(not torch.equal(kept[k], stepped[k]) for k in kept),
         "optimizer_states": len(optim.state),
         "device": str(next(model.parameters()).device),
+        "shard_dims": [p.placements[0].dim for p in model.parameters()],
+        "reshard_after_backward": model[0]._get_fsdp_state()._fsdp_param_group.reshard_after_backward,
     }
     print(json.dumps(report), flush=True)
     dist.destroy_process_group()

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from stalwart.recovery import reform
 from stalwart.recovery.in_loop import survivor
 from stalwart.runtime.dist import Placement
 from stalwart.runtime.env import WARM_SPARE_ENV
@@ -155,13 +154,11 @@ def _own_threads() -> list[int]:
     return found or [threading.get_native_id()]
 
 
-def park(events: Any, provisional: Placement, *, sharded: str | None = None) -> Placement:
+def park(events: Any, provisional: Placement) -> Placement:
     """At `job.steps()`: tell the agent this spare is parked and wait for a rank's activation (its environment
     becomes os.environ). Returns that rank's placement; says in one line what the set-up read of the rank it ran
-    as, when it is given another. `sharded`: why the state the set-up sharded as the rank it ran as cannot be
-    sharded again in place (runtime/torch_compat_fsdp.py; FSDP2 modules can: the joining spare does it,
-    in_loop/late_join.py); given another rank, such a spare runs the script again as that rank (RunAgainInRound),
-    its start-up spared but not its set-up."""
+    as, when it is given another. State the set-up sharded as another rank is the joining spare's to shard again
+    (in_loop/late_join.py)."""
     global _reads
     reads, _reads = _reads, None
     set_up_s = time.monotonic() - reads.since if reads is not None else None
@@ -178,11 +175,6 @@ def park(events: Any, provisional: Placement, *, sharded: str | None = None) -> 
         if not _set_policy(_own_threads(), os.SCHED_OTHER):
             say("stalwart: a warm spare could not leave idle CPU priority (SCHED_IDLE); its steps may be slow")
     placement = Placement.from_env()
-    if sharded is not None and (placement.rank, placement.world_size) != (provisional.rank, provisional.world_size):
-        raise reform.RunAgainInRound(
-            f"a warm spare set up as rank {provisional.rank} holds state sharded for that rank ({sharded}) and was "
-            f"given rank {placement.rank}: its set-up runs again"
-        )
     if seen and (placement.rank, placement.local_rank) != (provisional.rank, provisional.local_rank):
         say(
             f"stalwart: a warm spare became rank {placement.rank} (local rank {placement.local_rank}) after its "

@@ -59,6 +59,21 @@ def fsdp_modules(objects: Iterable[Any]) -> list[nn.Module]:
     return found
 
 
+def sharded_as(objects: Iterable[Any]) -> tuple[int, int] | None:
+    """(mesh size, this process's coordinate on it) of the FSDP2 modules among `objects` as they are sharded now (the
+    first with parameters); None without any. What the restore's world and rank must match, else they are sharded
+    again: a survivor's rank may change at the same world size (torch's rendezvous orders nodes by address)."""
+    try:
+        for module in fsdp_modules(objects):
+            for group in _groups(module._get_fsdp_state()):  # type: ignore[operator]
+                mesh = group.mesh_info.mesh
+                coordinate = mesh.get_coordinate()  # kept by the mesh: its group may be gone (get_local_rank asks it)
+                return (int(mesh.size()), int(coordinate[0])) if coordinate else None
+    except (AttributeError, ImportError, RuntimeError):  # another torch's FSDP2
+        return None
+    return None
+
+
 def _groups(state: Any) -> list[Any]:
     """A state's parameter groups: torch 2.13 keeps a list (`_fsdp_param_groups`), earlier releases one or None
     (`_fsdp_param_group`)."""
@@ -66,6 +81,20 @@ def _groups(state: Any) -> list[Any]:
         return list(state._fsdp_param_groups)
     group = getattr(state, "_fsdp_param_group", None)
     return [] if group is None else [group]
+
+
+_COPIED = (
+    "gradient_divide_factor",
+    "force_sum_reduction_for_comms",
+    "reshard_after_backward",
+    "unshard_in_backward",
+    "reduce_scatter_unused_params",
+    "unshard_async_op",
+    "all_reduce_grads",
+    "reduce_grads",
+)
+"""Settings a script may give a parameter group after `fully_shard` (its FSDPModule setters), copied to the new one
+where this torch has them."""
 
 
 @dataclass
@@ -76,19 +105,28 @@ class _Wrapping:
     reshard_after_forward: bool | None
     mp_policy: Any
     offload: tuple[bool, bool]  # (to CPU, pinned)
+    device_type: str | None = None  # the mesh's
+    settings: dict[str, Any] = field(default_factory=dict)  # _COPIED, as the old parameter group had them
     params: list[tuple[nn.Module, str, Any, list[tuple[nn.Module, str]], Any]] = field(default_factory=list)
     """(owning module, name, the sharded parameter (a DTensor), modules sharing it as (module, name), its shard
     placement)."""
 
 
-def _wrapping(module: nn.Module, world_size: int) -> _Wrapping | str:
+def _wrapping(module: nn.Module, world_size: int, new_world: int) -> _Wrapping | str:
     """The module's wrapping, or why it cannot be applied again here. Relies on the state's `_modules`, `_mp_policy`,
     `_auto_reshard_after_forward` and its parameter groups' `mesh_info`, `post_forward_mesh_info` and FSDPParams
     (`_module_info`, `sharded_param`, `fsdp_placement`, `offload_to_cpu`, `pin_memory`). Checked on torch 2.11.0 and
-    2.13.0. `world_size`: the job's, which the mesh must span (not a sub-mesh of a larger world)."""
+    2.13.0. `world_size`: the job's, which the mesh must span (not a sub-mesh of a larger world); `new_world`: the
+    size it is sharded again for."""
+    from torch.distributed._composable.contract import REGISTRY_KEY
+
+    if "fully_shard" not in module.__dict__.get(REGISTRY_KEY, {}):
+        return "a module another composable API made (replicate)"
     state = module._get_fsdp_state()  # type: ignore[operator]
     if len(getattr(state, "_modules", (module,))) != 1:
         return "modules wrapped together (fully_shard([...]))"
+    if getattr(state, "_states_to_forward_prefetch", None) or getattr(state, "_states_to_backward_prefetch", None):
+        return "prefetching set by hand (set_modules_to_forward_prefetch)"
     groups = _groups(state)
     if len(groups) > 1:
         return "a module with several parameter groups"
@@ -97,6 +135,11 @@ def _wrapping(module: nn.Module, world_size: int) -> _Wrapping | str:
     if not groups:
         return wrapping
     group = groups[0]
+    if getattr(group, "_all_reduce_hook", None) is not None:
+        return "an all-reduce hook (set_all_reduce_hook)"
+    for comm in (getattr(group, "_all_gather_comm", None), getattr(group, "_reduce_scatter_comm", None)):
+        if comm is not None and not type(comm).__name__.startswith("Default"):
+            return f"a custom collective ({type(comm).__name__})"
     if group.mesh_info.mesh.ndim != 1:
         return "a mesh of more than one dimension (HSDP or tensor parallelism)"
     if group.mesh_info.mesh.size() != world_size:
@@ -105,29 +148,46 @@ def _wrapping(module: nn.Module, world_size: int) -> _Wrapping | str:
     if post is not None and post.shard_mesh_size != group.mesh_info.shard_mesh_size:
         return "reshard_after_forward given as a world size"
     wrapping.reshard_after_forward = None if auto else post is not None
+    wrapping.device_type = group.mesh_info.mesh.device_type
+    wrapping.settings = {name: getattr(group, name) for name in _COPIED if hasattr(group, name)}
     for param in group.fsdp_params:
         info = param._module_info
         shared = list(zip(info.shared_modules, info.shared_param_names, strict=True))
-        wrapping.params.append((info.module, info.param_name, param.sharded_param, shared, param.fsdp_placement))
+        placement = param.fsdp_placement
+        dim = getattr(placement, "dim", 0)
+        if dim != 0 and param._orig_size[dim] % new_world:
+            return f"{info.param_name} sharded on dim {dim}, which {new_world} ranks do not divide"
+        wrapping.params.append((info.module, info.param_name, param.sharded_param, shared, placement))
         wrapping.offload = (bool(param.offload_to_cpu), bool(param.pin_memory))
     return wrapping
 
 
-def why_not(objects: Iterable[Any], world_size: int) -> str | None:
+def why_not(objects: Iterable[Any], world_size: int, new_world: int) -> str | None:
     """Why the FSDP2 modules among `objects`, sharded over a job of `world_size` ranks, cannot be sharded again in
-    place; None when they can (or there are none). Changes nothing."""
-    objects = list(objects)
+    place for `new_world` ranks; None when they can (or there are none). Changes nothing."""
+    try:
+        return _why_not(list(objects), world_size, new_world)
+    except (AttributeError, ImportError, KeyError, TypeError) as exc:  # another torch's FSDP2 (torch 2.4-2.5)
+        return f"this torch's FSDP2 differs from what stalwart reads ({type(exc).__name__}: {exc})"
+
+
+def _why_not(objects: list[Any], world_size: int, new_world: int) -> str | None:
     managed: set[int] = set()
     for module in fsdp_modules(objects):
-        found = _wrapping(module, world_size)
+        found = _wrapping(module, world_size, new_world)
         if isinstance(found, str):
             return f"{found}: {type(module).__name__}"
         managed.update(id(p[2]) for p in found.params)
     dtensor = _dtensor_class()
     for obj in objects:
-        for name, param in obj.named_parameters() if isinstance(obj, nn.Module) else ():
-            if dtensor is not None and isinstance(param, dtensor) and id(param) not in managed:
-                return f"parameters sharded without fully_shard (tensor parallelism): {name}"
+        if not isinstance(obj, torch.optim.Optimizer) and hasattr(obj, "param_groups"):
+            return f"an optimizer wrapper ({type(obj).__name__}) whose parameters stalwart cannot point anew"
+        tensors = list(obj.named_parameters()) + list(obj.named_buffers()) if isinstance(obj, nn.Module) else []
+        if isinstance(obj, torch.optim.Optimizer):
+            tensors = [("an optimizer's", p) for group in obj.param_groups for p in group["params"]]
+        for name, tensor in tensors:
+            if dtensor is not None and isinstance(tensor, dtensor) and id(tensor) not in managed:
+                return f"DTensors no fully_shard made (tensor parallelism): {name}"
     return None
 
 
@@ -183,23 +243,27 @@ def reshard_in_place(objects: Iterable[Any], optimizers: Iterable[torch.optim.Op
     """Shard every FSDP2 module among `objects` again on a one-dimensional mesh of the current default group, as it
     was sharded before (see the module docstring); point `optimizers` at the new parameters, their state dropped.
     `world_size`: the job's before (as `why_not`'s). Call `why_not` first: this raises ValueError where it would have
-    said why. Returns the modules sharded again."""
+    said why, before changing anything. One module at a time, children first, so that no more than one module's
+    parameters are whole at once (the model may fit only sharded). Returns the modules sharded again."""
     fully_shard, fsdp_module = _api()
-    modules = fsdp_modules(objects)
+    new_world = dist.get_world_size()
     wrappings: list[_Wrapping] = []
-    for module in modules:
-        found = _wrapping(module, world_size)
+    for module in fsdp_modules(objects):
+        found = _wrapping(module, world_size, new_world)
         if isinstance(found, str):
             raise ValueError(found)
         wrappings.append(found)
     if not wrappings:
         return 0
+    device_type = next((w.device_type for w in wrappings if w.device_type is not None), "cpu")
+    mesh = _mesh(device_type, new_world)
     old = {id(p[2]): (p[0], p[1]) for w in wrappings for p in w.params}
-    device = wrappings[0].params[0][2].device if wrappings[0].params else torch.device("cpu")
-    for wrapping in reversed(wrappings):  # parents first: a child's parameters are its own group's
+    optimizers = list(optimizers)
+    for optimizer in optimizers:  # before any module is whole: the moments of the old shards go first
+        for param in [p for group in optimizer.param_groups for p in group["params"] if id(p) in old]:
+            optimizer.state.pop(param, None)
+    for wrapping in wrappings:  # children before parents, as the script applied it; a parent's wrapping skips them
         _undo(wrapping, fully_shard, fsdp_module)
-    mesh = _mesh(device)
-    for wrapping in wrappings:  # children before parents, as the script applied it
         _apply(wrapping, fully_shard, mesh)
     for optimizer in optimizers:
         for group in optimizer.param_groups:
@@ -207,16 +271,15 @@ def reshard_in_place(objects: Iterable[Any], optimizers: Iterable[torch.optim.Op
             for i, param in enumerate(params):
                 if id(param) in old:
                     owner, name = old[id(param)]
-                    optimizer.state.pop(param, None)
                     params[i] = owner._parameters[name]
     return len(wrappings)
 
 
-def _mesh(device: torch.device) -> Any:
-    """A one-dimensional mesh over the current default group, on the sharded parameters' device type."""
+def _mesh(device_type: str, size: int) -> Any:
+    """A one-dimensional mesh of `size` ranks over the current default group, on the old mesh's device type."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (dist.get_world_size(),))
+    return init_device_mesh(device_type, (size,))
 
 
 def _apply(wrapping: _Wrapping, fully_shard: Any, mesh: Any) -> None:
@@ -235,3 +298,6 @@ def _apply(wrapping: _Wrapping, fully_shard: Any, mesh: Any) -> None:
     if any(getattr(p, "dim", 0) != 0 for p in by_param.values()):
         kwargs["shard_placement_fn"] = lambda param: by_param.get(id(param))
     fully_shard(wrapping.module, **kwargs)
+    for group in _groups(wrapping.module._get_fsdp_state()):  # type: ignore[operator]
+        for name, value in wrapping.settings.items():
+            setattr(group, name, value)

@@ -264,6 +264,16 @@ class SparePool:
             self.schedule_refill()
         return chosen
 
+    def trim(self) -> None:
+        """Keep at most `target` idle spares: those beyond it end, the ones least far in their set-up first."""
+        extra = len(self._idle) - self.target
+        if extra <= 0:
+            return
+        order = sorted(self._idle, key=lambda s: (s.poll_parked(), s.parking, s.poll_ready()))
+        for spare in order[:extra]:
+            self._idle.remove(spare)
+            spare.kill()
+
     def close(self) -> None:
         for spare in self._idle:
             spare.kill()
@@ -396,7 +406,7 @@ def running_in(
     zygote: Zygote | None = None,
     env: dict[str, str] | None = None,
     spares: SparePool | None = None,
-    publish: Callable[[list[str], dict[str, str]], None] | None = None,
+    publish: Callable[[dict[str, str]], None] | None = None,
 ) -> Iterator[None]:
     """While active, torch elastic's `start_processes` activates the hosts of `plan` (local rank -> host)
     instead of spawning processes. A host that cannot be activated (it died meanwhile) is replaced by a cold one.
@@ -421,7 +431,7 @@ def running_in(
             if spares is not None and rank == max(envs):
                 spares.remember(argv, worker_env)
             if publish is not None and rank == max(envs):
-                publish(argv, {k: str(v) for k, v in envs[rank].items()})
+                publish({k: str(v) for k, v in envs[rank].items()})
             host = plan.pop(rank, None) or Host(warm=False, zygote=zygote)
             if not host.activate(argv, worker_env):
                 host.kill()

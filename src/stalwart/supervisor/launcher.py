@@ -337,7 +337,9 @@ def _run_agent(
         nnodes=f"{config.min_nodes}:{config.max_nodes}",
         max_restarts=config.max_restarts,
     )
-    spare_host = SpareHost(pool if pool.target else None, config.nproc_per_node) if config.max_nodes > 1 else None
+    spare_host = None
+    if config.max_nodes > 1:
+        spare_host = SpareHost(pool if pool.target else None, config.nproc_per_node, [str(a) for a in cmd_args])
     try:
         rdzv_handler = rendezvous_handler(
             rdzv_parameters,

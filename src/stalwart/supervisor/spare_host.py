@@ -27,33 +27,36 @@ from stalwart.runtime.torch_compat_rendezvous import waits_as_spare
 from stalwart.supervisor.host_pool import SparePool
 
 KEY = "stalwart/warm_template"
-_THIS_HOST_ONLY = frozenset({"TORCHELASTIC_ERROR_FILE"})
-"""What torch elastic sets for a worker that names a path on the publishing host (its error file's directory)."""
+_THIS_HOST_ONLY = frozenset({"TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_TIMER_FILE", "CUDA_VISIBLE_DEVICES"})
+"""What torch elastic may set for a worker that belongs to the publishing host: paths there, its devices."""
 
 
 class SpareHost:
     """This node's side: publish the activation of the rounds it starts, and warm its spares while it waits."""
 
-    def __init__(self, pool: SparePool | None, nproc: int) -> None:
+    def __init__(self, pool: SparePool | None, nproc: int, argv: list[str]) -> None:
         self.store: Any = None  # the rendezvous store, once supervisor/rendezvous.py made it
         self.handler: Any = None  # the rendezvous handler, whose last read state says whether this node is a spare
         self._pool = pool
         self._nproc = nproc
+        self._argv = argv  # this node's own: the script and its arguments as given to its `stalwart run`
         self._target = pool.target if pool is not None else 0
         self._warming = False
+        self._admitted = False  # once part of a round, never a spare again (its survivors are kept by the agent)
 
     @property
     def enabled(self) -> bool:
         return self._pool is not None and self._pool.warm_script
 
-    def publish(self, argv: list[str], torch_env: dict[str, str]) -> None:
+    def publish(self, torch_env: dict[str, str]) -> None:
         """A round's activation of this node's last local rank: `torch_env` is what torch elastic set for it (no
-        host's own environment), `argv` its arguments. Best effort: a spare host that cannot read it stays hot."""
+        host's own environment; a spare node runs its own argv). Best effort: a spare node that cannot read it
+        starts its workers when it is admitted, as before."""
         if not self.enabled:
             return
         env = {k: v for k, v in torch_env.items() if k not in _THIS_HOST_ONLY}
         with contextlib.suppress(Exception):
-            self.store.set(KEY, json.dumps({"argv": argv, "env": env}))
+            self.store.set(KEY, json.dumps({"env": env}))
 
     def while_waiting(self) -> None:
         """At each poll of a rendezvous this agent waits in: while it waits as a spare node (on the redundancy list
@@ -63,6 +66,7 @@ class SpareHost:
         try:
             self._warm()
         except Exception as exc:  # never the rendezvous's failure: this node's spares stay as they are
+            self.admitted()
             self._pool = None
             say(
                 f"stalwart: this spare node cannot warm its spares while it waits ({first_line(exc)}); its workers "
@@ -71,33 +75,34 @@ class SpareHost:
 
     def _warm(self) -> None:
         pool = self._pool
-        if pool is None or not pool.warm_script:
+        if pool is None or not pool.warm_script or self._admitted:
             return
         if not self._warming:
             if not waits_as_spare(self.handler):
                 return
-            template = self._template()
-            if template is None:
+            env = self._template()
+            if env is None:
                 return
-            argv, env = template
-            pool.remember(argv, {**os.environ, **env})
+            pool.remember(self._argv, {**os.environ, **env})
             pool.target = max(self._target, self._nproc)
             pool.schedule_refill(0.0)
             self._warming = True
         pool.maintain()
 
     def admitted(self) -> None:
-        """The agent left the rendezvous with a round: its spares go to the round's ranks; the pool keeps `--spares`
-        from now on."""
+        """The agent left the rendezvous with a round (after its spares went to the round's ranks): the pool keeps
+        `--spares` from now on, those beyond it end, and this node warms nothing while it waits again."""
+        self._admitted = True
         if self._pool is not None and self._warming:
             self._pool.target = self._target
+            self._pool.trim()
             self._warming = False
 
-    def _template(self) -> tuple[list[str], dict[str, str]] | None:
+    def _template(self) -> dict[str, str] | None:
         try:
             if not self.store.check([KEY]):
                 return None
             found = json.loads(self.store.get(KEY))
-            return [str(a) for a in found["argv"]], {str(k): str(v) for k, v in found["env"].items()}
+            return {str(k): str(v) for k, v in found["env"].items() if k not in _THIS_HOST_ONLY}
         except Exception:  # the store gone or a value not ours: nothing to warm with
             return None

@@ -32,6 +32,8 @@ from stalwart.recovery.in_loop.group_side import InLoop, NewWorldForShards, Noth
 from stalwart.recovery.in_loop.port import LoopJob
 from stalwart.runtime import torch_compat_fsdp
 from stalwart.runtime.dist import Placement, init_process_group
+from stalwart.runtime.process import first_line
+from stalwart.runtime.torch_compat_groups import forget_sharding_caches
 from stalwart.telemetry.events import EventLog
 
 FORM_TIMEOUT_S = 30.0
@@ -263,14 +265,21 @@ def _reform_once(job: LoopJob, in_loop: InLoop, failure: Exception, objects: dic
         abandon(job)
         in_loop.leave(job.rank, reform.reason(failure))
     old_world, old_rank, job.placement = job.world_size, job.rank, Placement.from_env()
-    reshard = job.placement.world_size != old_world and bool(sharded.meshes_of(objects.values()))
+    # The modules' own meshes say what they are sharded for: after a failed attempt job.world_size is the new one.
+    now = torch_compat_fsdp.sharded_as(objects.values())
+    target = (job.placement.world_size, job.placement.rank)
+    if now is not None:
+        reshard = now != target
+    else:
+        reshard = job.placement.world_size != old_world and bool(sharded.meshes_of(objects.values()))
     if reshard:
-        why = torch_compat_fsdp.why_not(objects.values(), old_world)
+        size = now[0] if now is not None else old_world
+        why = torch_compat_fsdp.why_not(objects.values(), size, target[0]) if now is not None else "no fully_shard"
         if why is not None:
             raise NewWorldForShards(
-                f"the job re-formed at {job.placement.world_size} ranks from {old_world} and holds sharded state "
-                f"that cannot be sharded again in place ({why}); running the script again so that its set-up builds "
-                "the modules at the new size"
+                f"the job re-formed as rank {target[1]} of {target[0]} and holds state sharded for {size} ranks that "
+                f"cannot be sharded again in place ({why}); running the script again so that its set-up builds the "
+                "modules at the new size"
             )
     if (job.placement.world_size, job.placement.rank) != (old_world, old_rank):  # a loader's slice follows its rank
         for obj in objects.values():
@@ -278,13 +287,13 @@ def _reform_once(job: LoopJob, in_loop: InLoop, failure: Exception, objects: dic
                 obj.rebind(job.placement.rank, job.placement.world_size)
     timeout = timedelta(seconds=job.config.collective_timeout_s)
     job.membership.owns_process_group = init_process_group(job.placement, timeout, reformable=True)
-    at, resharded = job.step, _reshard_in_place(objects, old_world) if reshard else None
+    at, resharded = job.step, _reshard_in_place(objects, now[0]) if reshard and now is not None else None
     job.set_up_parts(staying=True)
     if resharded is not None:
         job.events.emit(
             "resharded_in_place",
             step=at,
-            world_from=old_world,
+            world_from=now[0] if now is not None else old_world,
             world_to=job.world_size,
             modules=resharded[0],
             seconds=resharded[1],
@@ -305,6 +314,12 @@ def _reshard_in_place(objects: dict[str, Any], old_world: int) -> tuple[int, flo
     does not run again (it did until 2026-11-30; recovery/in_loop/group_side.NewWorldForShards is now the fallback
     for what cannot be sharded again here). Returns the modules sharded again and the seconds it took."""
     started = time.monotonic()
+    forget_sharding_caches()  # a mesh equal to an earlier one at another coordinate must not meet its cached specs
     optimizers = [obj for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
-    modules = torch_compat_fsdp.reshard_in_place(objects.values(), optimizers, old_world)
+    try:
+        modules = torch_compat_fsdp.reshard_in_place(objects.values(), optimizers, old_world)
+    except Exception as exc:  # part of the model may be undone: only the script's set-up builds it again
+        raise NewWorldForShards(
+            f"sharding the FSDP2 modules again in place failed ({first_line(exc)}); running the script again"
+        ) from exc
     return modules, round(time.monotonic() - started, 4)

@@ -39,11 +39,17 @@ def join_late(job: LoopJob) -> None:
     reshard, set_up_world = False, job.world_size
     if spare:  # parked until the agent gives this spare a lost rank
         shards = bool(sharded.meshes_of(objects.values()))
-        why = torch_compat_fsdp.why_not(objects.values(), job.world_size) if shards else None
         provisional = job.placement
-        job.placement = warm_spare.park(job.events, provisional, sharded=why)
+        job.placement = warm_spare.park(job.events, provisional)
         moved = (job.placement.rank, job.placement.world_size) != (provisional.rank, provisional.world_size)
         reshard = shards and moved
+        if reshard:
+            why = torch_compat_fsdp.why_not(objects.values(), provisional.world_size, job.placement.world_size)
+            if why is not None or not torch_compat_fsdp.fsdp_modules(objects.values()):
+                raise reform.RunAgainInRound(
+                    f"a warm spare set up as rank {provisional.rank} holds state sharded for that rank "
+                    f"({why or 'no fully_shard'}) and was given rank {job.placement.rank}: its set-up runs again"
+                )
         if moved:
             for obj in objects.values():  # its slice of each global batch is the given rank's, not the set-up's
                 if isinstance(obj, ResumableLoader):
