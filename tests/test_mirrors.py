@@ -440,6 +440,36 @@ def test_a_mirror_back_after_the_primary_pruned_what_it_missed_gets_the_newest(t
     assert len(_events(log, "mirror_unreachable")) == 1 and len(_events(log, "mirror_caught_up")) == 1
 
 
+def test_a_copy_whose_step_the_primary_pruned_meanwhile_is_no_outage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The primary's retention removed the step while it was being copied (keep_last, saves faster than the copies):
+    that copy failed for nothing, and the mirror is not reported unreachable; a copy that fails while the step is
+    still committed is (what fc130 met under load, 2026-11-30, as a `mirror_unreachable` for a local mirror)."""
+    import time
+
+    from stalwart.checkpoint.save import mirroring
+    from stalwart.telemetry.events import EventLog
+
+    ck = open_checkpointer(tmp_path / "ck", tmp_path / "ck.jsonl", keep_last=2)
+    assert ck.save(1, _state(1), wait=True)
+    ck.close()
+    primary, real = open_storage(tmp_path / "ck"), mirroring.copy_step
+
+    def pruned_meanwhile(src: Any, dst: Any, step: int, **kwargs: Any) -> Any:
+        shutil.rmtree(tmp_path / "ck" / layout.step_dir_name(step))
+        return real(src, dst, step, **kwargs)
+
+    log = tmp_path / "events.jsonl"
+    mirrors = mirroring.Mirrors(EventLog(log))
+    mirror = mirroring._Mirror(str(tmp_path / "m"), None)
+    monkeypatch.setattr(mirroring, "copy_step", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    assert mirrors._copy(mirror, primary, 1, time.monotonic(), 2) == "OSError: disk full"
+    monkeypatch.setattr(mirroring, "copy_step", pruned_meanwhile)
+    assert mirrors._copy(mirror, primary, 1, time.monotonic(), 2) is None
+    assert not _events(log, "mirrored"), "nothing was copied"
+
+
 def test_stalwart_run_mirror_keeps_a_scripts_checkpoints_there(launch: Any) -> None:
     """A script that cannot change: `stalwart run --mirror DIR` gives its Job the mirror (the tiny job passes no
     mirrors=); the run's last checkpoint is there, verified, once the run ended."""

@@ -168,6 +168,8 @@ class Mirrors:
                     raise OSError(copy.problem)
                 layout.prune(mirror.storage, keep_last, layout.read_manifest(mirror.storage, step))
         except Exception as exc:
+            if not _still_committed(primary, step):
+                return None  # pruned (or set aside) at the primary while it was copied: superseded, no outage
             return describe_error(exc)
         now = time.monotonic()
         if mirror.down_since is not None:
@@ -184,3 +186,12 @@ class Mirrors:
             lag_s=now - committed,
         )
         return None
+
+
+def _still_committed(primary: Storage, step: int) -> bool:
+    """Whether `step` is still committed at the primary: a copy that failed because the primary's retention removed
+    the step meanwhile (keep_last, while an older step was still being copied) failed for nothing."""
+    try:
+        return primary.exists(f"{layout.step_dir_name(step)}/{layout.MANIFEST}")
+    except Exception:  # the primary itself does not answer: the copy's error stands
+        return True
