@@ -128,7 +128,11 @@ def _reshard_rank(rank: int, directory: str, cuda: bool) -> None:
 def reshard(directory: str, cuda: bool = False) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_reshard_rank, args=(directory, cuda), nprocs=1 if cuda else 2)  # ends both on a failure
+    # Forked on the CPU (torch imported once: the test's time), a fresh interpreter for CUDA; either ends both ranks
+    # on a failure.
+    mp.start_processes(
+        _reshard_rank, args=(directory, cuda), nprocs=1 if cuda else 2, start_method="spawn" if cuda else "fork"
+    )
 
 
 if __name__ == "__main__":
