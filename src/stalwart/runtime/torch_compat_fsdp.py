@@ -61,12 +61,16 @@ def fsdp_modules(objects: Iterable[Any]) -> list[nn.Module]:
 
 def sharded_as(objects: Iterable[Any]) -> tuple[int, int] | None:
     """(mesh size, this process's coordinate on it) of the FSDP2 modules among `objects` as they are sharded now (the
-    first with parameters); None without any. What the restore's world and rank must match, else they are sharded
-    again: a survivor's rank may change at the same world size (torch's rendezvous orders nodes by address)."""
+    first with parameters), when that mesh is one dimension over ranks 0..size-1 (the whole job's, as `fully_shard`
+    makes by default); None otherwise (no FSDP2, HSDP, a sub-mesh: the caller decides by world size alone). What the
+    restore's world and rank must match, else they are sharded again: a survivor's rank may change at the same world
+    size (torch's rendezvous orders nodes by address)."""
     try:
         for module in fsdp_modules(objects):
             for group in _groups(module._get_fsdp_state()):  # type: ignore[operator]
                 mesh = group.mesh_info.mesh
+                if mesh.ndim != 1 or mesh.mesh.flatten().tolist() != list(range(mesh.size())):
+                    return None
                 coordinate = mesh.get_coordinate()  # kept by the mesh: its group may be gone (get_local_rank asks it)
                 return (int(mesh.size()), int(coordinate[0])) if coordinate else None
     except (AttributeError, ImportError, RuntimeError):  # another torch's FSDP2

@@ -91,7 +91,13 @@ def _shard_as_given_rank(objects: dict[str, Any], world_size: int) -> tuple[int,
     started = time.monotonic()
     forget_sharding_caches()
     optimizers = [obj for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
-    modules = torch_compat_fsdp.reshard_in_place(objects.values(), optimizers, world_size)
+    try:
+        modules = torch_compat_fsdp.reshard_in_place(objects.values(), optimizers, world_size)
+    except Exception as exc:  # part of the model may be undone: only the script's set-up builds it again
+        raise reform.RunAgainInRound(
+            f"a warm spare could not shard its FSDP2 modules again for its rank ({first_line(exc)}): its set-up "
+            "runs again"
+        ) from exc
     return modules, round(time.monotonic() - started, 4)
 
 
