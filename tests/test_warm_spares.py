@@ -9,6 +9,8 @@ import signal
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed.fsdp
 
 from conftest import alive, child_env, fault_free_results, tiny_args
 
@@ -176,6 +178,9 @@ def test_two_ranks_lost_at_once_with_one_warm_spare(launch: Any) -> None:
     assert set(counts.values()) == {1}, f"each process ran the set-up once: {counts}"
 
 
+@pytest.mark.skipif(
+    not hasattr(torch.distributed.fsdp, "fully_shard"), reason="FSDP2 is public (and runs on CPU) from torch 2.6"
+)
 def test_a_warm_spare_with_sharded_state_given_another_rank_shards_it_again_in_place(
     launch: Any, tmp_path_factory: Any
 ) -> None:
