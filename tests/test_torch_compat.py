@@ -482,7 +482,7 @@ def test_what_cannot_be_sharded_again_in_place_is_named() -> None:
         why = torch_compat_fsdp.why_not([model], 1, 1)
         assert why is not None and "together" in why, why
         with pytest.raises(ValueError):
-            torch_compat_fsdp.reshard_in_place([model], [], 1)
+            torch_compat_fsdp.reshard_in_place([model], 1)
     finally:
         dist.destroy_process_group()
 

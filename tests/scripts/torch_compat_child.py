@@ -98,7 +98,7 @@ def _reshard_rank(rank: int, directory: str, cuda: bool) -> None:
     dist.init_process_group(backend, init_method=f"file://{directory}/one", rank=0, world_size=1)
     why = torch_compat_fsdp.why_not([model, optim], before, 1)
     old = {id(p) for p in model.parameters()}
-    count = torch_compat_fsdp.reshard_in_place([model, optim], [optim], before)
+    count = torch_compat_fsdp.reshard_in_place([model, optim], before)
     new = [id(p) for p in model.parameters()]
     set_model_state_dict(model, params, options=full)
     set_optimizer_state_dict(model, optim, optim_state, options=full)

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stalwart.runtime.torch_compat_groups import forget_sharding_caches
+
 
 def _api() -> tuple[Any, Any]:
     """`fully_shard` and `FSDPModule`, public in torch.distributed.fsdp since 2.6 (torch 2.4-2.5: the composable
@@ -243,13 +245,16 @@ def _undo(wrapping: _Wrapping, fully_shard: Any, fsdp_module: type) -> None:
     module.__class__ = cast(type[nn.Module], original)
 
 
-def reshard_in_place(objects: Iterable[Any], optimizers: Iterable[torch.optim.Optimizer], world_size: int) -> int:
+def reshard_in_place(objects: Iterable[Any], world_size: int) -> int:
     """Shard every FSDP2 module among `objects` again on a one-dimensional mesh of the current default group, as it
-    was sharded before (see the module docstring); point `optimizers` at the new parameters, their state dropped.
-    `world_size`: the job's before (as `why_not`'s). Call `why_not` first: this raises ValueError where it would have
-    said why, before changing anything. One module at a time, children first, so that no more than one module's
-    parameters are whole at once (the model may fit only sharded). Returns the modules sharded again."""
+    was sharded before (see the module docstring); point the optimizers among `objects` at the new parameters, their
+    state dropped. `world_size`: the job's before (as `why_not`'s). Call `why_not` first: this raises ValueError where
+    it would have said why, before changing anything. DTensor's sharding caches are cleared first (a mesh equal to
+    an earlier one at another coordinate must not meet its cached specs: torch_compat_groups.forget_sharding_caches).
+    One module at a time, children first, so that no more than one module's parameters are whole at once (the model
+    may fit only sharded). Returns the modules sharded again."""
     fully_shard, fsdp_module = _api()
+    objects = list(objects)
     new_world = dist.get_world_size()
     wrappings: list[_Wrapping] = []
     for module in fsdp_modules(objects):
@@ -259,10 +264,11 @@ def reshard_in_place(objects: Iterable[Any], optimizers: Iterable[torch.optim.Op
         wrappings.append(found)
     if not wrappings:
         return 0
+    forget_sharding_caches()
     device_type = next((w.device_type for w in wrappings if w.device_type is not None), "cpu")
     mesh = _mesh(device_type, new_world)
     old = {id(p[2]): (p[0], p[1]) for w in wrappings for p in w.params}
-    optimizers = list(optimizers)
+    optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
     for optimizer in optimizers:  # before any module is whole: the moments of the old shards go first
         for param in [p for group in optimizer.param_groups for p in group["params"] if id(p) in old]:
             optimizer.state.pop(param, None)

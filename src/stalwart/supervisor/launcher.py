@@ -337,9 +337,10 @@ def _run_agent(
         nnodes=f"{config.min_nodes}:{config.max_nodes}",
         max_restarts=config.max_restarts,
     )
+    # A spare node warms its spares while it waits (--warm-spares on several nodes): supervisor/spare_host.py.
     spare_host = None
-    if config.max_nodes > 1:
-        spare_host = SpareHost(pool if pool.target else None, config.nproc_per_node, [str(a) for a in cmd_args])
+    if config.max_nodes > 1 and pool.warm_script:
+        spare_host = SpareHost(pool, config.nproc_per_node, [str(a) for a in cmd_args])
     try:
         rdzv_handler = rendezvous_handler(
             rdzv_parameters,
@@ -382,7 +383,7 @@ def _run_agent(
         peer_check=preflight_gate.peer_check(args, config.max_nodes > 1, *_host_port(config.rdzv_endpoint)),
         monitor_s=float(config.monitor_interval),
         round_store=_round_store(config),
-        spare_host=spare_host if spare_host is not None and spare_host.enabled else None,
+        spare_host=spare_host,
         **_supported(
             StalwartAgent.__mro__[1],
             spec=spec,

@@ -20,20 +20,16 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
-import torch
-
 from stalwart.checkpoint.format import sharded
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.data.loader import ResumableLoader
 from stalwart.detect.heartbeat import PHASE_RESUME
 from stalwart.recovery import reform, shrink
-from stalwart.recovery.in_loop import shrunk, survivor
+from stalwart.recovery.in_loop import late_join, shrunk, survivor
 from stalwart.recovery.in_loop.group_side import InLoop, NewWorldForShards, NothingToGoBackTo
 from stalwart.recovery.in_loop.port import LoopJob
 from stalwart.runtime import torch_compat_fsdp
 from stalwart.runtime.dist import Placement, init_process_group
-from stalwart.runtime.process import first_line
-from stalwart.runtime.torch_compat_groups import forget_sharding_caches
 from stalwart.telemetry.events import EventLog
 
 FORM_TIMEOUT_S = 30.0
@@ -287,7 +283,10 @@ def _reform_once(job: LoopJob, in_loop: InLoop, failure: Exception, objects: dic
                 obj.rebind(job.placement.rank, job.placement.world_size)
     timeout = timedelta(seconds=job.config.collective_timeout_s)
     job.membership.owns_process_group = init_process_group(job.placement, timeout, reformable=True)
-    at, resharded = job.step, _reshard_in_place(objects, now[0]) if reshard and now is not None else None
+    at, resharded = job.step, None
+    if reshard and now is not None:
+        again = "sharding the FSDP2 modules again in place failed ({}); running the script again"
+        resharded = late_join.reshard_in_place(objects, now[0], lambda why: NewWorldForShards(again.format(why)))
     job.set_up_parts(staying=True)
     if resharded is not None:
         job.events.emit(
@@ -305,21 +304,3 @@ def _reform_once(job: LoopJob, in_loop: InLoop, failure: Exception, objects: dic
     job.parts.heartbeat.beat(job.step, PHASE_RESUME, job.parts.hang.grace())  # the restore may wait for the replacement
     job.resume()
     return ddp_modules
-
-
-def _reshard_in_place(objects: dict[str, Any], old_world: int) -> tuple[int, float]:
-    """The job re-formed at another world size and its FSDP2 modules were sharded for the old one: shard them again
-    on the new group in this process (runtime/torch_compat_fsdp.py), the optimizers pointed at the new parameters;
-    the restore that follows reshards the state onto them from node memory or the checkpoint. The script's set-up
-    does not run again (it did until 2026-11-30; recovery/in_loop/group_side.NewWorldForShards is now the fallback
-    for what cannot be sharded again here). Returns the modules sharded again and the seconds it took."""
-    started = time.monotonic()
-    forget_sharding_caches()  # a mesh equal to an earlier one at another coordinate must not meet its cached specs
-    optimizers = [obj for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
-    try:
-        modules = torch_compat_fsdp.reshard_in_place(objects.values(), optimizers, old_world)
-    except Exception as exc:  # part of the model may be undone: only the script's set-up builds it again
-        raise NewWorldForShards(
-            f"sharding the FSDP2 modules again in place failed ({first_line(exc)}); running the script again"
-        ) from exc
-    return modules, round(time.monotonic() - started, 4)

@@ -25,7 +25,6 @@ from stalwart.recovery.in_loop.port import LoopJob
 from stalwart.runtime import torch_compat_fsdp
 from stalwart.runtime.dist import init_process_group
 from stalwart.runtime.process import first_line, say
-from stalwart.runtime.torch_compat_groups import forget_sharding_caches
 
 
 def join_late(job: LoopJob) -> None:
@@ -64,7 +63,15 @@ def join_late(job: LoopJob) -> None:
         reformable=True,
         store=script_group.given_store(),  # the script's store holds the round's port on rank 0
     )
-    resharded = _shard_as_given_rank(objects, set_up_world) if reshard else None
+    resharded = None
+    if reshard:
+        resharded = reshard_in_place(
+            objects,
+            set_up_world,
+            lambda why: reform.RunAgainInRound(
+                f"a warm spare could not shard its FSDP2 modules again for its rank ({why}): its set-up runs again"
+            ),
+        )
     job.set_up_parts()
     job.tracked.track(**objects)
     job.membership.deferred = False
@@ -82,22 +89,20 @@ def join_late(job: LoopJob) -> None:
     job.events.emit("joined_late", world_size=job.world_size, seconds=round(time.monotonic() - started, 4))
 
 
-def _shard_as_given_rank(objects: dict[str, Any], world_size: int) -> tuple[int, float]:
-    """A warm spare whose set-up sharded its FSDP2 modules as another rank, now in the job's group as the rank it was
-    given: shard them again for that rank, in place (runtime/torch_compat_fsdp.py), instead of running the script's
-    set-up again; the hand-over that follows writes the lost rank's state into the new shards. DTensor's caches of
-    the old rank's meshes go first (runtime/torch_compat_groups.forget_sharding_caches says why). Returns the modules
-    sharded again and the seconds it took."""
+def reshard_in_place(
+    objects: dict[str, Any], world_size: int, fallback: Callable[[str], reform.RunAgainInRound]
+) -> tuple[int, float]:
+    """The tracked FSDP2 modules, sharded for `world_size` ranks (or as another rank), sharded again in this process
+    for the rank and world of the group just made (runtime/torch_compat_fsdp.py), instead of running the script's
+    set-up again: a warm spare given another rank (here), a survivor whose world size changed (in_loop/driver.py).
+    The restore or hand-over that follows writes the state into the new shards. A failure part-way raises
+    `fallback(why)`: part of the model may be undone, and only the script's set-up builds it again. Returns the
+    modules sharded again and the seconds it took."""
     started = time.monotonic()
-    forget_sharding_caches()
-    optimizers = [obj for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
     try:
-        modules = torch_compat_fsdp.reshard_in_place(objects.values(), optimizers, world_size)
-    except Exception as exc:  # part of the model may be undone: only the script's set-up builds it again
-        raise reform.RunAgainInRound(
-            f"a warm spare could not shard its FSDP2 modules again for its rank ({first_line(exc)}): its set-up "
-            "runs again"
-        ) from exc
+        modules = torch_compat_fsdp.reshard_in_place(objects.values(), world_size)
+    except Exception as exc:
+        raise fallback(first_line(exc)) from exc
     return modules, round(time.monotonic() - started, 4)
 
 
