@@ -113,8 +113,14 @@ def test_a_killed_node_is_replaced_and_the_job_ends_bitwise_identical(
     two = request.getfixturevalue("two_hosts") if hosts == "netns" else None
     env = child_env(**({FAKE_ENV: "1"} if snapshots == "overlapped" and two is None else {}))
 
+    # On loopback the lost node's address sorts first and its replacement's last: torch's rendezvous, which numbers
+    # nodes by address, would make the survivor rank 0 in place of the rank its node's memory holds snapshots of
+    # (runtime/torch_compat_rendezvous.keep_ranks).
+    local = {"node0": "127.0.0.2", "node1": "127.0.0.1", "node1-again": "127.0.0.3"}
+
     def node(i: int, name: str) -> Any:
         args, node_env, prefix = _placed(two, i, port, env)
+        args += ["--local-addr", local[name]] if two is None else []
         return launch([*common, *args, *job_args], name=name, env=node_env, prefix=prefix)
 
     first, worker = _lose_node1(node)

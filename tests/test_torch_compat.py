@@ -604,6 +604,64 @@ def test_a_node_on_the_redundancy_list_of_a_completed_round_waits_as_a_spare() -
     assert not torch_compat_rendezvous.waits_as_spare(handler), "a participant is no spare"
 
 
+def test_group_ranks_are_numbered_as_the_nodes_had_them_where_they_can_be() -> None:
+    assert torch_compat_rendezvous.stable_ranks(["b", "c"], {"b": 1}) == {"b": 1, "c": 0}
+    assert torch_compat_rendezvous.stable_ranks(["b", "c"], {}) == {"b": 0, "c": 1}, "a first round: torch's order"
+    assert torch_compat_rendezvous.stable_ranks(["c"], {"c": 1}) == {"c": 0}, "a rank beyond the round's size"
+    assert torch_compat_rendezvous.stable_ranks(["a", "b", "c"], {"a": 2, "b": 2, "c": 0}) == {"a": 2, "b": 1, "c": 0}
+
+
+def test_a_survivor_keeps_its_group_rank_when_a_new_node_sorts_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch numbers a round's nodes by address: node a (10.0.0.1, rank 0) is lost and node c (10.0.0.3) joins in its
+    place; torch would make survivor b (10.0.0.2) rank 0, and b's node memory holds snapshots of rank 1. With
+    `keep_ranks` b stays rank 1 and c takes the lost rank 0."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    monkeypatch.setenv(env.SHARE_STORE_ENV, "1")  # rank 0 would host a store at its (made-up) address otherwise
+    hashed = dist.HashStore()
+
+    def node(addr: str) -> Any:
+        params = RendezvousParameters("c10d", "localhost:0", "r", 2, 2, local_addr=addr, join_timeout="60")
+        handler = dr.create_handler(hashed, C10dRendezvousBackend(hashed, "r"), params)
+        assert torch_compat_rendezvous.keep_ranks(handler)
+        return handler
+
+    def together(*handlers: Any) -> dict[str, int]:
+        ranks: dict[str, int] = {}
+
+        def join(handler: Any) -> None:
+            ranks[torch_compat_rendezvous.this_node(handler).addr] = handler.next_rendezvous().rank
+
+        threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        return ranks
+
+    a, b = node("10.0.0.1"), node("10.0.0.2")
+    c = None
+    try:
+        assert together(a, b) == {"10.0.0.1": 0, "10.0.0.2": 1}
+        a._stop_heartbeats()  # a is lost; the lifeline marks it gone (supervisor/lifeline.py)
+        holder = b._state_holder
+        holder.sync()
+        assert torch_compat_rendezvous.mark_gone(b, torch_compat_rendezvous.this_node(a))
+        holder.sync()
+        holder.sync()
+        c = node("10.0.0.3")
+        nodes = [torch_compat_rendezvous.this_node(h) for h in (b, c)]
+        assert sorted(nodes) == nodes, "torch's own order would make b rank 0"
+        assert together(b, c) == {"10.0.0.2": 1, "10.0.0.3": 0}
+        assert together(b, c) == {"10.0.0.2": 1, "10.0.0.3": 0}, "and again in the round after"
+    finally:
+        for handler in (a, b, c):
+            if handler is not None:
+                handler._stop_heartbeats()
+
+
 def test_the_environment_variable_unshares_the_rendezvous_store(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend

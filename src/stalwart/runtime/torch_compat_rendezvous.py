@@ -113,3 +113,65 @@ def mark_gone(handler: Any, node: Any) -> bool:
     beats[node] = datetime(1970, 1, 1, tzinfo=beats[node].tzinfo)  # torch 2.4's are naive (UTC), later aware
     holder.mark_dirty()
     return True
+
+
+LAST_RANKS_ATTR = "stalwart_last_ranks"
+"""The attribute of torch's shared rendezvous state (pickled with it, so every agent reads it) that holds, by node
+name, the group rank each node had in the completed round it left (`keep_ranks`)."""
+
+
+def stable_ranks(order: list[str], last: dict[str, int]) -> dict[str, int]:
+    """Group ranks for the nodes of a completed round, `order` as torch would number them: each node keeps the rank
+    it had in the round before (`last`) where that rank is still below the round's size and not kept by another;
+    the other nodes take the free ranks in torch's order."""
+    size, ranks = len(order), dict[str, int]()
+    for name in order:
+        rank = last.get(name)
+        if rank is not None and 0 <= rank < size and rank not in ranks.values():
+            ranks[name] = rank
+    free = iter(r for r in range(size) if r not in ranks.values())
+    for name in order:
+        if name not in ranks:
+            ranks[name] = next(free)
+    return ranks
+
+
+def keep_ranks(handler: Any) -> bool:
+    """Make `handler` (torch's DynamicRendezvousHandler) keep the nodes' group ranks across rounds.
+
+    torch numbers the nodes of each completed round in the order of their names (address, then the agent's pid), so
+    a node that joins in place of a lost one can take a survivor's rank: a lost host whose address sorted below the
+    survivor's, or on one address a replacement agent whose pid sorts lower (pids wrap; at 32768 on the test VM).
+    A renumbered survivor finds no snapshot of its new rank in its node's memory, and the job went back to its
+    newest checkpoint (a fresh clone's test did, 2026-11-30). Here each node that leaves a completed round notes its
+    rank in the shared state, and the node that completes the next round gives each one that rank again where it
+    can (`stable_ranks`); new nodes take the lost ones'. Agents that all run this agree; a torch agent beside them
+    that completes a round numbers it as torch does. Wraps the private executor's `_remove_from_participants` and
+    `_mark_rendezvous_complete` (per handler); False (left as it is) on a torch without them. Checked on torch
+    2.4.1 and 2.13.0."""
+    executor = getattr(handler, "_op_executor", None)
+    leave = getattr(executor, "_remove_from_participants", None)
+    complete = getattr(executor, "_mark_rendezvous_complete", None)
+    if executor is None or leave is None or complete is None or not hasattr(executor, "_node"):
+        return False
+
+    def remove_from_participants() -> None:
+        state = executor._state
+        if state.complete and executor._node in state.participants:
+            last = dict(getattr(state, LAST_RANKS_ATTR, {}))
+            last[node_key(executor._node)] = state.participants[executor._node]
+            setattr(state, LAST_RANKS_ATTR, last)
+        leave()
+
+    def mark_rendezvous_complete() -> None:
+        complete()
+        state = executor._state
+        order = sorted(state.participants, key=lambda node: state.participants[node])
+        ranks = stable_ranks([node_key(node) for node in order], getattr(state, LAST_RANKS_ATTR, {}))
+        for node in order:
+            state.participants[node] = ranks[node_key(node)]
+        setattr(state, LAST_RANKS_ATTR, {})
+
+    executor._remove_from_participants = remove_from_participants
+    executor._mark_rendezvous_complete = mark_rendezvous_complete
+    return True

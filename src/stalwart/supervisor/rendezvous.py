@@ -16,6 +16,7 @@ from typing import Any
 
 from stalwart.runtime.store import tcp_store
 from stalwart.runtime.torch_compat_rendezvous import (
+    keep_ranks,
     matches_machine_hostname,
     rendezvous_gives_local_addr,
     set_last_call,
@@ -75,6 +76,7 @@ def rendezvous_handler(
     handler = create_handler(store, backend, params)
     if params.max_nodes > 1:  # also how soon an agent sees a node waiting (on one node none ever does)
         set_state_cache(handler, sync_poll_s(params.max_nodes))
+        keep_ranks(handler)  # a survivor keeps its rank, and its node's snapshots of that rank, in the next round
     if replace_wait_s is not None:
         handler.next_rendezvous = functools.partial(  # type: ignore[method-assign]
             _then_wait_for_replacements, handler.next_rendezvous, handler, timedelta(seconds=replace_wait_s)
