@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.fsdp
 
-from conftest import alive, child_env, fault_free_results, tiny_args
+from conftest import alive, check_global_batch_kept, child_env, fault_free_results, tiny_args
 
 STEPS = 24
 ARGS = ("--steps", str(STEPS), "--step-sleep", "0.03", "--replicated-snapshot-every", "20")
@@ -131,15 +131,17 @@ def test_reform_by_rerun_runs_the_script_again_in_the_survivor(launch: Any, refe
     assert all(results[r]["sha256"] == reference[r]["sha256"] for r in reference)
 
 
-@pytest.mark.skipif(
+fsdp2 = pytest.mark.skipif(
     not hasattr(torch.distributed.fsdp, "fully_shard"), reason="FSDP2 is public (and runs on CPU) from torch 2.6"
 )
-@pytest.mark.parametrize("wait", ["1", "0"], ids=["wait-for-replacement", "default"])
-def test_fsdp2_survivors_keep_their_shards_in_their_loop(launch: Any, tmp_path: Path, wait: str) -> None:
-    """FSDP2 over the whole world (a 1-D mesh on the default group): a kill in the forward is absorbed like DDP's,
-    the survivor keeps its process and its shards, and the run ends bitwise identical (the lost rank's shards come
-    from node memory). By default too: sharded state does not train on shrunk, the survivor waits, and the
-    replacement's FSDP2 set-up runs on its placeholder group until its loop starts (recovery/shrink.py)."""
+
+
+@fsdp2
+def test_fsdp2_survivors_keep_their_shards_in_their_loop(launch: Any, tmp_path: Path) -> None:
+    """FSDP2 over the whole world (a 1-D mesh on the default group) with --wait-for-replacement: a kill in the
+    forward is absorbed like DDP's, the survivor keeps its process and its shards, and the run ends bitwise
+    identical (the lost rank's shards come from node memory); the replacement's FSDP2 set-up runs on its
+    placeholder group until its loop starts (recovery/shrink.py)."""
     from conftest import Launch
 
     args = ("--steps", str(STEPS), "--step-sleep", "0.03", "--fsdp")
@@ -149,8 +151,46 @@ def test_fsdp2_survivors_keep_their_shards_in_their_loop(launch: Any, tmp_path: 
         expected = reference.results()
     finally:
         reference.reap()
-    env = child_env(STALWART_WAIT_FOR_REPLACEMENT=wait)
+    env = child_env(STALWART_WAIT_FOR_REPLACEMENT="1")
     job = launch(tiny_args(*args, "--setup-log", "setups.log", "--die-at", "13:forward"), env=env)
     assert job.wait(180) == 0, job.output()
     _check(job, expected, survivors={0})
-    assert not job.events("shrunk"), "sharded state waits for the replacement"
+    assert not job.events("shrunk"), "--wait-for-replacement keeps every step whole"
+
+
+@fsdp2
+@pytest.mark.parametrize(
+    ("data", "phase"), [("loader", "forward"), ("own-data", "before_optimizer")], ids=["resumable-loader", "own-data"]
+)
+def test_fsdp2_survivors_shard_among_themselves_and_train_on_while_the_replacement_sets_up(
+    launch: Any, tmp_path_factory: pytest.TempPathFactory, data: str, phase: str
+) -> None:
+    """By default FSDP2 survivors do not wait for the replacement's set-up (recovery/in_loop/sharded_stretch.py):
+    the survivor shards its modules again in place for its own group, takes the lost rank's shards from node
+    memory, trains on (with a ResumableLoader the global batch kept: its slice grows; with the script's own data its
+    own batches), leaves its shards in node memory at the grow, and the whole job shards in place again and loads
+    them. The set-up ran once in every process; with the loader every sample is seen once and the parameters end
+    within the shrink tests' tolerance of a fault-free run."""
+    args = ("--steps", str(STEPS), "--step-sleep", "0.05", "--fsdp", "--no-randomness")
+    args += ("--own-data",) if data == "own-data" else ()
+    env = child_env(STALWART_WAIT_FOR_REPLACEMENT="0")  # the default (the tests' is to wait)
+    job = launch(tiny_args(*args, "--setup-s", "1", "--setup-log", "setups.log", "--die-at", f"13:{phase}"), env=env)
+    assert job.wait(180) == 0, job.output()
+    results = job.results()
+    if data == "loader":
+        expected = fault_free_results(tmp_path_factory.mktemp("fsdp-stretch-reference"), *args)
+        check_global_batch_kept(results, expected, 1e-5)
+    assert all(r["finite"] and r["step"] == STEPS for r in results.values()), results
+    assert set(_setups(job).values()) == {1}, f"the set-up ran once in every process: {_setups(job)}"
+    [shrunk] = job.events("shrunk")
+    assert (shrunk["rank"], shrunk["world_size"], shrunk["full_world_size"]) == (0, 1, 2), shrunk
+    batch = "1/2" if data == "own-data" else "kept"
+    assert (shrunk["global_batch"], shrunk["shares"], shrunk["step"]) == (batch, [0], 13), shrunk
+    [growing] = job.events("growing")
+    assert growing["shrunk_steps"] >= 1, "the survivor trained on while the replacement set up"
+    moved = [(e["rank"], e["world_from"], e["world_to"]) for e in job.events("resharded_in_place")]
+    assert moved == [(0, 2, 1), (0, 1, 2)], "sharded among the survivors, then for the whole job again"
+    resumed = [(e["rank"], e["step"], e["tier"]) for e in job.events("resumed") if e["restart"] == 1]
+    assert sorted(resumed) == [(0, growing["step"], "memory"), (1, growing["step"], "memory")], resumed
+    assert not job.events("waiting_for_replacement")
+    assert "on 1 of 2 ranks" in job.output()

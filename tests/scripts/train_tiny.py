@@ -304,10 +304,10 @@ def main() -> None:
         digest.update(name.encode() + t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         finite = finite and bool(torch.isfinite(t).all())
     env = {k: os.environ.get(k) for k in _ENV}
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]) if not args.fsdp else None
+    params = torch.cat([_gathered(p).detach().reshape(-1) for p in model.parameters()])  # collective under FSDP2
     full_loss = _full_loss(model, args) if not args.fsdp else None
     result = {"sha256": digest.hexdigest(), "seen": seen.ids, "step": job.step, "env": env, "finite": finite,
-              "params": params.tolist() if params is not None else None, "loss": full_loss,
+              "params": params.tolist(), "loss": full_loss,
               "loss0": loss0}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -107,13 +107,16 @@ def restore(
     meshes: dict[Any, Any] | None,
     *,
     allowed: bool,
+    old_rank: int | None = None,
 ) -> Restored | None:
     """This rank's part of `plan`'s state: from its node's memory, and where its node lacks old images, from their
     heads and only the parts of them this rank will read, fetched from a node that holds them (`_fetch`); sharded
     tensors are then resharded from those (format/sharded.py) onto `meshes` (the tracked objects' device meshes).
     Not `allowed`: CheckpointMismatchError, as for a durable checkpoint of another world size, instead of a silent
     fresh start. Collective. None (on every rank) when an image cannot be read whole; the caller goes on to the
-    durable checkpoint."""
+    durable checkpoint. `old_rank`: whose per-rank objects this rank takes (its rank mod the old world size unless
+    given: survivors training on shrunk take their own, recovery/in_loop/sharded_stretch.py)."""
+    reads = comm.rank % plan.world_size if old_rank is None else old_rank
     if not allowed:
         raise CheckpointMismatchError(
             f"node memory holds step {plan.step} of a job of {plan.world_size} ranks and this job has "
@@ -133,11 +136,11 @@ def restore(
     except CheckpointCorruptError as exc:
         problem = str(exc)
     if plan.transfers:
-        problem, fetched = _fetch(comm, plan, images, meshes, problem)
+        problem, fetched = _fetch(comm, plan, images, meshes, problem, reads)
     try:
         if problem or images is None:
             raise CheckpointCorruptError(problem or "this rank has no memory tier")
-        state = images.state(comm.rank % plan.world_size)
+        state = images.state(reads)
     except CheckpointCorruptError as exc:
         problem = str(exc)
     if not all(ok for [ok] in comm.all_gather_ints([int(state is not None)])):
@@ -150,7 +153,7 @@ def restore(
 
 
 def _fetch(
-    comm: Comm, plan: ReshardPlan, images: MemoryImages | None, meshes: dict[Any, Any] | None, problem: str
+    comm: Comm, plan: ReshardPlan, images: MemoryImages | None, meshes: dict[Any, Any] | None, problem: str, reads: int
 ) -> tuple[str, int]:
     """Every rank of a node lacking old images gets the parts of them it will read, not whole images: a dry run of
     its restore (the old rank's state, and the resharding onto `meshes` on meta tensors) lists them, every rank
@@ -158,12 +161,12 @@ def _fetch(
     free: each pair's send and receive are the same step of it). A part left out of the list is never read as
     zeros: reading it raises CheckpointCorruptError, which stops the load; a dry run that fails, or parts that do not
     arrive whole, are agreed on (`problem`) and the ranks go on to the durable checkpoint. Collective. Returns
-    (problem, bytes received)."""
+    (problem, bytes received). `reads`: the old rank whose per-rank objects this rank reads."""
     wanted: list[Part] = []
     if images is not None and not problem:
         images.recording = wanted
         try:
-            state = images.state(comm.rank % plan.world_size)
+            state = images.state(reads)
             if meshes is not None:
                 sharded.rebuild(state["objects"], meshes, "node memory", images)
         except Exception as exc:  # a mismatch is met again by the real load, which reports it

@@ -26,7 +26,8 @@ floating-point sums run in another order; results stay within a tolerance (tests
 model without randomness in its steps).
 
 Shrinking applies when W' divides W (every survivor takes as many slices), the job tracks the ResumableLoader it
-iterates, its state is replicated (sharded jobs wait: issue "elastic for sharded models"), the failed step is not
+iterates (or the script draws its own data), its state is replicated or FSDP2 that can be sharded again in place
+(recovery/in_loop/sharded_stretch.py), the failed step is not
 the last one, and the survivor's own snapshot of the last completed step is in node memory. Otherwise the
 survivors wait for the replacement, still inside their loop.
 """
@@ -76,6 +77,9 @@ class Plan:
     own_data: bool = False
     """The script draws its own batches (no tracked ResumableLoader): each survivor goes on with its own, and the
     global batch of the shrunk steps is the survivors' (W'/W of the full job's), as with torchft's fewer replicas."""
+    sharded: bool = False
+    """The job's state is sharded (FSDP2): the survivors shard it again among themselves
+    (recovery/in_loop/sharded_stretch.py) and a tracked ResumableLoader gives each its slice of W' ranks."""
 
     @property
     def size(self) -> int:
@@ -94,7 +98,7 @@ class Plan:
     def shares(self) -> tuple[int, ...]:
         """This survivor's own rank first, then the missing ranks it stands for (every W'-th one); with own data
         only its own."""
-        if self.own_data:
+        if self.own_data or self.sharded:
             return (self.rank,)
         return (self.rank, *self.missing[self.shrunk_rank :: self.size])
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -25,7 +26,7 @@ from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.data.loader import ResumableLoader
 from stalwart.detect.heartbeat import PHASE_RESUME
 from stalwart.recovery import reform, shrink
-from stalwart.recovery.in_loop import late_join, shrunk, survivor
+from stalwart.recovery.in_loop import sharded_stretch, shrunk, survivor
 from stalwart.recovery.in_loop.group_side import InLoop, NewWorldForShards, NothingToGoBackTo
 from stalwart.recovery.in_loop.port import LoopJob
 from stalwart.runtime import torch_compat_fsdp
@@ -77,6 +78,13 @@ def recover(
         except Exception:  # a survivor that did not come (a host that died as it was activated): wait instead
             reform.abort_process_groups()
             plan, why = None, "the survivors' own group did not form"
+    shards = bool(sharded.meshes_of(job.tracked.objects.values()))
+    if plan is not None and shards:  # FSDP2: sharded again among the survivors, the lost rank's from node memory
+        plan = dataclasses.replace(plan, sharded=True)
+        why = sharded_stretch.shard_among_survivors(job, plan)
+        if why is not None:
+            reform.abort_process_groups()
+            plan = None
     if plan is None:
         with contextlib.closing(EventLog.from_env(rank=now.rank, restart=now.restart_count)) as events:
             events.emit("waiting_for_replacement", step=job.step, why=why)
@@ -86,10 +94,16 @@ def recover(
         drawn_at, drawn = batch
         own = itertools.chain([drawn], iterator) if iterator is not None and drawn_at == job.step else iterator
         yield from shrunk.train_own(job, own, plan, max_steps, failed_at, started)
+    elif shards:  # the loader's slices of W' ranks (sharded_stretch): one loop body a step, the global batch kept
+        assert isinstance(loader, ResumableLoader)
+        own = None
+        yield from shrunk.train_own(job, iter(loader), plan, max_steps, failed_at, started)
     else:
         assert isinstance(loader, ResumableLoader)
         own = None
         yield from shrunk.train(job, loader, plan, max_steps, failed_at, started)
+    if shards:
+        sharded_stretch.leave_snapshot(job, plan)
     reform.abort_process_groups()
     shrink.forget_round(plan)
     job.membership.grown_at = job.step
@@ -109,7 +123,9 @@ def _why_not_shrink(job: LoopJob, loader: Iterable[Any] | None, max_steps: int) 
     if not shrink.wanted():
         return "--wait-for-replacement"
     if sharded.meshes_of(job.tracked.objects.values()):
-        return "the job holds sharded state (FSDP2)"
+        why = sharded_stretch.why_not(job.tracked.objects.values(), job.world_size, job.world_size - 1)
+        if why is not None:
+            return why
     if job.step + 1 >= max_steps:
         return "the failure came at the last step"
     if job.parts.snapshots.memory is None:
@@ -286,7 +302,7 @@ def _reform_once(job: LoopJob, in_loop: InLoop, failure: Exception, objects: dic
     at, resharded = job.step, None
     if reshard and now is not None:
         again = "sharding the FSDP2 modules again in place failed ({}); running the script again"
-        resharded = late_join.reshard_in_place(objects, now[0], lambda why: NewWorldForShards(again.format(why)))
+        resharded = sharded_stretch.reshard_in_place(objects, now[0], lambda why: NewWorldForShards(again.format(why)))
     job.set_up_parts(staying=True)
     if resharded is not None:
         job.events.emit(

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.format import sharded
+from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.data.loader import ResumableLoader
 from stalwart.recovery import reform, script_group, shrink, warm_spare
-from stalwart.recovery.in_loop import survivor
+from stalwart.recovery.in_loop import sharded_stretch, survivor
 from stalwart.recovery.in_loop.port import LoopJob
 from stalwart.runtime import torch_compat_fsdp
 from stalwart.runtime.dist import init_process_group
@@ -65,7 +66,7 @@ def join_late(job: LoopJob) -> None:
     )
     resharded = None
     if reshard:
-        resharded = reshard_in_place(
+        resharded = sharded_stretch.reshard_in_place(
             objects,
             set_up_world,
             lambda why: reform.RunAgainInRound(
@@ -89,23 +90,6 @@ def join_late(job: LoopJob) -> None:
     job.events.emit("joined_late", world_size=job.world_size, seconds=round(time.monotonic() - started, 4))
 
 
-def reshard_in_place(
-    objects: dict[str, Any], world_size: int, fallback: Callable[[str], reform.RunAgainInRound]
-) -> tuple[int, float]:
-    """The tracked FSDP2 modules, sharded for `world_size` ranks (or as another rank), sharded again in this process
-    for the rank and world of the group just made (runtime/torch_compat_fsdp.py), instead of running the script's
-    set-up again: a warm spare given another rank (here), a survivor whose world size changed (in_loop/driver.py).
-    The restore or hand-over that follows writes the state into the new shards. A failure part-way raises
-    `fallback(why)`: part of the model may be undone, and only the script's set-up builds it again. Returns the
-    modules sharded again and the seconds it took."""
-    started = time.monotonic()
-    try:
-        modules = torch_compat_fsdp.reshard_in_place(objects.values(), world_size)
-    except Exception as exc:
-        raise fallback(first_line(exc)) from exc
-    return modules, round(time.monotonic() - started, 4)
-
-
 def grow(job: LoopJob, capture_rng: Callable[[], dict[str, Any]]) -> bool:
     """In `Job.resume`: when the survivors trained on shrunk, the job takes the lowest survivor's state at the step
     they reached and returns True; False otherwise (the usual restore). A replacement's per-rank objects and random
@@ -117,12 +101,19 @@ def grow(job: LoopJob, capture_rng: Callable[[], dict[str, Any]]) -> bool:
     started = time.monotonic()
     if job.rank in plan.receivers:
         job.parts.hooks.joined(plan.step)  # fault injection's seam: a replacement lost while joining
-    restored = job.parts.restorer.hand_over(
-        plan.step, plan.source, plan.receivers, lambda: job.tracked.state(plan.step)
-    )
-    own_parts = None
+    shards = bool(sharded.meshes_of(job.tracked.objects.values()))
+    own_parts: str | None = None
+    restored: Restored | None
+    if shards:  # the survivors' shards of the step they reached, from their snapshot in node memory
+        restored = sharded_stretch.grow(job, plan, capture_rng)
+        own_parts = "a survivor's, with its predecessor's generators" if job.rank in plan.receivers else "its own"
+    else:
+        restored = job.parts.restorer.hand_over(
+            plan.step, plan.source, plan.receivers, lambda: job.tracked.state(plan.step)
+        )
+        if restored is not None:
+            own_parts = _take_own_parts(job, restored.state, plan.step, capture_rng)
     if restored is not None:
-        own_parts = _take_own_parts(job, restored.state, plan.step, capture_rng)
         job.load_restored(restored)
     job.move_to(plan.step)
     job.resumed_from = plan.step
@@ -130,22 +121,23 @@ def grow(job: LoopJob, capture_rng: Callable[[], dict[str, Any]]) -> bool:
     job.events.emit(
         "resumed",
         step=plan.step,
-        source=f"rank {plan.source} (the job grew back)",
-        tier="peer",
+        source=f"{'the survivors in node memory' if shards else f'rank {plan.source}'} (the job grew back)",
+        tier="memory" if shards else "peer",
         bytes=restored.bytes if restored is not None else 0,
         own_parts=own_parts,
         seconds=time.monotonic() - started,
     )
     if job.rank == 0:
+        state = "the survivors' shards from node memory" if shards else f"rank {plan.source}'s state"
         say(
             f"stalwart: back at {job.world_size} ranks at step {plan.step}: rank(s) {list(plan.receivers)} joined with "
-            f"rank {plan.source}'s state ({time.monotonic() - started:.2f} s)"
+            f"{state} ({time.monotonic() - started:.2f} s)"
         )
     job.events.emit(
         "world_resized",
         **{"from": job.world_size - len(plan.receivers), "to": job.world_size},
         why=f"rank(s) {list(plan.receivers)} joined",
-        tier="peer",
+        tier="memory" if shards else "peer",
         step=plan.step,
         seconds=round(time.monotonic() - started, 4),
     )
