@@ -120,6 +120,22 @@ def test_warm_spares_without_what_they_need_is_one_line(launch: Any, flags: tupl
     assert len(lines) == 1 and "--warm-spares" in lines[0], lines
 
 
+def test_on_a_node_with_gpus_warm_spares_are_off_in_one_line_and_spares_stay_hot(launch: Any, tmp_path: Any) -> None:
+    """A warm spare runs the set-up as the node's last local rank: on GPUs its model would sit on that training
+    rank's GPU. The node's GPUs as the telemetry provider counts them (a scripted one here) turn warming off."""
+    from stalwart.detect.gpu_providers import write_script
+
+    script = tmp_path / "gpus.json"
+    write_script(script, {"devices": 2, "samples": []})
+    env = child_env(STALWART_GPU_TELEMETRY=str(script))
+    job = launch(["--spares", "1", "--warm-spares", *tiny_args("--steps", "3")], env=env)
+    assert job.wait(120) == 0, job.output()
+    [off] = job.events("warm_spares_off")
+    assert off["why"] == "2 GPU(s) on this node", off
+    assert [line for line in job.output().splitlines() if "--warm-spares is off" in line], job.output()
+    assert not job.events("spare_parked"), "no spare ran the set-up"
+
+
 def test_a_spare_killed_while_parked_is_replaced_by_a_new_one(launch: Any) -> None:
     """A parked spare's death is the pool's business: it starts another (after its refill delay), which runs the
     set-up and parks; the next lost rank takes that one."""

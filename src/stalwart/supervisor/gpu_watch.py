@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from stalwart.detect.gpu import ACTIONS, REPORT, RESTART_PROCESS, GpuMonitor
 from stalwart.detect.gpu_providers import GpuProvider, provider_from_env
@@ -75,3 +76,32 @@ class GpuWatch:
 
 def is_restart(action: str) -> bool:
     return action == RESTART_PROCESS
+
+
+def visible_gpus() -> int:
+    """The GPUs this node's workers can use, as the telemetry provider counts them (NVML, or the tests' scripted
+    one; 0 with none, or with CUDA_VISIBLE_DEVICES set empty or to -1, as a CPU job on a GPU machine sets it)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return 0
+    provider = provider_from_env()
+    if provider is None:
+        return 0
+    try:
+        return provider.device_count()
+    finally:
+        provider.close()
+
+
+def warm_spares_off_for_gpus(events: EventLog, say: Callable[[str], object]) -> bool:
+    """Whether `--warm-spares` is turned off because the node has GPUs: a warm spare runs the script's set-up as the
+    node's last local rank, so its model would sit on that training rank's GPU (its memory), and given another rank
+    it would train there (NCCL refuses two ranks on one GPU). Said in one line; the spares stay hot."""
+    gpus = visible_gpus()
+    if gpus == 0:
+        return False
+    events.emit("warm_spares_off", failures=0, why=f"{gpus} GPU(s) on this node")
+    say(
+        f"--warm-spares is off on this node's {gpus} GPU(s): a warm spare would run the set-up on a training rank's "
+        "GPU; spares stay hot (a CPU job on a GPU machine: set CUDA_VISIBLE_DEVICES= to keep them warm)"
+    )
+    return True

@@ -61,7 +61,7 @@ from stalwart.runtime.env import (
 from stalwart.runtime.process import first_line
 from stalwart.runtime.torch_compat_rendezvous import static_master
 from stalwart.supervisor import exclusion, preflight_gate
-from stalwart.supervisor.gpu_watch import GpuWatch
+from stalwart.supervisor.gpu_watch import GpuWatch, warm_spares_off_for_gpus
 from stalwart.supervisor.host_pool import SparePool
 from stalwart.supervisor.leftovers import (
     SNAPSHOTS_PREFIX,
@@ -281,7 +281,9 @@ def _launch_with(args: argparse.Namespace, say: Any, zygote: Zygote | None, clea
     os.environ[HEARTBEAT_ENV] = str(board.path)
     os.environ.setdefault(LAUNCH_TIME_ENV, repr(time.time()))  # a relaunched node keeps a scheduler's value
     snapshots = board.path.with_name(SNAPSHOTS_PREFIX + board.path.name.removeprefix(BOARD_PREFIX))
-    pool = SparePool(args.spares, events, zygote, warm_script=args.warm_spares)
+    pool = SparePool(
+        args.spares, events, zygote, warm_script=args.warm_spares and not warm_spares_off_for_gpus(events, say)
+    )
     try:
         snapshots.mkdir(mode=0o700)
         os.environ[SNAPSHOT_DIR_ENV] = str(snapshots)
