@@ -160,37 +160,45 @@ def test_fsdp2_survivors_keep_their_shards_in_their_loop(launch: Any, tmp_path: 
 
 @fsdp2
 @pytest.mark.parametrize(
-    ("data", "phase"), [("loader", "forward"), ("own-data", "before_optimizer")], ids=["resumable-loader", "own-data"]
+    ("data", "phase", "nproc"),
+    [("loader", "forward", 2), ("own-data", "before_optimizer", 2), ("loader", "forward", 3)],
+    ids=["resumable-loader", "own-data", "three-ranks"],
 )
 def test_fsdp2_survivors_shard_among_themselves_and_train_on_while_the_replacement_sets_up(
-    launch: Any, tmp_path_factory: pytest.TempPathFactory, data: str, phase: str
+    launch: Any, tmp_path_factory: pytest.TempPathFactory, data: str, phase: str, nproc: int
 ) -> None:
     """By default FSDP2 survivors do not wait for the replacement's set-up (recovery/in_loop/sharded_stretch.py):
-    the survivor shards its modules again in place for its own group, takes the lost rank's shards from node
-    memory, trains on (with a ResumableLoader the global batch kept: its slice grows; with the script's own data its
-    own batches), leaves its shards in node memory at the grow, and the whole job shards in place again and loads
-    them. The set-up ran once in every process; with the loader every sample is seen once and the parameters end
-    within the shrink tests' tolerance of a fault-free run."""
+    the survivors shard their modules again in place for their own group, take the lost rank's shards from node
+    memory, train on (with a ResumableLoader the global batch kept: their slices grow, 2 of 3 ranks too; with the
+    script's own data their own batches), leave their shards in node memory at the grow, and the whole job shards in
+    place again and loads them. The set-up ran once in every process; with the loader every sample is seen once and
+    the parameters end within the shrink tests' tolerance of a fault-free run."""
     args = ("--steps", str(STEPS), "--step-sleep", "0.05", "--fsdp", "--no-randomness")
     args += ("--own-data",) if data == "own-data" else ()
     env = child_env(STALWART_WAIT_FOR_REPLACEMENT="0")  # the default (the tests' is to wait)
-    job = launch(tiny_args(*args, "--setup-s", "1", "--setup-log", "setups.log", "--die-at", f"13:{phase}"), env=env)
+    extra = ("--setup-s", "1", "--setup-log", "setups.log", "--die-at", f"13:{phase}")
+    job = launch(tiny_args(*args, *extra, nproc=nproc), env=env)
     assert job.wait(180) == 0, job.output()
     results = job.results()
     if data == "loader":
-        expected = fault_free_results(tmp_path_factory.mktemp("fsdp-stretch-reference"), *args)
+        expected = fault_free_results(tmp_path_factory.mktemp("fsdp-stretch-reference"), *args, nproc=nproc)
         check_global_batch_kept(results, expected, 1e-5)
     assert all(r["finite"] and r["step"] == STEPS for r in results.values()), results
     assert set(_setups(job).values()) == {1}, f"the set-up ran once in every process: {_setups(job)}"
-    [shrunk] = job.events("shrunk")
-    assert (shrunk["rank"], shrunk["world_size"], shrunk["full_world_size"]) == (0, 1, 2), shrunk
-    batch = "1/2" if data == "own-data" else "kept"
-    assert (shrunk["global_batch"], shrunk["shares"], shrunk["step"]) == (batch, [0], 13), shrunk
-    [growing] = job.events("growing")
-    assert growing["shrunk_steps"] >= 1, "the survivor trained on while the replacement set up"
-    moved = [(e["rank"], e["world_from"], e["world_to"]) for e in job.events("resharded_in_place")]
-    assert moved == [(0, 2, 1), (0, 1, 2)], "sharded among the survivors, then for the whole job again"
-    resumed = [(e["rank"], e["step"], e["tier"]) for e in job.events("resumed") if e["restart"] == 1]
-    assert sorted(resumed) == [(0, growing["step"], "memory"), (1, growing["step"], "memory")], resumed
+    survivors = [r for r in range(nproc) if r != 1]
+    shrunk = sorted(job.events("shrunk"), key=lambda e: e["rank"])
+    assert [(e["rank"], e["world_size"], e["full_world_size"]) for e in shrunk] == [
+        (r, nproc - 1, nproc) for r in survivors
+    ], shrunk
+    batch = f"{nproc - 1}/{nproc}" if data == "own-data" else "kept"
+    assert all((e["global_batch"], e["shares"], e["step"]) == (batch, [e["rank"]], 13) for e in shrunk), shrunk
+    growing = job.events("growing")
+    assert len({e["step"] for e in growing}) == 1 and growing[0]["shrunk_steps"] >= 1, growing
+    moved = sorted((e["rank"], e["world_from"], e["world_to"]) for e in job.events("resharded_in_place"))
+    assert moved == sorted([(r, nproc, nproc - 1) for r in survivors] + [(r, nproc - 1, nproc) for r in survivors]), (
+        "sharded among the survivors, then for the whole job again"
+    )
+    resumed = sorted((e["rank"], e["step"], e["tier"]) for e in job.events("resumed") if e["restart"] == 1)
+    assert resumed == [(r, growing[0]["step"], "memory") for r in range(nproc)], resumed
     assert not job.events("waiting_for_replacement")
-    assert "on 1 of 2 ranks" in job.output()
+    assert f"on {nproc - 1} of {nproc} ranks" in job.output()

@@ -285,7 +285,7 @@ def run_bench(
         if len(reference) != NPROC:
             raise BenchError(f"the reference run failed; see {root / 'reference' / 'output.log'}")
         systems: dict[str, Any] = {}
-        torchft = importlib.util.find_spec("torchft") is not None and shape.nodes == 1
+        torchft = importlib.util.find_spec("torchft") is not None and shape.nodes == 1 and not shape.fsdp
         names = ["torchrun", *(["torchft"] if torchft else []), "stalwart", *(["stalwart_full"] if full else [])]
         for name in names:
             expected = reference
@@ -343,14 +343,15 @@ def run_bench(
                     "(--wait-for-replacement is)"
                 )
         if not torchft:
-            systems["torchft"] = _torchft_entry(shape.nodes)
+            systems["torchft"] = _torchft_entry(shape.nodes, shape.fsdp)
         stock = stock_torchrun(root, stock_trials, 45.0, progress) if stock_trials else None
     base, ours = systems["torchrun"], systems["stalwart"]
+    wrap = "FSDP2" if shape.fsdp else "DDP"
     return {
         "job": {
             "nproc": NPROC,
             "nodes": shape.nodes,
-            "model": f"3-layer MLP, {3 * (shape.width**2 + shape.width) / 1e6:.1f}M parameters, DDP, AdamW",
+            "model": f"3-layer MLP, {3 * (shape.width**2 + shape.width) / 1e6:.1f}M parameters, {wrap}, AdamW",
             "data": "own (each rank draws its batches in its loop)" if shape.own_data else "ResumableLoader",
             "checkpoint_every": {
                 "torchrun": RESTART_CHECKPOINT_EVERY,
@@ -377,6 +378,7 @@ def run_bench(
         "setup_s": shape.setup_s,
         "width": shape.width,
         "own_data": shape.own_data,
+        "fsdp": shape.fsdp,
         "warm_spares": shape.warm_spares,
         "nodes": shape.nodes,
     }
@@ -398,7 +400,7 @@ def _reference_run(
     return results
 
 
-def _torchft_entry(nodes: int = 1) -> dict[str, Any]:
+def _torchft_entry(nodes: int = 1, fsdp: bool = False) -> dict[str, Any]:
     keys = (
         "kill_to_step_s_median",
         "kill_to_step_s_max",
@@ -411,4 +413,6 @@ def _torchft_entry(nodes: int = 1) -> dict[str, Any]:
     note = "torchft is not installed in this environment (pip install 'stalwart[bench]' or torchft); not measured"
     if nodes > 1:
         note = "torchft's driver runs its replica groups on one node; not measured with --nodes"
+    if fsdp:
+        note = "torchft's driver replicates its model (DDP-like replica groups); not measured with --fsdp"
     return {**dict.fromkeys(keys), "note": note}

@@ -74,6 +74,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "each kill then includes the hand-over of the survivor's state to the replacement",
     )
     p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="the job's model sharded with FSDP2 (fully_shard, torch >= 2.6) instead of replicated with DDP "
+        "(torchrun and stalwart)",
+    )
+    p.add_argument(
         "--nodes",
         type=int,
         default=1,
@@ -101,6 +107,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         from stalwart.bench.recovery import run_bench  # torch: after the arguments are checked
 
+        if args.fsdp:
+            import torch.distributed.fsdp
+
+            if not hasattr(torch.distributed.fsdp, "fully_shard"):
+                raise BenchError(f"--fsdp needs FSDP2's public fully_shard (torch >= 2.6); this is {torch.__version__}")
+
         report = run_bench(
             kills=args.kills,
             gap=args.gap,
@@ -119,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
                 warm_spares=args.warm_spares,
                 wait_for_replacement=args.wait_for_replacement,
                 nodes=args.nodes,
+                fsdp=args.fsdp,
             ),
             parent=args.dir,
             progress=lambda line: err.print(f"bench: {line}"),

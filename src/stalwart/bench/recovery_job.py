@@ -4,7 +4,8 @@ Sample i is drawn from a generator seeded by i and fed by a ResumableLoader (glo
 a run with failures must end with exactly the parameters of a run without, and stalwart's survivors can take a
 missing rank's slices of each batch while its replacement starts (recovery/shrink.py). With `--own-data` each rank
 draws its batch in the loop from a generator of its own (its state tracked per rank), so stalwart's survivors train
-on with their own batches meanwhile, a smaller global batch for those steps. It checkpoints every
+on with their own batches meanwhile, a smaller global batch for those steps. With `--fsdp` each linear layer and the
+model are sharded with FSDP2 (`fully_shard`) instead of wrapped in DDP. It checkpoints every
 `--checkpoint-every` steps (durable, reloaded on restart under any launcher; JobConfig's default unless given) and
 logs every step, which is what the bench reads. At the end each rank writes `result-rank<R>.json` with the sha256
 of its parameters.
@@ -75,6 +76,7 @@ def main() -> None:
         help="seconds of set-up before the loop (a real job's dataset indexing, model building, compilation)",
     )
     p.add_argument("--own-data", action="store_true", help="each rank draws its own batches in the loop")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 instead of DDP (torch >= 2.6)")
     p.add_argument("--until", type=float, help="stop (exit 0, no result) at this time.time(): a bound on long runs")
     args = p.parse_args()
     die_with_parent()  # under torchrun too: a launcher killed with SIGKILL leaves no worker behind
@@ -85,7 +87,7 @@ def main() -> None:
         args.out / "ckpt",
         **every,
         log_every=1,
-        replicated=("model", "optim"),
+        replicated=None if args.fsdp else ("model", "optim"),
         snapshot_every=args.snapshot_every,
         replicated_snapshot_every=args.replicated_snapshot_every,
     )
@@ -95,7 +97,16 @@ def main() -> None:
     model = torch.nn.Sequential(
         torch.nn.Linear(w, w), torch.nn.ReLU(), torch.nn.Linear(w, w), torch.nn.ReLU(), torch.nn.Linear(w, w)
     )
-    ddp = DistributedDataParallel(model) if job.world_size > 1 else model
+    ddp: torch.nn.Module = model
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)  # the model itself, sharded in place
+    elif job.world_size > 1:
+        ddp = DistributedDataParallel(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     global_batch = args.batch * job.world_size
     epoch = global_batch * min(args.steps, 1000)  # long runs go round epochs: a permutation stays small
@@ -113,7 +124,8 @@ def main() -> None:
         job.report(loss=loss.detach())
     digest = hashlib.sha256()
     for name, t in model.state_dict().items():
-        digest.update(name.encode() + t.contiguous().view(torch.uint8).numpy().tobytes())
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor under FSDP2: gathered (collective)
+        digest.update(name.encode() + t.detach().contiguous().view(torch.uint8).numpy().tobytes())
     (args.out / f"result-rank{job.rank}.json").write_text(json.dumps({"sha256": digest.hexdigest(), "step": job.step}))
 
 

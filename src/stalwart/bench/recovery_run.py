@@ -55,11 +55,14 @@ class JobShape:
     nodes: int = 1
     """The job's NPROC ranks on this many nodes (`--nodes`): with 2, two launchers on loopback of one rank each,
     meeting through the c10d rendezvous as two machines would (torchft is not measured so)."""
+    fsdp: bool = False
+    """The job's model sharded with FSDP2 instead of replicated with DDP (`--fsdp`; torchft is not measured so)."""
 
     def job_args(self) -> list[str]:
         """The recovery job's options for this shape (torchft's driver takes the first two)."""
         setup = ["--setup-s", str(self.setup_s)] if self.setup_s else []
-        return [*setup, "--width", str(self.width), *(["--own-data"] if self.own_data else [])]
+        own = ["--own-data"] if self.own_data else []
+        return [*setup, "--width", str(self.width), *own, *(["--fsdp"] if self.fsdp else [])]
 
 
 DEFAULT_SHAPE = JobShape()

@@ -178,13 +178,17 @@ class ResumableLoader:
             raise ConfigError(f"shares {ranks} are not ranks of {self.world_size}")
         self._ranks = ranks
 
+    def check_world(self, world_size: int) -> None:
+        """ConfigError unless each global batch divides among `world_size` ranks (as `rebind` to it needs)."""
+        per_rank = self.batch_size_per_rank
+        order.check_sizes(self.num_samples, per_rank * world_size if per_rank else self.global_batch_size, world_size)
+
     def rebind(self, rank: int, world_size: int) -> None:
         """This process's place after the job re-formed at another world size in its loop (recovery/in_loop/driver.py):
         its slice of each global batch from the next iterator on (a global batch that scales with the world grows or
         shrinks with it). The position is global, so no sample is lost or seen twice; ConfigError if the global batch
         does not divide among the new world."""
-        per_rank = self.batch_size_per_rank
-        order.check_sizes(self.num_samples, per_rank * world_size if per_rank else self.global_batch_size, world_size)
+        self.check_world(world_size)
         self.rank, self.world_size, self._ranks = rank, world_size, (rank,)
         self._next_epoch_if_full()
 

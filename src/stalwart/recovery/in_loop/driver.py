@@ -64,7 +64,13 @@ def recover(
     same_world = back_to is not None and now.world_size == job.world_size
     if back_to is not None and same_world and back_to != job.step:
         job.move_to(back_to)  # back to its newest snapshot: the failure came before the step's own
-    plan = shrink.plan(now.rank, now.world_size, own_data=own_data) if same_world else None
+    shards = bool(sharded.meshes_of(job.tracked.objects.values()))
+    # Sharded with a loader: the survivors' slices grow (sharded_stretch), so the global batch must divide among
+    # them, not W' divide W; any W' then, as with the script's own data.
+    any_size = own_data or (shards and sharded_stretch.loader_divides(loader, shrink.kept_ranks()))
+    plan = shrink.plan(now.rank, now.world_size, own_data=any_size) if same_world else None
+    if plan is not None and shards:
+        plan = dataclasses.replace(plan, own_data=own_data, sharded=True)
     why = None
     if back_to is None:
         why = f"no snapshot of step {job.step} or before in node memory to undo the failed step from"
@@ -78,9 +84,7 @@ def recover(
         except Exception:  # a survivor that did not come (a host that died as it was activated): wait instead
             reform.abort_process_groups()
             plan, why = None, "the survivors' own group did not form"
-    shards = bool(sharded.meshes_of(job.tracked.objects.values()))
     if plan is not None and shards:  # FSDP2: sharded again among the survivors, the lost rank's from node memory
-        plan = dataclasses.replace(plan, sharded=True)
         why = sharded_stretch.shard_among_survivors(job, plan)
         if why is not None:
             reform.abort_process_groups()

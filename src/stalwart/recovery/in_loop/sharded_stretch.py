@@ -38,7 +38,7 @@ from stalwart.checkpoint.format import sharded
 from stalwart.checkpoint.load.rank_state import Restored
 from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.data.loader import ResumableLoader
-from stalwart.errors import CheckpointCorruptError
+from stalwart.errors import CheckpointCorruptError, ConfigError
 from stalwart.recovery import memory_reshard, reform, shrink
 from stalwart.recovery.in_loop import survivor
 from stalwart.recovery.in_loop.group_side import Grow, NewWorldForShards
@@ -59,6 +59,18 @@ def why_not(objects: Iterable[Any], world_size: int, survivors: int) -> str | No
     if why is not None:
         return f"its FSDP2 modules cannot be sharded again in place ({why})"
     return None
+
+
+def loader_divides(loader: Any, kept: tuple[int, ...] | None) -> bool:
+    """Whether `loader`, a ResumableLoader, can give each of the `kept` survivors a slice of every global batch
+    (its global batch divides among them)."""
+    if not isinstance(loader, ResumableLoader) or not kept:
+        return False
+    try:
+        loader.check_world(len(kept))
+    except ConfigError:
+        return False
+    return True
 
 
 def _directory(job: LoopJob) -> Path | None:
@@ -176,9 +188,8 @@ def _predecessors_parts(
 ) -> dict[str, Any]:
     """`state` (a survivor's image) with the per-rank objects and generators the lost rank left in its newest full
     snapshot of at most `step` (this rank's slots in node memory): what it recorded until its failure (the samples it
-    saw) goes on from there. Shards (modules, optimizers, any object holding DTensors) and a ResumableLoader (its
-    position is global) stay the survivors'. Without such a snapshot: the survivor's objects, this process's own
-    generators."""
+    saw) goes on from there. What steps with the job (`_steps_with_the_job`) and the replicated objects stay the
+    survivors'. Without such a snapshot: the survivor's objects, this process's own generators."""
     memory = job.parts.snapshots.memory
     for older in [s for s in memory.steps() if s <= step] if memory is not None else []:
         try:
@@ -191,13 +202,23 @@ def _predecessors_parts(
         return {**state, "rng": capture_rng()}
     objects = dict(state["objects"])
     for name, obj in job.tracked.objects.items():
-        shards = isinstance(obj, torch.nn.Module | torch.optim.Optimizer) or bool(sharded.meshes_of([obj]))
-        if not shards and not isinstance(obj, ResumableLoader) and name in theirs["objects"]:
+        if not _steps_with_the_job(obj) and name not in job.tracked.replicated and name in theirs["objects"]:
             objects[name] = theirs["objects"][name]
     mine = {**state, "objects": objects, "rng": theirs["rng"]}
     if "detectors" in theirs:
         mine["detectors"] = theirs["detectors"]
     return mine
+
+
+def _steps_with_the_job(obj: Any) -> bool:
+    """Whether `obj`'s state is the job's, whichever rank holds it: shards (modules, optimizers, anything holding
+    DTensors), a learning-rate scheduler (it steps with the optimizers, the same on every rank), a ResumableLoader
+    (its position is global). A replacement takes these from the survivors' images, not from its predecessor's
+    older snapshot."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    kinds = (torch.nn.Module, torch.optim.Optimizer, LRScheduler, ReduceLROnPlateau, ResumableLoader)
+    return isinstance(obj, kinds) or bool(sharded.meshes_of([obj]))
 
 
 def reshard_in_place(
