@@ -207,19 +207,24 @@ def test_a_lost_node_shrinks_the_sharded_job_in_place_and_a_new_one_grows_it_bac
     assert _samples(tmp_path / "batches") == _samples(reference.workdir), "each step's samples, once each"
 
 
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=fsdp2)], ids=["ddp", "fsdp2"])
 def test_a_rank_lost_on_two_nodes_leaves_the_other_node_training_on_shrunk(
     launch: Any,
     tmp_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
     hosts_or_loopback: list[tuple[str, str, str]] | None,
+    fsdp: bool,
 ) -> None:
     """A DDP job on two nodes (one rank each) loses rank 1 at step 13; that node's agent starts a replacement whose
     set-up takes 3 s. The survivor on the other node does not wait for it: its agent learns from every node's
     agent which ranks were kept (supervisor/round_kept.py), it trains on alone with the global batch kept, and the
     replacement joins at a step boundary once its loop starts, both meeting through the rendezvous store. Every
     sample is seen once and the parameters are those of a clean run (tests/test_shrink.py's tolerance). The nodes
-    are hosts in network namespaces (two agents on loopback where namespaces cannot be made)."""
+    are hosts in network namespaces (two agents on loopback where namespaces cannot be made). FSDP2 alike
+    (recovery/in_loop/sharded_stretch.py): the lost rank's shards come from the peer replica its node pushed to
+    the survivor's, and at the grow the survivor's shards go to the other node's replacement."""
     args = ("--steps", "40", "--step-sleep", "0.05", "--no-randomness")  # test_shrink's: one reference for both
+    args += ("--fsdp",) if fsdp else ()
     reference = fault_free_results(tmp_path_factory.mktemp("shrink-reference"), *args)
     port = _free_port()
     env = child_env(STALWART_FAULTS="kill@rank=1,step=13", STALWART_WAIT_FOR_REPLACEMENT="0")
@@ -239,7 +244,8 @@ def test_a_rank_lost_on_two_nodes_leaves_the_other_node_training_on_shrunk(
     events = [e for each in nodes for e in each.events()]
     output = "\n".join(each.output() for each in nodes)
     shrunk = [e for e in events if e["event"] == "shrunk"]
-    assert [(e["rank"], e["failed_at"], e["world_size"], e["shares"]) for e in shrunk] == [(0, 13, 1, [0, 1])], output
+    shares = [0] if fsdp else [0, 1]  # sharded: the survivor's slice of one rank is the whole global batch
+    assert [(e["rank"], e["failed_at"], e["world_size"], e["shares"]) for e in shrunk] == [(0, 13, 1, shares)], output
     [growing] = [e for e in events if e["event"] == "growing"]
     assert growing["shrunk_steps"] >= 1, "the survivor trained while the replacement ran its set-up"
     assert [e["rank"] for e in events if e["event"] == "joined_late"] == [1]
