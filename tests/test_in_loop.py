@@ -160,12 +160,17 @@ def test_fsdp2_survivors_keep_their_shards_in_their_loop(launch: Any, tmp_path: 
 
 @fsdp2
 @pytest.mark.parametrize(
-    ("data", "phase", "nproc"),
-    [("loader", "forward", 2), ("own-data", "before_optimizer", 2), ("loader", "forward", 3)],
-    ids=["resumable-loader", "own-data", "three-ranks"],
+    ("data", "phase", "nproc", "replacement_dies"),
+    [
+        ("loader", "forward", 2, False),
+        ("own-data", "before_optimizer", 2, False),
+        ("loader", "forward", 3, False),
+        ("loader", "forward", 3, True),
+    ],
+    ids=["resumable-loader", "own-data", "three-ranks", "three-ranks-replacement-dies-in-its-set-up"],
 )
 def test_fsdp2_survivors_shard_among_themselves_and_train_on_while_the_replacement_sets_up(
-    launch: Any, tmp_path_factory: pytest.TempPathFactory, data: str, phase: str, nproc: int
+    launch: Any, tmp_path_factory: pytest.TempPathFactory, data: str, phase: str, nproc: int, replacement_dies: bool
 ) -> None:
     """By default FSDP2 survivors do not wait for the replacement's set-up (recovery/in_loop/sharded_stretch.py):
     the survivors shard their modules again in place for their own group, take the lost rank's shards from node
@@ -177,6 +182,8 @@ def test_fsdp2_survivors_shard_among_themselves_and_train_on_while_the_replaceme
     args += ("--own-data",) if data == "own-data" else ()
     env = child_env(STALWART_WAIT_FOR_REPLACEMENT="0")  # the default (the tests' is to wait)
     extra = ("--setup-s", "1", "--setup-log", "setups.log", "--die-at", f"13:{phase}")
+    # The first replacement dies half-way through its set-up: the survivors re-arm in their loop and train on.
+    extra += ("--die-in-setup", "1") if replacement_dies else ()
     job = launch(tiny_args(*args, *extra, nproc=nproc), env=env)
     assert job.wait(180) == 0, job.output()
     results = job.results()
@@ -186,6 +193,8 @@ def test_fsdp2_survivors_shard_among_themselves_and_train_on_while_the_replaceme
     assert all(r["finite"] and r["step"] == STEPS for r in results.values()), results
     assert set(_setups(job).values()) == {1}, f"the set-up ran once in every process: {_setups(job)}"
     survivors = [r for r in range(nproc) if r != 1]
+    rearmed = sorted(e["rank"] for e in job.events("shrunk_rearmed"))
+    assert rearmed == (survivors if replacement_dies else []), rearmed
     shrunk = sorted(job.events("shrunk"), key=lambda e: e["rank"])
     assert [(e["rank"], e["world_size"], e["full_world_size"]) for e in shrunk] == [
         (r, nproc - 1, nproc) for r in survivors
@@ -198,7 +207,8 @@ def test_fsdp2_survivors_shard_among_themselves_and_train_on_while_the_replaceme
     assert moved == sorted([(r, nproc, nproc - 1) for r in survivors] + [(r, nproc - 1, nproc) for r in survivors]), (
         "sharded among the survivors, then for the whole job again"
     )
-    resumed = sorted((e["rank"], e["step"], e["tier"]) for e in job.events("resumed") if e["restart"] == 1)
+    grown_in = 2 if replacement_dies else 1  # the round of the replacement that reached its loop
+    resumed = sorted((e["rank"], e["step"], e["tier"]) for e in job.events("resumed") if e["restart"] == grown_in)
     assert resumed == [(r, growing[0]["step"], "memory") for r in range(nproc)], resumed
     assert not job.events("waiting_for_replacement")
     assert f"on {nproc - 1} of {nproc} ranks" in job.output()

@@ -44,6 +44,24 @@ def test_round_trip_and_the_two_newest_steps_are_kept(tmp_path: Path) -> None:
     tier.close()
 
 
+def test_images_left_for_a_grow_are_seen_only_by_the_grow(tmp_path: Path) -> None:
+    """FSDP2 survivors leave their shards of the step reached as "stretch" images (recovery/in_loop/sharded_stretch):
+    a restore of the job (its own slots, or another world size's) never takes them, so one left behind by a grow
+    that failed cannot pass for a snapshot of the job; the grow reads them as one of 1 rank's images."""
+    from stalwart.checkpoint.tiers.memory_shards import MemoryImages, holdings
+
+    MemoryTier(tmp_path, rank=0, world_size=2, local_rank=0).snapshot(5, _state(5))
+    MemoryTier(tmp_path, rank=0, world_size=1, local_rank=0, kind="stretch").snapshot(9, _state(9))
+    assert holdings(tmp_path, -1) == {(2, 5): {0: tmp_path / "local00000.slot0"}}
+    assert set(holdings(tmp_path, 2, "stretch")) == {(1, 9)}
+    assert MemoryTier(tmp_path, rank=0, world_size=1, local_rank=0).steps() == [], "not a snapshot of the job's"
+    assert MemoryTier(tmp_path, rank=0, world_size=2, local_rank=0).steps() == [5]
+    images = MemoryImages(tmp_path, 1, 9, kind="stretch")
+    assert torch.equal(images.state(0)["objects"]["m"]["w"], _state(9)["objects"]["m"]["w"])
+    with pytest.raises(CheckpointCorruptError):
+        MemoryImages(tmp_path, 1, 9)
+
+
 def test_another_rank_or_world_size_sees_nothing(tmp_path: Path) -> None:
     MemoryTier(tmp_path, rank=0, world_size=2).snapshot(5, _state(5))
     assert MemoryTier(tmp_path, rank=1, world_size=2).steps() == []

@@ -41,6 +41,8 @@ class ReshardPlan:
     transfers: tuple[tuple[int, int, int], ...]
     moved: int = 0
     """Old images some node lacks (each received in part by every rank of that node)."""
+    kind: str = "slot"
+    """The images' slot kind (checkpoint/tiers/memory_shards.holdings)."""
 
 
 def _node_key(directory: Path | None) -> int:
@@ -54,11 +56,13 @@ def _gather(comm: Comm, values: list[int]) -> list[list[int]]:
     return comm.all_gather_ints(values + [0] * (longest - len(values)))
 
 
-def survey(comm: Comm, directory: Path | None, world_size: int, newest_durable: int) -> ReshardPlan | None:
+def survey(
+    comm: Comm, directory: Path | None, world_size: int, newest_durable: int, kind: str = "slot"
+) -> ReshardPlan | None:
     """The newest (old world, step) whose every old rank's full image some node holds, if at least as new as
     `newest_durable` (rank 0's, -1 elsewhere: agreed here), and the transfers that give every node all of them.
     None when there is none. Collective: every rank calls it, with or without a memory tier (`directory`)."""
-    held = holdings(directory, world_size) if directory is not None else {}
+    held = holdings(directory, world_size, kind) if directory is not None else {}
     newest = sorted(held, key=lambda pair: (pair[1], pair[0]), reverse=True)[:_PAIRS]
     mine = [newest_durable, _node_key(directory), len(newest)]
     for old_world, step in newest:
@@ -85,7 +89,7 @@ def survey(comm: Comm, directory: Path | None, world_size: int, newest_durable: 
             lacking = [old for old in range(old_world) if old not in has]
             moved += len(lacking)
             transfers += [(rank, holders[old], old) for rank in ranks for old in lacking]
-        return ReshardPlan(old_world, step, tuple(transfers), moved)
+        return ReshardPlan(old_world, step, tuple(transfers), moved, kind)
     return None
 
 
@@ -125,14 +129,15 @@ def restore(
     problem, remote = "", {}
     for receiver, sender, old in plan.transfers:  # the heads of the images a receiver's node lacks
         if comm.rank == sender:
-            comm.send_bytes(head_of(directory, plan.world_size, plan.step, old) if directory else b"", receiver)
+            head = head_of(directory, plan.world_size, plan.step, old, plan.kind) if directory else b""
+            comm.send_bytes(head, receiver)
         elif comm.rank == receiver:
             remote[old] = comm.recv_bytes(sender)
     images, state, fetched = None, None, 0
     try:
         if directory is None:
             raise CheckpointCorruptError("this rank has no memory tier")
-        images = MemoryImages(directory, plan.world_size, plan.step, remote)
+        images = MemoryImages(directory, plan.world_size, plan.step, remote, plan.kind)
     except CheckpointCorruptError as exc:
         problem = str(exc)
     if plan.transfers:

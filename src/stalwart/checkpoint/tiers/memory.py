@@ -84,8 +84,9 @@ class MemoryTier(MemoryReader):
         side_copy: SideCopy | None = None,
         *,
         copy_wait_s: float = COPY_WAIT_S,
+        kind: str = "slot",
     ) -> None:
-        super().__init__(Path(directory), rank, world_size, local_rank, local_world_size)
+        super().__init__(Path(directory), rank, world_size, local_rank, local_world_size, kind)
         self.copy_wait_s = copy_wait_s
         self._tocs = TocCache()
         # snapshot_light's reused part: (live data pointers, replicated skeleton or None, live id -> dtype, shape)

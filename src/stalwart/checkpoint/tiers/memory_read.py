@@ -32,8 +32,10 @@ class MemoryReader(SlotFiles):
     """This rank's snapshots read back from its slots (and its local peers'); the base of MemoryTier, which
     writes them."""
 
-    def __init__(self, directory: Path, rank: int, world_size: int, local_rank: int, local_world_size: int) -> None:
-        super().__init__(directory, rank, world_size, local_rank)
+    def __init__(
+        self, directory: Path, rank: int, world_size: int, local_rank: int, local_world_size: int, kind: str = "slot"
+    ) -> None:
+        super().__init__(directory, rank, world_size, local_rank, kind)
         self.local_world_size = max(1, local_world_size)
 
     def steps(self, *, light: bool = False) -> list[int]:

@@ -67,11 +67,12 @@ def _header(path: Path) -> SlotHeader | None:
     return header if header is not None and header.valid == 1 else None
 
 
-def holdings(directory: Path, world_size: int) -> dict[tuple[int, int], dict[int, Path]]:
+def holdings(directory: Path, world_size: int, kind: str = "slot") -> dict[tuple[int, int], dict[int, Path]]:
     """(old world size, step) -> {old rank: its slot file} of every whole full image of another world size than
-    `world_size` (-1: of any) that this node's memory holds (its own slots and ward slots)."""
+    `world_size` (-1: of any) that this node's memory holds (its own slots and ward slots; of `kind`: "stretch", the
+    images FSDP2 survivors leave at a grow, slot_files.py)."""
     held: dict[tuple[int, int], dict[int, Path]] = {}
-    for path in _slot_files(directory):
+    for path in _slot_files(directory, kind):
         h = _header(path)
         if h is not None and h.world_size != world_size and 0 <= h.rank < h.world_size:
             held.setdefault((h.world_size, h.step), {}).setdefault(h.rank, path)
@@ -119,10 +120,10 @@ Part = tuple[int, int, int]
 """(old rank, first byte in its image's data, bytes): a part of an image another node holds."""
 
 
-def head_of(directory: Path, world_size: int, step: int, rank: int) -> bytes:
+def head_of(directory: Path, world_size: int, step: int, rank: int, kind: str = "slot") -> bytes:
     """The head of old rank `rank`'s full image of `step` (its header and table of contents, no data): what a node
     lacking the image needs to know which parts of it to fetch; empty if this node holds it no longer."""
-    path = holdings(directory, -1).get((world_size, step), {}).get(rank)
+    path = holdings(directory, -1, kind).get((world_size, step), {}).get(rank)
     h = _header(path) if path is not None else None
     if path is None or h is None:
         return b""
@@ -137,9 +138,16 @@ class MemoryImages:
     rank fetched (recovery/memory_reshard.py). With `recording` set (a list), a read of such a part is only noted
     there (what to fetch) and leaves its tensor as it is."""
 
-    def __init__(self, directory: Path, world_size: int, step: int, remote: dict[int, bytes] | None = None) -> None:
-        """`world_size`: the old world's; `remote`: old rank -> the head of its image, for images this node lacks.
-        Raises CheckpointCorruptError if an old rank's image is not whole."""
+    def __init__(
+        self,
+        directory: Path,
+        world_size: int,
+        step: int,
+        remote: dict[int, bytes] | None = None,
+        kind: str = "slot",
+    ) -> None:
+        """`world_size`: the old world's; `remote`: old rank -> the head of its image, for images this node lacks;
+        `kind`: as `holdings`'. Raises CheckpointCorruptError if an old rank's image is not whole."""
         self.step, self.world_size = step, world_size
         self.bytes = 0
         """Bytes of tensors read so far."""
@@ -151,7 +159,7 @@ class MemoryImages:
             if h is None or (h.valid, h.world_size, h.step, h.rank) != (1, world_size, step, rank):
                 raise CheckpointCorruptError(f"the memory snapshot of rank {rank} at step {step} did not arrive whole")
             self._images[rank] = self._parsed(None, h, head[HEADER_BYTES : HEADER_BYTES + h.toc_len])
-        for path in _slot_files(directory):
+        for path in _slot_files(directory, kind):
             h = _header(path)
             if h is None or (h.world_size, h.step) != (world_size, step) or h.rank in self._images:
                 continue

@@ -16,12 +16,14 @@ from stalwart.checkpoint.tiers.slot import Slot, SlotHeader, read_image, whole_i
 class SlotFiles:
     """This rank's own slots and its ward slots; the base of MemoryReader and so of MemoryTier."""
 
-    def __init__(self, directory: Path, rank: int, world_size: int, local_rank: int) -> None:
+    def __init__(self, directory: Path, rank: int, world_size: int, local_rank: int, kind: str = "slot") -> None:
+        """`kind`: the full snapshots' file kind; "stretch" for the images FSDP2 survivors leave for the whole job
+        at a grow (recovery/in_loop/sharded_stretch.py), which no other restore reads."""
         self.directory = directory
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
-        self._slots = [Slot(self._slot_path(local_rank, i)) for i in (0, 1)]
+        self._slots = [Slot(self._slot_path(local_rank, i, kind)) for i in (0, 1)]
         self._light = [Slot(self._slot_path(local_rank, i, "light")) for i in (0, 1)]
 
     def _slot_path(self, local_rank: int, index: int, kind: str = "slot") -> Path:

@@ -67,7 +67,9 @@ def recover(
     shards = bool(sharded.meshes_of(job.tracked.objects.values()))
     # Sharded with a loader: the survivors' slices grow (sharded_stretch), so the global batch must divide among
     # them, not W' divide W; any W' then, as with the script's own data.
-    any_size = own_data or (shards and sharded_stretch.loader_divides(loader, shrink.kept_ranks()))
+    any_size = own_data or (
+        shards and sharded_stretch.loaders_divide(job.tracked.objects.values(), shrink.kept_ranks())
+    )
     plan = shrink.plan(now.rank, now.world_size, own_data=any_size) if same_world else None
     if plan is not None and shards:
         plan = dataclasses.replace(plan, own_data=own_data, sharded=True)

@@ -105,8 +105,7 @@ def grow(job: LoopJob, capture_rng: Callable[[], dict[str, Any]]) -> bool:
     own_parts: str | None = None
     restored: Restored | None
     if shards:  # the survivors' shards of the step they reached, from their snapshot in node memory
-        restored = sharded_stretch.grow(job, plan, capture_rng)
-        own_parts = "a survivor's, with its predecessor's generators" if job.rank in plan.receivers else "its own"
+        restored, own_parts = sharded_stretch.grow(job, plan, capture_rng)
     else:
         restored = job.parts.restorer.hand_over(
             plan.step, plan.source, plan.receivers, lambda: job.tracked.state(plan.step)
@@ -115,6 +114,8 @@ def grow(job: LoopJob, capture_rng: Callable[[], dict[str, Any]]) -> bool:
             own_parts = _take_own_parts(job, restored.state, plan.step, capture_rng)
     if restored is not None:
         job.load_restored(restored)
+    if shards:
+        sharded_stretch.forget(job)  # after every rank's load: they read the survivors' images
     job.move_to(plan.step)
     job.resumed_from = plan.step
     survivor.drop_stash()

@@ -25,6 +25,7 @@ survivors wait for the replacement, as before.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
@@ -58,16 +59,22 @@ def why_not(objects: Iterable[Any], world_size: int, survivors: int) -> str | No
     why = torch_compat_fsdp.why_not(objects, world_size, survivors)
     if why is not None:
         return f"its FSDP2 modules cannot be sharded again in place ({why})"
+    if any(isinstance(o, ResumableLoader) and o.batch_size_per_rank is not None for o in objects):
+        return (
+            "its ResumableLoader's global batch scales with the world (batch_size_per_rank): fewer ranks cannot keep it"
+        )
     return None
 
 
-def loader_divides(loader: Any, kept: tuple[int, ...] | None) -> bool:
-    """Whether `loader`, a ResumableLoader, can give each of the `kept` survivors a slice of every global batch
-    (its global batch divides among them)."""
-    if not isinstance(loader, ResumableLoader) or not kept:
+def loaders_divide(objects: Iterable[Any], kept: tuple[int, ...] | None) -> bool:
+    """Whether every tracked ResumableLoader among `objects` can give each of the `kept` survivors a slice of every
+    global batch (its global batch divides among them); False without one."""
+    loaders = [o for o in objects if isinstance(o, ResumableLoader)]
+    if not loaders or not kept:
         return False
     try:
-        loader.check_world(len(kept))
+        for loader in loaders:
+            loader.check_world(len(kept))
     except ConfigError:
         return False
     return True
@@ -85,10 +92,17 @@ def _comm(job: LoopJob, plan: shrink.Plan) -> Comm:
     return Comm(survivors, timedelta(seconds=job.config.collective_timeout_s))
 
 
+def _all_ok(plan: shrink.Plan, ok: bool) -> bool:
+    """Whether every survivor says `ok` (one all-reduce on their group): a step that can fail on one survivor alone
+    is agreed on, so none is left waiting in a collective the others never enter."""
+    (failed,) = shrink.agree(plan, not ok)
+    return not failed
+
+
 def shard_among_survivors(job: LoopJob, plan: shrink.Plan) -> str | None:
     """Step 1 of the module docstring, on every survivor together once their group formed. Returns why not (nothing
-    changed: the survivors wait for the replacement instead), None once done. A failure after the modules began to
-    change raises NewWorldForShards: the script runs again."""
+    changed: the survivors wait for the replacement instead), None once done. Once the modules began to change, a
+    failure on any survivor raises NewWorldForShards on every one: the script runs again."""
     objects = dict(job.tracked.objects)
     why = why_not(objects.values(), plan.world_size, plan.size)
     if why is not None:
@@ -96,23 +110,30 @@ def shard_among_survivors(job: LoopJob, plan: shrink.Plan) -> str | None:
     here = Placement.from_env()
     events = EventLog.from_env(rank=here.rank, restart=here.restart_count)  # the job's own closed as it left
     comm = _comm(job, plan)
+    again = "sharding the FSDP2 modules again among the survivors failed ({}); running the script again"
     try:
         directory = _directory(job)
         found = memory_reshard.survey(comm, directory, plan.size, -1)
         if found is None or found.world_size != plan.world_size:
             return f"node memory holds no step of which every one of the {plan.world_size} ranks' images is whole"
-        again = "sharding the FSDP2 modules again among the survivors failed ({}); running the script again"
-        modules, seconds = reshard_in_place(objects, plan.world_size, lambda why: NewWorldForShards(again.format(why)))
-        meshes = job.tracked.meshes()
-        restored = memory_reshard.restore(comm, events, directory, found, meshes, allowed=True, old_rank=plan.rank)
+        problem = ""
+        try:
+            modules, seconds = reshard_in_place(objects, plan.world_size, lambda why: NewWorldForShards(why))
+        except NewWorldForShards as exc:
+            problem, modules, seconds = str(exc), 0, 0.0
+        if not _all_ok(plan, not problem):
+            raise NewWorldForShards(again.format(problem or "on another survivor"))
+        restored = memory_reshard.restore(
+            comm, events, directory, found, job.tracked.meshes(), allowed=True, old_rank=plan.rank
+        )
         if restored is None:
-            unread = f"node memory's step {found.step} could not be read whole"
-            raise NewWorldForShards(f"{unread}; running the script again")
+            raise NewWorldForShards(again.format(f"node memory's step {found.step} could not be read whole"))
         try:
             job.tracked.load(restored)  # of the job's W ranks: its own generators and per-rank objects, resharded
         except Exception as exc:
-            raise NewWorldForShards(f"loading step {found.step} onto the survivors' shards failed: {exc}") from exc
-        survivor.drop_stash()  # the live tensors are the survivors' shards now, not the failed step's
+            problem = f"loading step {found.step} onto the survivors' shards: {first_line(exc)}"
+        if not _all_ok(plan, not problem):
+            raise NewWorldForShards(again.format(problem or "on another survivor"))
         if found.step != job.step:
             back = "the newest step of which node memory holds every rank's shards"
             events.emit("went_back", step=found.step, failed_at=job.step, why=back)
@@ -124,9 +145,14 @@ def shard_among_survivors(job: LoopJob, plan: shrink.Plan) -> str | None:
             modules=modules,
             seconds=seconds,
         )
+    except NewWorldForShards:
+        raise
+    except Exception as exc:  # a collective failed: a survivor died meanwhile
+        raise NewWorldForShards(again.format(f"a survivor was lost: {first_line(exc)}")) from exc
     finally:
         comm.close()
         events.close()
+    survivor.drop_stash()  # the live tensors are the survivors' shards now, not the failed step's
     job.move_to(found.step)
     for obj in objects.values():  # each global batch kept whole: the survivor's slice of W' ranks
         if isinstance(obj, ResumableLoader):
@@ -134,35 +160,46 @@ def shard_among_survivors(job: LoopJob, plan: shrink.Plan) -> str | None:
     return None
 
 
+STRETCH = "stretch"
+"""The slot kind of the images survivors leave at the grow (checkpoint/tiers/slot_files.py): no other restore reads
+them, so an image left behind by a grow that failed never passes for a snapshot of the job."""
+
+
 def leave_snapshot(job: LoopJob, plan: shrink.Plan) -> None:
     """Step 3's first half: this survivor's state of the step reached, as a snapshot of W' ranks in its node-memory
-    slot (the older of its two), then a wait for every survivor's: the whole job reads them all next. A tracked
+    stretch slot, then agreed: the whole job reads them all next. A write that failed on any survivor raises
+    ShrunkFailed on every one (their host runs the script again, from the last snapshot). A tracked
     ResumableLoader is bound to this rank of the whole job again."""
-    directory = _directory(job)
-    if directory is not None:
+    directory, problem = _directory(job), ""
+    if directory is None:
+        problem = "no node memory"
+    else:
         here = job.placement
-        tier = MemoryTier(directory, plan.shrunk_rank, plan.size, here.local_rank, plan.size)
+        tier = MemoryTier(directory, plan.shrunk_rank, plan.size, here.local_rank, plan.size, kind=STRETCH)
         try:
             state = job.tracked.state(job.step)
             state["world_size"] = plan.size
             tier.snapshot(job.step, state)
+        except Exception as exc:  # /dev/shm full, a state that does not serialise
+            problem = first_line(exc)
         finally:
             tier.close()
-    shrink.agree(plan, True)  # every survivor's image is whole before any rank of the whole job reads it
+    if not _all_ok(plan, not problem):  # every survivor's image is whole before any rank of the whole job reads it
+        raise shrink.ShrunkFailed(f"a survivor could not leave its shards of step {job.step} in node memory: {problem}")
     for obj in job.tracked.objects.values():
         if isinstance(obj, ResumableLoader):
             obj.rebind(plan.rank, plan.world_size)
 
 
-def grow(job: LoopJob, plan: Grow, capture_rng: Callable[[], dict[str, Any]]) -> Restored:
+def grow(job: LoopJob, plan: Grow, capture_rng: Callable[[], dict[str, Any]]) -> tuple[Restored, str]:
     """Step 3's second half, on every rank of the whole job in its restore: the survivors' snapshot of the step they
-    reached, resharded onto this rank's shards. A survivor keeps its own per-rank objects (its image's) and its
-    generators as they are; a replacement takes the per-rank objects of a survivor's image and its predecessor's
-    generators from node memory (its own where none is there). CheckpointCorruptError when the images are not there
-    whole: no rank holds the state of that step otherwise."""
+    reached, resharded onto this rank's shards, and where its per-rank objects came from. A survivor keeps its own
+    per-rank objects (its image's) and its generators as they are; a replacement takes its predecessor's per-rank
+    objects and generators from node memory (`_predecessors_parts`). CheckpointCorruptError when the images are not
+    there whole: no rank holds the state of that step otherwise. `forget` once it is loaded."""
     directory = _directory(job)
     kept = [r for r in range(job.world_size) if r not in plan.receivers]
-    found = memory_reshard.survey(job.comm, directory, job.world_size, -1)
+    found = memory_reshard.survey(job.comm, directory, job.world_size, -1, STRETCH)
     if found is None or (found.world_size, found.step) != (len(kept), plan.step):
         raise CheckpointCorruptError(
             f"node memory holds no whole snapshot of the {len(kept)} survivors at step {plan.step}, which their "
@@ -177,19 +214,32 @@ def grow(job: LoopJob, plan: Grow, capture_rng: Callable[[], dict[str, Any]]) ->
         raise CheckpointCorruptError(f"the survivors' snapshot of step {plan.step} could not be read whole")
     state = dict(restored.state)
     if own:
-        state["rng"] = capture_rng()
+        state["rng"], source = capture_rng(), "its own"
     else:
-        state = _predecessors_parts(job, state, plan.step, capture_rng)
-    return dataclasses.replace(restored, state=state, world_size=job.world_size)
+        state, source = _predecessors_parts(job, state, plan.step, capture_rng)
+    return dataclasses.replace(restored, state=state, world_size=job.world_size), source
+
+
+def forget(job: LoopJob) -> None:
+    """Once every rank loaded the survivors' images (a barrier), each removes its node's stretch slots of its local
+    rank: they served their one grow."""
+    job.comm.barrier()
+    directory = _directory(job)
+    if directory is None:
+        return
+    for path in directory.glob(f"local{job.placement.local_rank:05d}.{STRETCH}*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _predecessors_parts(
     job: LoopJob, state: dict[str, Any], step: int, capture_rng: Callable[[], dict[str, Any]]
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], str]:
     """`state` (a survivor's image) with the per-rank objects and generators the lost rank left in its newest full
     snapshot of at most `step` (this rank's slots in node memory): what it recorded until its failure (the samples it
-    saw) goes on from there. What steps with the job (`_steps_with_the_job`) and the replicated objects stay the
-    survivors'. Without such a snapshot: the survivor's objects, this process's own generators."""
+    saw, its own sampler) goes on from there. What steps with the job (`_steps_with_the_job`) and the replicated
+    objects stay the survivors'. Without such a snapshot: the survivor's objects, this process's own generators.
+    Returns the state and where its per-rank parts came from."""
     memory = job.parts.snapshots.memory
     for older in [s for s in memory.steps() if s <= step] if memory is not None else []:
         try:
@@ -199,7 +249,7 @@ def _predecessors_parts(
         except Exception:
             continue
     else:
-        return {**state, "rng": capture_rng()}
+        return {**state, "rng": capture_rng()}, "a survivor's, with this process's own generators: none in node memory"
     objects = dict(state["objects"])
     for name, obj in job.tracked.objects.items():
         if not _steps_with_the_job(obj) and name not in job.tracked.replicated and name in theirs["objects"]:
@@ -207,17 +257,18 @@ def _predecessors_parts(
     mine = {**state, "objects": objects, "rng": theirs["rng"]}
     if "detectors" in theirs:
         mine["detectors"] = theirs["detectors"]
-    return mine
+    return mine, f"its predecessor's full snapshot of step {older}"
 
 
 def _steps_with_the_job(obj: Any) -> bool:
     """Whether `obj`'s state is the job's, whichever rank holds it: shards (modules, optimizers, anything holding
-    DTensors), a learning-rate scheduler (it steps with the optimizers, the same on every rank), a ResumableLoader
-    (its position is global). A replacement takes these from the survivors' images, not from its predecessor's
-    older snapshot."""
+    DTensors), a learning-rate scheduler (it steps with the optimizers, the same on every rank), a grad scaler (one
+    loss scale), a ResumableLoader (its position is global). A replacement takes these from the survivors' images,
+    not from its predecessor's older snapshot."""
+    from torch.amp import GradScaler  # FSDP's ShardedGradScaler too: one loss scale for the whole job
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-    kinds = (torch.nn.Module, torch.optim.Optimizer, LRScheduler, ReduceLROnPlateau, ResumableLoader)
+    kinds = (torch.nn.Module, torch.optim.Optimizer, LRScheduler, ReduceLROnPlateau, ResumableLoader, GradScaler)
     return isinstance(obj, kinds) or bool(sharded.meshes_of([obj]))
 
 

@@ -8,6 +8,7 @@ the whole job.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -183,7 +184,10 @@ def _rearm(job: LoopJob, plan: shrink.Plan, asked: shrink.Asked, events: EventLo
     survivor.rearm()
     asked.asked = False
     now = Placement.from_env()
-    again = shrink.plan(now.rank, now.world_size, own_data=plan.own_data)
+    # Any survivors' size where the first plan allowed it (own data, or sharded state whose slices grow).
+    again = shrink.plan(now.rank, now.world_size, own_data=plan.own_data or plan.sharded)
+    if again is not None:
+        again = dataclasses.replace(again, own_data=plan.own_data, sharded=plan.sharded)
     if again is None or again.kept != plan.kept or again.world_size != plan.world_size:
         raise shrink.ShrunkFailed(
             f"the next round keeps other ranks ({again.kept if again else 'none'}) than "
