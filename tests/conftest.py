@@ -33,9 +33,10 @@ def child_env(**extra: str) -> dict[str, str]:
     # The tests compare runs with failures bitwise to runs without: survivors wait for the replacement. Training on
     # shrunk meanwhile (the default) has its own tests (tests/test_shrink.py), which set it to 0.
     env["STALWART_WAIT_FOR_REPLACEMENT"] = "1"
-    # The tests' jobs run on the CPU: a GPU machine's NVML (the telemetry default) must not change them (warm spares
-    # turn off on a node with GPUs). Tests of the telemetry give a scripted provider.
+    # The tests' jobs run on the CPU: a GPU machine's GPUs must not change them (warm spares turn off on a node with
+    # GPUs). Tests of the telemetry give a scripted provider.
     env["STALWART_GPU_TELEMETRY"] = "off"
+    env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra)
     return env
 

@@ -120,6 +120,20 @@ def test_warm_spares_without_what_they_need_is_one_line(launch: Any, flags: tupl
     assert len(lines) == 1 and "--warm-spares" in lines[0], lines
 
 
+def test_gpus_are_counted_with_telemetry_off_too(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turning GPU telemetry off must not hide the node's GPUs from the warm spares' check: their device files
+    count then; CUDA_VISIBLE_DEVICES set empty (a CPU job on a GPU machine) counts none."""
+    from stalwart.supervisor.gpu_watch import visible_gpus
+
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / name).touch()
+    monkeypatch.setenv("STALWART_GPU_TELEMETRY", "off")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpus(tmp_path) == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus(tmp_path) == 0
+
+
 def test_on_a_node_with_gpus_warm_spares_are_off_in_one_line_and_spares_stay_hot(launch: Any, tmp_path: Any) -> None:
     """A warm spare runs the set-up as the node's last local rank: on GPUs its model would sit on that training
     rank's GPU. The node's GPUs as the telemetry provider counts them (a scripted one here) turn warming off."""

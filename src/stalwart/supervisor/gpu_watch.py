@@ -17,9 +17,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from stalwart.detect.gpu import ACTIONS, REPORT, RESTART_PROCESS, GpuMonitor
-from stalwart.detect.gpu_providers import GpuProvider, provider_from_env
+from stalwart.detect.gpu_providers import GpuProvider, ScriptedProvider, provider_from_env
 from stalwart.errors import ConfigError
 from stalwart.runtime.env import GPU_POLL_ENV
 from stalwart.telemetry.events import EventLog
@@ -78,18 +79,23 @@ def is_restart(action: str) -> bool:
     return action == RESTART_PROCESS
 
 
-def visible_gpus() -> int:
-    """The GPUs this node's workers can use, as the telemetry provider counts them (NVML, or the tests' scripted
-    one; 0 with none, or with CUDA_VISIBLE_DEVICES set empty or to -1, as a CPU job on a GPU machine sets it)."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return 0
+def visible_gpus(dev: Path = Path("/dev")) -> int:
+    """The GPUs this node's workers can use: as a scripted telemetry provider says (the tests'); none with
+    CUDA_VISIBLE_DEVICES set empty or to -1 (a CPU job on a GPU machine); else as NVML counts them, or where it does
+    not load or telemetry is off, the NVIDIA device files in `dev` (so that turning telemetry off does not hide
+    them)."""
     provider = provider_from_env()
-    if provider is None:
-        return 0
     try:
-        return provider.device_count()
+        if isinstance(provider, ScriptedProvider):
+            return provider.device_count()
+        if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+            return 0
+        if provider is not None:
+            return provider.device_count()
     finally:
-        provider.close()
+        if provider is not None:
+            provider.close()
+    return len([p for p in dev.glob("nvidia[0-9]*") if p.name[len("nvidia") :].isdigit()])
 
 
 def warm_spares_off_for_gpus(events: EventLog, say: Callable[[str], object]) -> bool:
