@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, run on a lent device machine (docs/benchmarks.md records what they printed).
 # Usage, from the repository root there: bash scripts/gpu_checks.sh [what...]; results go to $OUT (default ./gpu-out).
-# what: info nvml preflight run overhead checkpoint overlap first_save sync group restore live reshard inplace (default: all). Wheels missing there travel in .whl/.
+# what: info nvml preflight run overhead checkpoint overlap first_save sync group restore live reshard inplace stretch (default: all). Wheels missing there travel in .whl/.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -10,7 +10,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1
 PY=python3
-what=${*:-info nvml preflight run overhead checkpoint overlap first_save sync group restore live reshard inplace}
+what=${*:-info nvml preflight run overhead checkpoint overlap first_save sync group restore live reshard inplace stretch}
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
 for w in $what; do
 case $w in
@@ -90,5 +90,8 @@ inplace)
     step "FSDP2 modules on GPU 0 sharded again in place on a new NCCL group; expect loaded_equal, trained, device cuda:0"
     d=$(mktemp -d); timeout 120 $PY tests/scripts/torch_compat_child.py reshard "$d" cuda | tee "$OUT/inplace.json"
     echo "exit $?"; rm -rf "$d" ;;
+stretch)
+    step "FSDP2 survivors training on shrunk: 2 ranks on GPU 0, one killed; expect shrunk 2 -> 1 -> 2, within 1e-5"
+    PY=$PY timeout 400 bash tests/scripts/gpu_stretch.sh | tee "$OUT/stretch.json"; echo "exit $?" ;;
 esac
 done
