@@ -11,11 +11,14 @@ holds it sends the parts wanted: recovery/memory_reshard.py), so the survivors c
    it (`shard_among_survivors`); a tracked ResumableLoader takes the survivor's slice of W' (each global batch kept
    whole: the slices grow);
 2. they train on so (recovery/in_loop/shrunk.py);
-3. at the grow each writes its shards of the step reached into its node-memory slot as a snapshot of W' ranks
-   (`leave_snapshot`), and the whole job re-forms: the survivors shard in place again for W
-   (recovery/in_loop/driver.py), and every rank, the replacement too, loads that step from the survivors' images
-   (`grow`), its per-rank objects its own: a survivor's from its image, the replacement's generators from its
-   predecessor's newest snapshot.
+3. at the grow each writes its shards of the step reached into node memory as a snapshot of W' ranks, in slots of
+   their own kind that no other restore reads (`leave_snapshot`), and the whole job re-forms: the survivors shard in
+   place again for W (recovery/in_loop/driver.py), and every rank, the replacement too, loads that step from the
+   survivors' images (`grow`), its per-rank objects its own: a survivor's from its image, the replacement's (and
+   its generators) from its predecessor's newest snapshot; then the images are removed (`forget`).
+
+A step that can fail on one survivor alone (the in-place reshard, the load, the write) is agreed on, so none is
+left waiting in a collective the others never enter.
 
 The learning rate is left as it is (the global batch is kept, or, with the script's own data, the survivors' is
 smaller for those steps, as with DDP). Where the modules cannot be sharded again in place (runtime/torch_compat_fsdp
