@@ -440,6 +440,28 @@ def test_a_mirror_back_after_the_primary_pruned_what_it_missed_gets_the_newest(t
     assert len(_events(log, "mirror_unreachable")) == 1 and len(_events(log, "mirror_caught_up")) == 1
 
 
+def test_a_file_of_the_same_name_and_size_left_in_the_mirror_is_copied_again(tmp_path: Path) -> None:
+    """A save that failed over to the mirror and was then committed in the checkpoint directory (rank 0's shard
+    written again where the other ranks' were) leaves its files in the mirror; rank 0's meta file there has the
+    committed one's name and size but not its bytes. The mirror's copy of that step does not take it as copied
+    (fc137, 2026-12-01: `mirror_unreachable`, the copy does not verify)."""
+    from stalwart.checkpoint.save.step_copy import copy_step
+
+    ck = open_checkpointer(tmp_path / "ck", tmp_path / "ck.jsonl")
+    assert ck.save(1, _state(1), wait=True)
+    ck.close()
+    src, dst = open_storage(tmp_path / "ck"), open_storage(tmp_path / "m")
+    layout.prepare_root(dst, create=True)
+    step_dir = layout.step_dir_name(1)
+    [meta] = [p for p in (tmp_path / "ck" / step_dir).iterdir() if p.name.endswith(".meta.json")]
+    left = tmp_path / "m" / step_dir / meta.name
+    left.parent.mkdir(parents=True)
+    left.write_bytes(bytes(b ^ 1 for b in meta.read_bytes()))  # same name and size, other bytes
+    copy = copy_step(src, dst, 1)
+    assert not copy.problem, copy.problem
+    assert left.read_bytes() == meta.read_bytes() and _committed(tmp_path / "m") == [1]
+
+
 def test_a_copy_whose_step_the_primary_pruned_meanwhile_is_no_outage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -468,6 +490,13 @@ def test_a_copy_whose_step_the_primary_pruned_meanwhile_is_no_outage(
     monkeypatch.setattr(mirroring, "copy_step", pruned_meanwhile)
     assert mirrors._copy(mirror, primary, 1, time.monotonic(), 2) is None
     assert not _events(log, "mirrored"), "nothing was copied"
+
+    class Down:
+        def exists(self, rel: str) -> bool:
+            raise OSError("connection refused")
+
+    # The copy's source stopped answering: its outage, not the mirror's (fc137's run of the S3 test, 2026-12-01).
+    assert not mirroring._still_committed(Down(), 1)  # type: ignore[arg-type]
 
 
 def test_stalwart_run_mirror_keeps_a_scripts_checkpoints_there(launch: Any) -> None:

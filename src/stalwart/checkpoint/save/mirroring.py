@@ -169,7 +169,9 @@ class Mirrors:
                 layout.prune(mirror.storage, keep_last, layout.read_manifest(mirror.storage, step))
         except Exception as exc:
             if not _still_committed(primary, step):
-                return None  # pruned (or set aside) at the primary while it was copied: superseded, no outage
+                # Pruned (or set aside) at the primary while it was copied: superseded. Or the primary, the copy's
+                # source, stopped answering: its outage, not this location's (saves fail over and say so).
+                return None
             return describe_error(exc)
         now = time.monotonic()
         if mirror.down_since is not None:
@@ -189,9 +191,11 @@ class Mirrors:
 
 
 def _still_committed(primary: Storage, step: int) -> bool:
-    """Whether `step` is still committed at the primary: a copy that failed because the primary's retention removed
-    the step meanwhile (keep_last, while an older step was still being copied) failed for nothing."""
+    """Whether `step` is still committed at the primary and the primary answers: a copy that failed because the
+    primary's retention removed the step meanwhile (keep_last, while an older step was still being copied) failed
+    for nothing, and one whose source stopped answering failed for the source's outage (fc137's run of the S3 test,
+    2026-12-01: the copy's error named the primary, the event the mirror)."""
     try:
         return primary.exists(f"{layout.step_dir_name(step)}/{layout.MANIFEST}")
-    except Exception:  # the primary itself does not answer: the copy's error stands
-        return True
+    except Exception:  # the primary itself does not answer
+        return False

@@ -2,11 +2,12 @@
 
 Used by `stalwart ckpt sync` (tools/sync.py) and by rank 0's persister for a job's mirrors (mirroring.py). The
 step's files go first (every rank's meta file and every data file its tensors are in, a delta's base files among
-them), each skipped when the destination already holds it whole (files are never rewritten in place: a repeated
-save writes under a new token, so the same name and size is the same file); then the copy is verified where it
-landed against the source's manifest (each meta file's size, xxh3 and format, each tensor's xxh3), and the manifest is
-written last: its presence commits the step there. A copy that does not verify is not committed (a destination's
-earlier manifest of the step stays as it was). Imports no torch: the persister process uses it.
+them), each skipped when the destination already holds one of that name and size (a repeated save writes under a new
+token, so that is almost always the same file); then the copy is verified where it landed against the source's
+manifest (each meta file's size, xxh3 and format, each tensor's xxh3), every file copied again where a skipped one
+is not the source's, and the manifest is written last: its presence commits the step there. A copy that does not
+verify is not committed (a destination's earlier manifest of the step stays as it was). Imports no torch: the
+persister process uses it.
 """
 
 from __future__ import annotations
@@ -52,12 +53,16 @@ def copy_step(src: Storage, dst: Storage, step: int, *, verify_existing: bool = 
     except (UnicodeDecodeError, CheckpointCorruptError, CheckpointMismatchError) as exc:
         return StepCopy(step, 0, 0, 0.0, False, f"the source's manifest cannot be read ({exc})")
     same_manifest = dst.exists(rel) and dst.read(rel) == text
-    files, nbytes = _copy_files(src, dst, files_of(manifest), whole=False)
+    names = files_of(manifest)
+    files, nbytes = _copy_files(src, dst, names, whole=False)
     problems = verify_copy(dst, manifest) if files or not same_manifest or verify_existing else []
     if same_manifest and files == 0 and not problems:
         return StepCopy(step, 0, 0, time.monotonic() - started, True)
-    if same_manifest and files == 0:  # there, but damaged: every file copied again
-        files, nbytes = _copy_files(src, dst, files_of(manifest), whole=True)
+    if problems and files < len(names):
+        # A file taken as there already (same name and size) is not the source's: damaged in place, or left there by
+        # a save that failed over to this location and was then committed elsewhere (rank 0's meta file, written
+        # again where the other ranks' shards were: persister.py). Every file is copied again.
+        files, nbytes = _copy_files(src, dst, names, whole=True)
         problems = verify_copy(dst, manifest)
     if problems:
         more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
