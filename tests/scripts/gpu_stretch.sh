@@ -12,12 +12,9 @@ trap 'rm -rf "$dir"' EXIT
 export CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 STALWART_WAIT_FOR_REPLACEMENT=0
 # DEVICE_FLAG= (empty) runs the same on the CPU: a dry run of this script where no GPU is.
 args=(tests/scripts/train_tiny.py ${DEVICE_FLAG---cuda} --fsdp --no-randomness --steps 24 --step-sleep 0.05)
-(cd "$dir" && mkdir ref kill)
-(cd "$dir/ref" && timeout 180 $PY -m stalwart run --nproc-per-node 2 --event-log events.jsonl \
-    "$OLDPWD/${args[0]}" --ckpt ckpt --out out "${args[@]:1}" > output.log 2>&1) || { tail -30 "$dir/ref/output.log"; exit 1; }
-(cd "$dir/kill" && timeout 180 $PY -m stalwart run --nproc-per-node 2 --event-log events.jsonl "$OLDPWD/${args[0]}" \
-    --ckpt ckpt --out out "${args[@]:1}" --setup-s 2 --die-at 13:forward > output.log 2>&1) \
-    || { tail -30 "$dir/kill/output.log"; exit 1; }
+source "$(dirname "$0")/gpu_runs.sh"
+run ref
+run kill --setup-s 2 --die-at 13:forward
 $PY - "$dir" <<'PY'
 import json, sys
 from pathlib import Path

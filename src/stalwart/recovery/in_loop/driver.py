@@ -100,14 +100,13 @@ def recover(
         drawn_at, drawn = batch
         own = itertools.chain([drawn], iterator) if iterator is not None and drawn_at == job.step else iterator
         yield from shrunk.train_own(job, own, plan, max_steps, failed_at, started)
-    elif shards:  # the loader's slices of W' ranks (sharded_stretch): one loop body a step, the global batch kept
-        assert isinstance(loader, ResumableLoader)
-        own = None
-        yield from shrunk.train_own(job, iter(loader), plan, max_steps, failed_at, started)
     else:
         assert isinstance(loader, ResumableLoader)
         own = None
-        yield from shrunk.train(job, loader, plan, max_steps, failed_at, started)
+        if shards:  # the loader's slices of W' ranks (sharded_stretch): one loop body a step, the global batch kept
+            yield from shrunk.train_own(job, iter(loader), plan, max_steps, failed_at, started)
+        else:
+            yield from shrunk.train(job, loader, plan, max_steps, failed_at, started)
     if shards:
         sharded_stretch.leave_snapshot(job, plan)
     reform.abort_process_groups()

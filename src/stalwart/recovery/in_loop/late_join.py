@@ -105,7 +105,11 @@ def grow(job: LoopJob, capture_rng: Callable[[], dict[str, Any]]) -> bool:
     own_parts: str | None = None
     restored: Restored | None
     if shards:  # the survivors' shards of the step they reached, from their snapshot in node memory
-        restored, own_parts = sharded_stretch.grow(job, plan, capture_rng)
+        restored = sharded_stretch.grow(job, plan, capture_rng)
+        if job.rank in plan.receivers:
+            own_parts = _take_own_parts(job, restored.state, plan.step, capture_rng, sharded_stretch.steps_with_the_job)
+        else:
+            own_parts = "its own"
     else:
         restored = job.parts.restorer.hand_over(
             plan.step, plan.source, plan.receivers, lambda: job.tracked.state(plan.step)
@@ -119,11 +123,12 @@ def grow(job: LoopJob, capture_rng: Callable[[], dict[str, Any]]) -> bool:
     job.move_to(plan.step)
     job.resumed_from = plan.step
     survivor.drop_stash()
+    tier = "memory" if shards else "peer"
     job.events.emit(
         "resumed",
         step=plan.step,
         source=f"{'the survivors in node memory' if shards else f'rank {plan.source}'} (the job grew back)",
-        tier="memory" if shards else "peer",
+        tier=tier,
         bytes=restored.bytes if restored is not None else 0,
         own_parts=own_parts,
         seconds=time.monotonic() - started,
@@ -138,7 +143,7 @@ def grow(job: LoopJob, capture_rng: Callable[[], dict[str, Any]]) -> bool:
         "world_resized",
         **{"from": job.world_size - len(plan.receivers), "to": job.world_size},
         why=f"rank(s) {list(plan.receivers)} joined",
-        tier="memory" if shards else "peer",
+        tier=tier,
         step=plan.step,
         seconds=round(time.monotonic() - started, 4),
     )
@@ -155,13 +160,21 @@ class _AnyTensor(dict[str, Any]):
         return torch.empty(0)
 
 
-def _take_own_parts(job: LoopJob, state: dict[str, Any], step: int, capture_rng: Callable[[], dict[str, Any]]) -> str:
+def _take_own_parts(
+    job: LoopJob,
+    state: dict[str, Any],
+    step: int,
+    capture_rng: Callable[[], dict[str, Any]],
+    stays: Callable[[Any], bool] = lambda obj: isinstance(obj, ResumableLoader),
+) -> str:
     """Into `state` (the survivor's), this rank's own per-rank objects, random generators and detector history
     from the newest snapshot its predecessor left in node memory (at most `step`): the survivors stood in for the
     missing rank while the job ran shrunk, so what the missing rank's own objects recorded until its failure
     (the samples it saw, its generators) goes on from there. Without one, the replacement keeps its own
-    generators and takes the survivor's per-rank objects. A ResumableLoader is the survivor's either way: its
-    position is global. Returns where they came from (the `resumed` event's `own_parts`)."""
+    generators and takes the survivor's per-rank objects. The replicated objects, and those `stays` names (a
+    ResumableLoader: its position is global; with sharded state everything that steps with the job,
+    sharded_stretch.steps_with_the_job), are the survivor's either way. Returns where they came from (the `resumed`
+    event's `own_parts`)."""
     own, source = None, "none in node memory"
     memory = job.parts.snapshots.memory
     if memory is not None:
@@ -183,8 +196,8 @@ def _take_own_parts(job: LoopJob, state: dict[str, Any], step: int, capture_rng:
         return f"the survivor's, with this process's own generators: {source}"
     objects = job.tracked.objects
     for name in state["objects"]:
-        # A ResumableLoader's position is global: the survivor's is the job's.
-        mine = name not in job.tracked.replicated and not isinstance(objects.get(name), ResumableLoader)
+        obj = objects.get(name)
+        mine = name not in job.tracked.replicated and not (obj is not None and stays(obj))
         if mine and name in own["objects"]:
             state["objects"][name] = own["objects"][name]
     state["rng"] = own["rng"]

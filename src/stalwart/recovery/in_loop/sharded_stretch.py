@@ -194,12 +194,13 @@ def leave_snapshot(job: LoopJob, plan: shrink.Plan) -> None:
             obj.rebind(plan.rank, plan.world_size)
 
 
-def grow(job: LoopJob, plan: Grow, capture_rng: Callable[[], dict[str, Any]]) -> tuple[Restored, str]:
+def grow(job: LoopJob, plan: Grow, capture_rng: Callable[[], dict[str, Any]]) -> Restored:
     """Step 3's second half, on every rank of the whole job in its restore: the survivors' snapshot of the step they
-    reached, resharded onto this rank's shards, and where its per-rank objects came from. A survivor keeps its own
-    per-rank objects (its image's) and its generators as they are; a replacement takes its predecessor's per-rank
-    objects and generators from node memory (`_predecessors_parts`). CheckpointCorruptError when the images are not
-    there whole: no rank holds the state of that step otherwise. `forget` once it is loaded."""
+    reached, resharded onto this rank's shards. A survivor keeps its own per-rank objects (its image's) and its
+    generators as they are; a replacement reads a survivor's, and takes its predecessor's per-rank objects and
+    generators from node memory afterwards (late_join._take_own_parts: all but what `steps_with_the_job` names).
+    CheckpointCorruptError when the images are not there whole: no rank holds the state of that step otherwise.
+    `forget` once it is loaded."""
     directory = _directory(job)
     kept = [r for r in range(job.world_size) if r not in plan.receivers]
     found = memory_reshard.survey(job.comm, directory, job.world_size, -1, STRETCH)
@@ -215,12 +216,8 @@ def grow(job: LoopJob, plan: Grow, capture_rng: Callable[[], dict[str, Any]]) ->
     )
     if restored is None:
         raise CheckpointCorruptError(f"the survivors' snapshot of step {plan.step} could not be read whole")
-    state = dict(restored.state)
-    if own:
-        state["rng"], source = capture_rng(), "its own"
-    else:
-        state, source = _predecessors_parts(job, state, plan.step, capture_rng)
-    return dataclasses.replace(restored, state=state, world_size=job.world_size), source
+    state = {**restored.state, "rng": capture_rng()} if own else restored.state
+    return dataclasses.replace(restored, state=state, world_size=job.world_size)
 
 
 def forget(job: LoopJob) -> None:
@@ -235,35 +232,7 @@ def forget(job: LoopJob) -> None:
             path.unlink()
 
 
-def _predecessors_parts(
-    job: LoopJob, state: dict[str, Any], step: int, capture_rng: Callable[[], dict[str, Any]]
-) -> tuple[dict[str, Any], str]:
-    """`state` (a survivor's image) with the per-rank objects and generators the lost rank left in its newest full
-    snapshot of at most `step` (this rank's slots in node memory): what it recorded until its failure (the samples it
-    saw, its own sampler) goes on from there. What steps with the job (`_steps_with_the_job`) and the replicated
-    objects stay the survivors'. Without such a snapshot: the survivor's objects, this process's own generators.
-    Returns the state and where its per-rank parts came from."""
-    memory = job.parts.snapshots.memory
-    for older in [s for s in memory.steps() if s <= step] if memory is not None else []:
-        try:
-            assert memory is not None
-            theirs = memory.load(older).state
-            break
-        except Exception:
-            continue
-    else:
-        return {**state, "rng": capture_rng()}, "a survivor's, with this process's own generators: none in node memory"
-    objects = dict(state["objects"])
-    for name, obj in job.tracked.objects.items():
-        if not _steps_with_the_job(obj) and name not in job.tracked.replicated and name in theirs["objects"]:
-            objects[name] = theirs["objects"][name]
-    mine = {**state, "objects": objects, "rng": theirs["rng"]}
-    if "detectors" in theirs:
-        mine["detectors"] = theirs["detectors"]
-    return mine, f"its predecessor's full snapshot of step {older}"
-
-
-def _steps_with_the_job(obj: Any) -> bool:
+def steps_with_the_job(obj: Any) -> bool:
     """Whether `obj`'s state is the job's, whichever rank holds it: shards (modules, optimizers, anything holding
     DTensors), a learning-rate scheduler (it steps with the optimizers, the same on every rank), a grad scaler (one
     loss scale), a ResumableLoader (its position is global). A replacement takes these from the survivors' images,
