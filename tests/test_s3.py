@@ -30,16 +30,19 @@ from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.storage import open_storage
 from stalwart.errors import ConfigError
 from stalwart.telemetry.events import read_events
+from tcp_front import Front
 
 
 class S3:
-    """A moto server on a loopback port chosen by the OS, and one empty bucket on it. The server can be
-    stopped and started again on the same port; moto keeps its buckets in this process, so they survive."""
+    """A moto server on a loopback port chosen by the OS, and one empty bucket on it, reached through a front door
+    (tcp_front.py) that `stop()` cuts as an outage does: new connections refused, open ones reset. `start()`
+    opens it again on the same port; the server behind it never stopped, so its buckets are as they were."""
 
     def __init__(self) -> None:
-        self.server: ThreadedMotoServer | None = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.server.start()
-        self.port = self.server.get_host_and_port()[1]
+        self.front: Front | None = Front(self.server.get_host_and_port()[1])
+        self.port = self.front.port
         self.bucket = f"stalwart-{uuid.uuid4().hex[:12]}"
         self.client().create_bucket(Bucket=self.bucket)
 
@@ -65,15 +68,19 @@ class S3:
         return sorted(o["Key"][len(prefix) + 1 :] for page in pages for o in page.get("Contents", []))
 
     def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+        """The outage: the store stops answering at once, on new connections and open ones alike."""
+        if self.front is not None:
+            self.front.cut()
+            self.front = None
 
     def start(self) -> None:
-        """A new server on the same port (the old one's listening socket is closed; SO_REUSEADDR is set)."""
-        assert self.server is None
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.server.start()
+        """The store answers again, on the same port."""
+        assert self.front is None
+        self.front = Front(self.server.get_host_and_port()[1], port=self.port)
+
+    def close(self) -> None:
+        self.stop()
+        self.server.stop()
 
 
 def aws_env(endpoint: str, home: Path) -> dict[str, str]:
@@ -107,7 +114,7 @@ def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3]:
     try:
         yield server
     finally:
-        server.stop()
+        server.close()
         werkzeug.setLevel(level)
 
 
@@ -190,9 +197,8 @@ def test_outage_during_persist_does_not_block_training_and_the_save_commits_afte
     ck = _checkpointer(s3.url("run"), log, persist_timeout_s=90)
     state = {"step": 7, "objects": {"m": {"w": torch.randn(1 << 20), "v": torch.randn(1 << 19)}}}  # 6 MiB
 
-    # The outage starts before the persist's first request, so every write of it meets a stopped server.
-    # (Stopping right after save() would race: werkzeug's shutdown polls every 0.5 s and serves requests
-    # that arrive meanwhile, so a fast persist could finish before the outage.)
+    # The outage starts before the persist's first request, so every write of it meets a stopped server (stopped
+    # right after save(), a fast persist could finish before the outage).
     s3.stop()
     started = time.monotonic()
     assert ck.save(7, state, wait=False) is True, "the snapshot is taken whatever the store's state"
@@ -401,7 +407,7 @@ def test_a_mirror_on_a_second_s3_server_gets_every_commit_with_its_lag(s3: S3, t
         storage = open_storage(other.url("run"), options)
         assert layout.committed_steps(storage)[0] == 6 and len(layout.committed_steps(storage)) <= 3
     finally:
-        other.stop()
+        other.close()
 
 
 @pytest.mark.timeout(300)
