@@ -13,6 +13,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -152,6 +153,7 @@ def main() -> None:
     )
     p.add_argument("--setup-log", default="", help="append this process's pid here each time the set-up runs")
     p.add_argument("--own-data", action="store_true", help="each rank draws its own batches in the loop (no loader)")
+    p.add_argument("--protocol", action="store_true", help="drive the job through job.loop()'s begin/end/failed")
     p.add_argument("--rank-from-env", action="store_true", help="read RANK in the set-up, as a sampler's rank is")
     p.add_argument("--die-at", default="", help="STEP:PHASE (forward, backward, before_optimizer): rank 1 of the "
                    "first round dies there, the user's code killing its own process")  # fmt: skip
@@ -250,8 +252,10 @@ def main() -> None:
     loss0 = _full_loss(model, args) if not args.fsdp else None
     if args.dump_dir and job.resume():
         _dump(model, optim, job, Path(args.dump_dir) / f"resumed-{job.step}.pt")
-    shrunk_at = None  # the step from which the job ran at fewer than --grow-to ranks
-    for step, drawn in job.steps(None if args.own_data else loader, max_steps=args.steps):
+    shrunk_at: int | None = None  # the step from which the job ran at fewer than --grow-to ranks
+
+    def train_step(step: int, drawn: Any) -> None:
+        nonlocal shrunk_at
         ids, x = _own(own, data) if args.own_data else drawn
         shrunk_at = None if job.world_size >= args.grow_to else step if shrunk_at is None else shrunk_at
         if shrunk_at is not None and step - shrunk_at == args.grow_wait_after:
@@ -262,7 +266,7 @@ def main() -> None:
             with job.busy():
                 _dump(model, optim, job, Path(args.dump_dir) / f"at-{step}.pt")
         if step == args.skip_batch:
-            continue
+            return
         seen.add(ids)
         if args.batch_log:
             with open(Path(args.batch_log) / f"pid{os.getpid()}.jsonl", "a") as f:
@@ -294,6 +298,22 @@ def main() -> None:
                 time.sleep(args.busy_s)
         if step == args.hold_at:
             _hold(job, Path(args.hold_file))
+
+    data_of_job = None if args.own_data else loader
+    if args.protocol:  # driven through the step protocol, as a framework's Trainer drives it (job/step_loop.py)
+        with job.loop(data_of_job, max_steps=args.steps) as loop:
+            while (begun := loop.begin()) is not None:
+                if begun.redo:
+                    print(f"train_tiny: rank {job.rank} redoes step {begun.number}", flush=True)
+                try:
+                    train_step(begun.number, begun.batch)
+                except Exception as exc:
+                    loop.failed(exc)
+                    continue
+                loop.end()
+    else:
+        for step, drawn in job.steps(data_of_job, max_steps=args.steps):
+            train_step(step, drawn)
 
     if args.dump_dir:
         _dump(model, optim, job, Path(args.dump_dir) / f"end-{job.step}.pt")

@@ -15,7 +15,7 @@ import contextlib
 import os
 import secrets
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from datetime import timedelta
 from enum import Enum
 from typing import Any
@@ -32,6 +32,7 @@ from stalwart.job.parts import Membership, make_parts
 from stalwart.job.rng import capture_rng
 from stalwart.job.state import Stateful, read_skip_record
 from stalwart.job.step_hooks import StepHooks, step_hooks
+from stalwart.job.step_loop import Step, StepLoop
 from stalwart.recovery import reform, warm_spare
 from stalwart.recovery.in_loop import driver, survivor
 from stalwart.recovery.in_loop import late_join as late
@@ -39,7 +40,7 @@ from stalwart.runtime.dist import Comm, Placement
 from stalwart.runtime.process import say
 from stalwart.telemetry.events import EventLog
 
-__all__ = ["Job", "JobConfig", "JobState", "Stateful"]
+__all__ = ["Job", "JobConfig", "JobState", "Stateful", "Step", "StepLoop"]
 
 
 class JobState(Enum):
@@ -181,10 +182,28 @@ class Job:
         """Yield (step, batch) from the resumed step up to `max_steps`, checkpointing as configured.
 
         `step` counts completed steps before this one, so a fresh job yields 0 first. A step is complete
-        when the loop body returns; a failure inside it means the step is redone after recovery.
+        when the loop body returns; a failure inside it means the step is redone after recovery. The first
+        driver of the step protocol (`loop()`): a loop body's failure is the step's.
         """
+        with self.loop(loader, max_steps=max_steps) as loop:
+            while (step := loop.begin()) is not None:
+                try:
+                    yield step.number, step.batch
+                except Exception as exc:
+                    loop.failed(exc)  # raises it again unless the job recovers; the next step is then the redo
+                    continue
+                loop.end()
+
+    def loop(self, loader: Iterable[Any] | None = None, *, max_steps: int) -> StepLoop:
+        """The step protocol (job/step_loop.py), for a loop that cannot be written around `steps()`: a framework's
+        Trainer calls `begin()`, `end()` and `failed()` where it lets an integration in."""
         if max_steps < 0:
             raise ConfigError(f"max_steps must be >= 0, got {max_steps}")
+        return StepLoop(lambda: self._run(loader, max_steps))
+
+    def _run(self, loader: Iterable[Any] | None, max_steps: int) -> Generator[tuple[int, Any], None, None]:
+        """The step engine behind `loop()`: yields each step to run; a step's end is the next resumption, a failure
+        of its body is thrown in at the yield."""
         try:
             self.resume()
             self.start_parts()
