@@ -17,6 +17,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data", "checkpoint", "policy"),  # sample order; the checkpoint tiers; when to checkpoint and snapshot
     ("detect", "recovery"),  # hangs, numerics, stragglers, divergence, GPUs; restore, rollback, re-forming
     ("job",),  # the training-loop integration: stalwart.Job
+    ("integrations",),  # loops stalwart does not own (the HF Trainer), driving the Job's step protocol
     ("supervisor",),  # `stalwart run`: agents, rendezvous, spares, restarts
     ("chaos", "sim", "demo", "bench"),  # tools built on the product: fault injection, simulation, demo, benchmarks
     ("cli", "__main__"),  # the command line

@@ -1,5 +1,6 @@
 """Which tracked objects are identical on every rank: DDP models, whether tracked as the wrapper or as the module
-it wraps, with their optimizers and those optimizers' LR schedulers (JobConfig.replicated's default).
+it wraps, with their optimizers and those optimizers' LR schedulers, and objects that say they are
+(`stalwart_replicated = True`: a framework's progress counters) (JobConfig.replicated's default).
 
 Why the wrapped module too: a script usually tracks the model it built and trains through a DDP wrapper it keeps
 beside it (`ddp = DistributedDataParallel(model)`, `job.track(model=model, ...)`; the README's quick start and the
@@ -34,6 +35,8 @@ def replicated_names(objects: Mapping[str, Any], world_size: int) -> frozenset[s
             owned = [id(p) for group in obj.param_groups for p in group["params"]]
             if owned and all(p in params for p in owned):
                 names.add(name)
+    # An object identical on every rank by construction says so (a framework's progress: integrations/hf.py).
+    names |= {name for name, obj in objects.items() if getattr(obj, "stalwart_replicated", False) is True}
     for name, obj in objects.items():  # a scheduler steps a replicated optimizer the same everywhere
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and any(
             getattr(obj, "optimizer", None) is objects[n] for n in names

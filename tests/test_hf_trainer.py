@@ -1,0 +1,146 @@
+"""The Hugging Face Trainer under stalwart (stalwart.integrations.hf): tests/scripts/train_hf.py, a tiny GPT-2 in
+the Trainer's own loop on 2 CPU ranks under `stalwart run`. Rank 1 killed in the backward pass, before the
+optimizer step or between two steps: the survivor stays in the Trainer's loop, runs the failed step again and the
+run ends with the parameters and the logged losses of `transformers.Trainer` alone without the failure, bit for bit
+(the tests' default: the survivor waits for the replacement), the replacement reading no item before the step it
+joined at. A full restart resumes at the last checkpoint without reading an item before it. Without
+--wait-for-replacement the survivor trains on shrunk."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Launch, alive, child_env, wait_for
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_hf.py"
+BATCH = 4  # per device
+STEPS = 30
+
+
+def _args(*extra: str) -> list[str]:
+    return ["--nproc-per-node", "2", "--max-restarts", "3", str(SCRIPT), "--out", "out", "--served-log", "served",
+            "--setup-log", "setups.txt", "--step-log", "steps", *extra]  # fmt: skip
+
+
+def _losses(job: Any) -> list[str]:
+    """The Trainer's log lines of the loss, as rank 0 printed them."""
+    return re.findall(r"\{'loss': '[^']*'", job.output())
+
+
+def _log(job: Any, kind: str, pid: int) -> list[int]:
+    """What process `pid` wrote to its --served-log ("served": the dataset's indices it read) or --step-log
+    ("steps": the global step at each of the Trainer's step ends)."""
+    path = job.workdir / kind / f"pid{pid}.txt"
+    return [int(s) for s in path.read_text().split()] if path.exists() else []
+
+
+def _setups(job: Any) -> list[str]:
+    return (job.workdir / "setups.txt").read_text().split()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """transformers.Trainer alone, without a failure."""
+    job = Launch(tmp_path_factory.mktemp("hf-reference"), _args("--plain"), child_env())
+    try:
+        assert job.wait(180) == 0, job.output()[-3000:]
+        yield job
+    finally:
+        job.reap()
+
+
+def _digests(job: Any) -> dict[int, str]:
+    return {rank: r["sha256"] for rank, r in job.results().items()}
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [("--die-at", "13:backward"), ("--die-at", "13:optimizer"), ("STALWART_FAULTS", "kill@rank=1,step=13")],
+    ids=["backward", "before-the-optimizer-step", "between-steps"],
+)
+def test_a_kill_redoes_the_step_inside_the_trainer_and_the_run_ends_bitwise(
+    launch: Any, reference: Any, fault: tuple[str, str]
+) -> None:
+    flag, value = fault
+    env = child_env(**({flag: value} if not flag.startswith("--") else {}))
+    job = launch(_args(*((flag, value) if flag.startswith("--") else ())), env=env)
+    assert job.wait(180) == 0, job.output()[-3000:]
+    assert _digests(job) == _digests(reference), "the parameters differ from transformers.Trainer's without a failure"
+    assert _losses(job) == _losses(reference), "the Trainer's logged losses differ"
+    assert [e["rank"] for e in job.events("reformed_in_loop")] == [0], "rank 0 stayed in the Trainer's loop"
+    setups = _setups(job)
+    assert len(setups) == len(set(setups)) == 3, f"the script's set-up ran once in each process: {setups}"
+    [resumed] = [e for e in job.events("resumed") if e["rank"] == 1]
+    assert resumed["step"] == 13 and resumed["tier"] != "durable", resumed
+    survivor, replacement = job.worker_pids(restart=0)[0], job.worker_pids(restart=1)[1]
+    assert _log(job, "steps", survivor) == list(range(1, STEPS + 1)), "the Trainer's callbacks saw each step end once"
+    # The replacement read rank 1's items from step 13 on, as the run without the failure did, and none before.
+    rank1 = _log(reference, "served", reference.worker_pids(restart=0)[1])
+    assert _log(job, "served", replacement) == rank1[13 * BATCH :]
+
+
+def test_gradient_accumulation_runs_every_micro_batch_of_the_failed_step_again(launch: Any) -> None:
+    args = ("--ga", "2", "--steps", "15")
+    reference = launch(_args("--plain", *args), name="reference")
+    job = launch(_args("--die-at", "7:backward", *args), name="killed")
+    for run in (reference, job):
+        assert run.wait(180) == 0, run.output()[-3000:]
+    assert _digests(job) == _digests(reference)
+    assert _losses(job) == _losses(reference)
+    assert [e["rank"] for e in job.events("reformed_in_loop")] == [0]
+
+
+def test_a_full_restart_resumes_at_the_last_checkpoint_without_reading_an_item_before_it(
+    launch: Any, reference: Any
+) -> None:
+    """The whole launcher SIGKILLed after step 25 (checkpoints every 10 steps), then the same command again: it
+    resumes at step 20 from storage, reads rank 1's items from step 20 on and none before, and ends bitwise."""
+    first = launch(_args("--step-sleep", "0.2"), name="job")
+    ended = lambda: [s for f in (first.workdir / "steps").glob("pid*.txt") for s in f.read_text().split()]  # noqa: E731
+    first.wait_for(lambda: "25" in ended(), 120, "step 25")
+    workers = first.worker_pids(restart=0)
+    os.kill(first.proc.pid, signal.SIGKILL)  # its workers die with it
+    first.proc.wait()
+    wait_for(lambda: not [pid for pid in workers.values() if alive(pid)], 30, "the workers to die with the launcher")
+    assert not [e for e in first.events("checkpoint_committed") if e["step"] > 20]
+    again = launch(_args(), name="job")  # the same directory
+    assert again.wait(180) == 0, again.output()[-3000:]
+    assert _digests(again) == _digests(reference)
+    [resumed] = [e for e in again.events("resumed") if e["rank"] == 1 and e.get("restart", 0) == 0 and e["step"] == 20]
+    assert resumed["tier"] == "durable", resumed
+    rank1 = _log(reference, "served", reference.worker_pids(restart=0)[1])
+    pid = [e["worker_pid"] for e in again.events("worker_spawned") if e["rank"] == 1][-1]
+    assert _log(again, "served", pid) == rank1[20 * BATCH :], "no item before step 20 was read again"
+
+
+def test_without_wait_for_replacement_the_survivor_trains_on_shrunk_in_the_trainer(launch: Any) -> None:
+    job = launch(_args("--die-at", "13:backward"), env=child_env(STALWART_WAIT_FOR_REPLACEMENT="0"))
+    assert job.wait(180) == 0, job.output()[-3000:]
+    resized = [(e["from"], e["to"]) for e in job.events("world_resized") if e.get("rank") == 0]
+    assert resized[:1] == [(2, 1)], resized
+    results = job.results()
+    assert results[0]["sha256"] == results[1]["sha256"] and results[0]["step"] == STEPS
+    setups = _setups(job)
+    assert len(setups) == len(set(setups)) == 3, f"the script's set-up ran once in each process: {setups}"
+    losses = [float(v.split("'")[-2]) for v in _losses(job)]
+    assert all(3.0 < v < 5.0 for v in losses), f"the logged losses stay those of the model: {losses}"
+
+
+def test_the_callback_alone_on_a_plain_trainer_says_why_it_cannot(tmp_path: Path) -> None:
+    env = child_env(PYTHONPATH=str(SCRIPT.parent))
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", "out", "--plain-with-callback", "--steps", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "StalwartCallback needs stalwart.integrations.hf.Trainer in place of transformers.Trainer" in done.stderr
