@@ -73,7 +73,8 @@ def test_a_kill_redoes_the_step_inside_the_trainer_and_the_run_ends_bitwise(
 ) -> None:
     flag, value = fault
     env = child_env(**({flag: value} if not flag.startswith("--") else {}))
-    job = launch(_args(*((flag, value) if flag.startswith("--") else ())), env=env)
+    # The replicas' divergence check every 5 steps: the Trainer's progress, replicated, must be the same everywhere.
+    job = launch(_args("--divergence-every", "5", *((flag, value) if flag.startswith("--") else ())), env=env)
     assert job.wait(180) == 0, job.output()[-3000:]
     assert _digests(job) == _digests(reference), "the parameters differ from transformers.Trainer's without a failure"
     assert _losses(job) == _losses(reference), "the Trainer's logged losses differ"
@@ -132,8 +133,10 @@ def test_without_wait_for_replacement_the_survivor_trains_on_shrunk_in_the_train
     assert results[0]["sha256"] == results[1]["sha256"] and results[0]["step"] == STEPS
     setups = _setups(job)
     assert len(setups) == len(set(setups)) == 3, f"the script's set-up ran once in each process: {setups}"
+    # The losses the Trainer logs stay the model's (about ln 64 = 4.16 at the start): after the grow the replacement
+    # takes the survivors' mean for the steps since the last log line (its predecessor's sum is older).
     losses = [float(v.split("'")[-2]) for v in _losses(job)]
-    assert all(3.0 < v < 5.0 for v in losses), f"the logged losses stay those of the model: {losses}"
+    assert len(losses) == STEPS // 5 and all(3.5 < v < 4.3 for v in losses), f"the logged losses: {losses}"
 
 
 def test_the_callback_alone_on_a_plain_trainer_says_why_it_cannot(tmp_path: Path) -> None:

@@ -80,7 +80,10 @@ def test_calls_out_of_order_get_one_clear_error(tmp_path: Path) -> None:
     loop.end()
     with pytest.raises(ConfigError, match=r"failed\(\) called between steps"):
         loop.failed(RuntimeError("x"))
+    assert loop.begin() == Step(1, None) and not loop.update_dropped(), "one process: no peer to fail"
     loop.close()
+    with pytest.raises(ConfigError, match=r"begin\(\) called after close\(\)"):
+        loop.begin()
     with pytest.raises(ConfigError, match="max_steps must be >= 0"):
         job.loop(None, max_steps=-1)
     job.close()

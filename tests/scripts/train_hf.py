@@ -91,6 +91,7 @@ def main() -> None:
     p.add_argument("--served-log", type=Path)
     p.add_argument("--setup-log", type=Path)
     p.add_argument("--die-at", default="", help="STEP:PHASE, see DieAt")
+    p.add_argument("--divergence-every", type=int, default=100, help="stalwart's replica divergence check")
     args = p.parse_args()
     if args.setup_log is not None:
         with open(args.setup_log, "a") as f:
@@ -132,7 +133,9 @@ def main() -> None:
     else:
         from stalwart.integrations.hf import StalwartCallback, Trainer
 
-        callbacks.append(StalwartCallback(args.ckpt, checkpoint_every=args.every))
+        callbacks.append(
+            StalwartCallback(args.ckpt, checkpoint_every=args.every, divergence_every=args.divergence_every)
+        )
         trainer = Trainer(model=model, args=training, train_dataset=dataset, callbacks=callbacks)
     trainer.train()
     rank = int(os.environ.get("RANK", "0"))

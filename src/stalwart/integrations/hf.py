@@ -25,8 +25,9 @@ What it does, in the Trainer's order:
   the loop, or trains on shrunk while the replacement sets up), and the step is run again here with the same
   micro-batches (`get_batch_samples` keeps them): forward and backward, clipping, the optimizer step, the LR
   scheduler step, as the Trainer makes them.
-- `on_train_end`: the run's last state is durable (the step protocol's last checkpoint, or a save when the Trainer
-  stopped early), and the Job is closed.
+- The loop's end (`_finalize_training`, before a best model is loaded): the run's last state is durable (the step
+  protocol's last checkpoint, or a save when the Trainer stopped early). The Job stays open until the process
+  exits, so its group serves the Trainer's collectives after training.
 
 The Trainer's own `save_strategy` may stay on: its checkpoints are its own. `train(resume_from_checkpoint=...)`
 is ignored, with one line: the run resumes from stalwart's checkpoints.
@@ -38,7 +39,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import json
 import os
 from typing import Any
 
@@ -70,6 +70,18 @@ _RUN_EPOCH_ARGS = (
     "epochs_trained",
     "steps_trained_in_current_epoch",
 )
+_PRIVATE = (
+    "_run_epoch",
+    "_load_rng_state",
+    "_maybe_log_save_evaluate",
+    "_finalize_training",
+    "_get_num_items_in_batch",
+    "_clip_grad_norm",
+)
+"""The Trainer's private methods the subclass overrides or calls."""
+
+_SCHEDULERS_STEPPED_WITH_METRICS = ("ReduceLROnPlateau", "GreedyLR")
+"""LR schedulers the Trainer steps with the evaluation's metrics, not after each optimizer step."""
 
 
 def _check_contract() -> None:
@@ -77,104 +89,17 @@ def _check_contract() -> None:
     run_epoch = getattr(transformers.Trainer, "_run_epoch", None)
     params = set(inspect.signature(run_epoch).parameters) if run_epoch is not None else set()
     missing = [name for name in _RUN_EPOCH_ARGS if name not in params]
-    if missing or not hasattr(transformers.Trainer, "_load_rng_state"):
+    absent = [name for name in _PRIVATE if not hasattr(transformers.Trainer, name)]
+    if missing or absent:
         raise ImportError(
             f"stalwart.integrations.hf supports transformers 5.x (tested with {TESTED}); transformers "
-            f"{transformers.__version__}'s Trainer has no _run_epoch({', '.join(missing)}) or _load_rng_state"
+            f"{transformers.__version__}'s Trainer lacks {', '.join([*absent, *(f'_run_epoch({m})' for m in missing)])}"
         )
 
 
 _check_contract()
 
-
-class _Progress:
-    """The Trainer's progress (its `TrainerState`, and what it has logged of the loss), tracked by the Job so that a
-    restore puts it back. The same on every rank (the Trainer gathers what it sums), so replicated: it may change
-    after the optimizer step (the global step does) without turning light snapshots off. It also carries the loss
-    this rank summed since the last log line, which a replacement that grows back into the job after the survivors
-    trained on shrunk takes as its own (its predecessor's is older than the last log line)."""
-
-    stalwart_replicated = True
-    FIELDS = (
-        "global_step",
-        "epoch",
-        "total_flos",
-        "log_history",
-        "best_metric",
-        "best_global_step",
-        "best_model_checkpoint",
-        "num_input_tokens_seen",
-    )
-
-    def __init__(self, trainer: transformers.Trainer) -> None:
-        self._trainer = trainer
-        self.since_logged: torch.Tensor | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        t = self._trainer
-        fields = {name: getattr(t.state, name, None) for name in self.FIELDS}
-        fields["logged_total"] = getattr(t, "_total_loss_scalar", 0.0)
-        fields["logged_at"] = getattr(t, "_globalstep_last_logged", 0)
-        return {"json": json.dumps(fields), "since_logged": _since_logged(t)}
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        t = self._trainer
-        fields = json.loads(saved["json"])
-        t._total_loss_scalar = fields.pop("logged_total")
-        t._globalstep_last_logged = fields.pop("logged_at")
-        for name, value in fields.items():
-            if hasattr(t.state, name):
-                setattr(t.state, name, value)
-        self.since_logged = saved["since_logged"]
-
-
-class _LoggedLoss:
-    """The loss this rank summed towards the Trainer's next log line: a replacement or a restart logs the same loss
-    as a run without the failure."""
-
-    def __init__(self, trainer: transformers.Trainer) -> None:
-        self._trainer = trainer
-        self.loaded_at: int | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        t = self._trainer
-        return {"since_logged": _since_logged(t), "logged_at": getattr(t, "_globalstep_last_logged", 0)}
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        _set_since_logged(self._trainer, saved["since_logged"])
-        self.loaded_at = saved["logged_at"]
-
-
-def _since_logged(trainer: transformers.Trainer) -> torch.Tensor | None:
-    since = getattr(trainer, "_tr_loss", None)
-    return since.detach().clone() if since is not None else None
-
-
-def _set_since_logged(trainer: transformers.Trainer, value: torch.Tensor | None) -> None:
-    if value is not None and hasattr(trainer, "_tr_loss"):
-        trainer._tr_loss = value.to(trainer._tr_loss.device)
-
-
-def _settle_logged(trainer: transformers.Trainer, progress: _Progress, logged: _LoggedLoss) -> None:
-    """After a restore: this rank's own sum if it is of the Trainer's current log window, else (a replacement
-    that grew back into the job, its predecessor's snapshot older than the last log line) the one of the rank
-    the progress came from."""
-    if logged.loaded_at is not None and logged.loaded_at != getattr(trainer, "_globalstep_last_logged", 0):
-        _set_since_logged(trainer, progress.since_logged)
-
-
-def _match_accelerate() -> None:
-    """Accelerate sizes its gathers and scales its losses by the world it started in (`num_processes` of its
-    `PartialState` and `AcceleratorState`, the Trainer's `args.world_size`); while the survivors train on shrunk
-    their group is smaller, and back at full size after the grow. Its shared states follow the job's group."""
-    if not torch.distributed.is_initialized():
-        return
-    from accelerate.state import AcceleratorState, PartialState
-
-    size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
-        if "num_processes" in shared and (shared["num_processes"], shared.get("process_index")) != (size, rank):
-            shared["num_processes"], shared["process_index"] = size, rank
+from stalwart.integrations.hf_state import LoggedLoss, TrainerProgress, match_accelerate  # noqa: E402  (after the check)
 
 
 class StalwartCallback(transformers.TrainerCallback):
@@ -192,6 +117,9 @@ class StalwartCallback(transformers.TrainerCallback):
         """Set by stalwart's Trainer, which the callback drives."""
         self._loop: StepLoop | None = None
         self._next: Step | None = None  # begun at the previous step's end, handed out at the next step's begin
+        self._ending = False  # a step ended in the Trainer's loop: the Job's end follows its log line
+        self._logged: LoggedLoss | None = None
+        self._formation: int | None = None  # the job's formation at the last begin: a new one (re)formed the group
         self.rng: dict[str, Any] | None = None
         """Every generator as the restore left it (None: a fresh start), for the Trainer's re-sync after its skip."""
         self.resumed_step: int | None = None
@@ -219,26 +147,29 @@ class StalwartCallback(transformers.TrainerCallback):
         trainer = self._ours()
         job = self.make_job()
         objects: dict[str, Any] = {"model": trainer.model, "optimizer": trainer.optimizer}
-        progress, logged = _Progress(trainer), _LoggedLoss(trainer)
-        objects["progress"], objects["logged_loss"] = progress, logged
+        self._logged = LoggedLoss(trainer)
+        objects["progress"], objects["logged_loss"] = TrainerProgress(trainer), self._logged
         if trainer.lr_scheduler is not None:
             objects["lr_scheduler"] = trainer.lr_scheduler
         scaler = getattr(trainer.accelerator, "scaler", None)
         if scaler is not None:
             objects["grad_scaler"] = scaler
         job.track(**objects)
-        job.resume()
-        _settle_logged(trainer, progress, logged)
+        self._loop = job.loop(None, max_steps=state.max_steps)
+        self._next = self._begin()  # the first: the job resumes (and re-forms if a peer is lost meanwhile)
         if job.resumed_from is not None and job.step > 0:
             self.resumed_step, self.rng = job.step, capture_rng()
-        self._loop = job.loop(None, max_steps=state.max_steps)
-        self._next = self._begin()
 
     def _begin(self) -> Step | None:
-        """The protocol's begin, with Accelerate told the world size the step runs at (training on shrunk)."""
-        assert self._loop is not None
+        """The protocol's begin, with Accelerate told the world size the step runs at (training on shrunk), and the
+        logged loss settled after a restore."""
+        assert self._loop is not None and self._logged is not None
         step = self._loop.begin()
-        _match_accelerate()
+        match_accelerate()
+        now = self._loop.formation()
+        new_formation, self._formation = now != self._formation, now
+        if step is not None:
+            self._logged.settle(new_formation)
         return step
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -246,36 +177,77 @@ class StalwartCallback(transformers.TrainerCallback):
         if step is None:  # the Job's run is over (it reached max_steps): the Trainer's must be too
             control.should_training_stop = True
             return
-        assert self.trainer is not None and self._loop is not None
-        self.trainer.stalwart_step_began(step)
+        self._ours().stalwart_step_began(step, self._loop_horizon())
+
+    def _loop_horizon(self) -> int:
+        assert self._loop is not None
+        return self._loop.horizon()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._logged is not None:
+            self._logged.capture()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """The step's end (the Job's: snapshot, checks, checkpoint), then the next step's begin. After a peer's
-        failure the job recovered inside `end()` and its next steps are ones the Trainer already ran: each runs
-        again here, from the state before it, up to the step the Trainer is at."""
-        loop, trainer = self._loop, self.trainer
-        assert loop is not None and trainer is not None
-        ran = state.global_step  # the steps the Trainer has run
-        epoch = state.epoch
-        loop.end()
-        step = self._begin()
-        while step is not None and step.number < ran:
-            trainer.stalwart_run_again(step)
-            loop.end()
-            step = self._begin()
-        state.epoch = epoch
-        self._next = step
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        job, loop = self.job, self._loop
-        if job is None:
+        """The step ended in the Trainer's loop. A step whose update was dropped (a peer failed in it) is run
+        again here first, after the job recovered, so that the Trainer logs, saves and evaluates complete steps
+        only; the Job's end of the step follows the Trainer's log line (`step_end`)."""
+        loop = self._loop
+        if loop is None or self._next is None or loop.step is None:
             return
-        stopped_early = loop is not None and loop.step is not None
-        if loop is not None:
-            loop.close()
+        if loop.update_dropped():
+            self._run_again_up_to(state, state.global_step - 1)
+        self._ending = True
+
+    def step_end(self) -> None:
+        """The Job's end of the step the Trainer ended, after its log line, save and evaluation (so that a restore
+        puts back what they changed): snapshot, checks, checkpoint, then the next step's begin. A failure met at
+        the step's end (after its update) or a numeric rollback makes the job go back: the steps since are run
+        again here."""
+        if not self._ending:
+            return
+        self._ending = False
+        loop, trainer = self._loop, self._ours()
+        assert loop is not None
+        state = trainer.state
+        loop.end()
+        self._next = self._begin()
+        if self._next is not None and self._next.number < state.global_step:
+            self._run_again_up_to(state, state.global_step - 1, begun=True)
+
+    def _run_again_up_to(self, state: Any, last: int, *, begun: bool = False) -> None:
+        """Recover (unless `begun`: the job already did) and run the steps the Trainer ran again, from the one the
+        job went back to, up to `last`: each but `last` ended by the Job here, `last` left begun for the
+        caller's end. The Trainer's global step and epoch as its loop left them."""
+        loop, trainer = self._loop, self._ours()
+        assert loop is not None
+        epoch = state.epoch
+        if not begun:
+            loop.end()  # recovers: re-forms (or trains on shrunk), restores, and begins the step to redo
+            self._next = self._begin()
+        while self._next is not None and self._next.number <= last:
+            step = self._next
+            trainer.stalwart_run_again(step)
+            if step.number == last and not begun:
+                break  # the failed step itself: its end follows the Trainer's log line
+            loop.end()
+            self._next = self._begin()
+        if self._next is not None and self._next.number > state.global_step:
+            state.global_step = self._next.number  # a rollback skipped a batch: the Trainer's count follows
+        state.epoch = epoch
+
+    def finish(self) -> None:
+        """The Trainer's loop is over (before it loads a best model at the end): the step protocol is left, and a
+        run the Trainer stopped before max_steps (an early stop) has its last state made durable all the same. The
+        Job stays open until the process exits: its group serves the Trainer's collectives after training (an
+        evaluation)."""
+        job, loop = self.job, self._loop
+        if job is None or loop is None:
+            return
+        stopped_early = loop.step is not None
+        loop.close()
+        self._loop = None
         if stopped_early and job.step != job.parts.last_saved:
-            job.save(wait=True)  # the Trainer stopped before max_steps: its last state is durable all the same
-        job.close()
+            job.save(wait=True)
 
 
 class Trainer(transformers.Trainer):
@@ -298,8 +270,8 @@ class Trainer(transformers.Trainer):
         self.stalwart = ours[0]
         self.stalwart.trainer = self
         self.stalwart.make_job()
-        self._fetched: tuple[list[Any], Any] | None = None
-        self._kept: dict[int, _Kept] = {}  # the last steps', by number: what running one again takes
+        self._fetched: list[Any] | None = None
+        self._kept: dict[int, _Kept] = {}  # the steps' since the job's redo horizon, by number
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint:
@@ -311,7 +283,8 @@ class Trainer(transformers.Trainer):
         the Trainer skips the batches before it by index."""
         resumed = self.stalwart.resumed_step
         if resumed is not None and resumed >= self.state.max_steps:
-            return None  # resumed at the run's end: nothing is left to train
+            self.control.should_training_stop = True  # resumed at the run's end: nothing is left to train
+            return None
         if resumed is not None and not args:
             done_epochs, in_epoch = divmod(resumed, kwargs["num_update_steps_per_epoch"])
             if kwargs["epoch"] < done_epochs:
@@ -330,24 +303,43 @@ class Trainer(transformers.Trainer):
             restore_rng(self.stalwart.rng)
         return None
 
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's log line, save and evaluation of the step that ended, then the Job's end of it. An
+        evaluation or a save is a long stretch inside the step: the hang detector allows the grace period."""
+        job = self.stalwart.job
+        long = (
+            job is not None
+            and job.state.value == "running"
+            and (self.control.should_evaluate or self.control.should_save)
+        )
+        with job.busy() if long and job is not None else contextlib.nullcontext():
+            done = super()._maybe_log_save_evaluate(*args, **kwargs)
+        self.stalwart.step_end()
+        return done
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        self.stalwart.finish()
+        return super()._finalize_training(*args, **kwargs)
+
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list[Any], Any]:
         """The step's micro-batches, kept: a failed step runs again with them."""
         window, items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._fetched = (window, items)
+        self._fetched = window
         return window, items
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         loss = super().training_step(model, inputs, num_items_in_batch)
         job = self.stalwart.job
-        if job is not None:
-            job.report(loss=loss)
+        if job is not None and self.accelerator.gradient_state.sync_gradients:
+            job.report(loss=loss)  # the step's last micro-batch: one report a step
         return loss
 
     # -- what the callback calls ------------------------------------------------------------------------------
 
-    def stalwart_step_began(self, step: Step) -> None:
-        """A step begins: keep what running it again takes (its micro-batches, the loss the Trainer summed so far,
-        every generator: the Trainer may have drawn from them since the last snapshot, at an epoch's start)."""
+    def stalwart_step_began(self, step: Step, horizon: int) -> None:
+        """A step begins: keep what running it again takes (its micro-batches and every generator: the Trainer may
+        have drawn from them since the last snapshot, at an epoch's start), for the steps since the oldest one a
+        recovery may go back to."""
         if self.state.global_step != step.number:
             raise ConfigError(
                 f"the Trainer is at step {self.state.global_step} where stalwart's job is at {step.number}: "
@@ -355,9 +347,9 @@ class Trainer(transformers.Trainer):
             )
         if self._fetched is None:
             raise ConfigError("stalwart: the Trainer began a step without get_batch_samples(): its loop has changed")
-        loss = self._tr_loss.detach().clone() if hasattr(self, "_tr_loss") else None
-        self._kept[step.number] = _Kept(self._fetched[0], loss, capture_rng())
-        for old in [n for n in self._kept if n < step.number - _KEPT_STEPS]:
+        self._kept[step.number] = _Kept(self._fetched, capture_rng())
+        self._fetched = None
+        for old in [n for n in self._kept if n < horizon]:
             del self._kept[old]
 
     def stalwart_run_again(self, step: Step) -> None:
@@ -366,14 +358,13 @@ class Trainer(transformers.Trainer):
         kept = self._kept.get(step.number)
         if kept is None:
             raise ConfigError(
-                f"stalwart: the job went back to step {step.number}, further than the {_KEPT_STEPS} steps whose "
-                "micro-batches the Trainer keeps"
+                f"stalwart: the job went back to step {step.number}, before the steps whose micro-batches the "
+                "Trainer kept"
             )
         model = self.model_wrapped
-        if kept.loss is not None and self._globalstep_last_logged <= step.number:
-            self._tr_loss = kept.loss.clone()  # a step run again counts once in the logged loss
         restore_rng(kept.rng)
         items = self._get_num_items_in_batch(kept.window, self.args.device)  # a collective: on the new group
+        self.current_gradient_accumulation_steps = len(kept.window)
         model.zero_grad()
         for i, inputs in enumerate(kept.window):
             last = i == len(kept.window) - 1
@@ -381,29 +372,27 @@ class Trainer(transformers.Trainer):
             sync = contextlib.nullcontext if last else functools.partial(self.accelerator.no_sync, model=model)
             with sync():
                 loss = self.training_step(model, inputs, items)
-            self._tr_loss += loss
+            if self.args.logging_nan_inf_filter and not torch.isfinite(loss).all():
+                self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+            else:
+                self._tr_loss += loss
+            self._track_num_input_tokens(inputs)
         if self.args.max_grad_norm > 0:
             self._clip_grad_norm(model)
+        self.stalwart.on_pre_optimizer_step(self.args, self.state, self.control)
         assert self.optimizer is not None
         self.optimizer.step()
         scheduler = self.lr_scheduler
-        plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)  # stepped with the metrics
-        if scheduler is not None and not plateau and not self.accelerator.optimizer_step_was_skipped:
+        by_metrics = type(scheduler).__name__ in _SCHEDULERS_STEPPED_WITH_METRICS
+        if scheduler is not None and not by_metrics and not self.accelerator.optimizer_step_was_skipped:
             scheduler.step()
         model.zero_grad()
         self.state.global_step = step.number + 1
 
 
-_KEPT_STEPS = 4
-"""How many steps back the Trainer keeps its micro-batches: a recovery goes back to the newest snapshot every rank
-holds, the step before the failed one unless a snapshot was skipped."""
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Kept:
-    """What running a step again takes: its micro-batches, the Trainer's summed loss and every generator at its
-    begin."""
+    """What running a step again takes: its micro-batches and every generator at its begin."""
 
     window: list[Any]
-    loss: torch.Tensor | None
     rng: dict[str, Any]

@@ -96,6 +96,8 @@ class Job:
         self.parts = make_parts(
             config, placement, self.comm, self.events, hooks, token, staying=staying, grown_at=grown_at
         )
+        self.formation = getattr(self, "formation", 0) + 1
+        """How many times this process's Job joined a group: once, and once more at each re-forming in its loop."""
         self.tracked = self.parts.tracked
         self.checkpointer = self.parts.checkpointer
         self.state = JobState.CREATED
@@ -199,7 +201,21 @@ class Job:
         Trainer calls `begin()`, `end()` and `failed()` where it lets an integration in."""
         if max_steps < 0:
             raise ConfigError(f"max_steps must be >= 0, got {max_steps}")
-        return StepLoop(lambda: self._run(loader, max_steps))
+        return StepLoop(
+            lambda: self._run(loader, max_steps), self._update_dropped, self._redo_horizon, lambda: self.formation
+        )
+
+    def _update_dropped(self) -> bool:
+        """Whether the running step's update was dropped because a peer failed (its end recovers and redoes it)."""
+        in_loop = self.parts.in_loop
+        return in_loop is not None and in_loop.update_dropped()
+
+    def _redo_horizon(self) -> int:
+        """The oldest completed step a recovery may take the job back to: the newest full copy in node memory, the
+        newest durable checkpoint, or the step the run resumed at, whichever is newest (a light snapshot, when one
+        serves, is newer still)."""
+        held = (self.parts.snapshots.full_copy_step, self.parts.last_saved, self.resumed_from)
+        return max((s for s in held if s is not None), default=0)
 
     def _run(self, loader: Iterable[Any] | None, max_steps: int) -> Generator[tuple[int, Any], None, None]:
         """The step engine behind `loop()`: yields each step to run; a step's end is the next resumption, a failure

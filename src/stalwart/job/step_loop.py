@@ -67,8 +67,18 @@ Engine = Generator[tuple[int, Any], None, None]
 class StepLoop:
     """One run's step protocol; see the module docstring. Made by `Job.loop()`."""
 
-    def __init__(self, engine: Callable[[], Engine]) -> None:
+    def __init__(
+        self,
+        engine: Callable[[], Engine],
+        update_dropped: Callable[[], bool] = lambda: False,
+        horizon: Callable[[], int] = lambda: 0,
+        formation: Callable[[], int] = lambda: 0,
+    ) -> None:
         self._make = engine
+        self._update_dropped = update_dropped
+        self._horizon = horizon
+        self._formation = formation
+        self._closed = False
         self._engine: Engine | None = None
         self._phase = _Phase.NOT_STARTED
         self._next: Step | None = None
@@ -81,6 +91,8 @@ class StepLoop:
         join)."""
         if self._phase is _Phase.IN_STEP:
             raise ConfigError("StepLoop.begin() called again before end() or failed() of the step it began")
+        if self._closed:
+            raise ConfigError("StepLoop.begin() called after close()")
         if self._phase is _Phase.NOT_STARTED:
             self._engine = self._make()
             self._advance(lambda engine: next(engine))
@@ -102,10 +114,28 @@ class StepLoop:
         self._advance(lambda engine: engine.throw(exc))
         return self._next
 
+    def update_dropped(self) -> bool:
+        """The step's update is about to be applied, or was: whether it is dropped because a peer failed during
+        the step. `end()` then recovers and the step is run again; a driver that must log or save only complete
+        steps (a Trainer's log line) recovers first."""
+        self._in_step("update_dropped()")
+        return self._update_dropped()
+
+    def horizon(self) -> int:
+        """The oldest completed step a recovery may take the job back to: a driver that runs steps again itself
+        keeps what it needs for each step after it (its micro-batches)."""
+        return self._horizon()
+
+    def formation(self) -> int:
+        """Changes each time the job (re)forms its group: at its start, and at each re-forming in the loop (after a
+        peer's failure, training on shrunk, the grow back). Every rank of the new group sees it change at the same
+        step's begin: a driver with state of its own to agree on (a Trainer's running loss sums) does it there."""
+        return self._formation()
+
     def close(self) -> None:
         """Leave the loop (also early: a `break` out of `steps()`). Nothing is saved that the run had not saved;
         a re-forming request that was waiting is dropped with the loop."""
-        self._phase, self.step, self._next = _Phase.DONE, None, None
+        self._phase, self.step, self._next, self._closed = _Phase.DONE, None, None, True
         if self._engine is not None:
             self._engine.close()
 

@@ -145,12 +145,17 @@ class InLoop:
         self._decided = False
         self._before_optimizer_step(optimizer, (), {})
 
+    def update_dropped(self) -> bool:
+        """Whether this step's update is dropped: the group failed before it (or before a step without one). The
+        step's end then re-forms and the step is redone (`check`)."""
+        return self.group.failed is not None and not self._decided
+
     def check(self) -> None:
         """At the step boundary: raise GroupFailed when the group failed before the step's update (or in a step
         without one), so the step is redone. A failure after the update leaves the step complete: the step's end
         meets it in its own collectives, or the next step does at its first one."""
         failed = self.group.failed
-        if failed is not None and not self._decided:
+        if failed is not None and self.update_dropped():
             raise GroupFailed(reform.reason(failed)) from failed
 
     def join_if_peers_stayed(self, comm: Comm, *, staying: bool, grown_at: int | None = None) -> None:

@@ -1,0 +1,115 @@
+"""What stalwart.integrations.hf tracks of the Hugging Face Trainer besides its model, optimizer and scheduler (its
+progress and the loss it sums towards its next log line), and Accelerate's world size kept with the job's group.
+Apart from hf.py so that each stays one screenful of responsibility."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import transformers
+
+
+class TrainerProgress:
+    """The Trainer's progress (its `TrainerState`, and what it has logged of the loss), tracked by the Job so that a
+    restore puts it back. The same on every rank (the Trainer gathers what it sums; no tensor of one rank's is
+    here), so replicated: it may change after the optimizer step (the global step does) without turning light
+    snapshots off."""
+
+    stalwart_replicated = True
+    FIELDS = (
+        "global_step",
+        "epoch",
+        "total_flos",
+        "log_history",
+        "best_metric",
+        "best_global_step",
+        "best_model_checkpoint",
+        "num_input_tokens_seen",
+    )
+
+    def __init__(self, trainer: transformers.Trainer) -> None:
+        self._trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self._trainer
+        fields = {name: getattr(t.state, name, None) for name in self.FIELDS}
+        fields["logged_total"] = getattr(t, "_total_loss_scalar", 0.0)
+        fields["logged_at"] = getattr(t, "_globalstep_last_logged", 0)
+        return {"json": json.dumps(fields)}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        t = self._trainer
+        fields = json.loads(saved["json"])
+        t._total_loss_scalar = fields.pop("logged_total")
+        t._globalstep_last_logged = fields.pop("logged_at")
+        for name, value in fields.items():
+            if hasattr(t.state, name):
+                setattr(t.state, name, value)
+
+
+class LoggedLoss:
+    """The loss this rank summed towards the Trainer's next log line, as it was before the step's optimizer step
+    (`capture`, at `on_pre_optimizer_step`), and the step last logged then. Per rank, and unchanged after the
+    optimizer step (the log line's reset comes later), so light snapshots stay on. A restore puts it back unless a
+    log line consumed it since (`settle`): a replacement or a restart logs the same loss as a run without the
+    failure."""
+
+    def __init__(self, trainer: transformers.Trainer) -> None:
+        self._trainer = trainer
+        self._sum: torch.Tensor | None = None
+        self._logged_at = 0
+        self.loaded_at: int | None = None
+
+    def capture(self) -> None:
+        t = self._trainer
+        since = getattr(t, "_tr_loss", None)
+        self._sum = since.detach().clone() if since is not None else None
+        self._logged_at = getattr(t, "_globalstep_last_logged", 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"since_logged": self._sum, "logged_at": self._logged_at}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self._sum, self._logged_at = saved["since_logged"], saved["logged_at"]
+        self.loaded_at = saved["logged_at"]
+        t = self._trainer
+        if self._sum is not None and hasattr(t, "_tr_loss"):
+            t._tr_loss = self._sum.to(t._tr_loss.device).clone()
+
+    def settle(self, new_formation: bool) -> None:
+        """After a restore, and in every rank's first step of a formation (`new_formation`: the job (re)formed, all its
+        ranks call it there together): a sum that a log line consumed after it was taken is none, and a rank whose
+        sum is not of the Trainer's current log window (a replacement whose predecessor's snapshot is older than
+        the survivors' last log line, after they trained on shrunk) takes the mean of the other ranks' sums, so
+        that the next log line is the job's."""
+        t = self._trainer
+        since = getattr(t, "_tr_loss", None)
+        stale = self.loaded_at is not None and self.loaded_at != getattr(t, "_globalstep_last_logged", 0)
+        self.loaded_at = None
+        if since is None:
+            return
+        if not new_formation or not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            if stale:
+                t._tr_loss = torch.zeros_like(since)
+            return
+        mine = torch.stack([since.detach() * (not stale), torch.tensor(float(not stale), device=since.device)])
+        torch.distributed.all_reduce(mine)
+        if stale:
+            total, count = mine.tolist()
+            t._tr_loss = torch.full_like(since, total / count if count else 0.0)
+
+
+def match_accelerate() -> None:
+    """Accelerate sizes its gathers and scales its losses by the world it started in (`num_processes` of its
+    `PartialState` and `AcceleratorState`, the Trainer's `args.world_size`); while the survivors train on shrunk
+    their group is smaller, and back at full size after the grow. Its shared states follow the job's group."""
+    if not torch.distributed.is_initialized():
+        return
+    from accelerate.state import AcceleratorState, PartialState
+
+    size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+        if "num_processes" in shared and (shared["num_processes"], shared.get("process_index")) != (size, rank):
+            shared["num_processes"], shared["process_index"] = size, rank
