@@ -8,6 +8,7 @@ joined at. A full restart resumes at the last checkpoint without reading an item
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Launch, alive, child_env, wait_for
+from conftest import Launch, alive, child_env, stalwart, wait_for
 
 pytest.importorskip("transformers")
 
@@ -147,3 +148,26 @@ def test_the_callback_alone_on_a_plain_trainer_says_why_it_cannot(tmp_path: Path
     )  # fmt: skip
     assert done.returncode != 0
     assert "StalwartCallback needs stalwart.integrations.hf.Trainer in place of transformers.Trainer" in done.stderr
+
+
+def test_bench_trainer_refuses_a_kill_after_the_last_step_in_one_line(tmp_path: Path) -> None:
+    done = stalwart("bench", "trainer", "--steps", "10", "--kill-at", "10", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
+    assert "--kill-at 10 must be below --steps 10" in done.stderr
+
+
+@pytest.mark.slow
+def test_bench_trainer_runs_every_system_and_reports_one_json_object(tmp_path: Path) -> None:
+    """A short `stalwart bench trainer`: the Trainer alone under torchrun and stalwart's two modes, each without a
+    failure and with rank 1 killed; stalwart waiting for the replacement ends as without the kill and redoes no
+    completed step."""
+    done = stalwart("bench", "trainer", "--steps", "10", "--kill-at", "5", "--step-s", "0.05", "--json",
+                    "--dir", str(tmp_path), cwd=tmp_path, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    systems = report["systems"]
+    assert list(systems) == ["torchrun + transformers.Trainer", "stalwart", "stalwart --wait-for-replacement"]
+    waited = systems["stalwart --wait-for-replacement"]
+    assert waited["as_without_the_kill"] and waited["as_trainer_alone"] and waited["steps_done_again"] == 0
+    assert all(s["kill_to_next_step_s"] > 0 and s["median_step_s"] > 0 for s in systems.values())
+    assert not list(tmp_path.glob("stalwart-bench-trainer-*")), "the runs' files are removed"

@@ -37,13 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="stalwart bench", description="Benchmarks of stalwart on this machine.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_parser(sub)
-    from stalwart.bench import handover, mirror_read, overhead_cli, recovery_cli, reshard
+    from stalwart.bench import handover, mirror_read, overhead_cli, recovery_cli, reshard, trainer
 
     recovery_cli.add_parser(sub)
     handover.add_parser(sub)
     overhead_cli.add_parser(sub)
     reshard.add_parser(sub)
     mirror_read.add_parser(sub)
+    trainer.add_parser(sub)
     return p
 
 

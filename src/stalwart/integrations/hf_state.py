@@ -22,7 +22,6 @@ class TrainerProgress:
         "global_step",
         "epoch",
         "total_flos",
-        "log_history",
         "best_metric",
         "best_global_step",
         "best_model_checkpoint",
@@ -31,13 +30,19 @@ class TrainerProgress:
 
     def __init__(self, trainer: transformers.Trainer) -> None:
         self._trainer = trainer
+        self._log: tuple[int, str] = (-1, "")  # the log history as JSON, by its length
 
     def state_dict(self) -> dict[str, Any]:
+        """Read at every step's end (a replicated object's skeleton): the log history, which grows with the run and
+        is only appended to, is encoded again only when it grew."""
         t = self._trainer
         fields = {name: getattr(t.state, name, None) for name in self.FIELDS}
         fields["logged_total"] = getattr(t, "_total_loss_scalar", 0.0)
         fields["logged_at"] = getattr(t, "_globalstep_last_logged", 0)
-        return {"json": json.dumps(fields)}
+        history = t.state.log_history
+        if self._log[0] != len(history):
+            self._log = (len(history), json.dumps(history))
+        return {"json": json.dumps(fields), "log_history": self._log[1]}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         t = self._trainer
@@ -47,6 +52,8 @@ class TrainerProgress:
         for name, value in fields.items():
             if hasattr(t.state, name):
                 setattr(t.state, name, value)
+        t.state.log_history = json.loads(saved["log_history"])
+        self._log = (len(t.state.log_history), saved["log_history"])
 
 
 class LoggedLoss:

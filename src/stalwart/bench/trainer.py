@@ -1,0 +1,229 @@
+"""`stalwart bench trainer`: the Hugging Face Trainer recovering from a killed worker, side by side: alone under
+torchrun (its checkpoint every 20 steps, `resume_from_checkpoint` on restart), and with stalwart's integration
+(`stalwart.integrations.hf.Trainer`) under `stalwart run`, with its defaults and with `--wait-for-replacement`.
+
+Each system runs the bench's job (bench/trainer_job.py: a tiny GPT-2 on 2 CPU ranks, each step padded to
+`--step-s`, after `--setup-s` of set-up) twice: without a failure, and with rank 1 SIGKILLed as a step begins.
+Reported: the kill to the next step no run had completed before it, the steps done again, whether the run ended
+with the parameters of its own run without the kill (and of the Trainer alone), and the median step time without
+a failure (the integration's overhead). Takes about two minutes with the defaults; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from stalwart.bench.common import Progress, machine_info, positive_int, scratch_dir, seconds, seconds_text
+from stalwart.errors import BenchError
+from stalwart.telemetry.console import console as make_console
+
+SYSTEMS: dict[str, tuple[str, list[str]]] = {
+    "torchrun + transformers.Trainer": ("hf", ["-m", "torch.distributed.run", "--standalone"]),
+    "stalwart": ("stalwart", ["-m", "stalwart", "run"]),
+    "stalwart --wait-for-replacement": ("stalwart", ["-m", "stalwart", "run", "--wait-for-replacement"]),
+}
+"""Each system: the job's `--system` and the launcher's command line before its common flags."""
+
+TIMEOUT_S = 600.0
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "trainer",
+        help="the Hugging Face Trainer after a killed worker: alone under torchrun vs stalwart's integration",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--steps", type=positive_int, default=80, help="steps per run (default 80)")
+    p.add_argument("--kill-at", type=positive_int, default=53, help="rank 1 dies as the step after this begins")
+    p.add_argument("--step-s", type=seconds, default=0.1, help="seconds each step is padded to (default 0.1)")
+    p.add_argument("--setup-s", type=seconds, default=0.0, help="seconds of the script's set-up (default 0)")
+    p.add_argument("--dir", type=Path, help="where the runs' files go (a new directory inside, removed at the end)")
+    p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of tables")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    err = make_console(stderr=True)
+    if args.kill_at >= args.steps:
+        print(
+            f"stalwart bench trainer: error: --kill-at {args.kill_at} must be below --steps {args.steps}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        import transformers  # noqa: F401  (the job's; checked before minutes of runs)
+    except ImportError:
+        print("stalwart bench trainer: error: needs transformers: pip install 'transformers>=5'", file=sys.stderr)
+        return 2
+    try:
+        report = run_bench(
+            args.steps, args.kill_at, args.step_s, args.setup_s, args.dir, lambda line: err.print(f"bench: {line}")
+        )
+    except BenchError as exc:
+        print(f"stalwart bench trainer: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report), flush=True)
+    else:
+        print_report(make_console(), report)
+    return 0
+
+
+def run_bench(
+    steps: int, kill_at: int, step_s: float, setup_s: float, parent: Path | None, progress: Progress
+) -> dict[str, Any]:
+    """Every system's two runs; the report's JSON object."""
+    results: dict[str, Any] = {}
+    with scratch_dir(parent, "stalwart-bench-trainer-") as tmp:
+        machine = machine_info(tmp)
+        for i, (name, (system, launcher)) in enumerate(SYSTEMS.items()):
+            runs = {}
+            for kill in (False, True):
+                out = tmp / f"{i}-{'killed' if kill else 'clean'}"
+                progress(f"{name}: {'rank 1 killed after step ' + str(kill_at) if kill else 'no failure'} ...")
+                started = time.monotonic()
+                _launch(system, launcher, out, steps, step_s, setup_s, kill_at if kill else -1)
+                runs["killed" if kill else "clean"] = _read(out)
+                progress(f"{name}: done in {time.monotonic() - started:.1f} s")
+            results[name] = _measure(runs["clean"], runs["killed"])
+    baseline = next(iter(results.values()))
+    for measured in results.values():
+        measured["as_trainer_alone"] = measured["final"] == baseline["clean_final"]
+        measured["step_time_ratio"] = measured["median_step_s"] / baseline["median_step_s"]
+    return {
+        "machine": machine,
+        "steps": steps,
+        "kill_at": kill_at,
+        "step_s": step_s,
+        "setup_s": setup_s,
+        "systems": results,
+    }
+
+
+def _launch(system: str, launcher: list[str], out: Path, steps: int, step_s: float, setup_s: float, kill: int) -> None:
+    out.mkdir(parents=True)
+    cmd = [
+        sys.executable,
+        *launcher,
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        "-m",
+        "stalwart.bench.trainer_job",
+        "--system",
+        system,
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--step-s",
+        str(step_s),
+        "--setup-s",
+        str(setup_s),
+        "--kill-at",
+        str(kill),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # As `stalwart bench recovery` runs torchrun: stock torchrun's restarted workers share the agent's store and
+    # often hang in their first init_process_group (docs/benchmarks.md, "stock torchrun recovered").
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    with open(out / "output.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out, start_new_session=True)
+        try:
+            code = proc.wait(TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            raise BenchError(f"a run did not end within {TIMEOUT_S:.0f} s; its output: {out / 'output.log'}") from exc
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher's workers too, whatever happened
+            proc.wait()
+    if code != 0:
+        tail = (out / "output.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        raise BenchError(f"{' '.join(launcher[1:])} exited with {code}: {tail[0]}")
+
+
+def _read(out: Path) -> dict[str, Any]:
+    ends = []
+    for path in out.glob("steps-*.txt"):
+        pid = int(path.stem.split("-")[1])
+        ends += [(int(g), float(t), pid) for g, t in (line.split() for line in path.read_text().splitlines())]
+    kill = out / "kill.txt"
+    final = {p.stem: json.loads(p.read_text())["sha256"] for p in sorted(out.glob("rank*.json"))}
+    return {
+        "ends": sorted(ends, key=lambda e: e[1]),
+        "kill_t": float(kill.read_text()) if kill.exists() else None,
+        "final": final,
+    }
+
+
+def _measure(clean: dict[str, Any], killed: dict[str, Any]) -> dict[str, Any]:
+    kill_t = killed["kill_t"]
+    if kill_t is None:
+        raise BenchError("the killed run's rank 1 did not die where asked")
+    before = max((g for g, t, _ in killed["ends"] if t < kill_t), default=0)
+    after = [(g, t) for g, t, _ in killed["ends"] if t > kill_t]
+    if not after:
+        raise BenchError("the killed run completed no step after the kill")
+    first_new = min(t for g, t in after if g > before)
+    resumed_at = min(g for g, _ in after) - 1
+    per_pid: dict[int, list[float]] = {}
+    for _, t, pid in clean["ends"]:
+        per_pid.setdefault(pid, []).append(t)
+    times = max(per_pid.values(), key=len)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    return {
+        "kill_to_next_step_s": first_new - kill_t,
+        "steps_done_again": before - resumed_at,
+        "as_without_the_kill": killed["final"] == clean["final"],
+        "median_step_s": statistics.median(gaps),
+        "final": killed["final"],
+        "clean_final": clean["final"],
+    }
+
+
+def print_report(console: Console, report: dict[str, Any]) -> None:
+    m = report["machine"]
+    console.print(
+        f"machine: {m['cpu_count']} CPUs, torch {m['torch']}, python {m['python']}, {m['platform']}\n"
+        f"job: a tiny GPT-2 in the Trainer's loop on 2 CPU ranks, {report['steps']} steps padded to "
+        f"{report['step_s']} s, {report['setup_s']} s of set-up; rank 1 SIGKILLed after step {report['kill_at']}"
+    )
+    table = Table(title="the Hugging Face Trainer after a killed worker")
+    for column in (
+        "system",
+        "kill → next step",
+        "steps done again",
+        "ends as without the kill",
+        "ends as the Trainer alone",
+        "median step",
+        "step time ÷ alone",
+    ):
+        table.add_column(column, justify="left" if column == "system" else "right", no_wrap=True)
+    for name, r in report["systems"].items():
+        table.add_row(
+            name,
+            seconds_text(r["kill_to_next_step_s"]),
+            str(r["steps_done_again"]),
+            "yes" if r["as_without_the_kill"] else "no",
+            "yes" if r["as_trainer_alone"] else "no",
+            seconds_text(r["median_step_s"]),
+            f"{r['step_time_ratio']:.3f}×",
+        )
+    console.print(table)

@@ -1,0 +1,111 @@
+"""The job of `stalwart bench trainer`: a tiny GPT-2 in the Hugging Face Trainer's own loop, on 2 CPU ranks.
+
+`--system hf`: `transformers.Trainer` as its users run it under torchrun: a checkpoint every 20 steps
+(`save_steps`), a restart resumes from the newest (`resume_from_checkpoint`). `--system stalwart`: the same with
+`stalwart.integrations.hf.Trainer` and a `StalwartCallback` with its defaults. Each step sleeps `--step-s` (a
+stand-in for the compute a GPU would do), after `--setup-s` of set-up. Rank 1 of the first start SIGKILLs itself
+as step `--kill-at` + 1 begins, the time of the kill written first. Every step end goes to `<out>/steps-<pid>.txt`
+(global step, wall time); each rank's parameters' sha256 to `<out>/rank<R>.json` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+SAVE_STEPS = 20
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.ids = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class _Timing(transformers.TrainerCallback):
+    def __init__(self, out: Path, step_s: float, kill_at: int) -> None:
+        self.step_s, self.kill_at = step_s, kill_at
+        self.log = out / f"steps-{os.getpid()}.txt"
+        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.victim = kill_at >= 0 and os.environ.get("RANK") == "1" and first_start
+        self.out = out
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.victim and state.global_step == self.kill_at:
+            (self.out / "kill.txt").write_text(f"{time.time()}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        time.sleep(self.step_s)
+        with open(self.log, "a") as f:
+            f.write(f"{state.global_step} {time.time()}\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--system", choices=("hf", "stalwart"), required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--step-s", type=float, required=True)
+    p.add_argument("--setup-s", type=float, required=True)
+    p.add_argument("--kill-at", type=int, default=-1)
+    args = p.parse_args()
+    time.sleep(args.setup_s)
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    hf_dir = args.out / "hf-checkpoints"
+    training = transformers.TrainingArguments(
+        output_dir=str(hf_dir),
+        per_device_train_batch_size=4,
+        max_steps=args.steps,
+        learning_rate=1e-3,
+        use_cpu=True,
+        ddp_backend="gloo",
+        ddp_find_unused_parameters=False,
+        save_strategy="steps" if args.system == "hf" else "no",
+        save_steps=SAVE_STEPS,
+        logging_steps=10**6,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+    )
+    callbacks: list[Any] = [_Timing(args.out, args.step_s, args.kill_at)]
+    dataset = _Tokens(4096)
+    if args.system == "hf":
+        from transformers.trainer_utils import get_last_checkpoint
+
+        trainer = transformers.Trainer(model=model, args=training, train_dataset=dataset, callbacks=callbacks)
+        trainer.train(resume_from_checkpoint=get_last_checkpoint(str(hf_dir)) if hf_dir.is_dir() else None)
+    else:
+        from stalwart.integrations.hf import StalwartCallback, Trainer
+
+        callbacks.append(StalwartCallback(str(args.out / "stalwart-checkpoints")))
+        trainer = Trainer(model=model, args=training, train_dataset=dataset, callbacks=callbacks)
+        trainer.train()
+    digest = hashlib.sha256()
+    assert trainer.model is not None
+    for name, t in trainer.model.state_dict().items():
+        digest.update(name.encode() + t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    (args.out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps({"sha256": digest.hexdigest()}))
+
+
+if __name__ == "__main__":
+    main()
