@@ -12,14 +12,13 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conftest import Launch, alive, child_env, stalwart, wait_for
+from stalwart.errors import ConfigError
 
 pytest.importorskip("transformers")
 
@@ -66,9 +65,9 @@ def _digests(job: Any) -> dict[int, str]:
 
 @pytest.mark.parametrize(
     "fault",
-    # A kill between two steps: test_a_stopped_worker_then_a_killed_survivor_end_bitwise_in_the_trainer.
-    [("--die-at", "13:backward"), ("--die-at", "13:optimizer")],
-    ids=["backward", "before-the-optimizer-step"],
+    # Between two steps and inside the optimizer step: test_a_stopped_worker_then_a_killed_survivor_end_bitwise_...
+    [("--die-at", "13:backward"), ("--die-at", "13:begin")],
+    ids=["backward", "before-the-forward"],
 )
 def test_a_kill_redoes_the_step_inside_the_trainer_and_the_run_ends_bitwise(
     launch: Any, reference: Any, fault: tuple[str, str]
@@ -141,14 +140,15 @@ def test_without_wait_for_replacement_the_survivor_trains_on_shrunk_in_the_train
     assert len(losses) == STEPS // 5 and all(3.5 < v < 4.3 for v in losses), f"the logged losses: {losses}"
 
 
-def test_the_callback_alone_on_a_plain_trainer_says_why_it_cannot(tmp_path: Path) -> None:
-    env = child_env(PYTHONPATH=str(SCRIPT.parent))
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", "out", "--plain-with-callback", "--steps", "2"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode != 0
-    assert "StalwartCallback needs stalwart.integrations.hf.Trainer in place of transformers.Trainer" in done.stderr
+def test_the_callback_alone_on_a_plain_trainer_says_why_it_cannot() -> None:
+    """At the plain Trainer's init (its on_init_end), before any set-up: stalwart's Trainer sets itself on the
+    callback before that."""
+    from stalwart.integrations.hf import StalwartCallback
+
+    with pytest.raises(ConfigError, match=r"StalwartCallback needs stalwart\.integrations\.hf\.Trainer in place of"):
+        StalwartCallback("ckpt").on_init_end(None, None, None)
+    with pytest.raises(ConfigError, match="a checkpoint directory or a job=, one of them"):
+        StalwartCallback()
 
 
 def test_bench_trainer_refuses_a_kill_after_the_last_step_in_one_line(tmp_path: Path) -> None:
@@ -176,15 +176,17 @@ def test_bench_trainer_runs_every_system_and_reports_one_json_object(tmp_path: P
 
 
 def test_a_stopped_worker_then_a_killed_survivor_end_bitwise_in_the_trainer(launch: Any, reference: Any) -> None:
-    """Rank 1 stopped (SIGSTOP) as step 14 begins: the agent finds it hung and replaces it while rank 0 stays in
-    the Trainer's loop; then rank 0 is killed in the next round, and the replacement of rank 1 stays in its loop.
-    The run ends as the Trainer alone without a failure."""
-    faults = "hang@rank=1,step=13,how=sigstop;kill@rank=0,step=22,restart=1"
+    """Rank 1 stopped (SIGSTOP) as step 14 begins, between two steps: the agent finds it hung and replaces it while
+    rank 0 stays in the Trainer's loop; then rank 0 is killed in the next round inside the optimizer step (its commit
+    point passed), and the replacement of rank 1 stays in its loop. The run ends as the Trainer alone without a
+    failure."""
+    faults = "hang@rank=1,step=13,how=sigstop;kill_in_optimizer@rank=0,step=22,restart=1,phase=after_barrier"
     job = launch(_args("--divergence-every", "5"), env=child_env(STALWART_FAULTS=faults))
     assert job.wait(240) == 0, job.output()[-3000:]
     assert _digests(job) == _digests(reference), "the parameters differ from transformers.Trainer's without a failure"
     assert _losses(job) == _losses(reference), "the Trainer's logged losses differ"
-    assert [e["fault"] for e in job.events("fault_injected")] == ["hang", "kill"], job.events("fault_injected")
+    faults_fired = [e["fault"] for e in job.events("fault_injected")]
+    assert faults_fired == ["hang", "kill_in_optimizer"], faults_fired
     assert sorted(e["rank"] for e in job.events("reformed_in_loop")) == [0, 1], "each survivor stayed in its loop"
     setups = _setups(job)
     assert len(setups) == len(set(setups)) == 4, f"the script's set-up ran once in each process: {setups}"

@@ -8,23 +8,30 @@ protocol, so that a kill costs the survivors one step redone in place instead of
     trainer.train()
 
 Why a subclass as well as a callback: a callback sees a step begin and end, but cannot put the Trainer's data
-loader at a restored step, nor run a failed step again. The subclass overrides four of the Trainer's methods
-(`train`, `get_batch_samples`, `training_step`, and the private `_run_epoch` and `_load_rng_state`, whose
-signatures are checked at import: a transformers that moved them gets one clear error, not a wrong resume).
-`StalwartCallback` given to a plain `transformers.Trainer` says so in one line and stops.
+loader at a restored step, nor run a failed step again. The subclass overrides `train`, `get_batch_samples` and
+`training_step`, and the private `_run_epoch`, `_load_rng_state`, `_maybe_log_save_evaluate` and
+`_finalize_training` (checked at import with the private helpers it calls: a transformers that moved them gets one
+clear error, not a wrong resume). `StalwartCallback` given to a plain `transformers.Trainer` says so in one line and
+stops at the Trainer's init.
 
 What it does, in the Trainer's order:
-- `on_train_begin` (the model, optimizer and LR scheduler made and prepared): the Job (made here unless given) tracks
-  them and the Trainer's progress (`TrainerState`: global step, epoch, log history, best metric), and resumes from
-  the newest checkpoint that verifies (node memory, a peer, or storage); every generator comes back with it.
+- At the Trainer's init the Job is made (before the Trainer wraps its model: a replacement's group keeps the
+  wrapper's collectives to itself until the survivors' state arrived).
+- `on_train_begin` (the model, optimizer and LR scheduler made and prepared): the Job tracks them, the Trainer's
+  progress (`TrainerState`: global step, epoch, log history, best metric; hf_state.py) and the loss each rank sums
+  towards the next log line, and its first step's begin resumes from the newest state that verifies (node memory,
+  a peer, or storage); every generator comes back with it.
 - The data position is the Trainer's own: its sampler is a pure function of the seed and the epoch, so the
   restored global step says where it is. The epochs before it are not run; in its epoch the Trainer skips the
-  batches by index (accelerate's `skip_first_batches`: no item before the restored step is read).
-- `on_step_begin`/`on_step_end`: the protocol's begin and end; a step's end takes stalwart's snapshot, checks and
-  checkpoint. A peer's death inside a step is absorbed (the step's update dropped), `end()` recovers (re-forms in
-  the loop, or trains on shrunk while the replacement sets up), and the step is run again here with the same
-  micro-batches (`get_batch_samples` keeps them): forward and backward, clipping, the optimizer step, the LR
-  scheduler step, as the Trainer makes them.
+  batches by index (accelerate's `skip_first_batches`: no item of a map-style dataset before the restored step is
+  read).
+- `on_step_begin`: the protocol's begin (each step's micro-batches and generators kept back to the job's redo
+  horizon). `on_step_end`: a step whose update was dropped (a peer died in it) runs again here, after the job
+  recovered (re-formed in the loop, or training on shrunk while the replacement sets up), with the same
+  micro-batches: forward and backward, clipping, the optimizer and LR scheduler steps, as the Trainer makes them.
+  Then the Trainer logs, saves and evaluates (under `job.busy()` when it saves or evaluates), and only then comes
+  the Job's end of the step (`_maybe_log_save_evaluate`): snapshot, checks, checkpoint, so that a restore puts
+  back what the log line changed.
 - The loop's end (`_finalize_training`, before a best model is loaded): the run's last state is durable (the step
   protocol's last checkpoint, or a save when the Trainer stopped early). The Job stays open until the process
   exits, so its group serves the Trainer's collectives after training.
