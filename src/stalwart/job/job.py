@@ -185,14 +185,16 @@ class Job:
 
         `step` counts completed steps before this one, so a fresh job yields 0 first. A step is complete
         when the loop body returns; a failure inside it means the step is redone after recovery. The first
-        driver of the step protocol (`loop()`): a loop body's failure is the step's.
+        driver of the step protocol (`loop()`). A peer's failure does not raise in the loop body (it is absorbed
+        and the step's end recovers); an exception the body raises ends a `for` loop as it always does, and one
+        thrown in with `throw()` goes to `failed()`.
         """
         with self.loop(loader, max_steps=max_steps) as loop:
             while (step := loop.begin()) is not None:
                 try:
                     yield step.number, step.batch
                 except Exception as exc:
-                    loop.failed(exc)  # raises it again unless the job recovers; the next step is then the redo
+                    loop.failed(exc)  # (only a throw() reaches here) raises it again unless the job recovers
                     continue
                 loop.end()
 
