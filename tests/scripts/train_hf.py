@@ -18,6 +18,8 @@ import recipe_common
 import torch
 import transformers
 
+from stalwart.bench.trainer_job import tiny_gpt2
+
 
 class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
     """Random token sequences, the same in every process; each served index is appended to `log`."""
@@ -96,11 +98,7 @@ def main() -> None:
     if args.setup_log is not None:
         with open(args.setup_log, "a") as f:
             f.write(f"{os.getpid()}\n")
-    config = transformers.GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
-    )
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
+    model = tiny_gpt2()  # `stalwart bench trainer`'s
     training = transformers.TrainingArguments(
         output_dir="hf-out",
         per_device_train_batch_size=4,

@@ -191,3 +191,17 @@ def run_ranks(module: str, world: int, args: list[str], logs: Path, what: str, t
     if any(codes):
         tail = outputs[codes.index(next(c for c in codes if c))].read_text()[-1500:]
         raise BenchError(f"{what} failed:\n{tail}")
+
+
+def params_sha256(module: Any) -> str:
+    """The sha256 of a module's state, the same bytes on every system: how the bench jobs say two runs ended alike.
+    A DTensor (FSDP2) is gathered first, a collective every rank makes."""
+    import hashlib
+
+    import torch  # here: the bench commands answer a bad flag without importing torch
+
+    digest = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        digest.update(name.encode() + t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -14,7 +14,6 @@ of its parameters.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import stalwart
+from stalwart.bench.common import params_sha256
 from stalwart.runtime.process import die_with_parent
 
 
@@ -122,11 +122,8 @@ def main() -> None:
         loss.backward()
         optim.step()
         job.report(loss=loss.detach())
-    digest = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor under FSDP2: gathered (collective)
-        digest.update(name.encode() + t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    (args.out / f"result-rank{job.rank}.json").write_text(json.dumps({"sha256": digest.hexdigest(), "step": job.step}))
+    result = {"sha256": params_sha256(model), "step": job.step}  # a DTensor under FSDP2: gathered (collective)
+    (args.out / f"result-rank{job.rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ with `step` = torchft's committed step count and `participants` = how many repli
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore
 
+from stalwart.bench.common import params_sha256
 from stalwart.telemetry.events import EventLog
 
 TIMEOUT_S = 10.0
@@ -94,10 +94,7 @@ def main() -> None:
                 participants=manager.num_participants(),
                 loss=float(loss.detach()),
             )
-    digest = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        digest.update(name.encode() + t.contiguous().view(torch.uint8).numpy().tobytes())
-    result = {"sha256": digest.hexdigest(), "step": manager.current_step()}
+    result = {"sha256": params_sha256(model), "step": manager.current_step()}
     (args.out / f"result-rank{args.replica}.json").write_text(json.dumps(result))
     manager.shutdown(wait=False)
     os._exit(0)  # torchft's server threads can keep a plain exit waiting

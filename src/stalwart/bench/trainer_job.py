@@ -11,7 +11,6 @@ as step `--kill-at` + 1 begins, the time of the kill written first. Every step e
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -22,7 +21,19 @@ from typing import Any
 import torch
 import transformers
 
+from stalwart.bench.common import params_sha256
+
 SAVE_STEPS = 20
+
+
+def tiny_gpt2() -> transformers.GPT2LMHeadModel:
+    """The bench's model (and the tests' HF Trainer script's): a 2-layer GPT-2 of width 32 over 64 tokens, the same
+    initial weights in every process."""
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -66,11 +77,7 @@ def main() -> None:
     args = p.parse_args()
     time.sleep(args.setup_s)
     args.out.mkdir(parents=True, exist_ok=True)
-    config = transformers.GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
-    )
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
+    model = tiny_gpt2()
     hf_dir = args.out / "hf-checkpoints"
     training = transformers.TrainingArguments(
         output_dir=str(hf_dir),
@@ -100,11 +107,8 @@ def main() -> None:
         callbacks.append(StalwartCallback(str(args.out / "stalwart-checkpoints")))
         trainer = Trainer(model=model, args=training, train_dataset=dataset, callbacks=callbacks)
         trainer.train()
-    digest = hashlib.sha256()
-    assert trainer.model is not None
-    for name, t in trainer.model.state_dict().items():
-        digest.update(name.encode() + t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    (args.out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps({"sha256": digest.hexdigest()}))
+    result = {"sha256": params_sha256(trainer.model)}
+    (args.out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -184,11 +184,8 @@ class StalwartCallback(transformers.TrainerCallback):
         if step is None:  # the Job's run is over (it reached max_steps): the Trainer's must be too
             control.should_training_stop = True
             return
-        self._ours().stalwart_step_began(step, self._loop_horizon())
-
-    def _loop_horizon(self) -> int:
         assert self._loop is not None
-        return self._loop.horizon()
+        self._ours().stalwart_step_began(step, self._loop.horizon())
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._logged is not None:

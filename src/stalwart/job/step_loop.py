@@ -70,9 +70,9 @@ class StepLoop:
     def __init__(
         self,
         engine: Callable[[], Engine],
-        update_dropped: Callable[[], bool] = lambda: False,
-        horizon: Callable[[], int] = lambda: 0,
-        formation: Callable[[], int] = lambda: 0,
+        update_dropped: Callable[[], bool],
+        horizon: Callable[[], int],
+        formation: Callable[[], int],
     ) -> None:
         self._make = engine
         self._update_dropped = update_dropped
