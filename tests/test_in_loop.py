@@ -160,17 +160,25 @@ def test_fsdp2_survivors_keep_their_shards_in_their_loop(launch: Any, tmp_path: 
 
 @fsdp2
 @pytest.mark.parametrize(
-    ("data", "phase", "nproc", "replacement_dies"),
+    ("data", "phase", "nproc", "replacements_die"),
     [
-        ("loader", "forward", 2, False),
-        ("own-data", "before_optimizer", 2, False),
-        ("loader", "forward", 3, False),
-        ("loader", "forward", 3, True),
+        ("loader", "forward", 2, ()),
+        ("own-data", "before_optimizer", 2, ()),
+        ("loader", "forward", 3, ()),
+        # The first replacement dies as its set-up starts, while the survivors still form their own group and shard
+        # among themselves (fc145: they were interrupted there and ran the script again); the second half-way
+        # through it, while they train shrunk.
+        ("loader", "forward", 3, ("--die-early-in-setup", "1", "--die-in-setup", "2")),
     ],
-    ids=["resumable-loader", "own-data", "three-ranks", "three-ranks-replacement-dies-in-its-set-up"],
+    ids=["resumable-loader", "own-data", "three-ranks", "three-ranks-replacements-die-in-their-set-up"],
 )
 def test_fsdp2_survivors_shard_among_themselves_and_train_on_while_the_replacement_sets_up(
-    launch: Any, tmp_path_factory: pytest.TempPathFactory, data: str, phase: str, nproc: int, replacement_dies: bool
+    launch: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+    data: str,
+    phase: str,
+    nproc: int,
+    replacements_die: tuple[str, ...],
 ) -> None:
     """By default FSDP2 survivors do not wait for the replacement's set-up (recovery/in_loop/sharded_stretch.py):
     the survivors shard their modules again in place for their own group, take the lost rank's shards from node
@@ -182,8 +190,9 @@ def test_fsdp2_survivors_shard_among_themselves_and_train_on_while_the_replaceme
     args += ("--own-data",) if data == "own-data" else ()
     env = child_env(STALWART_WAIT_FOR_REPLACEMENT="0")  # the default (the tests' is to wait)
     extra = ("--setup-s", "1", "--setup-log", "setups.log", "--die-at", f"13:{phase}")
-    # The first replacement dies half-way through its set-up: the survivors re-arm in their loop and train on.
-    extra += ("--die-in-setup", "1") if replacement_dies else ()
+    # Replacements that die in their set-up: the survivors re-arm in their loop and train on, once a death.
+    extra += replacements_die
+    deaths = len(replacements_die) // 2
     job = launch(tiny_args(*args, *extra, nproc=nproc), env=env)
     assert job.wait(180) == 0, job.output()
     results = job.results()
@@ -193,8 +202,8 @@ def test_fsdp2_survivors_shard_among_themselves_and_train_on_while_the_replaceme
     assert all(r["finite"] and r["step"] == STEPS for r in results.values()), results
     assert set(_setups(job).values()) == {1}, f"the set-up ran once in every process: {_setups(job)}"
     survivors = [r for r in range(nproc) if r != 1]
-    rearmed = sorted(e["rank"] for e in job.events("shrunk_rearmed"))
-    assert rearmed == (survivors if replacement_dies else []), rearmed
+    rearmed = sorted((e["rank"], e["restart"]) for e in job.events("shrunk_rearmed"))
+    assert rearmed == [(r, 2 + d) for r in survivors for d in range(deaths)], rearmed
     shrunk = sorted(job.events("shrunk"), key=lambda e: e["rank"])
     assert [(e["rank"], e["world_size"], e["full_world_size"]) for e in shrunk] == [
         (r, nproc - 1, nproc) for r in survivors
@@ -207,7 +216,7 @@ def test_fsdp2_survivors_shard_among_themselves_and_train_on_while_the_replaceme
     assert moved == sorted([(r, nproc, nproc - 1) for r in survivors] + [(r, nproc - 1, nproc) for r in survivors]), (
         "sharded among the survivors, then for the whole job again"
     )
-    grown_in = 2 if replacement_dies else 1  # the round of the replacement that reached its loop
+    grown_in = 1 + deaths  # the round of the replacement that reached its loop
     resumed = sorted((e["rank"], e["step"], e["tier"]) for e in job.events("resumed") if e["restart"] == grown_in)
     assert resumed == [(r, growing[0]["step"], "memory") for r in range(nproc)], resumed
     assert not job.events("waiting_for_replacement")

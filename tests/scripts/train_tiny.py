@@ -133,7 +133,16 @@ def main() -> None:
     p.add_argument("--when-busy", default="wait", help="wait: every save happens (deterministic steps for tests)")
     p.add_argument("--ckpt-per-rank", action="store_true", help="a node-local checkpoint dir on each rank (wrong)")
     p.add_argument("--unsavable-on-rank", type=int, default=-1, help="track a numpy scalar on this rank (wrong)")
-    p.add_argument("--die-in-setup", type=int, default=-1, help="rank 1 of this restart dies in its set-up")
+    p.add_argument(
+        "--die-in-setup", type=int, action="append", default=[], help="rank 1 of this restart dies half-way in set-up"
+    )
+    p.add_argument(
+        "--die-early-in-setup",
+        type=int,
+        action="append",
+        default=[],
+        help="rank 1 of this restart dies as its set-up starts (while the survivors still form their own group)",
+    )
     p.add_argument("--cuda", action="store_true", help="model and batches on GPU 0, shared by every rank (GPU checks)")
     p.add_argument("--no-randomness", action="store_true", help="no dropout, no noise: steps draw no random numbers")
     p.add_argument("--grow-to", type=int, default=0, help="as stalwart.chaos.tiny_job's: ranks to wait to grow back to")
@@ -192,7 +201,10 @@ def main() -> None:
     if args.setup_log:
         with open(args.setup_log, "a") as f:
             f.write(f"{os.getpid()}\n")
-    if job.rank == 1 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == args.die_in_setup:
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if job.rank == 1 and restart in args.die_early_in_setup:
+        _die()
+    if job.rank == 1 and restart in args.die_in_setup:
         time.sleep(args.setup_s / 2)
         _die()
     time.sleep(args.setup_s)

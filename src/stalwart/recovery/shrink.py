@@ -256,13 +256,17 @@ class Asked:
 
     def __init__(self) -> None:
         self.asked = False
-        self._before = signal.signal(reform.REFORM_SIGNAL, self._ask)
+        self._before: Any = signal.signal(reform.REFORM_SIGNAL, self._ask)
+        self._closed = False
 
     def _ask(self, signum: int, frame: FrameType | None) -> None:
         self.asked = True
 
     def close(self) -> None:
-        signal.signal(reform.REFORM_SIGNAL, self._before)
+        """The handler before it again (once: a second call changes nothing)."""
+        if not self._closed:
+            self._closed = True
+            signal.signal(reform.REFORM_SIGNAL, self._before)
 
 
 class MicroSteps:

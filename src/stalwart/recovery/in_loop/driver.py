@@ -54,13 +54,38 @@ def recover(
         job.events.emit("waiting_for_replacement", step=job.step, why=why)
         return reform_in_loop(job, failure, loader, iterator, batch)
     assert job.parts.in_loop is not None
-    own_data = _own_data(job, loader)
     started, failed_at = time.monotonic(), job.step
     undone: list[int | None] = []
     abandon(job, before_close=lambda: undone.append(_undo(job)))
     job.parts.in_loop.leave(job.rank, reform.reason(failure))
+    # From here a request to re-form is the next round's (its replacement died in its set-up): recorded, not raised
+    # in the middle of forming or sharding; the survivors re-arm at their first step boundary (shrunk.py).
+    asked = shrink.Asked()
+    try:
+        back_to = undone[0] if undone else None
+        args = (failure, loader, iterator, batch, max_steps, asked, back_to, started, failed_at)
+        return (yield from _train_on(job, *args))
+    finally:
+        asked.close()
+
+
+def _train_on(
+    job: LoopJob,
+    failure: Exception,
+    loader: Iterable[Any] | None,
+    iterator: Iterator[Any] | None,
+    batch: tuple[int, Any],
+    max_steps: int,
+    asked: shrink.Asked,
+    back_to: int | None,
+    started: float,
+    failed_at: int,
+) -> Generator[tuple[int, Any], None, Iterator[Any] | None]:
+    """`recover` once this survivor left its group and undid the failed step (to `back_to`, None: it could
+    not): train on shrunk when the survivors can, else wait for the replacement."""
+    assert job.parts.in_loop is not None
+    own_data = _own_data(job, loader)
     now = Placement.from_env()
-    back_to = undone[0] if undone else None
     same_world = back_to is not None and now.world_size == job.world_size
     if back_to is not None and same_world and back_to != job.step:
         job.move_to(back_to)  # back to its newest snapshot: the failure came before the step's own
@@ -94,19 +119,22 @@ def recover(
     if plan is None:
         with contextlib.closing(EventLog.from_env(rank=now.rank, restart=now.restart_count)) as events:
             events.emit("waiting_for_replacement", step=job.step, why=why)
+        asked.close()
+        if asked.asked:  # as before this round's formation: the script runs again (its round is gone)
+            raise reform.ReformRequested("the agent asked this worker to re-form: a peer failed")
         return reform_in_loop(job, failure, loader, iterator, batch, left=True)
     job.parts.in_loop.rejoin()  # the DDP modules' fresh reducers on the survivors' group
     if own_data:  # the failed step is redone with the batch drawn for it; then the script's own iterator goes on
         drawn_at, drawn = batch
         own = itertools.chain([drawn], iterator) if iterator is not None and drawn_at == job.step else iterator
-        yield from shrunk.train_own(job, own, plan, max_steps, failed_at, started)
+        yield from shrunk.train_own(job, own, plan, max_steps, failed_at, started, asked)
     else:
         assert isinstance(loader, ResumableLoader)
         own = None
         if shards:  # the loader's slices of W' ranks (sharded_stretch): one loop body a step, the global batch kept
-            yield from shrunk.train_own(job, iter(loader), plan, max_steps, failed_at, started)
+            yield from shrunk.train_own(job, iter(loader), plan, max_steps, failed_at, started, asked)
         else:
-            yield from shrunk.train(job, loader, plan, max_steps, failed_at, started)
+            yield from shrunk.train(job, loader, plan, max_steps, failed_at, started, asked)
     if shards:
         sharded_stretch.leave_snapshot(job, plan)
     reform.abort_process_groups()

@@ -26,7 +26,13 @@ from stalwart.telemetry.events import EventLog
 
 
 def train(
-    job: LoopJob, loader: ResumableLoader, plan: shrink.Plan, max_steps: int, failed_at: int, started: float
+    job: LoopJob,
+    loader: ResumableLoader,
+    plan: shrink.Plan,
+    max_steps: int,
+    failed_at: int,
+    started: float,
+    asked: shrink.Asked,
 ) -> Iterator[tuple[int, Any]]:
     """Steps of the full job at the survivors' size, the global batch kept: each step is one loop body per slice
     this survivor takes (its own and the missing ranks' it stands for), the update made in the last."""
@@ -47,14 +53,20 @@ def train(
         return True
 
     try:
-        yield from _shrunk_steps(job, plan, max_steps, failed_at, started, step)
+        yield from _shrunk_steps(job, plan, max_steps, failed_at, started, step, asked)
     finally:
         micro.close()
         loader.take_shares(None)
 
 
 def train_own(
-    job: LoopJob, iterator: Iterator[Any] | None, plan: shrink.Plan, max_steps: int, failed_at: int, started: float
+    job: LoopJob,
+    iterator: Iterator[Any] | None,
+    plan: shrink.Plan,
+    max_steps: int,
+    failed_at: int,
+    started: float,
+    asked: shrink.Asked,
 ) -> Iterator[tuple[int, Any]]:
     """Steps at the survivors' size with the script's own data: one loop body a step, as before the failure, each
     survivor drawing its own batch (from `iterator`, or in the loop body when the script gave no loader); DDP
@@ -67,7 +79,7 @@ def train_own(
         yield job.step, item
         return True
 
-    yield from _shrunk_steps(job, plan, max_steps, failed_at, started, step)
+    yield from _shrunk_steps(job, plan, max_steps, failed_at, started, step, asked)
 
 
 _END = object()
@@ -80,6 +92,7 @@ def _shrunk_steps(
     failed_at: int,
     started: float,
     step: Callable[[], Generator[tuple[int, Any], None, bool]],
+    asked: shrink.Asked,
 ) -> Iterator[tuple[int, Any]]:
     """Steps of the job at the survivors' size (each `step()`'s loop bodies, False when the data ran out) until the
     replacements reached their loop, or the step before the last: the run's final checkpoint is taken by the whole
@@ -92,7 +105,6 @@ def _shrunk_steps(
     group = reformable.current()
     assert group is not None
     group.absorb_failures(True)
-    asked = shrink.Asked()
     first = job.step
     seconds = round(time.monotonic() - started, 4)
     events.emit(
