@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -426,9 +427,8 @@ def test_with_the_primary_s3_down_mid_run_saves_go_to_the_mirror_and_the_run_end
         child_env(**aws_env(s3.endpoint, tmp_path)),
     )
     try:
-        # The outage starts right after a commit, so that the saves it meets start during it: a commit the outage
-        # lands in retries the primary until the save's deadline and holds the saves behind it (docs/status.md,
-        # found 2026-12-01, not fixed; fc144 failed so).
+        # The outage starts right after a commit, so that the saves it meets start during it. (One it lands in
+        # gives that save up after --failover-s: the test below; fc144 waited for the save's deadline there.)
         committed = lambda: [e for e in job.events("checkpoint_committed") if e["step"] >= 8]  # noqa: E731
         job.wait_for(committed, 120, "a commit at step 8 or later")
         s3.stop()
@@ -500,3 +500,64 @@ def test_measure_a_long_primary_outage(s3: S3, tmp_path: Path) -> None:
         assert layout.committed_steps(open_storage(s3.url(prefix)))[0] == int(steps), "the primary caught up"
     finally:
         job.reap()
+
+
+class _CutBeforeManifest:
+    """Save hooks that take the S3 server away after every shard is in, as the commit writes its manifest."""
+
+    def __init__(self, s3: S3) -> None:
+        self._s3 = s3
+        self.on_half_written = None
+
+    def storage(self, storage: Any) -> Any:
+        return storage
+
+    def before_commit(self) -> None:
+        self._s3.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cut", ["before-the-listing", "before-the-manifest"])
+def test_a_commit_whose_store_stops_answering_gives_up_after_failover_s_where_mirrors_exist(
+    s3: S3, tmp_path: Path, cut: str
+) -> None:
+    """Every rank wrote its shard to the S3 checkpoint directory, then the server went away during rank 0's commit
+    (fc144's failure): with a mirror, the commit gives the save up after `failover_s` (the next save fails over) rather
+    than retrying to the save's deadline of 600 s while the saves behind it wait; the test's timeout is far under it."""
+    from stalwart.checkpoint.save.committer import Committer
+    from stalwart.checkpoint.save.request import PersistRequest
+    from stalwart.checkpoint.save.retry import GaveUp, Retrier
+    from stalwart.checkpoint.save.save_hooks import NoSaveHooks
+    from stalwart.telemetry.events import EventLog
+
+    primary, mirror = open_storage(s3.url(f"run-{uuid.uuid4().hex[:8]}")), open_storage(str(tmp_path / "mirror"))
+    token, step_dir = "t-0", layout.step_dir_name(4)
+    meta = json.dumps({"tensors": {}, "written_bytes": 0}).encode()
+    primary.write_bytes(f"{step_dir}/{layout.meta_name(1, token)}", meta)  # rank 1's shard is in
+    request = PersistRequest(
+        step=4,
+        token=token,
+        rank=0,
+        world_size=2,
+        coordinator=True,
+        keep_last=2,
+        url=s3.url("run"),
+        options=None,
+        staging={},
+        base=None,
+        snapshot_mono=time.monotonic(),
+        deadline_s=600.0,
+        mirrors=[{"url": str(tmp_path / "mirror"), "options": None}],
+        failover_s=0.5,
+    )
+    events = EventLog(tmp_path / "events.jsonl", rank=0)
+    quitting = threading.Event()
+    committer = Committer(events, Retrier(events, quitting), quitting)
+    hooks = NoSaveHooks() if cut == "before-the-listing" else _CutBeforeManifest(s3)
+    if cut == "before-the-listing":
+        s3.stop()
+    started = time.monotonic()
+    with pytest.raises(GaveUp, match=r"stopped answering|the next save goes to a mirror") as gave_up:
+        committer.commit({0: primary, 1: mirror}, 0, request, meta, hooks, lambda index: meta)
+    print(f"{cut}: gave up after {time.monotonic() - started:.1f} s: {gave_up.value}")
+    assert not layout.committed_steps(mirror), "nothing committed where the shards are not"

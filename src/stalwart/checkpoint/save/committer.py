@@ -17,11 +17,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from stalwart.checkpoint.format import layout
 from stalwart.checkpoint.save import failover
 from stalwart.checkpoint.save.request import PersistRequest
-from stalwart.checkpoint.save.retry import GaveUp, Quit, Retrier
+from stalwart.checkpoint.save.retry import GaveUp, Quit, Retrier, Unanswered
 from stalwart.checkpoint.save.save_hooks import SaveHooks
 from stalwart.checkpoint.storage import Storage, describe_error
 from stalwart.telemetry.events import EventLog
@@ -29,6 +30,12 @@ from stalwart.telemetry.events import EventLog
 POLL_LOCAL_S = 0.01
 POLL_REMOTE_S = 0.2
 RETENTION_JOIN_S = 30.0
+SILENT_FAILOVERS = 3
+"""Where the job has mirrors, how many `failover_s` rank 0's location may stay silent during a commit before the save
+is given up: the ranks still writing move to a mirror after one (failover.py), and their shards land there soon
+after; once that is past, every shard is in the silent location."""
+
+T = TypeVar("T")
 
 Rewrite = Callable[[int], bytes]
 """Writes rank 0's shard again in the location of that index; returns its new meta file's bytes."""
@@ -81,7 +88,8 @@ class Committer:
         )
         hooks.before_commit()
         text = manifest.to_json().encode()
-        self._retrier.run(req, "manifest", lambda: storage.write_bytes(f"{step_dir}/{layout.MANIFEST}", text))
+        write = lambda: storage.write_bytes(f"{step_dir}/{layout.MANIFEST}", text)  # noqa: E731
+        self._run_in_place(storages, req, "manifest", write)
         self._events.emit(
             "checkpoint_committed",
             step=step,
@@ -104,12 +112,21 @@ class Committer:
         deadline = req.snapshot_mono + req.deadline_s  # the save's, as every write of it
         elsewhere_from = req.snapshot_mono + req.failover_s  # before then, no rank has moved on (failover.py)
         poll = POLL_LOCAL_S if storages[own].local_path() is not None else POLL_REMOTE_S
+        answered = time.monotonic()  # when rank 0's location last listed the step
         while True:
             if self._quitting.is_set():
                 raise Quit
-            listings = {own: _listing(storages[own], step_dir)}
+            listing = _listing(storages[own], step_dir)
+            now = time.monotonic()
+            if listing is not None:
+                answered = now
+            elif len(storages) > 1 and now - answered > SILENT_FAILOVERS * req.failover_s:
+                # The location stopped answering after every rank wrote there (else they would be elsewhere by
+                # now): this save cannot commit, and waiting for the deadline would hold the saves behind it.
+                raise GaveUp(f"{storages[own].display()} stopped answering during the commit")
+            listings = {own: listing or set()}
             if not set(wanted) <= listings[own] and time.monotonic() >= elsewhere_from:  # the others, if need be
-                listings |= {i: _listing(s, step_dir) for i, s in storages.items() if i != own}
+                listings |= {i: _listing(s, step_dir) or set() for i, s in storages.items() if i != own}
             gave_up = sorted(failed[n] for names in listings.values() for n in names & set(failed))
             if gave_up:
                 raise GaveUp(f"rank {gave_up[0]} could not write its shard")
@@ -130,8 +147,19 @@ class Committer:
         for name, rank in wanted.items():
             rel = f"{step_dir}/{name}"
             read = storages[place].read
-            metas[rank] = self._retrier.run(req, "meta read", lambda rel=rel, read=read: read(rel))  # type: ignore[misc]
+            read_meta = lambda rel=rel, read=read: read(rel)  # noqa: E731
+            metas[rank] = self._run_in_place(storages, req, "meta read", read_meta)
         return place, metas
+
+    def _run_in_place(self, storages: dict[int, Storage], req: PersistRequest, what: str, op: Callable[[], T]) -> T:
+        """`op` on the commit's location, retried. Where the job has mirrors, only for `failover_s`: a location that
+        stopped answering mid-commit gives the save up then (GaveUp: the previous checkpoint stays the newest) and
+        the next save fails over, instead of retrying to the save's deadline while the saves behind it wait."""
+        until = time.monotonic() + req.failover_s if len(storages) > 1 else None
+        try:
+            return self._retrier.run(req, what, op, until)
+        except Unanswered as exc:
+            raise GaveUp(f"{exc}; the next save goes to a mirror") from exc
 
     # -- retention ---------------------------------------------------------------------------------------------
 
@@ -167,9 +195,9 @@ class Committer:
             self._retainer.join(RETENTION_JOIN_S)
 
 
-def _listing(storage: Storage, step_dir: str) -> set[str]:
-    """The names in a step directory; none while the store cannot be listed (an outage: keep waiting)."""
+def _listing(storage: Storage, step_dir: str) -> set[str] | None:
+    """The names in a step directory; None while the store cannot be listed (an outage)."""
     try:
         return set(storage.listdir(step_dir))
     except Exception:
-        return set()
+        return None
