@@ -62,6 +62,8 @@ HOST_WARM_ENV = "STALWART_HOST_WARM"
 
 ZYGOTE_ENV = "STALWART_ZYGOTE"
 """0: start worker hosts as new interpreters instead of forking them from the zygote (supervisor/zygote.py)."""
+PRELOAD_ENV = "STALWART_PRELOAD"
+"""Modules the zygote imports for the script, comma-separated, as `stalwart run --preload` (supervisor/preload.py)."""
 
 # -- set by a user or a test ---------------------------------------------------------------------------------------
 FAULTS_ENV = "STALWART_FAULTS"

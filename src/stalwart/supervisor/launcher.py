@@ -60,7 +60,7 @@ from stalwart.runtime.env import (
 )
 from stalwart.runtime.process import first_line
 from stalwart.runtime.torch_compat_rendezvous import static_master
-from stalwart.supervisor import exclusion, preflight_gate
+from stalwart.supervisor import exclusion, preflight_gate, preload
 from stalwart.supervisor.gpu_watch import GpuWatch, warm_spares_off_for_gpus
 from stalwart.supervisor.host_pool import SparePool
 from stalwart.supervisor.leftovers import (
@@ -200,7 +200,7 @@ def launch(args: argparse.Namespace, say: Any) -> int:
 def _launch(args: argparse.Namespace, say: Any) -> int:
     with contextlib.ExitStack() as cleanup:
         # First, while this process has one thread: the zygote that forks every worker host (supervisor/zygote.py).
-        zygote = Zygote.start()
+        zygote = Zygote.start(preload.plan(args.preload, args.training_script, is_module=args.module))
         if zygote is not None:
             cleanup.callback(zygote.close)
         return _launch_with(args, say, zygote, cleanup)

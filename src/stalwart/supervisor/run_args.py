@@ -161,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
         ".../instance/preempted, AWS's .../spot/instance-action) or file:PATH; at the notice, the same as SIGTERM",
     )
     own.add_argument(
+        "--preload",
+        default=None,
+        metavar="MODULES",
+        help="modules (comma-separated) imported once before the workers are forked, so that no worker and no "
+        "replacement imports them again: the script's heavy frameworks (default: $STALWART_PRELOAD, plus the "
+        "stalwart integrations the script imports, which bring transformers or lightning; 'none': nothing)",
+    )
+    own.add_argument(
         "--metrics-addr",
         default="127.0.0.1",
         help="the address the metrics listen on (default 127.0.0.1: this host only)",

@@ -37,6 +37,7 @@ from typing import IO, Any
 
 from stalwart.runtime.env import ZYGOTE_ENV
 from stalwart.runtime.process import Forked, die_with_parent, name_process, process_state
+from stalwart.supervisor.preload import Preload, load
 
 REPLY_TIMEOUT_S = 60.0
 """How long the launcher waits for the zygote to fork a host (its first fork waits for its imports) before it
@@ -69,8 +70,9 @@ class Zygote:
         """It forks on request; False after it refused, failed or did not answer (new interpreters from then on)."""
 
     @classmethod
-    def start(cls) -> Zygote | None:
-        """Fork the zygote; call it before the launcher starts any thread. None where that is not possible."""
+    def start(cls, preload: Preload | None = None) -> Zygote | None:
+        """Fork the zygote; call it before the launcher starts any thread. None where that is not possible.
+        `preload`: modules it imports for the script too (supervisor/preload.py)."""
         if not enabled() or threading.active_count() != 1:
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -88,7 +90,7 @@ class Zygote:
         if pid == 0:  # the zygote: never returns
             try:
                 ours.close()
-                _Serve(theirs, launcher).run()
+                _Serve(theirs, launcher, preload or Preload()).run()
             finally:
                 os._exit(0)
         theirs.close()
@@ -218,9 +220,10 @@ def _exists(pid: int) -> bool:
 class _Serve:
     """The zygote's loop: import, then fork hosts on request and report how each one ended."""
 
-    def __init__(self, sock: socket.socket, launcher: int) -> None:
+    def __init__(self, sock: socket.socket, launcher: int, preload: Preload) -> None:
         self._sock = sock
         self._launcher = launcher
+        self._preload = preload
         self._wake_r, self._wake_w = os.pipe()
 
     def run(self) -> None:
@@ -236,6 +239,7 @@ class _Serve:
         from stalwart.supervisor.worker_host import import_training_side
 
         import_training_side()
+        single = load(self._preload)  # the script's frameworks: in no host's recovery path from now on
         # Named after the imports: torch 2.4 names the thread that imports it "pt_main_thread". The command line
         # is the launcher's; top and ps -o comm tell them apart.
         name_process(b"stalwart-zygote")
@@ -244,7 +248,9 @@ class _Serve:
         # (230 ms), and the collector does not write to pages the hosts share with the zygote.
         gc.collect()
         gc.freeze()
-        safe = not cuda_driver_loaded()  # a fork of a process that initialised CUDA cannot use the GPU
+        # A fork of a process that initialised CUDA cannot use the GPU; one of a process with another thread may
+        # inherit a lock that thread held (a preloaded module that started one).
+        safe = single and not cuda_driver_loaded()
         while True:
             waiting: list[Any] = [self._sock, self._wake_r]
             readable = select.select(waiting, [], [])[0]
