@@ -196,6 +196,12 @@ class ReformableGroup(dist.ProcessGroup):
         skipped collectives would have brought is missed; the job ends the joining once it has resumed."""
         self.latest()._joining = joining
 
+    @property
+    def joining(self) -> bool:
+        """Whether collectives run locally (`join`): a broadcast then leaves a receiving rank's tensor as it was, so
+        what broadcasts Python objects (a size, then the bytes) must not be run; see integrations/lightning.py."""
+        return bool(self.latest()._joining)
+
     def _local(self, name: str, result: Any, args: tuple[Any, ...]) -> dist.Work:
         """A collective of a joining rank: every rank is taken to hold what this one holds."""
         if name == "allgather":

@@ -81,6 +81,8 @@ class InLoop:
 
     def __init__(self, group: reformable.ReformableGroup) -> None:
         self.grow: Grow | None = None
+        self.joined_late = False
+        """This rank joined peers that stayed in their loop (a replacement) at the newest formation."""
         self._group = group
         self._handles: list[Any] = []
         self._decided: bool | None = None  # this step's update: None (no optimizer step yet), True (kept), False
@@ -165,7 +167,8 @@ class InLoop:
         grows back at that step (`grow`)."""
         said = comm.all_gather_ints([int(staying), -1 if grown_at is None else grown_at])
         stayed = any(v[0] for v in said)
-        self.group.join(stayed and not staying)
+        self.joined_late = stayed and not staying
+        self.group.join(self.joined_late)
         grown = [(rank, v[1]) for rank, v in enumerate(said) if v[0] and v[1] >= 0]
         self.grow = Grow(grown[0][1], grown[0][0], tuple(r for r, v in enumerate(said) if not v[0])) if grown else None
 
@@ -174,6 +177,13 @@ class InLoop:
         modules take the survivors' bucket layout (collective: recovery/ddp_layout.py)."""
         self.group.join(False)
         ddp_layout.share(comm, self.group)
+
+    def quiet_until_step(self, quiet: bool) -> None:
+        """A replacement whose loop makes collectives of its own before its first step (a Trainer's barriers and
+        broadcasts at its loop's start, which the survivors made long ago): they run as while joining (locally),
+        until its first step's body begins (`quiet` False). Nothing on a rank that did not join late."""
+        if self.joined_late:
+            self.group.join(quiet)
 
     def leave(self, rank: int, why: str) -> None:
         """Leave the failed group and wait for the next round: every process group is aborted (the re-formable

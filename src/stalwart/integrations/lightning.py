@@ -1,0 +1,222 @@
+"""stalwart for the Lightning Trainer (lightning 2.6): the Trainer's own loop driven through the Job's step
+protocol by one callback, so that a kill costs the survivors the failed step, run again in place, instead of a
+restart of every worker and the steps since the last checkpoint.
+
+    from stalwart.integrations.lightning import StalwartCallback
+
+    trainer = L.Trainer(strategy="ddp", max_steps=1000, callbacks=[StalwartCallback("ckpt", checkpoint_every=100)])
+    trainer.fit(model, dataloader)
+
+What it does, in the Trainer's order (lightning_state.py holds what it tracks):
+- The callback's construction makes the Job, and with it the process group (Lightning's strategy finds it made):
+  before the Trainer's first collective, so that a replacement keeps the Trainer's set-up collectives to itself
+  until the survivors' state arrived, as for `stalwart.Job()` made first in a script.
+- `setup`: the strategy's optimizer step runs the Trainer's closure (forward, backward) before the optimizer's step
+  is called, not inside it, so that what stalwart hooks before an update (the numeric guard, the update dropped
+  after a peer's failure, the snapshot's commit point) sees the step's gradients, as in any loop that calls
+  `optimizer.step()` after `backward()`.
+- `on_fit_start` (the model wrapped, the optimizers made): the Job tracks the LightningModule, the optimizers,
+  the LR schedulers and the Trainer's progress (its loops' counters and the callbacks' states), and its first
+  step's begin resumes from the newest state that verifies (node memory, a peer, or storage), every generator
+  with it. The loops' counters are restored as Lightning restores them from its own checkpoint saved at a batch's
+  end, so the Trainer goes on from the next batch.
+- `on_train_start` (the train data loaders made): after a resume, each one's sampler skips the batches of the epoch
+  the restored run had drawn, by index, once: no item before the restored step is read, and the batch order is the
+  uninterrupted run's (the sampler is a function of its seed and the epoch).
+- `on_train_batch_start`: the protocol's begin (the batch and every generator kept). `on_train_batch_end` (this
+  callback runs first): a step whose update was dropped (a peer died in it) is run again here, after the job
+  recovered, with the same batch and generators, before any other callback sees the step's end; then the Job's
+  end of the step: snapshot, checks, checkpoint.
+
+Not covered yet, each refused with one line: gradient accumulation (`accumulate_grad_batches` > 1), manual
+optimization, more than one optimizer, and an iterable dataset's loader (its position is not a function of the
+step). Lightning's own `ModelCheckpoint` may stay on: its checkpoints are its own; `fit(ckpt_path=...)` is
+refused with one line, since the run resumes from stalwart's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from stalwart.errors import ConfigError
+from stalwart.job.job import Job
+from stalwart.job.rng import capture_rng, restore_rng
+from stalwart.job.step_loop import Step, StepLoop
+
+try:
+    import lightning.pytorch as pl
+    import torch
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError("stalwart.integrations.lightning needs lightning: pip install 'lightning>=2.6'") from exc
+
+from stalwart.integrations.lightning_state import (
+    EpochStart,
+    LightningProgress,
+    closure_first,
+    local_broadcasts_while_joining,
+    track_loaders,
+)
+
+local_broadcasts_while_joining()
+
+TESTED = "2.6.6"
+"""The lightning release the tests run (pyproject's dev extras pin it)."""
+
+
+class StalwartLightningCallback(pl.Callback):
+    """The Job's options (`checkpoint_dir` and those of `stalwart.Job`), or a Job of your own (`job=`); see the
+    module docstring."""
+
+    def __init__(
+        self, checkpoint_dir: str | os.PathLike[str] | None = None, *, job: Job | None = None, **job_options: Any
+    ) -> None:
+        if (checkpoint_dir is None) == (job is None):
+            raise ConfigError("StalwartCallback takes a checkpoint directory or a job=, one of them")
+        # The Job first, before the Trainer makes any collective (its strategy's set-up broadcasts the log
+        # directory): it makes the process group, which the strategy then finds made, and a replacement's group
+        # keeps the Trainer's collectives to itself until the survivors' state arrived.
+        self.job = job if job is not None else Job(checkpoint_dir, **job_options)  # type: ignore[arg-type]
+        self._loop: StepLoop | None = None
+        self._next: Step | None = None  # begun at the previous step's end, handed out at the next batch's start
+        self._kept: tuple[Any, int, dict[str, Any], dict[str, Any]] | None = None  # batch, index, rng, optim counters
+        self._progress: LightningProgress | None = None
+        self._skip = 0  # batches of the restored epoch its loaders skip
+        self._epoch_start = EpochStart()
+        self._resumed_rng: dict[str, Any] | None = None  # the restored step's generators, until its batch begins
+        self._in_loop: Any = None  # the job's in-loop side until the first batch begins (`quiet_until_step`)
+
+    # -- set-up ----------------------------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if trainer.ckpt_path is not None:
+            raise ConfigError(
+                "fit(ckpt_path=...) is not taken with StalwartCallback: the run resumes from stalwart's "
+                "checkpoints (drop ckpt_path)"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ConfigError(
+                "StalwartCallback does not cover accumulate_grad_batches > 1 yet (a failed step would "
+                "need all its micro-batches again); use 1, or stalwart.Job in your own loop"
+            )
+        if not pl_module.automatic_optimization:
+            raise ConfigError("StalwartCallback covers automatic optimization only (not manual) yet")
+        # The strategy's optimizer step runs the closure first, before any other callback can step.
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+        callbacks[:] = [self, *(cb for cb in callbacks if cb is not self)]
+        closure_first(trainer.strategy)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        job = self.job
+        assert job is not None
+        if len(trainer.optimizers) != 1:
+            raise ConfigError(f"StalwartCallback covers one optimizer, the module has {len(trainer.optimizers)}")
+        objects: dict[str, Any] = {"model": pl_module, "optimizer": trainer.optimizers[0]}
+        for i, config in enumerate(trainer.lr_scheduler_configs):
+            objects[f"lr_scheduler_{i}"] = config.scheduler
+        self._progress = objects["progress"] = LightningProgress(trainer)
+        objects["epoch_start"] = self._epoch_start
+        job.track(**objects)
+        self._loop = job.loop(None, max_steps=trainer.max_steps if trainer.max_steps >= 0 else _NO_LIMIT)
+        self._next = self._loop.begin()  # the first: the job resumes (and re-forms if a peer is lost meanwhile)
+        # A replacement: the Trainer's collectives before its loop (a barrier, its loader's length) are not the
+        # survivors', who wait in their step: they run locally until the loop begins (`on_train_start`).
+        self._in_loop = job.parts.in_loop
+        if self._in_loop is not None:
+            self._in_loop.quiet_until_step(True)
+        if job.resumed_from is not None:  # inside an epoch: its loaders' order as it began, less the batches drawn
+            self._skip = self._progress.batches_drawn_in_epoch
+            self._epoch_start.replay = True
+            self._resumed_rng = capture_rng()  # the restored step's, for its first batch
+        self._progress.running = True  # from now on a restore's counters are the loop's own (a redo)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        track_loaders(trainer, self._epoch_start, self._skip, again=True)
+        self._skip = 0
+        if self._in_loop is not None:  # the loop begins: a replacement's collectives run for real again, the next
+            self._in_loop.quiet_until_step(False)  # being the first batch's SIGTERM broadcast, as the survivors'
+            self._in_loop = None
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        track_loaders(trainer, self._epoch_start, 0, again=False)  # loaders reloaded for this epoch, if any
+
+    # -- each step -------------------------------------------------------------------------------------------
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> Any:
+        if self._resumed_rng is not None:  # the restored epoch's sampler has started: the step's own generators
+            restore_rng(self._resumed_rng)
+            self._resumed_rng = None
+        step = self._next
+        if step is None:  # the Job's run is over (max_steps, restored at the end): the Trainer's is too
+            trainer.should_stop = True
+            return -1
+        if trainer.global_step != step.number:
+            raise ConfigError(
+                f"the Trainer is at step {trainer.global_step} where the job is at {step.number}: "
+                "something moved the Trainer's progress"
+            )
+        optim = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+        self._kept = (batch, batch_idx, capture_rng(), optim.state_dict())
+        return None
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loop = self._loop
+        if loop is None or loop.step is None:
+            return
+        if loop.update_dropped():
+            self._run_again(trainer)
+        loop.end()  # snapshot, checks, checkpoint
+        self._next = loop.begin()
+        if self._next is not None and self._next.number < trainer.global_step:
+            raise ConfigError(
+                f"the job went back to step {self._next.number} at step {trainer.global_step} (a rollback, "
+                "or no snapshot of the failed step): the Lightning integration runs again only the failed step yet"
+            )
+
+    def _run_again(self, trainer: pl.Trainer) -> None:
+        """The step's update was dropped (a peer failed in it): recover (re-form in the loop, or train on shrunk
+        while the replacement sets up), then run the step again with its batch and generators: the closure, the
+        optimizer step and the step's LR scheduler steps, as the Trainer's loop makes them."""
+        loop, kept = self._loop, self._kept
+        assert loop is not None and kept is not None
+        loop.end()  # recovers, restores the state before the step and begins it again
+        self._next = loop.begin()
+        if self._next is None or self._next.number != trainer.global_step - 1:
+            raise ConfigError(
+                f"after the failure the job is at step {getattr(self._next, 'number', None)}, not at the "
+                f"failed step {trainer.global_step - 1}: the Lightning integration runs again only the failed step yet"
+            )
+        batch, batch_idx, rng, counters = kept
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if torch.distributed.is_initialized() and trainer.world_size > 1:
+            epoch_loop._broadcast_sigterm_tensor()  # as each batch of the loop begins: a replacement's first does
+        epoch_loop.automatic_optimization.optim_progress.load_state_dict(counters)
+        restore_rng(rng)
+        kwargs = epoch_loop._build_kwargs({}, batch, batch_idx)  # type: ignore[arg-type]
+        epoch_loop.automatic_optimization.run(trainer.optimizers[0], batch_idx, kwargs)
+        epoch_loop.update_lr_schedulers("step", update_plateau_schedulers=False)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The run's last state is durable (the step protocol's last checkpoint, or a save when the Trainer stopped
+        before max_steps). The Job stays open until the process exits: its group serves the Trainer after fit."""
+        job, loop = self.job, self._loop
+        if job is None or loop is None:
+            return
+        stopped_early = loop.step is not None or self._next is not None
+        loop.close()
+        self._loop = None
+        if stopped_early and job.step != job.parts.last_saved:
+            job.save(wait=True)
+
+
+StalwartCallback = StalwartLightningCallback
+"""The name a script imports, as from stalwart.integrations.hf (the class's own is unique in the package)."""
+
+_NO_LIMIT = 2**62
+"""max_steps for a Trainer without one (max_steps=-1: it stops at max_epochs)."""

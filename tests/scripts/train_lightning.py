@@ -1,0 +1,139 @@
+"""A user's Lightning Trainer script (lightning 2.6) with stalwart's callback: a small MLP with dropout and an LR
+schedule, a map-style dataset that records the indices it serves, DDP on CPU ranks under `stalwart run` (or one
+process). `--plain`: the Trainer alone, the baseline a run with failures must end identical to."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import recipe_common
+import torch
+
+
+class Items(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Fixed inputs and targets; each served index is appended to `log` (a file per process)."""
+
+    def __init__(self, n: int, log: Path | None) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.x, self.y = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
+        self.log = log
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.log is not None:
+            self.log.mkdir(exist_ok=True)
+            with open(self.log / f"pid{os.getpid()}.txt", "a") as f:
+                f.write(f"{i}\n")
+        return self.x[i], self.y[i]
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = recipe_common.model()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class DieAt(pl.Callback):
+    """Rank 1 of the first round SIGKILLs itself at step STEP, in PHASE: begin (before the forward) or backward (a
+    gradient hook, DDP's all-reduce of another bucket in flight)."""
+
+    def __init__(self, step: int, phase: str, module: Regressor) -> None:
+        self.step, self.phase, self.now = step, phase, -1
+        self.armed = os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if self.armed and phase == "backward":
+            module.net[0].weight.register_hook(lambda g: self._die())
+
+    def _die(self) -> None:
+        if self.armed and self.now == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.now = trainer.global_step
+        if self.phase == "begin":
+            self._die()
+
+
+class StepLog(pl.Callback):
+    """The Trainer's own callbacks: each batch end's global step, appended to --step-log (a file per process), and
+    --step-sleep seconds of sleep."""
+
+    def __init__(self, path: Path | None, sleep_s: float) -> None:
+        self.path, self.sleep_s = path, sleep_s
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.path is not None:
+            self.path.mkdir(exist_ok=True)
+            with open(self.path / f"pid{os.getpid()}.txt", "a") as f:
+                f.write(f"{trainer.global_step}\n")
+        time.sleep(self.sleep_s)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--ckpt", default="ckpt")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--every", type=int, default=5, help="stalwart's checkpoint_every")
+    p.add_argument("--plain", action="store_true", help="the Lightning Trainer alone (the baseline)")
+    p.add_argument("--ga", type=int, default=1, help="accumulate_grad_batches")
+    p.add_argument("--step-log", type=Path)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--served-log", type=Path)
+    p.add_argument("--setup-log", type=Path)
+    p.add_argument("--die-at", default="", help="STEP:PHASE, see DieAt")
+    args = p.parse_args()
+    if args.setup_log is not None:
+        with open(args.setup_log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+    pl.seed_everything(0, verbose=False)
+    module = Regressor()
+    callbacks: list[Any] = []
+    if args.die_at:
+        step, phase = args.die_at.split(":")
+        callbacks.append(DieAt(int(step), phase, module))
+    if args.step_log is not None or args.step_sleep:
+        callbacks.append(StepLog(args.step_log, args.step_sleep))
+    if not args.plain:
+        from stalwart.integrations.lightning import StalwartCallback
+
+        callbacks.append(StalwartCallback(args.ckpt, checkpoint_every=args.every))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=ranks,
+        strategy="ddp" if ranks > 1 else "auto",
+        max_steps=args.steps,
+        accumulate_grad_batches=args.ga,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = torch.utils.data.DataLoader(Items(96, args.served_log), batch_size=4, shuffle=True)
+    trainer.fit(module, loader)
+    rank = int(os.environ.get("RANK", "0"))
+    recipe_common.write_digest(args.out, rank, trainer.global_step, module)
+
+
+if __name__ == "__main__":
+    main()
