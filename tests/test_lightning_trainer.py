@@ -145,3 +145,23 @@ def test_one_process_resumes_in_the_order_its_epoch_began_with(tmp_path: Path) -
     assert read(tmp_path / "job") == read(tmp_path / "plain")[12 * BATCH :]
     digest = lambda d: (d / "out" / "rank0.json").read_text()  # noqa: E731
     assert digest(tmp_path / "job") == digest(tmp_path / "plain")
+
+
+@pytest.mark.skipif(not os.environ.get("STALWART_TEST_BENCH_TRAINER"), reason="six launches, run on request")
+def test_bench_trainer_lightning_runs_every_system_and_reports_one_json_object(tmp_path: Path) -> None:
+    """A short `stalwart bench trainer --trainer lightning`, as the HF one (tests/test_hf_trainer.py): the Trainer
+    alone under torchrun and stalwart's two modes; waiting for the replacement ends as without the kill and redoes
+    no completed step. On request: `STALWART_TEST_BENCH_TRAINER=1 .venv/bin/python -m pytest
+    tests/test_lightning_trainer.py -k bench`."""
+    import json
+
+    from conftest import stalwart
+
+    done = stalwart("bench", "trainer", "--trainer", "lightning", "--steps", "10", "--kill-at", "5", "--step-s",
+                    "0.05", "--json", "--dir", str(tmp_path), cwd=tmp_path, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    systems = json.loads(done.stdout)["systems"]
+    assert list(systems) == ["torchrun + lightning.Trainer", "stalwart", "stalwart --wait-for-replacement"]
+    waited = systems["stalwart --wait-for-replacement"]
+    assert waited["as_without_the_kill"] and waited["as_trainer_alone"] and waited["steps_done_again"] == 0
+    assert not list(tmp_path.glob("stalwart-bench-trainer-*")), "the runs' files are removed"

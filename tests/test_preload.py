@@ -47,12 +47,17 @@ def test_the_integrations_a_script_imports_are_preloaded_by_default(
     assert plan(None, str(script), is_module=False).path == str(tmp_path), "modules beside the script are found"
 
 
-def test_a_script_that_cannot_be_read_or_parsed_preloads_only_what_is_named(tmp_path: Path) -> None:
+def test_a_script_that_cannot_be_read_or_parsed_preloads_only_what_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("STALWART_PRELOAD", raising=False)
     broken = tmp_path / "broken.py"
     broken.write_text("from stalwart.integrations.hf import (\n")
     assert integrations_imported(broken) == []
     assert integrations_imported(tmp_path / "missing.py") == []
-    assert plan("json", "pkg.train", is_module=True).modules == ("json",), "a module is not read"
+    assert plan("json", "no_such_pkg.train", is_module=True).modules == ("json",), "a module not found: nothing"
+    bench_job = plan(None, "stalwart.bench.lightning_job", is_module=True)
+    assert bench_job.modules == ("stalwart.integrations.lightning",), "with -m, the module's file is read"
 
 
 def test_a_preloaded_module_is_imported_once_before_the_workers_are_forked(launch: Any, tmp_path: Path) -> None:

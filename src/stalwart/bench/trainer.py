@@ -1,9 +1,11 @@
-"""`stalwart bench trainer`: the Hugging Face Trainer recovering from a killed worker, side by side: alone under
-torchrun (its checkpoint every 20 steps, `resume_from_checkpoint` on restart), and with stalwart's integration
-(`stalwart.integrations.hf.Trainer`) under `stalwart run`, with its defaults and with `--wait-for-replacement`.
+"""`stalwart bench trainer`: the Hugging Face Trainer (or with `--trainer lightning` the Lightning Trainer)
+recovering from a killed worker, side by side: alone under torchrun (its checkpoint every 20 steps, resumed from
+on restart), and with stalwart's integration under `stalwart run`, with its defaults and with
+`--wait-for-replacement`.
 
-Each system runs the bench's job (bench/trainer_job.py: a tiny GPT-2 on 2 CPU ranks, each step padded to
-`--step-s`, after `--setup-s` of set-up) twice: without a failure, and with rank 1 SIGKILLed as a step begins.
+Each system runs the bench's job (bench/trainer_job.py: a tiny GPT-2; bench/lightning_job.py: an MLP; on 2 CPU
+ranks, each step padded to `--step-s`, after `--setup-s` of set-up) twice: without a failure, and with rank 1
+SIGKILLed as a step begins.
 Reported: the kill to the next step no run had completed before it, the steps done again, whether the run ended
 with the parameters of its own run without the kill (and of the Trainer alone), and the median step time without
 a failure (the integration's overhead). Takes about two minutes with the defaults; progress goes to stderr.
@@ -31,12 +33,22 @@ from stalwart.bench.common import Progress, machine_info, positive_int, scratch_
 from stalwart.errors import BenchError
 from stalwart.telemetry.console import console as make_console
 
-SYSTEMS: dict[str, tuple[str, list[str]]] = {
-    "torchrun + transformers.Trainer": ("hf", ["-m", "torch.distributed.run", "--standalone"]),
-    "stalwart": ("stalwart", ["-m", "stalwart", "run"]),
-    "stalwart --wait-for-replacement": ("stalwart", ["-m", "stalwart", "run", "--wait-for-replacement"]),
+TRAINERS: dict[str, tuple[str, str, str]] = {
+    "hf": ("stalwart.bench.trainer_job", "transformers.Trainer", "the Hugging Face Trainer"),
+    "lightning": ("stalwart.bench.lightning_job", "lightning.Trainer", "the Lightning Trainer"),
 }
-"""Each system: the job's `--system` and the launcher's command line before its common flags."""
+"""Each `--trainer`: its job's module, the baseline's name, the report's title."""
+
+
+def systems(trainer: str) -> dict[str, tuple[str, list[str]]]:
+    """Each system: the job's `--system` and the launcher's command line before its common flags."""
+    baseline = "hf" if trainer == "hf" else "plain"
+    return {
+        f"torchrun + {TRAINERS[trainer][1]}": (baseline, ["-m", "torch.distributed.run", "--standalone"]),
+        "stalwart": ("stalwart", ["-m", "stalwart", "run"]),
+        "stalwart --wait-for-replacement": ("stalwart", ["-m", "stalwart", "run", "--wait-for-replacement"]),
+    }
+
 
 TIMEOUT_S = 600.0
 
@@ -47,6 +59,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the Hugging Face Trainer after a killed worker: alone under torchrun vs stalwart's integration",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--trainer",
+        choices=tuple(TRAINERS),
+        default="hf",
+        help="hf: the Hugging Face Trainer (a tiny GPT-2; default); lightning: the Lightning Trainer (an MLP)",
     )
     p.add_argument("--steps", type=positive_int, default=80, help="steps per run (default 80)")
     p.add_argument("--kill-at", type=positive_int, default=53, help="rank 1 dies as the step after this begins")
@@ -66,14 +84,22 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    hf = args.trainer == "hf"
+    package, needs = ("transformers", "'transformers>=5'") if hf else ("lightning", "'lightning>=2.6'")
     try:
-        import transformers  # noqa: F401  (the job's; checked before minutes of runs)
+        __import__(package)  # the job's; checked before minutes of runs
     except ImportError:
-        print("stalwart bench trainer: error: needs transformers: pip install 'transformers>=5'", file=sys.stderr)
+        print(f"stalwart bench trainer: error: needs {package}: pip install {needs}", file=sys.stderr)
         return 2
     try:
         report = run_bench(
-            args.steps, args.kill_at, args.step_s, args.setup_s, args.dir, lambda line: err.print(f"bench: {line}")
+            args.steps,
+            args.kill_at,
+            args.step_s,
+            args.setup_s,
+            args.dir,
+            lambda line: err.print(f"bench: {line}"),
+            trainer=args.trainer,
         )
     except BenchError as exc:
         print(f"stalwart bench trainer: error: {exc}", file=sys.stderr)
@@ -86,19 +112,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_bench(
-    steps: int, kill_at: int, step_s: float, setup_s: float, parent: Path | None, progress: Progress
+    steps: int,
+    kill_at: int,
+    step_s: float,
+    setup_s: float,
+    parent: Path | None,
+    progress: Progress,
+    *,
+    trainer: str = "hf",
 ) -> dict[str, Any]:
     """Every system's two runs; the report's JSON object."""
     results: dict[str, Any] = {}
+    job = TRAINERS[trainer][0]
     with scratch_dir(parent, "stalwart-bench-trainer-") as tmp:
         machine = machine_info(tmp)
-        for i, (name, (system, launcher)) in enumerate(SYSTEMS.items()):
+        for i, (name, (system, launcher)) in enumerate(systems(trainer).items()):
             runs = {}
             for kill in (False, True):
                 out = tmp / f"{i}-{'killed' if kill else 'clean'}"
                 progress(f"{name}: {'rank 1 killed after step ' + str(kill_at) if kill else 'no failure'} ...")
                 started = time.monotonic()
-                _launch(system, launcher, out, steps, step_s, setup_s, kill_at if kill else -1)
+                _launch(job, system, launcher, out, steps, step_s, setup_s, kill_at if kill else -1)
                 runs["killed" if kill else "clean"] = _read(out)
                 progress(f"{name}: done in {time.monotonic() - started:.1f} s")
             results[name] = _measure(runs["clean"], runs["killed"])
@@ -108,6 +142,7 @@ def run_bench(
         measured["step_time_ratio"] = measured["median_step_s"] / baseline["median_step_s"]
     return {
         "machine": machine,
+        "trainer": trainer,
         "steps": steps,
         "kill_at": kill_at,
         "step_s": step_s,
@@ -116,7 +151,9 @@ def run_bench(
     }
 
 
-def _launch(system: str, launcher: list[str], out: Path, steps: int, step_s: float, setup_s: float, kill: int) -> None:
+def _launch(
+    job: str, system: str, launcher: list[str], out: Path, steps: int, step_s: float, setup_s: float, kill: int
+) -> None:
     out.mkdir(parents=True)
     cmd = [
         sys.executable,
@@ -126,7 +163,7 @@ def _launch(system: str, launcher: list[str], out: Path, steps: int, step_s: flo
         "--max-restarts",
         "3",
         "-m",
-        "stalwart.bench.trainer_job",
+        job,
         "--system",
         system,
         "--out",
@@ -200,12 +237,14 @@ def _measure(clean: dict[str, Any], killed: dict[str, Any]) -> dict[str, Any]:
 
 def print_report(console: Console, report: dict[str, Any]) -> None:
     m = report["machine"]
+    trainer = report.get("trainer", "hf")
+    model = "a tiny GPT-2" if trainer == "hf" else "an MLP"
     console.print(
         f"machine: {m['cpu_count']} CPUs, torch {m['torch']}, python {m['python']}, {m['platform']}\n"
-        f"job: a tiny GPT-2 in the Trainer's loop on 2 CPU ranks, {report['steps']} steps padded to "
+        f"job: {model} in the Trainer's loop on 2 CPU ranks, {report['steps']} steps padded to "
         f"{report['step_s']} s, {report['setup_s']} s of set-up; rank 1 SIGKILLed after step {report['kill_at']}"
     )
-    table = Table(title="the Hugging Face Trainer after a killed worker")
+    table = Table(title=f"{TRAINERS[trainer][2]} after a killed worker")
     for column in (
         "system",
         "kill → next step",

@@ -7,7 +7,7 @@ the zygote, it is shared by every fork and costs a replacement nothing.
 
 Which modules: those named by `stalwart run --preload` (or $STALWART_PRELOAD), comma-separated, and by default the
 stalwart integrations the script imports (`stalwart.integrations.hf` brings transformers with it), found by reading
-the script's imports without running it. `--preload none` turns the default off.
+the script's imports without running it (with `-m`, the module's file). `--preload none` turns the default off.
 
 A fork is only safe from a process with no other thread and no CUDA driver: `load` says whether the imports kept
 it so (the zygote refuses to fork otherwise, and hosts start as new interpreters, as before). A module that fails
@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -48,8 +49,21 @@ def plan(flag: str | None, script: str, *, is_module: bool) -> Preload:
     path = os.getcwd() if is_module else os.path.dirname(os.path.abspath(script))
     if NONE in named:
         return Preload(tuple(m for m in named if m != NONE), path)
-    found = [] if is_module else integrations_imported(Path(script))
+    source = _module_file(script) if is_module else Path(script)
+    found = integrations_imported(source) if source is not None else []
     return Preload(tuple(dict.fromkeys(named + found)), path)
+
+
+def _module_file(name: str) -> Path | None:
+    """The file `python -m name` runs (its package's `__main__` for a package); None if there is none."""
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package: its __main__
+            spec = importlib.util.find_spec(f"{name}.__main__")
+    except (ImportError, ValueError):
+        return None
+    origin = spec.origin if spec is not None else None
+    return Path(origin) if origin and origin.endswith(".py") else None
 
 
 def integrations_imported(script: Path) -> list[str]:
