@@ -77,12 +77,12 @@ def test_a_kill_redoes_the_step_inside_the_trainer_and_the_run_ends_bitwise(
 def test_a_full_restart_resumes_at_the_last_checkpoint_without_reading_an_item_before_it(
     launch: Any, reference: Any
 ) -> None:
-    """The whole launcher SIGKILLed after step 17 (checkpoints every 5 steps), then the same command again: it
+    """The whole launcher SIGKILLed after step 16 (checkpoints every 5 steps), then the same command again: it
     resumes at step 15 from storage, in the epoch's order, reads rank 1's items from step 15 on and none before,
     and ends bitwise (its generators and its loops' counters restored as the uninterrupted run had them)."""
     first = launch(_args("--step-sleep", "0.2"), name="job")
     ended = lambda: [s for f in (first.workdir / "steps").glob("pid*.txt") for s in f.read_text().split()]  # noqa: E731
-    first.wait_for(lambda: "17" in ended(), 120, "step 17")
+    first.wait_for(lambda: "16" in ended(), 120, "step 16")  # four steps of 0.2 s before step 20's checkpoint
     workers = first.worker_pids(restart=0)
     os.kill(first.proc.pid, signal.SIGKILL)  # its workers die with it
     first.proc.wait()
@@ -124,11 +124,13 @@ def test_a_configuration_it_cannot_protect_is_one_line_and_no_restart(launch: An
     assert not job.events("restarting")
 
 
-def test_one_process_resumes_in_the_order_its_epoch_began_with(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [12, 24], ids=["inside-an-epoch", "at-an-epochs-end"])
+def test_one_process_resumes_in_the_order_its_epoch_began_with(tmp_path: Path, stop: int) -> None:
     """One process, no launcher: Lightning adds no DistributedSampler, and a shuffling DataLoader draws each epoch's
-    order from the global generator as the epoch begins. A run stopped at step 12 and started again to step 30
-    resumes in that epoch's order (the generators of its start put back), reads none of its first 12 batches, and
-    ends with the parameters of the Trainer alone run to step 30."""
+    order from the global generator as the epoch begins. A run stopped at step 12 (of an epoch of 24 batches) and
+    started again to step 30 resumes in that epoch's order (the generators of its start put back), reads none of
+    its first 12 batches, and ends with the parameters of the Trainer alone run to step 30; one stopped at the
+    epoch's last step goes on with the next epoch from its start."""
 
     def run(workdir: Path, *extra: str) -> None:  # forked from the tests' launch server: torch imported
         workdir.mkdir(exist_ok=True)
@@ -137,12 +139,12 @@ def test_one_process_resumes_in_the_order_its_epoch_began_with(tmp_path: Path) -
         assert proc.wait(120) == 0, out.read_text()[-3000:]
 
     run(tmp_path / "plain", "--plain")
-    run(tmp_path / "job", "--steps", "12")
+    run(tmp_path / "job", "--steps", str(stop))
     for f in (tmp_path / "job" / "served").glob("*.txt"):
         f.unlink()
     run(tmp_path / "job")
     read = lambda d: [int(s) for f in (d / "served").glob("*.txt") for s in f.read_text().split()]  # noqa: E731
-    assert read(tmp_path / "job") == read(tmp_path / "plain")[12 * BATCH :]
+    assert read(tmp_path / "job") == read(tmp_path / "plain")[stop * BATCH :]
     digest = lambda d: (d / "out" / "rank0.json").read_text()  # noqa: E731
     assert digest(tmp_path / "job") == digest(tmp_path / "plain")
 

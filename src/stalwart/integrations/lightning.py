@@ -83,8 +83,8 @@ class StalwartLightningCallback(pl.Callback):
         self._progress: LightningProgress | None = None
         self._skip = 0  # batches of the restored epoch its loaders skip
         self._epoch_start = EpochStart()
-        self._resumed_rng: dict[str, Any] | None = None  # the restored step's generators, until its batch begins
         self._in_loop: Any = None  # the job's in-loop side until the first batch begins (`quiet_until_step`)
+        self._busy: Any = None  # job.busy() while a validation runs
 
     # -- set-up ----------------------------------------------------------------------------------------------
 
@@ -126,10 +126,11 @@ class StalwartLightningCallback(pl.Callback):
         self._in_loop = job.parts.in_loop
         if self._in_loop is not None:
             self._in_loop.quiet_until_step(True)
-        if job.resumed_from is not None:  # inside an epoch: its loaders' order as it began, less the batches drawn
+        if job.resumed_from is not None and not self._progress.epoch_ended:
+            # Inside an epoch: its loaders' order as it began, less the batches drawn; the restored step's own
+            # generators once the sampler has drawn its order, before the first batch is read (EpochStart).
             self._skip = self._progress.batches_drawn_in_epoch
-            self._epoch_start.replay = True
-            self._resumed_rng = capture_rng()  # the restored step's, for its first batch
+            self._epoch_start.resume(capture_rng())
         self._progress.running = True  # from now on a restore's counters are the loop's own (a redo)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -147,9 +148,6 @@ class StalwartLightningCallback(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> Any:
-        if self._resumed_rng is not None:  # the restored epoch's sampler has started: the step's own generators
-            restore_rng(self._resumed_rng)
-            self._resumed_rng = None
         step = self._next
         if step is None:  # the Job's run is over (max_steps, restored at the end): the Trainer's is too
             trainer.should_stop = True
@@ -169,29 +167,26 @@ class StalwartLightningCallback(pl.Callback):
         loop = self._loop
         if loop is None or loop.step is None:
             return
-        if loop.update_dropped():
-            self._run_again(trainer)
-        loop.end()  # snapshot, checks, checkpoint
-        self._next = loop.begin()
-        if self._next is not None and self._next.number < trainer.global_step:
+        failed = trainer.global_step - 1  # the step this batch made
+        while True:
+            # The step's end (snapshot, checks, checkpoint), or after a peer's failure in the step (its update
+            # dropped) the recovery: re-formed in the loop, or training on shrunk while the replacement sets up.
+            loop.end()
+            self._next = loop.begin()
+            if self._next is None or self._next.number != failed:
+                break
+            self._run_again(trainer)  # the job went back to this step: it runs again (and may fail again)
+        if self._next is not None and self._next.number < failed:
             raise ConfigError(
                 f"the job went back to step {self._next.number} at step {trainer.global_step} (a rollback, "
                 "or no snapshot of the failed step): the Lightning integration runs again only the failed step yet"
             )
 
     def _run_again(self, trainer: pl.Trainer) -> None:
-        """The step's update was dropped (a peer failed in it): recover (re-form in the loop, or train on shrunk
-        while the replacement sets up), then run the step again with its batch and generators: the closure, the
-        optimizer step and the step's LR scheduler steps, as the Trainer's loop makes them."""
-        loop, kept = self._loop, self._kept
-        assert loop is not None and kept is not None
-        loop.end()  # recovers, restores the state before the step and begins it again
-        self._next = loop.begin()
-        if self._next is None or self._next.number != trainer.global_step - 1:
-            raise ConfigError(
-                f"after the failure the job is at step {getattr(self._next, 'number', None)}, not at the "
-                f"failed step {trainer.global_step - 1}: the Lightning integration runs again only the failed step yet"
-            )
+        """Run the step the job went back to again, with its batch and generators: the closure, the optimizer step
+        and the step's LR scheduler steps (and an epoch's, at its last batch), as the Trainer's loop makes them."""
+        kept = self._kept
+        assert kept is not None
         batch, batch_idx, rng, counters = kept
         epoch_loop = trainer.fit_loop.epoch_loop
         if torch.distributed.is_initialized() and trainer.world_size > 1:
@@ -201,6 +196,25 @@ class StalwartLightningCallback(pl.Callback):
         kwargs = epoch_loop._build_kwargs({}, batch, batch_idx)  # type: ignore[arg-type]
         epoch_loop.automatic_optimization.run(trainer.optimizers[0], batch_idx, kwargs)
         epoch_loop.update_lr_schedulers("step", update_plateau_schedulers=False)
+        if epoch_loop._num_ready_batches_reached():  # the epoch's last batch: its schedulers stepped, as the loop does
+            epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A validation inside training is a long stretch between two steps: the hang detector allows its grace."""
+        if self._loop is not None and self.job is not None and self._busy is None:
+            self._busy = self.job.busy()
+            self._busy.__enter__()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._busy is not None:
+            busy, self._busy = self._busy, None
+            busy.__exit__(None, None, None)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """A replacement resumed at the run's end never began its loop: its collectives run for real after fit."""
+        if self._in_loop is not None:
+            self._in_loop.quiet_until_step(False)
+            self._in_loop = None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The run's last state is durable (the step protocol's last checkpoint, or a save when the Trainer stopped

@@ -60,6 +60,11 @@ class LightningProgress:
         """The batches of the current epoch the restored run had drawn: its loaders skip them."""
         return int(self._trainer.fit_loop.epoch_loop.batch_progress.current.ready)
 
+    @property
+    def epoch_ended(self) -> bool:
+        """The restored step was its epoch's last: Lightning's restart goes on with the next epoch, from its start."""
+        return bool(self._trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
 
 class EpochStart:
     """Every generator as the current epoch's batch sampler began (`sampler_starts`, from the sampler's iteration):
@@ -69,14 +74,24 @@ class EpochStart:
 
     def __init__(self) -> None:
         self.rng: dict[str, Any] | None = None
-        self.replay = False
+        self._step_rng: dict[str, Any] | None = None  # a resume's: the restored step's generators
+
+    def resume(self, step_rng: dict[str, Any]) -> None:
+        """The next sampler start is the restored epoch's: its generators then, and `step_rng` once it drew."""
+        self._step_rng = step_rng
 
     def sampler_starts(self) -> None:
-        if self.replay and self.rng is not None:
+        if self._step_rng is not None and self.rng is not None:
             restore_rng(self.rng)
         else:
             self.rng = capture_rng()
-        self.replay = False
+
+    def sampler_drew(self) -> None:
+        """The sampler has drawn its order and skipped the batches drawn before: a resume's step generators again,
+        before the first batch's items are read (a random transform in the main process draws from them)."""
+        if self._step_rng is not None:
+            restore_rng(self._step_rng)
+            self._step_rng = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self.rng}
@@ -166,7 +181,11 @@ def track_loaders(trainer: pl.Trainer, epoch_start: EpochStart, skip: int, *, ag
         sampler.__class__ = _tracking(type(sampler))
         sampler._stalwart_skip = skip  # type: ignore[attr-defined]
         sampler._stalwart_epoch_start = epoch_start  # type: ignore[attr-defined]
-    if again:
+    if again:  # the sampler's epoch first (Lightning sets it later, but worker processes draw indices at once)
+        from lightning.fabric.utilities.data import _set_sampler_epoch
+
+        for loader in combined.flattened:
+            _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
         rng = capture_rng()
         iter(fetcher)
         restore_rng(rng)
@@ -184,8 +203,15 @@ def _tracking(cls: type) -> type:
 
         def __iter__(self: Any) -> Iterator[Any]:
             skip, self._stalwart_skip = self._stalwart_skip, 0
-            self._stalwart_epoch_start.sampler_starts()
-            yield from itertools.islice(cls.__iter__(self), skip, None)  # type: ignore[attr-defined]
+            epoch_start = self._stalwart_epoch_start
+            epoch_start.sampler_starts()
+            batches = itertools.islice(cls.__iter__(self), skip, None)  # type: ignore[attr-defined]
+            first = next(batches, None)  # the order drawn (a sampler draws at its first index), the skip done
+            epoch_start.sampler_drew()
+            if first is None:
+                return
+            yield first
+            yield from batches
 
         def __len__(self: Any) -> int:
             return cls.__len__(self)  # type: ignore[attr-defined]
