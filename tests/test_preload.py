@@ -85,3 +85,18 @@ def test_a_preload_that_starts_a_thread_falls_back_to_new_interpreters(launch: A
     spawned = job.events("worker_spawned")
     assert spawned and not any(e["forked"] for e in spawned), spawned
     assert "imported before the script: False" in job.output(), job.output()
+
+
+def test_a_preloaded_lightning_takes_each_workers_rank(launch: Any, tmp_path: Path) -> None:
+    """Lightning reads the rank into `rank_zero_only` when imported, in the zygote where none is set: each worker
+    reads it again from its own environment once forked, so rank 1 does not run what is meant for rank 0."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os\n"
+        "from lightning.fabric.utilities.rank_zero import rank_zero_only\n"
+        "print('rank', os.environ['RANK'], 'rank_zero_only.rank', rank_zero_only.rank, flush=True)\n"
+    )
+    job = launch(["--nproc-per-node", "2", "--preload", "lightning.fabric.utilities.rank_zero", str(script)])
+    assert job.wait(120) == 0, job.output()
+    for rank in (0, 1):
+        assert f"rank {rank} rank_zero_only.rank {rank}" in job.output(), job.output()

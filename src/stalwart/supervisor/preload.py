@@ -105,3 +105,14 @@ def _native_threads() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return 1
+
+
+def settle() -> None:
+    """A worker forked from the zygote took its environment: what a preloaded module read of it when imported, in
+    the zygote where no rank is set, is read again. Lightning keeps the rank on `rank_zero_only` from its import
+    (0 there): every rank would run what is meant for rank 0 until its Trainer is made."""
+    rank_zero = sys.modules.get("lightning.fabric.utilities.rank_zero")
+    only, get_rank = getattr(rank_zero, "rank_zero_only", None), getattr(rank_zero, "_get_rank", None)
+    if only is not None and callable(get_rank):
+        with contextlib.suppress(Exception):
+            only.rank = get_rank() or 0

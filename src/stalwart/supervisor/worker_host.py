@@ -37,7 +37,7 @@ from stalwart.recovery.in_loop import survivor
 from stalwart.runtime.env import HOST_STATUS_FD_ENV as STATUS_FD_ENV
 from stalwart.runtime.env import HOST_WARM_ENV as WARM_ENV
 from stalwart.runtime.process import die_with_parent, run_as_main, say
-from stalwart.supervisor import stack_dump
+from stalwart.supervisor import preload, stack_dump
 from stalwart.supervisor.host_protocol import Activation, HostStatus
 
 
@@ -99,6 +99,7 @@ def _apply(activation: Activation) -> list[str]:
     """Take the activation's environment; returns the argv without torchrun's interpreter flags."""
     os.environ.clear()
     os.environ.update(activation.env)
+    preload.settle()  # what the zygote's imports read of an environment without a rank
     argv = list(activation.argv)
     if "OMP_NUM_THREADS" in os.environ and os.environ["OMP_NUM_THREADS"].isdigit():
         import torch

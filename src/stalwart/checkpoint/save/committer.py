@@ -31,9 +31,10 @@ POLL_LOCAL_S = 0.01
 POLL_REMOTE_S = 0.2
 RETENTION_JOIN_S = 30.0
 SILENT_FAILOVERS = 3
-"""Where the job has mirrors, how many `failover_s` rank 0's location may stay silent during a commit before the save
-is given up: the ranks still writing move to a mirror after one (failover.py), and their shards land there soon
-after; once that is past, every shard is in the silent location."""
+"""Where the job has mirrors, how many `failover_s` rank 0's location may stay silent during a commit, with no shard
+landing in another location meanwhile, before the save is given up: the ranks still writing move to a mirror after
+one (failover.py), and while their shards land there the wait goes on; once none lands, every shard is in the
+silent location."""
 
 T = TypeVar("T")
 
@@ -89,7 +90,7 @@ class Committer:
         hooks.before_commit()
         text = manifest.to_json().encode()
         write = lambda: storage.write_bytes(f"{step_dir}/{layout.MANIFEST}", text)  # noqa: E731
-        self._run_in_place(storages, req, "manifest", write)
+        self._run_in_place(storages, own, req, "manifest", write)
         self._events.emit(
             "checkpoint_committed",
             step=step,
@@ -112,7 +113,8 @@ class Committer:
         deadline = req.snapshot_mono + req.deadline_s  # the save's, as every write of it
         elsewhere_from = req.snapshot_mono + req.failover_s  # before then, no rank has moved on (failover.py)
         poll = POLL_LOCAL_S if storages[own].local_path() is not None else POLL_REMOTE_S
-        answered = time.monotonic()  # when rank 0's location last listed the step
+        answered = time.monotonic()  # when rank 0's location last listed the step, or a shard landed elsewhere
+        elsewhere = 0  # the names seen in the other locations so far
         while True:
             if self._quitting.is_set():
                 raise Quit
@@ -120,13 +122,16 @@ class Committer:
             now = time.monotonic()
             if listing is not None:
                 answered = now
-            elif len(storages) > 1 and now - answered > SILENT_FAILOVERS * req.failover_s:
-                # The location stopped answering after every rank wrote there (else they would be elsewhere by
-                # now): this save cannot commit, and waiting for the deadline would hold the saves behind it.
-                raise GaveUp(f"{storages[own].display()} stopped answering during the commit")
             listings = {own: listing or set()}
             if not set(wanted) <= listings[own] and time.monotonic() >= elsewhere_from:  # the others, if need be
                 listings |= {i: _listing(s, step_dir) or set() for i, s in storages.items() if i != own}
+            seen = sum(len(names) for i, names in listings.items() if i != own)
+            if seen > elsewhere:  # ranks still moving their shards to a mirror: not the end of this save
+                elsewhere, answered = seen, now
+            if listing is None and len(storages) > 1 and now - answered > SILENT_FAILOVERS * req.failover_s:
+                # The location stopped answering after every rank wrote there (else they would be elsewhere by
+                # now): this save cannot commit, and waiting for the deadline would hold the saves behind it.
+                raise GaveUp(f"{storages[own].display()} stopped answering during the commit")
             gave_up = sorted(failed[n] for names in listings.values() for n in names & set(failed))
             if gave_up:
                 raise GaveUp(f"rank {gave_up[0]} could not write its shard")
@@ -148,14 +153,17 @@ class Committer:
             rel = f"{step_dir}/{name}"
             read = storages[place].read
             read_meta = lambda rel=rel, read=read: read(rel)  # noqa: E731
-            metas[rank] = self._run_in_place(storages, req, "meta read", read_meta)
+            metas[rank] = self._run_in_place(storages, place, req, "meta read", read_meta)
         return place, metas
 
-    def _run_in_place(self, storages: dict[int, Storage], req: PersistRequest, what: str, op: Callable[[], T]) -> T:
-        """`op` on the commit's location, retried. Where the job has mirrors, only for `failover_s`: a location that
-        stopped answering mid-commit gives the save up then (GaveUp: the previous checkpoint stays the newest) and
-        the next save fails over, instead of retrying to the save's deadline while the saves behind it wait."""
-        until = time.monotonic() + req.failover_s if len(storages) > 1 else None
+    def _run_in_place(
+        self, storages: dict[int, Storage], index: int, req: PersistRequest, what: str, op: Callable[[], T]
+    ) -> T:
+        """`op` on the commit's location (`index`), retried. Where a location after it exists, only for
+        `failover_s`: a location that stopped answering mid-commit gives the save up then (GaveUp: the previous
+        checkpoint stays the newest) and the next save fails over, instead of retrying to the save's deadline while
+        the saves behind it wait. The last location has the rest of the deadline, as its writes do (failover.py)."""
+        until = time.monotonic() + req.failover_s if index < max(storages) else None
         try:
             return self._retrier.run(req, what, op, until)
         except Unanswered as exc:
