@@ -10,9 +10,11 @@ import platform
 import re
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -205,3 +207,41 @@ def params_sha256(module: Any) -> str:
         t = t.full_tensor() if hasattr(t, "full_tensor") else t
         digest.update(name.encode() + t.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+class TrainerStepClock:
+    """The Trainer benches' jobs (trainer_job.py, lightning_job.py): rank 1 of the first start SIGKILLs itself as
+    step `kill_at` + 1 begins (the time of the kill written to `<out>/kill.txt` first), and each step end sleeps
+    `step_s` and appends "global step, wall time" to `<out>/steps-<pid>.txt`, which bench/trainer.py reads."""
+
+    def __init__(self, out: Path, step_s: float, kill_at: int) -> None:
+        self.out, self.step_s, self.kill_at = out, step_s, kill_at
+        self.path = out / f"steps-{os.getpid()}.txt"
+        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.victim = kill_at >= 0 and os.environ.get("RANK") == "1" and first_start
+
+    def begins(self, step: int) -> None:
+        if self.victim and step == self.kill_at:
+            (self.out / "kill.txt").write_text(f"{time.time()}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def ended(self, step: int) -> None:
+        time.sleep(self.step_s)
+        with open(self.path, "a") as f:
+            f.write(f"{step} {time.time()}\n")
+
+
+def trainer_job_args(systems: tuple[str, str]) -> argparse.Namespace:
+    """The Trainer benches' jobs' command line (bench/trainer.py passes it); after `--setup-s` of sleep, `--out`
+    made."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--system", choices=systems, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--step-s", type=float, required=True)
+    p.add_argument("--setup-s", type=float, required=True)
+    p.add_argument("--kill-at", type=int, default=-1)
+    args = p.parse_args()
+    time.sleep(args.setup_s)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args

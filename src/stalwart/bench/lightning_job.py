@@ -12,18 +12,14 @@ first. Every step end goes to `<out>/steps-<pid>.txt` (global step, wall time); 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import signal
-import time
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from stalwart.bench.common import params_sha256
+from stalwart.bench.common import TrainerStepClock, params_sha256, trainer_job_args
 
 SAVE_STEPS = 20
 
@@ -45,34 +41,18 @@ class _LightningRegressor(pl.LightningModule):
 
 
 class _LightningTiming(pl.Callback):
-    def __init__(self, out: Path, step_s: float, kill_at: int) -> None:
-        self.step_s, self.kill_at, self.out = step_s, kill_at, out
-        self.path = out / f"steps-{os.getpid()}.txt"
-        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        self.victim = kill_at >= 0 and os.environ.get("RANK") == "1" and first_start
+    def __init__(self, clock: TrainerStepClock) -> None:
+        self.clock = clock
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if self.victim and trainer.global_step == self.kill_at:
-            (self.out / "kill.txt").write_text(f"{time.time()}\n")
-            os.kill(os.getpid(), signal.SIGKILL)
+        self.clock.begins(trainer.global_step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        time.sleep(self.step_s)
-        with open(self.path, "a") as f:
-            f.write(f"{trainer.global_step} {time.time()}\n")
+        self.clock.ended(trainer.global_step)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--system", choices=("plain", "stalwart"), required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--step-s", type=float, required=True)
-    p.add_argument("--setup-s", type=float, required=True)
-    p.add_argument("--kill-at", type=int, default=-1)
-    args = p.parse_args()
-    time.sleep(args.setup_s)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = trainer_job_args(("plain", "stalwart"))
     callbacks: list[Any] = []
     ckpt_dir = args.out / "lightning-checkpoints"
     if args.system == "stalwart":
@@ -81,7 +61,7 @@ def main() -> None:
         callbacks.append(StalwartCallback(str(args.out / "stalwart-checkpoints")))
     else:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=SAVE_STEPS, save_last=True))
-    callbacks.append(_LightningTiming(args.out, args.step_s, args.kill_at))
+    callbacks.append(_LightningTiming(TrainerStepClock(args.out, args.step_s, args.kill_at)))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),

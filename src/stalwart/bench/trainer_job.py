@@ -10,18 +10,14 @@ as step `--kill-at` + 1 begins, the time of the kill written first. Every step e
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import signal
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 
-from stalwart.bench.common import params_sha256
+from stalwart.bench.common import TrainerStepClock, params_sha256, trainer_job_args
 
 SAVE_STEPS = 20
 
@@ -48,35 +44,18 @@ class _Tokens(torch.utils.data.Dataset):
 
 
 class _Timing(transformers.TrainerCallback):
-    def __init__(self, out: Path, step_s: float, kill_at: int) -> None:
-        self.step_s, self.kill_at = step_s, kill_at
-        self.log = out / f"steps-{os.getpid()}.txt"
-        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        self.victim = kill_at >= 0 and os.environ.get("RANK") == "1" and first_start
-        self.out = out
+    def __init__(self, clock: TrainerStepClock) -> None:
+        self.clock = clock
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.victim and state.global_step == self.kill_at:
-            (self.out / "kill.txt").write_text(f"{time.time()}\n")
-            os.kill(os.getpid(), signal.SIGKILL)
+        self.clock.begins(state.global_step)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        time.sleep(self.step_s)
-        with open(self.log, "a") as f:
-            f.write(f"{state.global_step} {time.time()}\n")
+        self.clock.ended(state.global_step)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--system", choices=("hf", "stalwart"), required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--step-s", type=float, required=True)
-    p.add_argument("--setup-s", type=float, required=True)
-    p.add_argument("--kill-at", type=int, default=-1)
-    args = p.parse_args()
-    time.sleep(args.setup_s)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = trainer_job_args(("hf", "stalwart"))
     model = tiny_gpt2()
     hf_dir = args.out / "hf-checkpoints"
     training = transformers.TrainingArguments(
@@ -94,7 +73,7 @@ def main() -> None:
         seed=0,
         disable_tqdm=True,
     )
-    callbacks: list[Any] = [_Timing(args.out, args.step_s, args.kill_at)]
+    callbacks: list[Any] = [_Timing(TrainerStepClock(args.out, args.step_s, args.kill_at))]
     dataset = _Tokens(4096)
     if args.system == "hf":
         from transformers.trainer_utils import get_last_checkpoint
