@@ -52,6 +52,12 @@ def wait_for(predicate: Any, timeout: float, what: str) -> Any:
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
+def committed_steps(ckpt: Path) -> list[int]:
+    """The steps of the checkpoints under `ckpt` whose manifest landed (a checkpoint is committed once its manifest
+    is written), oldest first: what a resume can read, whatever the timing of the run that wrote them."""
+    return sorted(int(p.parent.name.removeprefix("step_")) for p in ckpt.glob("step_*/manifest.json"))
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
