@@ -84,5 +84,14 @@ print(next(d for d in dev if d.startswith("torch==")))')"
   else
     warm_imports  # pip compiles what it installs; uv does not
   fi
+  # torchtitan, for stalwart.integrations.torchtitan and its tests, with the modules those import and without its
+  # declared dependencies: they are its training entry point's (wandb, tensorboard, datasets with pandas and
+  # pyarrow; datasets caps fsspec below the s3fs the object-storage tests run), and its Trainer needs triton (1 GB)
+  # and a GPU all the same, so on CPU the tests run its components and its loop (tests/test_torchtitan.py).
+  titan=(torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 spmd-types==0.2.3 torchdata==0.11.0)
+  if ! { [ -x .venv/bin/uv ] && .venv/bin/uv pip install --python .venv/bin/python --quiet --no-deps "${titan[@]}"; } &&
+     ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "${titan[@]}"; then
+    echo "setup: torchtitan could not be installed; tests/test_torchtitan.py is skipped"
+  fi
   echo "$want" > "$stamp"
 fi

@@ -213,11 +213,12 @@ class Job:
         return in_loop is not None and in_loop.update_dropped()
 
     def _redo_horizon(self) -> int:
-        """The oldest completed step a recovery may take the job back to: the newest full copy in node memory, the
-        newest durable checkpoint, or the step the run resumed at, whichever is newest (a light snapshot, when one
-        serves, is newer still)."""
-        held = (self.parts.snapshots.full_copy_step, self.parts.last_saved, self.resumed_from)
-        return max((s for s in held if s is not None), default=0)
+        """The oldest completed step a recovery may take the job back to (a driver that runs steps again keeps each
+        later step's batches): the older of the newest full copy in node memory (FSDP2 survivors that train on
+        shrunk reshard from it) and the durable checkpoint before the last one taken (which may still be
+        persisting: a restore skips a checkpoint not yet committed), but not before the step the run resumed at."""
+        held = [s for s in (self.parts.snapshots.full_copy_step, self.parts.saved_before) if s is not None]
+        return max(min(held, default=0), self.resumed_from or 0)
 
     def _run(self, loader: Iterable[Any] | None, max_steps: int) -> Generator[tuple[int, Any], None, None]:
         """The step engine behind `loop()`: yields each step to run; a step's end is the next resumption, a failure
@@ -368,7 +369,7 @@ class Job:
         self.checkpointer.poll()
         taken = self.checkpointer.save(step, self.tracked.state(step), wait=wait, on_store_wait=on_store_wait)
         if taken:
-            self.parts.last_saved = self.step
+            self.parts.saved_before, self.parts.last_saved = self.parts.last_saved, self.step
         return taken
 
     def _tensors_to_flip(self) -> list[torch.Tensor]:

@@ -58,6 +58,8 @@ class Parts:
     saved_once: bool = False
     last_saved: int | None = None
     """The step of the last checkpoint this run took or resumed from durable storage."""
+    saved_before: int | None = None
+    """The step of the checkpoint this run took before `last_saved` (`last_saved` may still be persisting)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """What the loop reported for the current step (`job.report`)."""
     progress: Progress = field(default_factory=Progress)

@@ -68,9 +68,11 @@ class TrackedState:
 
     def check_loadable(self) -> None:
         """Fail now, not at the first save many steps later. Modules are left to the save: their state is tensors,
-        and an early state_dict() would gather FSDP state or meet lazy, unmaterialised parameters."""
+        and an early state_dict() would gather FSDP state or meet lazy, unmaterialised parameters. Optimizers too:
+        their state is tensors and numbers, and some make it by stepping when asked before their first step
+        (torchtitan's OptimizersContainer: a zero-lr step, which counts in Adam's bias correction)."""
         for name, obj in self.objects.items():
-            if not isinstance(obj, torch.nn.Module):
+            if not isinstance(obj, torch.nn.Module | torch.optim.Optimizer):
                 check_loadable(obj.state_dict(), f"{name}.state_dict()")
 
     def choose_replicated(self, configured: tuple[str, ...] | None) -> frozenset[str]:
