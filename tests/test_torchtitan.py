@@ -1,6 +1,6 @@
 """torchtitan (0.3) with stalwart's checkpoint manager (stalwart.integrations.torchtitan), on 2 CPU ranks under
 `stalwart run`: tests/scripts/train_torchtitan.py runs torchtitan's Trainer loop as written with torchtitan's own
-components and FSDP2 (torchtitan's Trainer itself needs a GPU: scripts/gpu_checks.sh torchtitan). A killed rank
+components and FSDP2 (torchtitan's Trainer itself needs a GPU; docs/integrations.md: a run of it by hand). A killed rank
 costs the survivor the steps back to the state it restored, run again inside the loop with the batches they drew;
 a full restart resumes at the last checkpoint without reading an item before it; both end bitwise."""
 

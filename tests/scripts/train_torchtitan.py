@@ -5,7 +5,8 @@ Trainer passes) and a Trainer whose loop is torchtitan's `Trainer.train` and `Tr
 optimizer and LR scheduler steps; save), over a small model sharded with FSDP2 as torchtitan shards by default.
 
 Why not torchtitan's Trainer itself: it needs a GPU (its device is CUDA wherever no accelerator is found, and its
-models import triton); `scripts/gpu_checks.sh torchtitan` runs it. The dataset records the indices it serves.
+models import triton; docs/integrations.md says what a run of it by hand on CPU showed). The dataset records the
+indices it serves.
 `--plain`: torchtitan's own CheckpointManager, disabled (the baseline a run with failures must end identical to).
 """
 

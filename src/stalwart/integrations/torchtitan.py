@@ -22,7 +22,10 @@ after the job recovered: `Trainer.train_step` with the same micro-batches, which
 the Trainer's data loader at `load` (before the Trainer's loop draws from it). The data loader's position is
 stalwart's to restore: torchtitan's `StatefulDataLoader` resumes where the state says, without reading an earlier
 item. Collectives on torchtitan's sub-meshes' groups cannot be absorbed; a failure there takes stalwart's
-fallback, the script run again in the same process from the newest state (node memory first).
+fallback, the script run again in the same process from the newest state (node memory first). torchtitan's own
+Trainer makes such groups, and its finite-loss check raises on an absorbed all-reduce: tried by hand on CPU, a kill
+took the fallback (docs/integrations.md); the loop and components as tests/scripts/train_torchtitan.py runs them
+recover in the loop.
 
 Refused with one line, at the Trainer's set-up (a policy stalwart's checkpoints do not carry out):
 `load_step` other than -1, `initial_load_path`, `exclude_from_loading`, `create_seed_checkpoint`, `load_only`,
@@ -41,6 +44,7 @@ from stalwart.errors import ConfigError
 from stalwart.job import lifecycle
 from stalwart.job.job import Job
 from stalwart.job.step_loop import Step, StepLoop
+from stalwart.recovery import reform
 
 try:
     import torch
@@ -166,7 +170,7 @@ class StalwartCheckpointManager(BaseCheckpointManager):
         before it (the Trainer's `step` among them)."""
         batches = self.batches.of(step.number)
         if self.trainer is None or not hasattr(self.trainer, "train_step") or batches is None:
-            raise ConfigError(
+            raise BatchesGone(
                 f"step {step.number + 1} must run again but its batches or the Trainer's train_step are not at hand"
             )
         self.trainer.step = step.number + 1
@@ -192,6 +196,11 @@ class StalwartCheckpointManager(BaseCheckpointManager):
         if self.loop is not None:
             self.loop.close()
         self.job.close()
+
+
+class BatchesGone(reform.ReformRequested):
+    """A recovery took the job back further than the micro-batches kept in this process: the survivor leaves its
+    loop and its host runs the script again from the newest state (the fallback), instead of stopping the job."""
 
 
 class _TrainState:
@@ -222,8 +231,13 @@ class _StepBatches:
         self.replaying = False
 
     def record(self, batch: Any) -> None:
-        if not self.replaying:
-            self.kept.setdefault(self.drawing, []).append(batch)
+        """Keep `batch` for its step: its input dict copied, since torchtitan's `train_step` puts the device's
+        copies of the inputs in that dict in place (the kept step would hold them on the GPU)."""
+        if self.replaying:
+            return
+        if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], dict):
+            batch = ({**batch[0]}, batch[1])
+        self.kept.setdefault(self.drawing, []).append(batch)
 
     def of(self, step: int) -> list[Any] | None:
         return self.kept.get(step)
