@@ -143,3 +143,26 @@ def test_the_entry_point_makes_any_checkpoint_config_stalwarts() -> None:
     assert (ours.enable, ours.interval, ours.keep_latest_k, ours.folder) == (True, 7, 4, DEFAULT_FOLDER)
     assert stalwart_config(CheckpointManager.Config(folder="/data/ckpt")).folder == "/data/ckpt"
     assert stalwart_config(ours) is ours
+
+
+def test_a_checkpoint_taken_as_a_step_is_run_again_restarts_bitwise(launch: Any, reference: Any) -> None:
+    """Checkpoints every 3 steps and rank 1 killed at step 13: the survivor restores 9 (step 12's save was still
+    persisting, as in most runs here) or 12, and runs the steps since again. Then the job is started afresh from the
+    newest checkpoint before the failure, the later ones set aside: when the restore was 9, that is step 12's as the
+    redo rewrote it, which must record the data loader's position at step 12, not the live loader's (already past
+    13); either way the run ends with the parameters of the run without a failure and reads from that step on."""
+    env = child_env(STALWART_WAIT_FOR_REPLACEMENT="1")
+    first = launch(_args("--every", "3", "--die-at", "13:begin"), env=env, name="job")
+    assert first.wait(180) == 0, first.output()[-3000:]
+    before = max(s for s in committed_steps(first.workdir / "ckpt") if s < 13)
+    aside = first.workdir / "aside"
+    aside.mkdir()
+    for step in committed_steps(first.workdir / "ckpt"):
+        if step > before:
+            (first.workdir / "ckpt" / f"step_{step:08d}").rename(aside / f"step_{step:08d}")
+    again = launch(_args("--every", "3"), name="job")  # the same directory
+    assert again.wait(180) == 0, again.output()[-3000:]
+    assert _digests(again) == _digests(reference)
+    pid = [e["worker_pid"] for e in again.events("worker_spawned") if e["rank"] == 1][-1]
+    rank1 = _log(reference, "served", reference.worker_pids(restart=0)[1])
+    assert _log(again, "served", pid) == rank1[before * BATCH :], f"resumed at {before}, read from there on"

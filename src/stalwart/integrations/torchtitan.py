@@ -154,13 +154,23 @@ class StalwartCheckpointManager(BaseCheckpointManager):
         if self.current is None or curr_step != self.current.number + 1:
             expected = "none" if self.current is None else self.current.number + 1
             raise ConfigError(f"torchtitan saved step {curr_step} where stalwart expected step {expected}")
+        if self.recorded is not None:
+            self.batches.positions[curr_step] = self.recorded.state_dict()
         loop.end()
         self.current = loop.begin()
         # Back behind the steps drawn (a recovery restored an earlier step): each is run again with its batches,
-        # up to the step the Trainer's loop draws next.
+        # up to the step the Trainer's loop draws next. The loader's state at each of their ends is the one kept
+        # when the step first ended: the live loader is already past them.
         while self.current is not None and self.current.number < curr_step:
+            done = self.current.number + 1
             self._redo(self.current)
-            loop.end()
+            if self.recorded is not None:
+                self.recorded.pinned = self.batches.positions.get(done)
+            try:
+                loop.end()
+            finally:
+                if self.recorded is not None:
+                    self.recorded.pinned = None
             self.current = loop.begin()
         self.batches.forget_before(curr_step, loop.horizon())
         return True
@@ -226,6 +236,9 @@ class _StepBatches:
 
     def __init__(self) -> None:
         self.kept: dict[int, list[Any]] = {}
+        self.positions: dict[int, Any] = {}
+        """The loader's state as each step ended (by completed steps): what a checkpoint taken as a step is run
+        again records."""
         self.drawing = 0
         """The step the batches drawn now belong to."""
         self.replaying = False
@@ -247,6 +260,8 @@ class _StepBatches:
         self.drawing = step
         for old in [s for s in self.kept if s < horizon or s >= step]:
             del self.kept[old]
+        for old in [s for s in self.positions if s <= horizon or s > step]:
+            del self.positions[old]
 
 
 class _Recorded:
@@ -261,6 +276,8 @@ class _Recorded:
         self._batches = batches
         self._live = False
         self._restored = False
+        self.pinned: Any = None
+        """While a step is run again: the loader's state as that step first ended, which its end records."""
 
     def __iter__(self) -> Iterator[Any]:
         self._live = True
@@ -277,7 +294,7 @@ class _Recorded:
             yield batch
 
     def state_dict(self) -> Any:
-        return self._loader.state_dict()
+        return self.pinned if self.pinned is not None else self._loader.state_dict()
 
     def load_state_dict(self, state: Any) -> None:
         if not self._live:
