@@ -166,3 +166,12 @@ def test_a_checkpoint_taken_as_a_step_is_run_again_restarts_bitwise(launch: Any,
     pid = [e["worker_pid"] for e in again.events("worker_spawned") if e["rank"] == 1][-1]
     rank1 = _log(reference, "served", reference.worker_pids(restart=0)[1])
     assert _log(again, "served", pid) == rank1[before * BATCH :], f"resumed at {before}, read from there on"
+
+
+def test_a_run_whose_data_runs_out_ends_with_its_last_step_durable(launch: Any) -> None:
+    """45 steps asked of 40 steps of data: torchtitan's loop breaks in step 41 without saving; the manager's close
+    makes step 40 durable (checkpoint.interval 100: no checkpoint otherwise after the start)."""
+    job = launch(_args("--steps", "45", "--every", "100"))
+    assert job.wait(180) == 0, job.output()[-3000:]
+    assert committed_steps(job.workdir / "ckpt")[-1:] == [40]
+    assert {r["step"] for r in job.results().values()} == {41}, "torchtitan counts the step it broke out of"

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -202,8 +203,13 @@ class StalwartCheckpointManager(BaseCheckpointManager):
         self.save_future = None
 
     def _close(self) -> None:
-        """The loop's end: the last state durable (the protocol's last begin made it so), the Job closed."""
+        """The loop's end: the last state durable, the Job closed. A loop that ended early (torchtitan's breaks
+        mid-step, without a save, when its data ran out) gets its last completed step saved here, unless the close
+        comes from an exception in flight (train.py closes the Trainer in its `except`)."""
         if self.loop is not None:
+            ended_early = self.current is not None and sys.exc_info()[0] is None
+            if ended_early and self.job.step != self.job.parts.last_saved:
+                self.job.save(wait=True)
             self.loop.close()
         self.job.close()
 
@@ -353,8 +359,6 @@ def stalwart_config(checkpoint: Any) -> StalwartCheckpointManager.Config:
 def main(argv: list[str] | None = None) -> None:
     """`python -m stalwart.integrations.torchtitan ARGS` (under `stalwart run`): torchtitan's `torchtitan.train`
     with the same ARGS, its config's checkpoint manager made stalwart's (`stalwart_config`)."""
-    import sys
-
     from torchtitan import train
     from torchtitan.config import ConfigManager
 
