@@ -29,10 +29,10 @@ def _args(*extra: str) -> list[str]:
             "--setup-log", "setups.txt", "--step-log", "steps", *extra]  # fmt: skip
 
 
-def _log(job: Any, kind: str, pid: int) -> list[int]:
+def _log(job: Any, kind: str, pid: int | str) -> list[int]:
     """What process `pid` wrote to its --served-log (the dataset's indices it read) or --step-log (each step's end
-    in the Trainer's loop)."""
-    path = job.workdir / kind / f"pid{pid}.txt"
+    in the Trainer's loop; "val<pid>": each validation's step)."""
+    path = job.workdir / kind / (pid if isinstance(pid, str) else f"pid{pid}.txt")
     return [int(s) for s in path.read_text().split()] if path.exists() else []
 
 
@@ -175,3 +175,22 @@ def test_a_run_whose_data_runs_out_ends_with_its_last_step_durable(launch: Any) 
     assert job.wait(180) == 0, job.output()[-3000:]
     assert committed_steps(job.workdir / "ckpt")[-1:] == [40]
     assert {r["step"] for r in job.results().values()} == {41}, "torchtitan counts the step it broke out of"
+
+
+def test_steps_run_again_are_validated_where_the_loop_would_validate(launch: Any) -> None:
+    """A validator every 4 steps (an all-reduce and a draw from torch's generator, as torchtitan's makes) and rank 1
+    killed at step 13 with --wait-for-replacement: the survivor validates again at the step it restored (the state
+    was taken before that step's validation) and at each step it runs again that the loop validates at (12 at
+    least), so its collectives meet the replacement's and the run ends with the parameters of the same run without
+    a failure."""
+    plain = launch(_args("--plain", "--validate-every", "4"), name="plain")
+    assert plain.wait(180) == 0, plain.output()[-3000:]
+    env = child_env(STALWART_WAIT_FOR_REPLACEMENT="1")
+    job = launch(_args("--validate-every", "4", "--die-at", "13:begin"), env=env)
+    assert job.wait(180) == 0, job.output()[-3000:]
+    assert _digests(job) == _digests(plain)
+    survivor = job.worker_pids(restart=0)[0]
+    [resumed] = [e for e in job.events("resumed") if e["rank"] == 0]
+    again = [s for s in range(resumed["step"], 13) if s % 4 == 0]  # the restored step's too: its state predates it
+    validated = _log(job, "steps", f"val{survivor}.txt")
+    assert validated == [4, 8, 12, *again, *range(16, STEPS + 1, 4)], validated

@@ -62,7 +62,11 @@ class Trainer(Stateful):
         world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
         if world > 1:
             dist.init_process_group("gloo")  # torchtitan makes its own group (dist_utils.init_distributed)
-        self.config = SimpleNamespace(training=SimpleNamespace(steps=args.steps, max_norm=1.0))
+        self.config = SimpleNamespace(
+            training=SimpleNamespace(steps=args.steps, max_norm=1.0),
+            validator=SimpleNamespace(enable=args.validate_every > 0),
+        )
+        self.validator = _Validator(args.validate_every, args.step_log)
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
@@ -132,6 +136,8 @@ class Trainer(Stateful):
             except DataloaderExhaustedError:
                 break
             self.checkpointer.save(self.step, last_step=self.step == self.config.training.steps)
+            if self.config.validator.enable and self.validator.should_validate(self.step):
+                self.validator.validate(self.model_parts, self.step)
             self.hooks.ended(self.step)
 
     def state_dict(self) -> dict[str, Any]:
@@ -140,6 +146,33 @@ class Trainer(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = state_dict["step"]
         self.ntokens_seen = state_dict["ntokens_seen"]
+
+
+class _Validator:
+    """torchtitan's Validator's shape: every `every` steps, the model in eval mode on fixed inputs, the loss
+    all-reduced, a new iterator's draw from torch's generator (as a validation loader's iterator makes); each
+    validation's step appended to --step-log's `val` files."""
+
+    def __init__(self, every: int, log: Path | None) -> None:
+        self.every, self.log = every, log
+        self.x = torch.randn(4, 8, generator=torch.Generator().manual_seed(11))
+
+    def should_validate(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def validate(self, model_parts: list[torch.nn.Module], step: int) -> None:
+        torch.empty((), dtype=torch.int64).random_()
+        model = model_parts[0]
+        model.eval()
+        with torch.no_grad():
+            loss = model(self.x).square().mean()
+        model.train()
+        if dist.is_initialized():
+            dist.all_reduce(loss)
+        if self.log is not None:
+            self.log.mkdir(exist_ok=True)
+            with open(self.log / f"val{os.getpid()}.txt", "a") as f:
+                f.write(f"{step}\n")
 
 
 class _Hooks:
@@ -195,6 +228,7 @@ def main() -> None:
     p.add_argument("--served-log", type=Path)
     p.add_argument("--setup-log", type=Path)
     p.add_argument("--die-at", default="", help="STEP:PHASE, see _Hooks")
+    p.add_argument("--validate-every", type=int, default=0, help="validator freq (0: no validation)")
     p.add_argument("--load-step", type=int, default=-1, help="checkpoint.load_step (not supported by stalwart's)")
     args = p.parse_args()
     if args.setup_log is not None:

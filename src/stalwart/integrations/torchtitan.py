@@ -143,8 +143,13 @@ class StalwartCheckpointManager(BaseCheckpointManager):
             and getattr(trainer, "dataloader", None) is self.dataloader
         ):
             trainer.dataloader = self.recorded
+        validator = getattr(trainer, "validator", None)
+        if validator is not None and hasattr(validator, "validate"):
+            validator.validate = self._busy(validator.validate)
         self.current = self.loop.begin()
         _check_step(self.trainer, self.job.step)
+        if self.job.resumed_from is not None:
+            self._validate(self.job.step)  # as the run that took the state did, after it took it
         self.batches.forget_before(self.job.step, self.job.step)
         return self.job.resumed_from is not None
 
@@ -159,6 +164,8 @@ class StalwartCheckpointManager(BaseCheckpointManager):
             self.batches.positions[curr_step] = self.recorded.state_dict()
         loop.end()
         self.current = loop.begin()
+        if self.current is not None and self.current.number < curr_step:
+            self._validate(self.current.number)  # the state restored was taken before that step's validation
         # Back behind the steps drawn (a recovery restored an earlier step): each is run again with its batches,
         # up to the step the Trainer's loop draws next. The loader's state at each of their ends is the one kept
         # when the step first ended: the live loader is already past them.
@@ -173,8 +180,31 @@ class StalwartCheckpointManager(BaseCheckpointManager):
                 if self.recorded is not None:
                     self.recorded.pinned = None
             self.current = loop.begin()
+            if done < curr_step:  # the Trainer validates after this save returns, at curr_step
+                self._validate(done)
         self.batches.forget_before(curr_step, loop.horizon())
         return True
+
+    def _validate(self, step: int) -> None:
+        """torchtitan's validation after a step run again or resumed at, where its loop made it: the state a
+        resume restores was taken at the step's end, before its validation (whose validation loader's iterator
+        draws from torch's generator), and a replacement validates at the steps the survivors run again (their
+        collectives must meet)."""
+        trainer = self.trainer
+        enabled = getattr(getattr(getattr(trainer, "config", None), "validator", None), "enable", False)
+        validator = getattr(trainer, "validator", None)
+        if enabled and validator is not None and validator.should_validate(step):
+            validator.validate(trainer.model_parts, step)  # type: ignore[union-attr]
+
+    def _busy(self, validate: Any) -> Any:
+        """A validation runs between two steps, after the next one began: under `job.busy()`, so it is not taken
+        for a hang by the next step's calibrated timeout."""
+
+        def busy_validate(*args: Any, **kwargs: Any) -> Any:
+            with self.job.busy():
+                return validate(*args, **kwargs)
+
+        return busy_validate
 
     def _redo(self, step: Step) -> None:
         """Run step `step.number + 1` again with the micro-batches it drew, the tracked objects holding the state
