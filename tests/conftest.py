@@ -58,6 +58,39 @@ def committed_steps(ckpt: Path) -> list[int]:
     return sorted(int(p.parent.name.removeprefix("step_")) for p in ckpt.glob("step_*/manifest.json"))
 
 
+def process_log(job: Any, kind: str, pid: int | str) -> list[int]:
+    """The numbers a test script's process wrote, one a line, to `kind/pid<pid>.txt` in the job's directory (its
+    --served-log: the dataset's indices it read; its --step-log: each step's end), or to `kind/<pid>` given a
+    file name; [] where it wrote none."""
+    path = job.workdir / kind / (pid if isinstance(pid, str) else f"pid{pid}.txt")
+    return [int(s) for s in path.read_text().split()] if path.exists() else []
+
+
+def digests(job: Any) -> dict[int, str]:
+    """Each rank's parameters' sha256, as the test scripts write them to --out."""
+    return {rank: r["sha256"] for rank, r in job.results().items()}
+
+
+def setups(job: Any) -> list[str]:
+    """The pids that ran the script's set-up (its --setup-log), one per run of it."""
+    return (job.workdir / "setups.txt").read_text().split()
+
+
+def kill_the_launcher(job: Any, step: int, checkpoint: int) -> int:
+    """SIGKILL `job`'s launcher once `step` ended (its --step-log) and `checkpoint`'s manifest landed; its workers
+    die with it. Returns the last committed step: `checkpoint`, or a later one whose commit landed before the kill."""
+    ended = lambda: [s for f in (job.workdir / "steps").glob("pid*.txt") for s in f.read_text().split()]  # noqa: E731
+    committed = lambda: committed_steps(job.workdir / "ckpt")  # noqa: E731
+    job.wait_for(
+        lambda: str(step) in ended() and checkpoint in committed(), 120, f"step {step} and {checkpoint}'s checkpoint"
+    )
+    workers = job.worker_pids(restart=0)
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job.proc.wait()
+    wait_for(lambda: not [pid for pid in workers.values() if alive(pid)], 30, "the workers to die with the launcher")
+    return committed()[-1]
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

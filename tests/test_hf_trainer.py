@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import Launch, alive, child_env, committed_steps, stalwart, wait_for
+from conftest import Launch, child_env, kill_the_launcher, stalwart
+from conftest import digests as _digests
+from conftest import process_log as _log
+from conftest import setups as _setups
 from stalwart.errors import ConfigError
 
 pytest.importorskip("transformers")
@@ -37,17 +39,6 @@ def _losses(job: Any) -> list[str]:
     return re.findall(r"\{'loss': '[^']*'", job.output())
 
 
-def _log(job: Any, kind: str, pid: int) -> list[int]:
-    """What process `pid` wrote to its --served-log ("served": the dataset's indices it read) or --step-log
-    ("steps": the global step at each of the Trainer's step ends)."""
-    path = job.workdir / kind / f"pid{pid}.txt"
-    return [int(s) for s in path.read_text().split()] if path.exists() else []
-
-
-def _setups(job: Any) -> list[str]:
-    return (job.workdir / "setups.txt").read_text().split()
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """transformers.Trainer alone, without a failure."""
@@ -57,10 +48,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield job
     finally:
         job.reap()
-
-
-def _digests(job: Any) -> dict[int, str]:
-    return {rank: r["sha256"] for rank, r in job.results().items()}
 
 
 @pytest.mark.parametrize(
@@ -109,14 +96,7 @@ def test_a_full_restart_resumes_at_the_last_checkpoint_without_reading_an_item_b
     command again: it resumes at the last committed step from storage, reads rank 1's items from that step on and
     none before, and ends bitwise."""
     first = launch(_args("--step-sleep", "0.2"), name="job")
-    ended = lambda: [s for f in (first.workdir / "steps").glob("pid*.txt") for s in f.read_text().split()]  # noqa: E731
-    committed = lambda: committed_steps(first.workdir / "ckpt")  # noqa: E731
-    first.wait_for(lambda: "25" in ended() and 20 in committed(), 120, "step 25 and step 20's checkpoint")
-    workers = first.worker_pids(restart=0)
-    os.kill(first.proc.pid, signal.SIGKILL)  # its workers die with it
-    first.proc.wait()
-    wait_for(lambda: not [pid for pid in workers.values() if alive(pid)], 30, "the workers to die with the launcher")
-    last = committed()[-1]  # 20, or a later one if its commit landed before the kill
+    last = kill_the_launcher(first, 25, 20)  # 20, or a later one if its commit landed first
     again = launch(_args(), name="job")  # the same directory
     assert again.wait(180) == 0, again.output()[-3000:]
     assert _digests(again) == _digests(reference)

@@ -6,13 +6,15 @@ checkpoint without reading an item before it (tests/scripts/train_lightning.py r
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import Launch, alive, child_env, committed_steps, served_script, wait_for
+from conftest import Launch, child_env, kill_the_launcher, served_script
+from conftest import digests as _digests
+from conftest import process_log as _log
+from conftest import setups as _setups
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -24,21 +26,6 @@ STEPS = 30
 def _args(*extra: str) -> list[str]:
     return ["--nproc-per-node", "2", "--max-restarts", "3", str(SCRIPT), "--out", "out", "--served-log", "served",
             "--setup-log", "setups.txt", "--step-log", "steps", *extra]  # fmt: skip
-
-
-def _log(job: Any, kind: str, pid: int) -> list[int]:
-    """What process `pid` wrote to its --served-log ("served": the dataset's indices it read) or --step-log
-    ("steps": the global step at each of the Trainer's batch ends)."""
-    path = job.workdir / kind / f"pid{pid}.txt"
-    return [int(s) for s in path.read_text().split()] if path.exists() else []
-
-
-def _digests(job: Any) -> dict[int, str]:
-    return {rank: r["sha256"] for rank, r in job.results().items()}
-
-
-def _setups(job: Any) -> list[str]:
-    return (job.workdir / "setups.txt").read_text().split()
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +69,7 @@ def test_a_full_restart_resumes_at_the_last_checkpoint_without_reading_an_item_b
     from that step on and none before,
     and ends bitwise (its generators and its loops' counters restored as the uninterrupted run had them)."""
     first = launch(_args("--step-sleep", "0.2"), name="job")
-    ended = lambda: [s for f in (first.workdir / "steps").glob("pid*.txt") for s in f.read_text().split()]  # noqa: E731
-    committed = lambda: committed_steps(first.workdir / "ckpt")  # noqa: E731
-    first.wait_for(lambda: "16" in ended() and 15 in committed(), 120, "step 16 and step 15's checkpoint")
-    workers = first.worker_pids(restart=0)
-    os.kill(first.proc.pid, signal.SIGKILL)  # its workers die with it
-    first.proc.wait()
-    wait_for(lambda: not [pid for pid in workers.values() if alive(pid)], 30, "the workers to die with the launcher")
-    last = committed()[-1]  # 15, or a later one if its commit landed before the kill
+    last = kill_the_launcher(first, 16, 15)  # 15, or a later one if its commit landed first
     again = launch(_args(), name="job")  # the same directory
     assert again.wait(180) == 0, again.output()[-3000:]
     assert _digests(again) == _digests(reference)

@@ -6,14 +6,15 @@ a full restart resumes at the last checkpoint without reading an item before it;
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import Launch, alive, child_env, committed_steps, wait_for
+from conftest import Launch, child_env, committed_steps, kill_the_launcher
+from conftest import digests as _digests
+from conftest import process_log as _log
+from conftest import setups as _setups
 
 pytest.importorskip("torchtitan.components.checkpointer")
 
@@ -27,21 +28,6 @@ STEPS = 30
 def _args(*extra: str) -> list[str]:
     return ["--nproc-per-node", "2", "--max-restarts", "3", str(SCRIPT), "--out", "out", "--served-log", "served",
             "--setup-log", "setups.txt", "--step-log", "steps", *extra]  # fmt: skip
-
-
-def _log(job: Any, kind: str, pid: int | str) -> list[int]:
-    """What process `pid` wrote to its --served-log (the dataset's indices it read) or --step-log (each step's end
-    in the Trainer's loop; "val<pid>": each validation's step)."""
-    path = job.workdir / kind / (pid if isinstance(pid, str) else f"pid{pid}.txt")
-    return [int(s) for s in path.read_text().split()] if path.exists() else []
-
-
-def _digests(job: Any) -> dict[int, str]:
-    return {rank: r["sha256"] for rank, r in job.results().items()}
-
-
-def _setups(job: Any) -> list[str]:
-    return (job.workdir / "setups.txt").read_text().split()
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +72,7 @@ def test_a_full_restart_resumes_at_the_last_checkpoint_without_reading_an_item_b
     command again: it resumes at the last committed step from storage, reads rank 1's items from that step on and
     none before, and ends bitwise (the data loader's new iterator does not shift the restored generator)."""
     first = launch(_args("--step-sleep", "0.2"), name="job")
-    ended = lambda: [s for f in (first.workdir / "steps").glob("pid*.txt") for s in f.read_text().split()]  # noqa: E731
-    committed = lambda: committed_steps(first.workdir / "ckpt")  # noqa: E731
-    first.wait_for(lambda: "16" in ended() and 15 in committed(), 120, "step 16 and step 15's checkpoint")
-    workers = first.worker_pids(restart=0)
-    os.kill(first.proc.pid, signal.SIGKILL)  # its workers die with it
-    first.proc.wait()
-    wait_for(lambda: not [pid for pid in workers.values() if alive(pid)], 30, "the workers to die with the launcher")
-    last = committed()[-1]  # 15, or a later one if its commit landed before the kill
+    last = kill_the_launcher(first, 16, 15)  # 15, or a later one if its commit landed first
     again = launch(_args(), name="job")  # the same directory
     assert again.wait(180) == 0, again.output()[-3000:]
     assert _digests(again) == _digests(reference)
