@@ -97,14 +97,50 @@ def test_without_wait_for_replacement_the_survivor_trains_on_shrunk_in_the_train
 
 
 def test_a_configuration_it_cannot_protect_is_one_line_and_no_restart(launch: Any) -> None:
-    """Gradient accumulation is not covered yet: each rank stops at the Trainer's set-up with one line that says
+    """Manual optimization is not covered yet: each rank stops at the Trainer's set-up with one line that says
     why, and the launcher does not restart bad input."""
-    job = launch(_args("--ga", "2"))
+    job = launch(_args("--manual"))
     assert job.wait(120) == 78, job.output()[-3000:]
-    lines = [line for line in job.output().splitlines() if "accumulate_grad_batches" in line]
-    assert lines and all(line.startswith("stalwart: error: StalwartCallback does not cover") for line in lines), lines
+    lines = [line for line in job.output().splitlines() if "manual" in line]
+    assert lines and all(line.startswith("stalwart: error: StalwartCallback covers automatic") for line in lines), lines
     assert "Traceback" not in job.output()
     assert not job.events("restarting")
+
+
+@pytest.fixture(scope="module")
+def reference_accumulating(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The Lightning Trainer alone with accumulate_grad_batches=2, without a failure."""
+    job = Launch(tmp_path_factory.mktemp("lightning-reference-ga"), _args("--plain", "--ga", "2"), child_env())
+    try:
+        assert job.wait(180) == 0, job.output()[-3000:]
+        yield job
+    finally:
+        job.reap()
+
+
+@pytest.mark.parametrize(
+    ("die_at", "resumed"), [("13:backward:1", 13), ("13:optimizer:1", 14)], ids=["last-backward", "optimizer"]
+)
+def test_gradient_accumulation_runs_every_micro_batch_of_the_failed_step_again(
+    launch: Any, reference_accumulating: Any, die_at: str, resumed: int
+) -> None:
+    """accumulate_grad_batches=2, rank 1 SIGKILLed at step 13's second micro-batch, in its backward pass (DDP's
+    all-reduce in flight, the first micro-batch's gradients accumulated without a sync) or inside its optimizer step
+    (the gradients all-reduced: the survivor's step 13 completes and its failure comes in step 14), with
+    --wait-for-replacement: the survivor runs the failed step's two micro-batches again in the Trainer's loop and the
+    run ends with the parameters of the Trainer alone; the replacement reads rank 1's items from the resumed step's
+    first micro-batch on and none before; the Trainer's other callbacks saw each micro-batch's end once."""
+    job = launch(_args("--ga", "2", "--die-at", die_at), env=child_env(STALWART_WAIT_FOR_REPLACEMENT="1"))
+    assert job.wait(180) == 0, job.output()[-3000:]
+    assert _digests(job) == _digests(reference_accumulating), "the parameters differ from the Trainer alone's"
+    assert [e["rank"] for e in job.events("reformed_in_loop")] == [0], "the survivor re-formed in its loop"
+    assert [e["step"] for e in job.events("resumed") if e["rank"] == 1 and e.get("restart", 0) > 0] == [resumed]
+    survivor = job.worker_pids(restart=0)[0]
+    ends = [s for step in range(STEPS) for s in (step, step + 1)]  # each micro-batch's end: the step it left
+    assert _log(job, "steps", survivor) == ends, "one batch end a micro-batch on the survivor"
+    replacement = [e["worker_pid"] for e in job.events("worker_spawned") if e["rank"] == 1][-1]
+    rank1 = _log(reference_accumulating, "served", reference_accumulating.worker_pids(restart=0)[1])
+    assert _log(job, "served", replacement) == rank1[resumed * 2 * BATCH :], "the replacement read from its step on"
 
 
 @pytest.mark.parametrize("stop", [12, 24], ids=["inside-an-epoch", "at-an-epochs-end"])

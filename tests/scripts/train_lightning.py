@@ -36,14 +36,22 @@ class Items(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 
 class Regressor(pl.LightningModule):
-    def __init__(self) -> None:
+    """`manual`: Lightning's manual optimization (the module steps its optimizer itself)."""
+
+    def __init__(self, manual: bool = False) -> None:
         super().__init__()
         self.net = recipe_common.model()
+        self.automatic_optimization = not manual
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("loss", loss)
+        if not self.automatic_optimization:
+            optimizer: Any = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
         return loss
 
     def configure_optimizers(self) -> Any:
@@ -53,22 +61,30 @@ class Regressor(pl.LightningModule):
 
 
 class DieAt(pl.Callback):
-    """Rank 1 of the first round SIGKILLs itself at step STEP, in PHASE: begin (before the forward) or backward (a
-    gradient hook, DDP's all-reduce of another bucket in flight)."""
+    """Rank 1 of the first round SIGKILLs itself at step STEP, in PHASE: begin (before the forward), backward (a
+    gradient hook, DDP's all-reduce of another bucket in flight at a step's last micro-batch) or optimizer (inside
+    the optimizer step, its gradients all-reduced); at the step's micro-batch MICRO (0, the first, by default; with
+    gradient accumulation)."""
 
-    def __init__(self, step: int, phase: str, module: Regressor) -> None:
-        self.step, self.phase, self.now = step, phase, -1
+    def __init__(self, step: int, phase: str, micro: int, module: Regressor) -> None:
+        self.step, self.phase, self.micro = step, phase, micro
+        self.now, self.now_micro = -1, 0
         self.armed = os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if self.armed and phase == "backward":
             module.net[0].weight.register_hook(lambda g: self._die())
 
     def _die(self) -> None:
-        if self.armed and self.now == self.step:
+        if self.armed and self.now == self.step and self.now_micro == self.micro:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.now_micro = self.now_micro + 1 if trainer.global_step == self.now else 0
         self.now = trainer.global_step
         if self.phase == "begin":
+            self._die()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.phase == "optimizer":
             self._die()
 
 
@@ -95,21 +111,22 @@ def main() -> None:
     p.add_argument("--every", type=int, default=5, help="stalwart's checkpoint_every")
     p.add_argument("--plain", action="store_true", help="the Lightning Trainer alone (the baseline)")
     p.add_argument("--ga", type=int, default=1, help="accumulate_grad_batches")
+    p.add_argument("--manual", action="store_true", help="manual optimization")
     p.add_argument("--step-log", type=Path)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--served-log", type=Path)
     p.add_argument("--setup-log", type=Path)
-    p.add_argument("--die-at", default="", help="STEP:PHASE, see DieAt")
+    p.add_argument("--die-at", default="", help="STEP:PHASE[:MICRO], see DieAt")
     args = p.parse_args()
     if args.setup_log is not None:
         with open(args.setup_log, "a") as f:
             f.write(f"{os.getpid()}\n")
     pl.seed_everything(0, verbose=False)
-    module = Regressor()
+    module = Regressor(args.manual)
     callbacks: list[Any] = []
     if args.die_at:
-        step, phase = args.die_at.split(":")
-        callbacks.append(DieAt(int(step), phase, module))
+        step, phase, *micro = args.die_at.split(":")
+        callbacks.append(DieAt(int(step), phase, int(micro[0]) if micro else 0, module))
     if args.step_log is not None or args.step_sleep:
         callbacks.append(StepLog(args.step_log, args.step_sleep))
     if not args.plain:

@@ -23,13 +23,14 @@ What it does, in the Trainer's order (lightning_state.py holds what it tracks):
 - `on_train_start` (the train data loaders made): after a resume, each one's sampler skips the batches of the epoch
   the restored run had drawn, by index, once: no item before the restored step is read, and the batch order is the
   uninterrupted run's (the sampler is a function of its seed and the epoch).
-- `on_train_batch_start`: the protocol's begin (the batch and every generator kept). `on_train_batch_end` (this
-  callback runs first): a step whose update was dropped (a peer died in it) is run again here, after the job
-  recovered, with the same batch and generators, before any other callback sees the step's end; then the Job's
-  end of the step: snapshot, checks, checkpoint.
+- `on_train_batch_start`: each micro-batch of the step (one, or `accumulate_grad_batches`) kept with every
+  generator as it began. `on_train_batch_end` (this callback runs first) of the micro-batch that stepped the
+  optimizer: a step whose update was dropped (a peer died in it) is run again here, after the job recovered, with
+  the same micro-batches and generators, before any other callback sees the step's end; then the Job's end of the
+  step: snapshot, checks, checkpoint.
 
-Not covered yet, each refused with one line: gradient accumulation (`accumulate_grad_batches` > 1), manual
-optimization, more than one optimizer, and an iterable dataset's loader (its position is not a function of the
+Not covered yet, each refused with one line: manual optimization, more than one optimizer, a strategy whose engine
+accumulates gradients itself (DeepSpeed), and an iterable dataset's loader (its position is not a function of the
 step). Lightning's own `ModelCheckpoint` may stay on: its checkpoints are its own; `fit(ckpt_path=...)` is
 refused with one line, since the run resumes from stalwart's.
 """
@@ -79,7 +80,10 @@ class StalwartLightningCallback(pl.Callback):
         self.job = job if job is not None else Job(checkpoint_dir, **job_options)  # type: ignore[arg-type]
         self._loop: StepLoop | None = None
         self._next: Step | None = None  # begun at the previous step's end, handed out at the next batch's start
-        self._kept: tuple[Any, int, dict[str, Any], dict[str, Any]] | None = None  # batch, index, rng, optim counters
+        # The step's micro-batches so far (batch, index, every generator as it began) and the optimizer's counters
+        # as its first began: what running the step again needs.
+        self._micro: list[tuple[Any, int, dict[str, Any]]] = []
+        self._counters: dict[str, Any] = {}
         self._progress: LightningProgress | None = None
         self._skip = 0  # batches of the restored epoch its loaders skip
         self._epoch_start = EpochStart()
@@ -96,10 +100,10 @@ class StalwartLightningCallback(pl.Callback):
                 "fit(ckpt_path=...) is not taken with StalwartCallback: the run resumes from stalwart's "
                 "checkpoints (drop ckpt_path)"
             )
-        if trainer.accumulate_grad_batches != 1:
+        if trainer.strategy.handles_gradient_accumulation:
             raise ConfigError(
-                "StalwartCallback does not cover accumulate_grad_batches > 1 yet (a failed step would "
-                "need all its micro-batches again); use 1, or stalwart.Job in your own loop"
+                f"StalwartCallback does not cover {type(trainer.strategy).__name__}, whose engine accumulates "
+                "gradients itself (a failed step's micro-batches cannot be run again through it); use ddp or fsdp"
             )
         if not pl_module.automatic_optimization:
             raise ConfigError("StalwartCallback covers automatic optimization only (not manual) yet")
@@ -157,8 +161,9 @@ class StalwartLightningCallback(pl.Callback):
                 f"the Trainer is at step {trainer.global_step} where the job is at {step.number}: "
                 "something moved the Trainer's progress"
             )
-        optim = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
-        self._kept = (batch, batch_idx, capture_rng(), optim.state_dict())
+        if not self._micro:  # the step's first micro-batch (the only one without gradient accumulation)
+            self._counters = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.state_dict()
+        self._micro.append((batch, batch_idx, capture_rng()))
         return None
 
     def on_train_batch_end(
@@ -166,6 +171,8 @@ class StalwartLightningCallback(pl.Callback):
     ) -> None:
         loop = self._loop
         if loop is None or loop.step is None:
+            return
+        if trainer.global_step == loop.step.number:  # a micro-batch that accumulated: the step goes on
             return
         failed = trainer.global_step - 1  # the step this batch made
         while True:
@@ -176,6 +183,7 @@ class StalwartLightningCallback(pl.Callback):
             if self._next is None or self._next.number != failed:
                 break
             self._run_again(trainer)  # the job went back to this step: it runs again (and may fail again)
+        self._micro = []
         if self._next is not None and self._next.number < failed:
             raise ConfigError(
                 f"the job went back to step {self._next.number} at step {trainer.global_step} (a rollback, "
@@ -183,18 +191,25 @@ class StalwartLightningCallback(pl.Callback):
             )
 
     def _run_again(self, trainer: pl.Trainer) -> None:
-        """Run the step the job went back to again, with its batch and generators: the closure, the optimizer step
-        and the step's LR scheduler steps (and an epoch's, at its last batch), as the Trainer's loop makes them."""
-        kept = self._kept
-        assert kept is not None
-        batch, batch_idx, rng, counters = kept
+        """Run the step the job went back to again, with its micro-batches and generators, as the Trainer's loop
+        made them: each one's SIGTERM broadcast and closure (zero_grad at the first, forward, backward; without
+        DDP's gradient sync but at the last), the optimizer step at the last, then the step's LR scheduler steps
+        (and an epoch's, at its last batch)."""
         epoch_loop = trainer.fit_loop.epoch_loop
-        if torch.distributed.is_initialized() and trainer.world_size > 1:
-            epoch_loop._broadcast_sigterm_tensor()  # as each batch of the loop begins: a replacement's first does
-        epoch_loop.automatic_optimization.optim_progress.load_state_dict(counters)
-        restore_rng(rng)
-        kwargs = epoch_loop._build_kwargs({}, batch, batch_idx)  # type: ignore[arg-type]
-        epoch_loop.automatic_optimization.run(trainer.optimizers[0], batch_idx, kwargs)
+        optimization = epoch_loop.automatic_optimization
+        optimization.optim_progress.load_state_dict(self._counters)
+        last = len(self._micro) - 1
+        for i, (batch, batch_idx, rng) in enumerate(self._micro):
+            if torch.distributed.is_initialized() and trainer.world_size > 1:
+                epoch_loop._broadcast_sigterm_tensor()  # as each batch of the loop begins: a replacement's does
+            restore_rng(rng)
+            kwargs = epoch_loop._build_kwargs({}, batch, batch_idx)  # type: ignore[arg-type]
+            if i < last:  # the loop's counters are the last micro-batch's: this one accumulates
+                epoch_loop._should_accumulate = _accumulates  # type: ignore[method-assign]
+            try:
+                optimization.run(trainer.optimizers[0], batch_idx, kwargs)
+            finally:
+                epoch_loop.__dict__.pop("_should_accumulate", None)
         epoch_loop.update_lr_schedulers("step", update_plateau_schedulers=False)
         if epoch_loop._num_ready_batches_reached():  # the epoch's last batch: its schedulers stepped, as the loop does
             epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
@@ -234,3 +249,8 @@ StalwartCallback = StalwartLightningCallback
 
 _NO_LIMIT = 2**62
 """max_steps for a Trainer without one (max_steps=-1: it stops at max_epochs)."""
+
+
+def _accumulates() -> bool:
+    """The epoch loop's `_should_accumulate` for a micro-batch run again before the step's last."""
+    return True
