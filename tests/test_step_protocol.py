@@ -99,17 +99,21 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, A
     [
         ("--die-at", "13:backward"),  # inside the backward pass, with DDP's all-reduce of a bucket in flight
         ("STALWART_FAULTS", "kill@rank=1,step=13"),  # between two steps
+        ("--die-at", "13:backward", "--check-gathered-loss"),  # and the body raises on what a collective left
     ],
-    ids=["backward", "between-steps"],
+    ids=["backward", "between-steps", "the-body-raises-after-the-failure"],
 )
 def test_a_loop_driven_through_the_protocol_redoes_the_failed_step_and_ends_bitwise(
-    launch: Any, reference: Any, where: tuple[str, str]
+    launch: Any, reference: Any, where: tuple[str, ...]
 ) -> None:
     """Under stalwart run, rank 1 dies mid-run; the replacement is waited for (the tests' default): the survivor
     stays in its loop, its next begin() is the failed step again (Step.redo), and both ranks end where a fault-free
-    run of `job.steps()` ends."""
-    flag, value = where
-    extra = (flag, value) if flag.startswith("--") else ()
+    run of `job.steps()` ends. With --check-gathered-loss the body gathers every rank's loss into a NaN-filled
+    buffer after its optimizer step and raises unless all are finite, as a Trainer's loss check: after the absorbed
+    failure the gather leaves the buffer as it was, the body's error goes to failed(), and it is taken as the
+    failure's consequence (the survivor stays in its loop all the same)."""
+    flag, value = where[:2]
+    extra = where if flag.startswith("--") else ()
     env = child_env(**({flag: value} if not flag.startswith("--") else {}))
     job = launch(tiny_args(*ARGS, "--protocol", "--setup-log", "setups.log", *extra), env=env)
     assert job.wait(180) == 0, job.output()
@@ -121,6 +125,8 @@ def test_a_loop_driven_through_the_protocol_redoes_the_failed_step_and_ends_bitw
     redone = [e["step"] for e in job.events("resumed") if e["rank"] == 0 and e["restart"] == 1]
     assert len(redone) == 1, job.events("resumed")
     assert f"train_tiny: rank 0 redoes step {redone[0]}" in job.output(), "the survivor was told to redo the step"
+    if "--check-gathered-loss" in where:
+        assert "(then: RuntimeError: Loss is not finite" in job.output(), "the body raised after the failure"
     setups = (job.workdir / "setups.log").read_text().split()
     assert len(setups) == len(set(setups)) == 3, f"the set-up ran once in each process: {setups}"
 

@@ -49,7 +49,9 @@ def test_a_kill_redoes_the_steps_inside_the_loop_and_the_run_ends_bitwise(
     --wait-for-replacement: the survivor stays in torchtitan's loop, runs the steps since the restored one again
     with the batches they drew, and the run ends with the parameters of the run without a failure; the replacement
     reads rank 1's items from the restored step on and none before; each process ran the set-up once, and the
-    survivor's loop saw each step end once."""
+    survivor's loop saw each step end once. Each step checks that its all-reduced loss is finite, as torchtitan's
+    Trainer does: after the kill before the forward the survivor's absorbed all-gather leaves garbage in it, the check
+    raises, and the step is recovered from all the same; the last loss each step logged is the reference's."""
     job = launch(_args("--die-at", f"13:{phase}"), env=child_env(STALWART_WAIT_FOR_REPLACEMENT="1"))
     assert job.wait(180) == 0, job.output()[-3000:]
     assert _digests(job) == _digests(reference), "the parameters differ from the run without a failure"
@@ -63,6 +65,13 @@ def test_a_kill_redoes_the_steps_inside_the_loop_and_the_run_ends_bitwise(
     replacement = [e["worker_pid"] for e in job.events("worker_spawned") if e["rank"] == 1][-1]
     rank1 = _log(reference, "served", reference.worker_pids(restart=0)[1])
     assert _log(job, "served", replacement) == rank1[resumed["step"] * BATCH :], "read from the restored step on"
+    assert _losses(job, survivor) == _losses(reference, reference.worker_pids(restart=0)[0])
+
+
+def _losses(job: Any, pid: int) -> dict[int, str]:
+    """Each step's all-reduced loss as the process last logged it (a step run again logs again)."""
+    lines = (job.workdir / "steps" / f"loss{pid}.txt").read_text().splitlines()
+    return {int(step): loss for step, loss in (line.split() for line in lines)}
 
 
 def test_a_full_restart_resumes_at_the_last_checkpoint_without_reading_an_item_before_it(

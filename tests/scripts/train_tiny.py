@@ -118,6 +118,11 @@ def main() -> None:
     p.add_argument("--per-rank-sched", action="store_true", help="the scheduler is per-rank state (not replicated)")
     p.add_argument("--rank1-draws-late", action="store_true", help="rank 1 alone draws after the optimizer step")
     p.add_argument("--allreduce-after-step", action="store_true", help="a logging all-reduce after optim.step()")
+    p.add_argument(
+        "--check-gathered-loss",
+        action="store_true",
+        help="every rank's loss gathered into a NaN-filled buffer after the step, raising unless all are finite",
+    )
     p.add_argument("--compute-sleep", type=float, default=0.0, help="seconds of 'compute' before each forward")
     p.add_argument("--divergence-every", type=int, default=100, help="0: no replica divergence check")
     p.add_argument("--robust", default="", help="DDP comm hook: stalwart.robust_aggregation(METHOD)")
@@ -302,6 +307,11 @@ def main() -> None:
         sched.step()
         if args.allreduce_after_step and job.world_size > 1:
             torch.distributed.all_reduce(loss.detach().clone())  # a logged mean loss: a collective after the update
+        if args.check_gathered_loss and job.world_size > 1:  # a Trainer's check that its logged loss is finite
+            losses = torch.full((job.world_size,), float("nan"))
+            torch.distributed.all_gather_into_tensor(losses, loss.detach().reshape(1).to(losses.dtype))
+            if not bool(torch.isfinite(losses).all()):  # after an absorbed failure: the buffer as it was
+                raise RuntimeError(f"Loss is not finite: {losses.tolist()}")
         job.report(loss=loss.detach())
         if args.step_sleep:
             time.sleep(args.step_sleep)

@@ -2,7 +2,11 @@
 containers, its `ParallelAwareDataloader`, its checkpoint managers built from their configs with the arguments its
 Trainer passes) and a Trainer whose loop is torchtitan's `Trainer.train` and `Trainer.train_step` call for call
 (load; step += 1, zero_grad, draw, forward, backward, torchtitan's grad clipping, `maybe_wait_for_staging`, the
-optimizer and LR scheduler steps; save), over a small model sharded with FSDP2 as torchtitan shards by default.
+optimizer and LR scheduler steps; the loss all-reduced over torchtitan's loss mesh, its check that the loss is
+finite, the metrics logged; save), over a small model sharded with FSDP2 on the mesh torchtitan's `ParallelDims`
+builds, as torchtitan shards by default. Its CPU shims: `ParallelDims`'s device type (torchtitan's is CUDA wherever
+no accelerator is found) and torch's fake process group registered (torchtitan's mesh gives its disabled
+dimensions one; its GPU runs register it through their imports).
 
 Why not torchtitan's Trainer itself: it needs a GPU (its device is CUDA wherever no accelerator is found, and its
 models import triton; docs/integrations.md says what a run of it by hand on CPU showed). The dataset records the
@@ -14,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
+import math
 import os
 import signal
 import time
@@ -26,12 +32,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.dataloader import DataloaderExhaustedError, ParallelAwareDataloader
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.distributed import parallel_dims
 from torchtitan.distributed import utils as dist_utils
 
 
@@ -71,8 +77,18 @@ class Trainer(Stateful):
         model = torch.nn.Sequential(
             torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
         )
+        self.world, self.loss_mesh = world, None
         if world > 1:
-            fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+            importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers the "fake" backend
+
+            parallel_dims.device_type = "cpu"
+            dims = parallel_dims.ParallelDims(
+                dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, world_size=world, spmd_backend="spmd_types"
+            )
+            dims.build_mesh()
+            fully_shard(model, mesh=dims.get_mesh("dp_shard"))
+            self.loss_mesh = dims.get_optional_mesh("loss")
+        self.metrics_log = args.step_log
         self.model_parts = [model]
         self.optimizers = default_adamw(lr=1e-2, weight_decay=0.0).build(model_parts=self.model_parts)
         self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.5).build(
@@ -125,6 +141,15 @@ class Trainer(Stateful):
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
         self.lr_schedulers.step()
+        # torchtitan's metrics at every step (log_freq 1): the loss summed over the loss mesh, checked finite (a
+        # survivor's absorbed collectives may leave garbage in it), logged.
+        global_avg_loss = dist_utils.dist_sum(loss.detach() / self.world, self.loss_mesh)
+        if not math.isfinite(global_avg_loss):
+            raise RuntimeError(f"Loss is not finite (global_avg_loss={global_avg_loss}) at step {self.step}.")
+        if self.metrics_log is not None:
+            self.metrics_log.mkdir(exist_ok=True)
+            with open(self.metrics_log / f"loss{os.getpid()}.txt", "a") as f:
+                f.write(f"{self.step} {global_avg_loss!r}\n")
 
     def train(self) -> None:
         self.checkpointer.load(step=-1)

@@ -50,6 +50,7 @@ from stalwart.recovery import reform
 try:
     import torch
     from torchtitan.components.checkpointer.base import BaseCheckpointManager
+    from torchtitan.components.dataloader import DataloaderExhaustedError
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError(
         "stalwart.integrations.torchtitan needs torchtitan: pip install torchtitan==0.3.0 (tested with 0.3.0)"
@@ -126,6 +127,7 @@ class StalwartCheckpointManager(BaseCheckpointManager):
         self.job.track(**tracked)
         self.loop: StepLoop | None = None
         self.current: Step | None = None
+        self._recovered = False  # the step's train_step raised and the job recovered (_guarded)
 
     def _load(self, step: int = -1) -> bool:
         """The Trainer's loop is about to start: the protocol's first begin, which resumes the job (node memory, a
@@ -146,6 +148,8 @@ class StalwartCheckpointManager(BaseCheckpointManager):
         validator = getattr(trainer, "validator", None)
         if validator is not None and hasattr(validator, "validate"):
             validator.validate = self._busy(validator.validate)
+        if trainer is not None and hasattr(trainer, "train_step"):
+            trainer.train_step = self._guarded(trainer.train_step)
         self.current = self.loop.begin()
         _check_step(self.trainer, self.job.step)
         if self.job.resumed_from is not None:
@@ -162,7 +166,7 @@ class StalwartCheckpointManager(BaseCheckpointManager):
             raise ConfigError(f"torchtitan saved step {curr_step} where stalwart expected step {expected}")
         if self.recorded is not None:
             self.batches.positions[curr_step] = self.recorded.state_dict()
-        loop.end()
+        self._end(loop)
         self.current = loop.begin()
         if self.current is not None and self.current.number < curr_step:
             self._validate(self.current.number)  # the state restored was taken before that step's validation
@@ -175,15 +179,44 @@ class StalwartCheckpointManager(BaseCheckpointManager):
             if self.recorded is not None:
                 self.recorded.pinned = self.batches.positions.get(done)
             try:
-                loop.end()
+                self._end(loop)
             finally:
                 if self.recorded is not None:
                     self.recorded.pinned = None
             self.current = loop.begin()
-            if done < curr_step:  # the Trainer validates after this save returns, at curr_step
+            completed = self.current is None or self.current.number >= done  # not failed again
+            if completed and done < curr_step:  # the Trainer validates after this save returns, at curr_step
                 self._validate(done)
         self.batches.forget_before(curr_step, loop.horizon())
         return True
+
+    def _guarded(self, train_step: Any) -> Any:
+        """The Trainer's `train_step`, whose exception goes to the step protocol's `failed()`: raised after a peer's
+        failure was absorbed in the step, it is that failure's consequence (torchtitan checks that its all-reduced
+        loss is finite, and an absorbed collective leaves garbage in it), and the job recovers there, the step then
+        run again at the save that follows; any other is raised again, as without stalwart. The loop's own signal
+        that the data ran out is the loop's."""
+
+        def guarded_train_step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return train_step(*args, **kwargs)
+            except DataloaderExhaustedError:
+                raise
+            except Exception as exc:
+                at = getattr(self.trainer, "step", None)
+                self._running().failed(exc)  # raises exc again unless the job recovered
+                self._recovered = True
+                if at is not None:  # the loop's count, which its save() passes: the restore put back an earlier one
+                    self.trainer.step = at  # type: ignore[union-attr]
+
+        return guarded_train_step
+
+    def _end(self, loop: StepLoop) -> None:
+        """The step's end, unless its `train_step` raised and the job already recovered from it (`_guarded`)."""
+        if self._recovered:
+            self._recovered = False
+            return
+        loop.end()
 
     def _validate(self, step: int) -> None:
         """torchtitan's validation after a step run again or resumed at, where its loop made it: the state a

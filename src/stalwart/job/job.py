@@ -274,9 +274,10 @@ class Job:
                     self.parts.in_loop.check()
                 rolled_back = completing.end_step(self, started, first, max_steps, loader)
             except Exception as exc:
-                if self.parts.in_loop is None or not reform.is_reformable(exc) or not driver.can_go_back(self):
+                in_loop = self.parts.in_loop
+                failure = exc if in_loop is None or reform.is_reformable(exc) else in_loop.consequence(exc)
+                if in_loop is None or failure is None or not driver.can_go_back(self):
                     raise
-                failure = exc
             if failure is not None:  # re-form (or train on shrunk meanwhile: recovery/in_loop/), then redo the step
                 iterator = yield from driver.recover(self, failure, loader, iterator, (drawn_at, batch), max_steps)
                 first = True  # as for the replacement: the first step of a start

@@ -109,7 +109,9 @@ class StepLoop:
     def failed(self, exc: Exception) -> Step | None:
         """The step's body raised `exc`. Returns the step to redo once the job recovered (the next `begin()`
         returns it too; None if the recovery itself took the run to its end); raises `exc` again when it cannot
-        recover (not a peer's failure, or no way back), as `steps()` does."""
+        recover (not a peer's failure, or no way back), as `steps()` does. An error raised after a peer's failure
+        was absorbed in the step counts as that failure's (group_side.InLoop.consequence): what it raised on may be
+        what an absorbed collective left."""
         self._in_step("failed()")
         self._advance(lambda engine: engine.throw(exc))
         return self._next

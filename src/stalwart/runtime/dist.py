@@ -110,6 +110,35 @@ HELD_MAX_BYTES = 1 << 16
 any close, and holding them would keep copies of a snapshot alive."""
 
 
+OWN_GROUP_NAMES_FROM = 1 << 40
+"""stalwart's own groups are named from here up (`own_group`); torch names a script's groups 0, 1, 2, ..."""
+
+
+def own_group(timeout: timedelta) -> dist.ProcessGroup:
+    """A gloo group over every rank, for stalwart's own collectives, named apart from the script's groups.
+
+    Why: torch names a group by a per-process count of the groups made since the default one, and its store keys
+    by that name. A survivor that re-formed in its loop has made none of the groups a replacement's set-up makes
+    before its Job (torchtitan's mesh makes one per disabled dimension): named by that count, the two would wait
+    for each other under different names, forever. Named instead as the first name from OWN_GROUP_NAMES_FROM that
+    no live group of this process holds (the same on every rank: each makes and destroys stalwart's groups in the
+    same order), with the script's count left as it was. torch 2.13.0 names groups so (`_world.group_count`,
+    `_world.pg_names`), as torch 2.x's source did before it; a torch without those two: torch's own naming."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is None or not hasattr(world, "group_count") or not hasattr(world, "pg_names"):
+        return dist.new_group(backend="gloo", timeout=timeout)
+    taken = set(world.pg_names.values())
+    name = OWN_GROUP_NAMES_FROM
+    while str(name) in taken:
+        name += 1
+    count = world.group_count
+    world.group_count = name
+    try:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    finally:
+        world.group_count = count
+
+
 class Comm:
     """Barrier, gather and broadcast of small integers over stalwart's own gloo group."""
 
@@ -120,7 +149,7 @@ class Comm:
         self._held: deque[tuple[torch.Tensor, ...]] = deque(maxlen=HELD_COLLECTIVES)
         if self.world_size > 1:
             # A second group costs one store round-trip at start; it keeps checkpoint traffic off NCCL.
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
+            self._group = own_group(timeout)
 
     def close(self) -> None:
         """Destroy stalwart's group; a gloo group left alive at interpreter exit can abort the process."""

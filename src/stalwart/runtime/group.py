@@ -203,14 +203,17 @@ class ReformableGroup(dist.ProcessGroup):
         return bool(self.latest()._joining)
 
     def _local(self, name: str, result: Any, args: tuple[Any, ...]) -> dist.Work:
-        """A collective of a joining rank: every rank is taken to hold what this one holds."""
+        """A collective of a joining rank: every rank is taken to hold what this one holds. The input is copied
+        first: an all-gather in place (its input a slice of its output, as DeviceMesh's set-up makes) would
+        otherwise read what it overwrites."""
         if name == "allgather":
             for outs, tensor in zip(args[0], args[1], strict=False):
+                mine = tensor.clone()
                 for out in outs:
-                    out.copy_(tensor)
+                    out.copy_(mine)
         elif name == "_allgather_base":
             out, tensor = args[0], args[1]
-            out.view(-1, tensor.numel()).copy_(tensor.reshape(1, -1))
+            out.view(-1, tensor.numel()).copy_(tensor.reshape(1, -1).clone())
         return self.latest().give(DoneWork(result))
 
     def _run(self, name: str, tensors: list[torch.Tensor], result: Any, *args: Any, then: Then = None) -> dist.Work:

@@ -152,6 +152,19 @@ class InLoop:
         step's end then re-forms and the step is redone (`check`)."""
         return self.group.failed is not None and not self._decided
 
+    def consequence(self, exc: Exception) -> Exception | None:
+        """The failure to recover from when the step's body raised `exc` after a peer's failure was absorbed in it:
+        the collectives it computed with left their tensors as they were (an all-gather's output unwritten, a
+        reduction partial), so what it raised on (a loss check's non-finite value) is the failure's consequence,
+        not a fault of this rank. None when the group has not failed. A fault that is this rank's own raises again
+        when the step is run again."""
+        failed = self.group.failed
+        if failed is None:
+            return None
+        consequence = GroupFailed(f"{reform.reason(failed)} (then: {type(exc).__name__}: {reform.reason(exc)})")
+        consequence.__cause__ = failed
+        return consequence
+
     def check(self) -> None:
         """At the step boundary: raise GroupFailed when the group failed before the step's update (or in a step
         without one), so the step is redone. A failure after the update leaves the step complete: the step's end
