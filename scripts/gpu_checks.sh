@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, run on a lent device machine (docs/benchmarks.md records what they printed).
 # Usage, from the repository root there: bash scripts/gpu_checks.sh [what...]; results go to $OUT (default ./gpu-out).
-# what: info nvml preflight run overhead checkpoint overlap first_save sync group restore live reshard inplace stretch (default: all). Wheels missing there travel in .whl/.
+# what: info nvml preflight run overhead checkpoint overlap first_save sync group restore live reshard inplace stretch titan (default: all). Wheels missing there travel in .whl/.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -10,7 +10,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1
 PY=python3
-what=${*:-info nvml preflight run overhead checkpoint overlap first_save sync group restore live reshard inplace stretch}
+what=${*:-info nvml preflight run overhead checkpoint overlap first_save sync group restore live reshard inplace stretch titan}
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
 for w in $what; do
 case $w in
@@ -93,5 +93,10 @@ inplace)
 stretch)
     step "FSDP2 survivors training on shrunk: 2 ranks on GPU 0, one killed; expect shrunk 2 -> 1 -> 2, within 1e-5"
     PY=$PY timeout 400 bash tests/scripts/gpu_stretch.sh | tee "$OUT/stretch.json"; echo "exit $?" ;;
+titan)
+    step "torchtitan's own Trainer (tiny llama3) on 2 ranks on GPU 0, rank 1 killed in its backward; expect bitwise"
+    # Needs torchtitan 0.3 and its imports (datasets, tensorboard) as wheels in .whl/; triton comes with torch.
+    PY=$PY TITAN_EXTRA=/tmp/site timeout 560 bash scripts/torchtitan_check.sh backward | tee "$OUT/titan.txt"
+    echo "exit $?" ;;
 esac
 done

@@ -9,8 +9,8 @@ no accelerator is found) and torch's fake process group registered (torchtitan's
 dimensions one; its GPU runs register it through their imports).
 
 Why not torchtitan's Trainer itself: it needs a GPU (its device is CUDA wherever no accelerator is found, and its
-models import triton; docs/integrations.md says what a run of it by hand on CPU showed). The dataset records the
-indices it serves.
+models import triton), or on CPU packages the suite does not install and more shims (scripts/torchtitan_check.sh
+runs it so by hand). The dataset records the indices it serves.
 `--plain`: torchtitan's own CheckpointManager, disabled (the baseline a run with failures must end identical to).
 """
 

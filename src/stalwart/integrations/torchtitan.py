@@ -21,11 +21,12 @@ A step whose update was dropped (a peer died inside it, its collectives absorbed
 after the job recovered: `Trainer.train_step` with the same micro-batches, which the manager keeps by wrapping
 the Trainer's data loader at `load` (before the Trainer's loop draws from it). The data loader's position is
 stalwart's to restore: torchtitan's `StatefulDataLoader` resumes where the state says, without reading an earlier
-item. Collectives on torchtitan's sub-meshes' groups cannot be absorbed; a failure there takes stalwart's
-fallback, the script run again in the same process from the newest state (node memory first). torchtitan's own
-Trainer makes such groups, and its finite-loss check raises on an absorbed all-reduce: tried by hand on CPU, a kill
-took the fallback (docs/integrations.md); the loop and components as tests/scripts/train_torchtitan.py runs them
-recover in the loop.
+item. What `train_step` raises after a peer's failure was absorbed in it (torchtitan's check that its all-reduced
+loss is finite, on what an absorbed collective left) goes to the protocol's `failed()`, which recovers from it as
+that failure's consequence. torchtitan's data-parallel meshes over every rank are the job's group; collectives on a
+sub-mesh of fewer ranks (tensor, pipeline, context parallel, HSDP) cannot be absorbed, and a failure there takes
+stalwart's fallback, the script run again in the same process from the newest state (node memory first).
+torchtitan's own Trainer, by hand on CPU (scripts/torchtitan_check.sh), recovers in its loop and ends bitwise.
 
 Refused with one line, at the Trainer's set-up (a policy stalwart's checkpoints do not carry out):
 `load_step` other than -1, `initial_load_path`, `exclude_from_loading`, `create_seed_checkpoint`, `load_only`,
@@ -37,11 +38,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from stalwart.errors import ConfigError
+from stalwart.integrations.torchtitan_state import Recorded, StepBatches, TrainState
 from stalwart.job import lifecycle
 from stalwart.job.job import Job
 from stalwart.job.step_loop import Step, StepLoop
@@ -117,13 +118,13 @@ class StalwartCheckpointManager(BaseCheckpointManager):
             else {f"model_part{i}": m for i, m in enumerate(model_parts)}
         )
         tracked = {**parts, "optimizer": optimizers, "lr_scheduler": lr_schedulers}
-        self.batches = _StepBatches()
-        self.recorded = None if dataloader is None else _Recorded(dataloader, self.batches)
+        self.batches = StepBatches()
+        self.recorded = None if dataloader is None else Recorded(dataloader, self.batches)
         if self.recorded is not None:
             tracked["dataloader"] = self.recorded
         tracked.update({name: obj for name, obj in states.items() if obj is not None})
         if self.trainer is not None:
-            tracked["train_state"] = _TrainState(self.trainer)
+            tracked["train_state"] = TrainState(self.trainer)
         self.job.track(**tracked)
         self.loop: StepLoop | None = None
         self.current: Step | None = None
@@ -151,6 +152,7 @@ class StalwartCheckpointManager(BaseCheckpointManager):
         if trainer is not None and hasattr(trainer, "train_step"):
             trainer.train_step = self._guarded(trainer.train_step)
         self.current = self.loop.begin()
+        _without_a_late_barrier(self.job)  # known once the job resumed: a replacement joins there
         _check_step(self.trainer, self.job.step)
         if self.job.resumed_from is not None:
             self._validate(self.job.step)  # as the run that took the state did, after it took it
@@ -249,8 +251,12 @@ class StalwartCheckpointManager(BaseCheckpointManager):
             )
         self.trainer.step = step.number + 1
         self.batches.replaying = True
+        # Through the Trainer's batch generator, as its loop draws: torchtitan's counts what it yields for the step's
+        # metrics (its log divides by the loading times it kept).
+        generator = getattr(self.trainer, "batch_generator", None)
+        iterator = generator(batches) if callable(generator) else iter(batches)
         try:
-            self.trainer.train_step(iter(batches))
+            self.trainer.train_step(iterator)
         finally:
             self.batches.replaying = False
 
@@ -277,101 +283,36 @@ class StalwartCheckpointManager(BaseCheckpointManager):
         self.job.close()
 
 
+def _without_a_late_barrier(job: Job) -> None:
+    """A replacement that joined survivors in their loop sets torchtitan's training timeouts without its barrier.
+
+    Why: torchtitan's loop calls `set_pg_timeouts` after the first step of each process, and it begins with a
+    barrier over every rank so that no rank runs under the shorter timeout while another still sets up. A
+    replacement's first step is long after the survivors' (they made their barrier then, and stay in their loop):
+    its barrier would meet their next collective and both would wait for ever. Its peers are past their set-up, so
+    the barrier has nothing to wait for; the timeouts are set as torchtitan sets them."""
+    in_loop = getattr(getattr(job, "parts", None), "in_loop", None)
+    if in_loop is None or not in_loop.joined_late:
+        return
+    from torchtitan.distributed import utils as dist_utils
+
+    set_pg_timeouts = dist_utils.set_pg_timeouts
+
+    def set_pg_timeouts_joined_late(*args: Any, **kwargs: Any) -> Any:
+        barrier = torch.distributed.barrier
+        torch.distributed.barrier = lambda *a, **k: None
+        try:
+            return set_pg_timeouts(*args, **kwargs)
+        finally:
+            torch.distributed.barrier = barrier
+            dist_utils.set_pg_timeouts = set_pg_timeouts  # once: a later re-forming is all ranks' or none's
+
+    dist_utils.set_pg_timeouts = set_pg_timeouts_joined_late
+
+
 class BatchesGone(reform.ReformRequested):
     """A recovery took the job back further than the micro-batches kept in this process: the survivor leaves its
     loop and its host runs the script again from the newest state (the fallback), instead of stopping the job."""
-
-
-class _TrainState:
-    """The Trainer's own state (`step`, `ntokens_seen`), the same on every rank: written once, and a replacement
-    that joins a job grown back after a stretch on shrunk takes the survivors' (its own last snapshot is older)."""
-
-    stalwart_replicated = True
-
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-
-    def state_dict(self) -> Any:
-        return self.trainer.state_dict()
-
-    def load_state_dict(self, state: Any) -> None:
-        self.trainer.load_state_dict(state)
-
-
-class _StepBatches:
-    """The micro-batches each step drew from the Trainer's data loader (by the step's number: completed steps
-    before it), kept back to the job's redo horizon: the steps a recovery may take the job back to are run again
-    with them."""
-
-    def __init__(self) -> None:
-        self.kept: dict[int, list[Any]] = {}
-        self.positions: dict[int, Any] = {}
-        """The loader's state as each step ended (by completed steps): what a checkpoint taken as a step is run
-        again records."""
-        self.drawing = 0
-        """The step the batches drawn now belong to."""
-        self.replaying = False
-
-    def record(self, batch: Any) -> None:
-        """Keep `batch` for its step: its input dict copied, since torchtitan's `train_step` puts the device's
-        copies of the inputs in that dict in place (the kept step would hold them on the GPU)."""
-        if self.replaying:
-            return
-        if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], dict):
-            batch = ({**batch[0]}, batch[1])
-        self.kept.setdefault(self.drawing, []).append(batch)
-
-    def of(self, step: int) -> list[Any] | None:
-        return self.kept.get(step)
-
-    def forget_before(self, step: int, horizon: int) -> None:
-        """`step` is drawn next (afresh), and no recovery goes back before `horizon`."""
-        self.drawing = step
-        for old in [s for s in self.kept if s < horizon or s >= step]:
-            del self.kept[old]
-        for old in [s for s in self.positions if s <= horizon or s > step]:
-            del self.positions[old]
-
-
-class _Recorded:
-    """The Trainer's data loader as its loop iterates it and as the Job tracks it: the same batches, each kept for
-    its step. Its state is the loader's, except where this process already iterates it: a survivor's restore puts
-    the tracked objects back at an earlier step, whose batches it runs again from what was kept, so the data to come
-    is still the live iterator's (torchdata's `load_state_dict` would drop that iterator, and the next snapshot
-    would record the restored position for ever). Anything else goes to the loader itself."""
-
-    def __init__(self, loader: Any, batches: _StepBatches) -> None:
-        self._loader = loader
-        self._batches = batches
-        self._live = False
-        self._restored = False
-        self.pinned: Any = None
-        """While a step is run again: the loader's state as that step first ended, which its end records."""
-
-    def __iter__(self) -> Iterator[Any]:
-        self._live = True
-        if self._restored:
-            # A new iterator draws its base seed from torch's generator, which the uninterrupted run did before
-            # its first step and a resumed one would do again after the restore, shifting every later draw.
-            rng = torch.get_rng_state()
-            iterator = iter(self._loader)
-            torch.set_rng_state(rng)
-        else:
-            iterator = iter(self._loader)
-        for batch in iterator:
-            self._batches.record(batch)
-            yield batch
-
-    def state_dict(self) -> Any:
-        return self.pinned if self.pinned is not None else self._loader.state_dict()
-
-    def load_state_dict(self, state: Any) -> None:
-        if not self._live:
-            self._loader.load_state_dict(state)
-            self._restored = True
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
 
 
 def refuse_unsupported(config: Any) -> None:
