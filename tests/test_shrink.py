@@ -91,6 +91,18 @@ def test_a_survivor_without_a_snapshot_of_the_failed_step_goes_back_to_its_newes
     _check_global_batch_kept(job.results(), reference)
 
 
+def test_a_survivor_that_cannot_train_on_shrunk_says_why_on_the_console(launch: Any) -> None:
+    """The default, and a kill as the last step begins: nothing is left to train on shrunk, so the survivor waits for
+    the replacement, and says why on the console as well as in the event log."""
+    env = child_env(STALWART_FAULTS=f"kill@rank=1,step={STEPS - 1}", STALWART_WAIT_FOR_REPLACEMENT="0")
+    job = launch(tiny_args(*ARGS), env=env)
+    assert job.wait(180) == 0, job.output()
+    [waiting] = job.events("waiting_for_replacement")
+    assert waiting["why"] == "the failure came at the last step", waiting
+    line = "stalwart: rank 0: waiting for the replacement, not training on shrunk: the failure came at the last step"
+    assert line in job.output()
+
+
 def test_a_replacement_dying_in_its_set_up_costs_the_shrunk_survivor_nothing(launch: Any, reference: Any) -> None:
     env = child_env(STALWART_FAULTS="kill@rank=1,step=13", STALWART_WAIT_FOR_REPLACEMENT="0")
     args = tiny_args(*ARGS, "--setup-s", "3", "--setup-log", "setups.log", "--die-in-setup", "1")

@@ -31,7 +31,11 @@ from stalwart.recovery.in_loop.group_side import InLoop, NewWorldForShards, Noth
 from stalwart.recovery.in_loop.port import LoopJob
 from stalwart.runtime import torch_compat_fsdp
 from stalwart.runtime.dist import Placement, init_process_group
+from stalwart.runtime.process import say
 from stalwart.telemetry.events import EventLog
+
+WAITING_ASKED = "--wait-for-replacement"
+"""Why survivors wait for the replacement when the user asked them to (nothing to explain on the console)."""
 
 FORM_TIMEOUT_S = 30.0
 """How long the survivors wait for one another to form their own group before they wait for the replacement
@@ -52,6 +56,8 @@ def recover(
     why = _why_not_shrink(job, loader, max_steps)
     if why is not None:
         job.events.emit("waiting_for_replacement", step=job.step, why=why)
+        if why != WAITING_ASKED:  # the default trains on shrunk: say why it does not
+            say(f"stalwart: rank {job.rank}: waiting for the replacement, not training on shrunk: {why}")
         return reform_in_loop(job, failure, loader, iterator, batch)
     assert job.parts.in_loop is not None
     started, failed_at = time.monotonic(), job.step
@@ -154,7 +160,7 @@ def _why_not_shrink(job: LoopJob, loader: Iterable[Any] | None, max_steps: int) 
     """Why the survivors cannot train on shrunk, of the conditions of recovery/shrink.py the job can judge before
     leaving its group; None when they may."""
     if not shrink.wanted():
-        return "--wait-for-replacement"
+        return WAITING_ASKED
     if sharded.meshes_of(job.tracked.objects.values()):
         why = sharded_stretch.why_not(job.tracked.objects.values(), job.world_size, job.world_size - 1)
         if why is not None:
