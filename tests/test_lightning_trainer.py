@@ -97,14 +97,38 @@ def test_without_wait_for_replacement_the_survivor_trains_on_shrunk_in_the_train
 
 
 def test_a_configuration_it_cannot_protect_is_one_line_and_no_restart(launch: Any) -> None:
-    """Manual optimization is not covered yet: each rank stops at the Trainer's set-up with one line that says
-    why, and the launcher does not restart bad input."""
-    job = launch(_args("--manual"))
+    """Two optimizers (manual optimization) are not covered yet: each rank stops as the fit starts with one line that
+    says why, and the launcher does not restart bad input."""
+    job = launch(_args("--manual", "--two-optimizers"))
     assert job.wait(120) == 78, job.output()[-3000:]
-    lines = [line for line in job.output().splitlines() if "manual" in line]
-    assert lines and all(line.startswith("stalwart: error: StalwartCallback covers automatic") for line in lines), lines
+    lines = [line for line in job.output().splitlines() if "optimizer" in line]
+    assert lines and all(line.startswith("stalwart: error: StalwartCallback covers one optimizer") for line in lines)
     assert "Traceback" not in job.output()
     assert not job.events("restarting")
+
+
+@pytest.fixture(scope="module")
+def reference_manual(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The Lightning Trainer alone with manual optimization, without a failure."""
+    job = Launch(tmp_path_factory.mktemp("lightning-reference-manual"), _args("--plain", "--manual"), child_env())
+    try:
+        assert job.wait(180) == 0, job.output()[-3000:]
+        yield job
+    finally:
+        job.reap()
+
+
+def test_manual_optimization_runs_the_failed_step_again_and_ends_bitwise(launch: Any, reference_manual: Any) -> None:
+    """Manual optimization (the module's training_step zeroes, backs up, steps its optimizer and its LR schedule),
+    rank 1 SIGKILLed in step 13's backward pass, with --wait-for-replacement: the survivor runs the module's
+    training_step of the failed step again in the Trainer's loop, and the run ends with the parameters of the Trainer
+    alone; the survivor's other callbacks see each step's end once."""
+    job = launch(_args("--manual", "--die-at", "13:backward"), env=child_env(STALWART_WAIT_FOR_REPLACEMENT="1"))
+    assert job.wait(180) == 0, job.output()[-3000:]
+    assert _digests(job) == _digests(reference_manual), "the parameters differ from the Trainer alone"
+    assert [e["rank"] for e in job.events("reformed_in_loop")] == [0], "the survivor re-formed in its loop"
+    survivor = job.worker_pids(restart=0)[0]
+    assert _log(job, "steps", survivor) == list(range(1, STEPS + 1)), "one batch end a step on the survivor"
 
 
 @pytest.fixture(scope="module")

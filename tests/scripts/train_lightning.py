@@ -36,25 +36,36 @@ class Items(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 
 class Regressor(pl.LightningModule):
-    """`manual`: Lightning's manual optimization (the module steps its optimizer itself)."""
+    """`manual`: Lightning's manual optimization (the module steps its optimizer and its LR schedule itself);
+    `two_optimizers`: with manual optimization, one optimizer for each linear layer."""
 
-    def __init__(self, manual: bool = False) -> None:
+    def __init__(self, manual: bool = False, two_optimizers: bool = False) -> None:
         super().__init__()
         self.net = recipe_common.model()
         self.automatic_optimization = not manual
+        self.two = two_optimizers
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("loss", loss)
         if not self.automatic_optimization:
-            optimizer: Any = self.optimizers()
-            optimizer.zero_grad()
+            optimizers: Any = self.optimizers()
+            optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+            for optimizer in optimizers:
+                optimizer.zero_grad()
             self.manual_backward(loss)
-            optimizer.step()
+            for optimizer in optimizers:
+                optimizer.step()
+            schedulers: Any = self.lr_schedulers()
+            for scheduler in schedulers if isinstance(schedulers, list) else [schedulers]:
+                scheduler.step()
         return loss
 
     def configure_optimizers(self) -> Any:
+        if self.two:
+            first, last = self.net[0], self.net[3]
+            return [torch.optim.AdamW(first.parameters(), lr=1e-2), torch.optim.AdamW(last.parameters(), lr=1e-2)]
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -112,6 +123,7 @@ def main() -> None:
     p.add_argument("--plain", action="store_true", help="the Lightning Trainer alone (the baseline)")
     p.add_argument("--ga", type=int, default=1, help="accumulate_grad_batches")
     p.add_argument("--manual", action="store_true", help="manual optimization")
+    p.add_argument("--two-optimizers", action="store_true", help="with --manual: two optimizers")
     p.add_argument("--step-log", type=Path)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--served-log", type=Path)
@@ -122,7 +134,7 @@ def main() -> None:
         with open(args.setup_log, "a") as f:
             f.write(f"{os.getpid()}\n")
     pl.seed_everything(0, verbose=False)
-    module = Regressor(args.manual)
+    module = Regressor(args.manual, args.two_optimizers)
     callbacks: list[Any] = []
     if args.die_at:
         step, phase, *micro = args.die_at.split(":")

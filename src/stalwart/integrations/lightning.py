@@ -29,8 +29,9 @@ What it does, in the Trainer's order (lightning_state.py holds what it tracks):
   the same micro-batches and generators, before any other callback sees the step's end; then the Job's end of the
   step: snapshot, checks, checkpoint.
 
-Not covered yet, each refused with one line: manual optimization, more than one optimizer, a strategy whose engine
-accumulates gradients itself (DeepSpeed), and an iterable dataset's loader (its position is not a function of the
+Manual optimization is run again likewise (the module's `training_step`, which steps its optimizer itself). Not
+covered yet, each refused with one line: more than one optimizer, a strategy whose engine accumulates gradients
+itself (DeepSpeed), and an iterable dataset's loader (its position is not a function of the
 step). Lightning's own `ModelCheckpoint` may stay on: its checkpoints are its own; `fit(ckpt_path=...)` is
 refused with one line, since the run resumes from stalwart's.
 """
@@ -105,8 +106,6 @@ class StalwartLightningCallback(pl.Callback):
                 f"StalwartCallback does not cover {type(trainer.strategy).__name__}, whose engine accumulates "
                 "gradients itself (a failed step's micro-batches cannot be run again through it); use ddp or fsdp"
             )
-        if not pl_module.automatic_optimization:
-            raise ConfigError("StalwartCallback covers automatic optimization only (not manual) yet")
         # The strategy's optimizer step runs the closure first, before any other callback can step.
         callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
         callbacks[:] = [self, *(cb for cb in callbacks if cb is not self)]
@@ -162,7 +161,7 @@ class StalwartLightningCallback(pl.Callback):
                 "something moved the Trainer's progress"
             )
         if not self._micro:  # the step's first micro-batch (the only one without gradient accumulation)
-            self._counters = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.state_dict()
+            self._counters = _optimizer_steps(trainer).state_dict()
         self._micro.append((batch, batch_idx, capture_rng()))
         return None
 
@@ -196,21 +195,24 @@ class StalwartLightningCallback(pl.Callback):
         DDP's gradient sync but at the last), the optimizer step at the last, then the step's LR scheduler steps
         (and an epoch's, at its last batch)."""
         epoch_loop = trainer.fit_loop.epoch_loop
-        optimization = epoch_loop.automatic_optimization
-        optimization.optim_progress.load_state_dict(self._counters)
+        _optimizer_steps(trainer).load_state_dict(self._counters)
+        manual = not trainer.lightning_module.automatic_optimization
         last = len(self._micro) - 1
         for i, (batch, batch_idx, rng) in enumerate(self._micro):
             if torch.distributed.is_initialized() and trainer.world_size > 1:
                 epoch_loop._broadcast_sigterm_tensor()  # as each batch of the loop begins: a replacement's does
             restore_rng(rng)
             kwargs = epoch_loop._build_kwargs({}, batch, batch_idx)  # type: ignore[arg-type]
+            if manual:  # the module's training_step: its own backward and optimizer step (and accumulation)
+                epoch_loop.manual_optimization.run(kwargs)
+                continue
             if i < last:  # the loop's counters are the last micro-batch's: this one accumulates
                 epoch_loop._should_accumulate = _accumulates  # type: ignore[method-assign]
             try:
-                optimization.run(trainer.optimizers[0], batch_idx, kwargs)
+                epoch_loop.automatic_optimization.run(trainer.optimizers[0], batch_idx, kwargs)
             finally:
                 epoch_loop.__dict__.pop("_should_accumulate", None)
-        epoch_loop.update_lr_schedulers("step", update_plateau_schedulers=False)
+        epoch_loop.update_lr_schedulers("step", update_plateau_schedulers=False)  # Lightning's: none when manual
         if epoch_loop._num_ready_batches_reached():  # the epoch's last batch: its schedulers stepped, as the loop does
             epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
 
@@ -249,6 +251,15 @@ StalwartCallback = StalwartLightningCallback
 
 _NO_LIMIT = 2**62
 """max_steps for a Trainer without one (max_steps=-1: it stops at max_epochs)."""
+
+
+def _optimizer_steps(trainer: pl.Trainer) -> Any:
+    """The epoch loop's optimizer-step counters (the Trainer's global step is their total): automatic
+    optimization's, or manual optimization's, counted as the module's `optimizer.step()` runs."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if trainer.lightning_module.automatic_optimization:
+        return epoch_loop.automatic_optimization.optim_progress
+    return epoch_loop.manual_optimization.optim_step_progress
 
 
 def _accumulates() -> bool:
