@@ -61,6 +61,22 @@ def test_a_kill_redoes_the_step_inside_the_trainer_and_the_run_ends_bitwise(
     assert _log(job, "served", replacement) == rank1[13 * BATCH :], "the replacement read from step 13 on, no earlier"
 
 
+def test_a_stopped_worker_then_a_killed_survivor_end_bitwise_in_the_trainer(launch: Any, reference: Any) -> None:
+    """Rank 1 stopped (SIGSTOP) as step 14 begins, between two steps: the agent finds it hung and replaces it while
+    rank 0 stays in the Trainer's loop; then rank 0 is killed in the next round inside the optimizer step (its commit
+    point passed), and the replacement of rank 1 stays in its loop. The run ends as the Trainer alone without a
+    failure."""
+    faults = "hang@rank=1,step=13,how=sigstop;kill_in_optimizer@rank=0,step=22,restart=1,phase=after_barrier"
+    job = launch(_args(), env=child_env(STALWART_FAULTS=faults, STALWART_WAIT_FOR_REPLACEMENT="1"))
+    assert job.wait(240) == 0, job.output()[-3000:]
+    assert _digests(job) == _digests(reference), "the parameters differ from the Lightning Trainer's without a failure"
+    faults_fired = [e["fault"] for e in job.events("fault_injected")]
+    assert faults_fired == ["hang", "kill_in_optimizer"], faults_fired
+    assert sorted(e["rank"] for e in job.events("reformed_in_loop")) == [0, 1], "each survivor stayed in its loop"
+    setups = _setups(job)
+    assert len(setups) == len(set(setups)) == 4, f"the script's set-up ran once in each process: {setups}"
+
+
 def test_a_full_restart_resumes_at_the_last_checkpoint_without_reading_an_item_before_it(
     launch: Any, reference: Any
 ) -> None:
