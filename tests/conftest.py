@@ -313,6 +313,18 @@ def fault_free_results(
         return results
 
 
+@contextlib.contextmanager
+def finished(directory: Path, args: list[str], timeout: float = 180.0) -> Iterator[Launch]:
+    """A run a module's tests compare with (a Trainer alone, without a failure): launched, required to exit 0, and
+    reaped when the `with` ends, also when the tests fail."""
+    job = Launch(directory, args, child_env())
+    try:
+        assert job.wait(timeout) == 0, job.output()[-3000:]
+        yield job
+    finally:
+        job.reap()
+
+
 def _fault_free_run(
     directory: Path, job_args: tuple[str, ...], timeout: float, nproc: int
 ) -> dict[int, dict[str, Any]]:

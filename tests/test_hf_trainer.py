@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Launch, child_env, kill_the_launcher, stalwart
+from conftest import child_env, finished, kill_the_launcher, stalwart
 from conftest import digests as _digests
 from conftest import process_log as _log
 from conftest import setups as _setups
@@ -42,12 +42,8 @@ def _losses(job: Any) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """transformers.Trainer alone, without a failure."""
-    job = Launch(tmp_path_factory.mktemp("hf-reference"), _args("--plain"), child_env())
-    try:
-        assert job.wait(180) == 0, job.output()[-3000:]
+    with finished(tmp_path_factory.mktemp("hf-reference"), _args("--plain")) as job:
         yield job
-    finally:
-        job.reap()
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Launch, child_env, kill_the_launcher, served_script
+from conftest import child_env, finished, kill_the_launcher, served_script
 from conftest import digests as _digests
 from conftest import process_log as _log
 from conftest import setups as _setups
@@ -31,12 +31,8 @@ def _args(*extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The Lightning Trainer alone (no stalwart callback), without a failure."""
-    job = Launch(tmp_path_factory.mktemp("lightning-reference"), _args("--plain"), child_env())
-    try:
-        assert job.wait(180) == 0, job.output()[-3000:]
+    with finished(tmp_path_factory.mktemp("lightning-reference"), _args("--plain")) as job:
         yield job
-    finally:
-        job.reap()
 
 
 @pytest.mark.parametrize("phase", ["backward", "begin"], ids=["backward", "before-the-forward"])
@@ -126,12 +122,8 @@ def test_a_configuration_it_cannot_protect_is_one_line_and_no_restart(launch: An
 @pytest.fixture(scope="module")
 def reference_manual(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The Lightning Trainer alone with manual optimization, without a failure."""
-    job = Launch(tmp_path_factory.mktemp("lightning-reference-manual"), _args("--plain", "--manual"), child_env())
-    try:
-        assert job.wait(180) == 0, job.output()[-3000:]
+    with finished(tmp_path_factory.mktemp("lightning-reference-manual"), _args("--plain", "--manual")) as job:
         yield job
-    finally:
-        job.reap()
 
 
 def test_manual_optimization_runs_the_failed_step_again_and_ends_bitwise(launch: Any, reference_manual: Any) -> None:
@@ -150,12 +142,8 @@ def test_manual_optimization_runs_the_failed_step_again_and_ends_bitwise(launch:
 @pytest.fixture(scope="module")
 def reference_accumulating(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The Lightning Trainer alone with accumulate_grad_batches=2, without a failure."""
-    job = Launch(tmp_path_factory.mktemp("lightning-reference-ga"), _args("--plain", "--ga", "2"), child_env())
-    try:
-        assert job.wait(180) == 0, job.output()[-3000:]
+    with finished(tmp_path_factory.mktemp("lightning-reference-ga"), _args("--plain", "--ga", "2")) as job:
         yield job
-    finally:
-        job.reap()
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Launch, child_env, committed_steps, kill_the_launcher
+from conftest import child_env, committed_steps, finished, kill_the_launcher
 from conftest import digests as _digests
 from conftest import process_log as _log
 from conftest import setups as _setups
@@ -33,12 +33,8 @@ def _args(*extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The same loop with torchtitan's own CheckpointManager (disabled), without a failure."""
-    job = Launch(tmp_path_factory.mktemp("torchtitan-reference"), _args("--plain"), child_env())
-    try:
-        assert job.wait(180) == 0, job.output()[-3000:]
+    with finished(tmp_path_factory.mktemp("torchtitan-reference"), _args("--plain")) as job:
         yield job
-    finally:
-        job.reap()
 
 
 @pytest.mark.parametrize("phase", ["backward", "begin", "optimizer"])

@@ -1,21 +1,22 @@
 """A config module for torchtitan's own Trainer (`-m torchtitan.train --module torchtitan_tiny --config tiny`, this
-directory on PYTHONPATH): torchtitan's debug llama3 over synthetic tokens, without tokenizer or
-dataset files, so that it runs where nothing can be downloaded (a lent GPU machine: scripts/gpu_checks.sh `titan`;
-on CPU by hand, with the shims below). Its data loader records the indices it serves in $TINY_SERVED_LOG (a file per
-process), `digest` writes each rank's parameters' sha256 at the Trainer's close to $TINY_OUT, and $TINY_DIE_AT kills
-rank 1 in a step (`_die_at`).
+directory on PYTHONPATH): torchtitan's debug llama3 over synthetic tokens, without tokenizer or dataset files, so
+that it runs where nothing can be downloaded (a lent GPU machine: scripts/gpu_checks.sh `titan`; on CPU by hand,
+scripts/torchtitan_check.sh). Its data loader records the indices it serves in $TINY_SERVED_LOG (a file per
+process); at the Trainer's close each rank's parameters' sha256 goes to $TINY_OUT (train_torchtitan.write_digest);
+$TINY_DIE_AT kills rank 1 in a step (`_die_at`).
 
 On a machine without CUDA the module shims what torchtitan reads of the device (its device type is CUDA wherever no
-accelerator is found): the device type and module become CPU ones, and torch's fake process group is registered
-(torchtitan's mesh gives its disabled dimensions one; its GPU runs register it through their imports). Not in the
-suite: torchtitan's Trainer also needs triton, which scripts/setup.sh does not install.
+accelerator is found): the device type and module become CPU ones; torch's fake process group is registered
+(torchtitan's mesh gives its disabled dimensions one; its GPU runs register it through their imports); flex
+attention, which has no backward on CPU, becomes causal SDPA (the same attention with one document a sequence); and
+FSDP2 reduces gradients with SUM (gloo has no PREMUL_SUM). On any machine, a torch without
+`torch.distributed.set_timeout` (2.13 has none) gets a no-op for it. Not in the suite: torchtitan's Trainer also
+needs triton, datasets and tensorboard, which scripts/setup.sh does not install.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import json
 import os
 import signal
 import types
@@ -32,6 +33,7 @@ from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig
 from torchtitan.models.llama3 import model_registry
 from torchtitan.trainer import Trainer
+from train_torchtitan import write_digest  # this directory is on PYTHONPATH
 
 VOCAB = 2048
 """The debug model's vocabulary."""
@@ -199,18 +201,6 @@ def tiny() -> Trainer.Config:
     )
 
 
-def digest(model_parts: list[torch.nn.Module]) -> str:
-    """This rank's parameters (its FSDP2 shards) as one sha256."""
-    from torch.distributed.tensor import DTensor
-
-    h = hashlib.sha256()
-    for part in model_parts:
-        for name, t in part.state_dict().items():
-            local = t.to_local() if isinstance(t, DTensor) else t
-            h.update(name.encode() + local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def _digest_at_close() -> None:
     """At the Trainer's close: its step and parameters' digest to $TINY_OUT/rank<RANK>.json."""
     out = os.environ.get("TINY_OUT")
@@ -219,9 +209,8 @@ def _digest_at_close() -> None:
     close = Trainer.close
 
     def closing(self: Any) -> None:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        result = {"step": self.step, "sha256": digest(self.model_parts)}
-        (Path(out) / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(result))
+        [model] = self.model_parts  # no pipeline stages in this config
+        write_digest(Path(out), int(os.environ.get("RANK", "0")), self.step, model)
         close(self)
 
     Trainer.close = closing  # type: ignore[method-assign]

@@ -232,11 +232,11 @@ class _Hooks:
 
 
 def write_digest(out: Path, rank: int, step: int, module: torch.nn.Module) -> None:
-    """This rank's parameters (its FSDP2 shards) as one sha256."""
+    """This rank's parameters (its FSDP2 shards, wherever they are) as one sha256."""
     digest = hashlib.sha256()
     for name, t in module.state_dict().items():
         local = t.to_local() if isinstance(t, DTensor) else t
-        digest.update(name.encode() + local.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(name.encode() + local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"step": step, "sha256": digest.hexdigest()}))
 
