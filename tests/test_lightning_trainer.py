@@ -108,15 +108,76 @@ def test_without_wait_for_replacement_the_survivor_trains_on_shrunk_in_the_train
     assert "on 1 of 2 ranks" in job.output()
 
 
-def test_a_configuration_it_cannot_protect_is_one_line_and_no_restart(launch: Any) -> None:
-    """Two optimizers (manual optimization) are not covered yet: each rank stops as the fit starts with one line that
-    says why, and the launcher does not restart bad input."""
-    job = launch(_args("--manual", "--two-optimizers"))
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--manual", "--two-optimizers"], "StalwartCallback covers one optimizer"),
+        (["--strategy", "fsdp"], "StalwartCallback does not cover CPUFSDPStrategy: it wraps the model in FSDP1"),
+    ],
+    ids=["two-optimizers", "fsdp1"],
+)
+def test_a_configuration_it_cannot_protect_is_one_line_and_no_restart(launch: Any, extra: list[str], says: str) -> None:
+    """Two optimizers (manual optimization) and Lightning's FSDP1 strategy (`FSDPStrategy`, whose flat parameters
+    stalwart does not snapshot) are not covered: each rank stops as the fit starts with one line that says why, and
+    the launcher does not restart bad input."""
+    job = launch(_args(*extra))
     assert job.wait(120) == 78, job.output()[-3000:]
-    lines = [line for line in job.output().splitlines() if "optimizer" in line]
-    assert lines and all(line.startswith("stalwart: error: StalwartCallback covers one optimizer") for line in lines)
+    lines = [line for line in job.output().splitlines() if "StalwartCallback" in line]
+    assert len(lines) == 2 and all(line.startswith(f"stalwart: error: {says}") for line in lines), lines
     assert "Traceback" not in job.output()
     assert not job.events("restarting")
+
+
+FSDP2 = ("--strategy", "model_parallel")
+"""Lightning's FSDP2 strategy (ModelParallelStrategy, `fully_shard` in the module's configure_model) over both ranks."""
+
+
+@pytest.fixture(scope="module")
+def reference_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The Lightning Trainer alone with FSDP2, without a failure."""
+    with finished(tmp_path_factory.mktemp("lightning-reference-fsdp2"), _args("--plain", *FSDP2)) as job:
+        yield job
+
+
+@pytest.mark.parametrize("phase", ["backward", "optimizer"])
+def test_fsdp2_goes_back_to_node_memorys_step_and_runs_the_steps_since_again_bitwise(
+    launch: Any, reference_fsdp2: Any, phase: str
+) -> None:
+    """FSDP2 with node memory's snapshots every 5 steps, rank 1 SIGKILLed at step 13 (in the backward pass, the
+    other layer's reduce-scatter done; or inside the optimizer step), with --wait-for-replacement: rank 1's shards
+    of step 13 are nowhere, so the job goes back to step 10, the newest whose every shard node memory holds, and the
+    survivor runs steps 10 to 13 again in its Trainer's loop (across the epoch's end at step 12) with the batches it
+    kept; the run ends with the parameters of the Trainer alone, the replacement reads rank 1's items from step 10
+    on and none before, and the survivor's other callbacks see each step's end once."""
+    job = launch(_args(*FSDP2, "--snapshot-every", "5", "--die-at", f"13:{phase}"),
+                 env=child_env(STALWART_WAIT_FOR_REPLACEMENT="1"))  # fmt: skip
+    assert job.wait(180) == 0, job.output()[-3000:]
+    assert _digests(job) == _digests(reference_fsdp2), "the parameters differ from the Trainer alone's"
+    assert [e["step"] for e in job.events("resumed") if e["rank"] == 0] == [10], "back to node memory's step 10"
+    assert [e["rank"] for e in job.events("reformed_in_loop")] == [0], "the survivor re-formed in its loop"
+    survivor = job.worker_pids(restart=0)[0]
+    assert _log(job, "steps", survivor) == list(range(1, STEPS + 1)), "one batch end a step on the survivor"
+    replacement = [e["worker_pid"] for e in job.events("worker_spawned") if e["rank"] == 1][-1]
+    rank1 = _log(reference_fsdp2, "served", reference_fsdp2.worker_pids(restart=0)[1])
+    assert _log(job, "served", replacement) == rank1[10 * BATCH :], "the replacement read from step 10 on, no earlier"
+
+
+def test_fsdp2_without_wait_for_replacement_the_survivor_reshards_trains_on_shrunk_and_grows_back(
+    launch: Any,
+) -> None:
+    """The default with FSDP2: the survivor reshards the modules onto itself from node memory's step 10 (every
+    5 steps), runs the steps since again, trains on alone in the Trainer's loop while the replacement sets up, and
+    the job grows back; both ranks reach the last step, the survivor's callbacks seeing each step's end once."""
+    env = child_env(STALWART_WAIT_FOR_REPLACEMENT="0")
+    job = launch(_args(*FSDP2, "--snapshot-every", "5", "--die-at", "13:backward", "--step-sleep", "0.02"), env=env)
+    assert job.wait(180) == 0, job.output()[-3000:]
+    resized = [(e["from"], e["to"]) for e in job.events("world_resized") if e.get("rank") == 0]
+    assert resized[:1] == [(2, 1)] and (1, 2) in resized, resized
+    assert [e["step"] for e in job.events("resharded_in_place") if e["rank"] == 0][:1] == [10]
+    assert [r["step"] for r in job.results().values()] == [STEPS, STEPS]
+    survivor = job.worker_pids(restart=0)[0]
+    assert _log(job, "steps", survivor) == list(range(1, STEPS + 1)), "one batch end a step on the survivor"
+    assert "on 1 of 2 ranks" in job.output()
 
 
 @pytest.fixture(scope="module")

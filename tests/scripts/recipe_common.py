@@ -27,8 +27,12 @@ def model() -> torch.nn.Module:
 
 
 def write_digest(out: Path, rank: int, step: int, module: torch.nn.Module) -> None:
+    """The whole parameters' sha256 (FSDP2's shards gathered first: every rank calls it, in the same order)."""
+    from torch.distributed.tensor import DTensor
+
     digest = hashlib.sha256()
     for name, t in module.state_dict().items():
+        t = t.full_tensor() if isinstance(t, DTensor) else t
         digest.update(name.encode() + t.detach().contiguous().view(torch.uint8).numpy().tobytes())
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"step": step, "sha256": digest.hexdigest()}))

@@ -36,14 +36,28 @@ class Items(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 
 class Regressor(pl.LightningModule):
-    """`manual`: Lightning's manual optimization (the module steps its optimizer and its LR schedule itself);
-    `two_optimizers`: with manual optimization, one optimizer for each linear layer."""
+    """An LR schedule by step and one by epoch. `manual`: Lightning's manual optimization (the module steps its
+    optimizer and its step LR schedule itself); `two_optimizers`: with manual optimization, one optimizer for each
+    linear layer."""
 
-    def __init__(self, manual: bool = False, two_optimizers: bool = False) -> None:
+    def __init__(self, manual: bool = False, two_optimizers: bool = False, fsdp2: bool = False) -> None:
         super().__init__()
         self.net = recipe_common.model()
         self.automatic_optimization = not manual
         self.two = two_optimizers
+        self.fsdp2 = fsdp2
+
+    def configure_model(self) -> None:
+        """Under ModelParallelStrategy (FSDP2): each linear layer and the whole net sharded over the data-parallel
+        mesh, as Lightning's FSDP2 examples do."""
+        if not self.fsdp2:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in (self.net[0], self.net[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -67,8 +81,11 @@ class Regressor(pl.LightningModule):
             first, last = self.net[0], self.net[3]
             return [torch.optim.AdamW(first.parameters(), lr=1e-2), torch.optim.AdamW(last.parameters(), lr=1e-2)]
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        steps = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
+        if not self.automatic_optimization:  # training_step steps it
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": steps, "interval": "step"}}
+        epochs = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8)  # stepped by the loop at an epoch's end
+        return [opt], [{"scheduler": steps, "interval": "step"}, {"scheduler": epochs, "interval": "epoch"}]
 
 
 class DieAt(pl.Callback):
@@ -77,12 +94,19 @@ class DieAt(pl.Callback):
     the optimizer step, its gradients all-reduced); at the step's micro-batch MICRO (0, the first, by default; with
     gradient accumulation)."""
 
-    def __init__(self, step: int, phase: str, micro: int, module: Regressor) -> None:
+    def __init__(self, step: int, phase: str, micro: int) -> None:
         self.step, self.phase, self.micro = step, phase, micro
         self.now, self.now_micro = -1, 0
         self.armed = os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if self.armed and phase == "backward":
-            module.net[0].weight.register_hook(lambda g: self._die())
+
+    def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        # Once the strategy has set the model up. FSDP2 (configure_model) gives the sharded parameters their
+        # gradients itself, after its reduce-scatter: there, the first layer's backward as it begins.
+        if self.armed and self.phase == "backward":
+            if module.fsdp2:
+                module.net[0].register_full_backward_pre_hook(lambda *_: self._die())
+            else:
+                module.net[0].weight.register_hook(lambda g: self._die())
 
     def _die(self) -> None:
         if self.armed and self.now == self.step and self.now_micro == self.micro:
@@ -114,6 +138,21 @@ class StepLog(pl.Callback):
         time.sleep(self.sleep_s)
 
 
+def _strategy(name: str, ranks: int) -> Any:
+    """`model_parallel`: Lightning's FSDP2 strategy, data-parallel over every rank (no tensor parallelism). `fsdp`:
+    its FSDP1 strategy, which it refuses by name on CPU (its check looks at the exact class): a subclass, which FSDP1
+    itself refuses on CPU as it wraps the model (the callback's refusal comes first)."""
+    if name == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1)
+    if name == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        return type("CPUFSDPStrategy", (FSDPStrategy,), {})()
+    return name
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -124,6 +163,13 @@ def main() -> None:
     p.add_argument("--ga", type=int, default=1, help="accumulate_grad_batches")
     p.add_argument("--manual", action="store_true", help="manual optimization")
     p.add_argument("--two-optimizers", action="store_true", help="with --manual: two optimizers")
+    p.add_argument(
+        "--strategy",
+        default="ddp",
+        choices=["ddp", "fsdp", "model_parallel"],
+        help="fsdp: FSDP1 (refused); model_parallel: FSDP2",
+    )
+    p.add_argument("--snapshot-every", type=int, help="stalwart's snapshot_every (node memory's cadence)")
     p.add_argument("--step-log", type=Path)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--served-log", type=Path)
@@ -134,22 +180,23 @@ def main() -> None:
         with open(args.setup_log, "a") as f:
             f.write(f"{os.getpid()}\n")
     pl.seed_everything(0, verbose=False)
-    module = Regressor(args.manual, args.two_optimizers)
+    module = Regressor(args.manual, args.two_optimizers, fsdp2=args.strategy == "model_parallel")
     callbacks: list[Any] = []
     if args.die_at:
         step, phase, *micro = args.die_at.split(":")
-        callbacks.append(DieAt(int(step), phase, int(micro[0]) if micro else 0, module))
+        callbacks.append(DieAt(int(step), phase, int(micro[0]) if micro else 0))
     if args.step_log is not None or args.step_sleep:
         callbacks.append(StepLog(args.step_log, args.step_sleep))
     if not args.plain:
         from stalwart.integrations.lightning import StalwartCallback
 
-        callbacks.append(StalwartCallback(args.ckpt, checkpoint_every=args.every))
+        options = {} if args.snapshot_every is None else {"snapshot_every": args.snapshot_every}
+        callbacks.append(StalwartCallback(args.ckpt, checkpoint_every=args.every, **options))
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=ranks,
-        strategy="ddp" if ranks > 1 else "auto",
+        strategy=_strategy(args.strategy, ranks) if ranks > 1 else "auto",
         max_steps=args.steps,
         accumulate_grad_batches=args.ga,
         callbacks=callbacks,

@@ -24,16 +24,19 @@ What it does, in the Trainer's order (lightning_state.py holds what it tracks):
   the restored run had drawn, by index, once: no item before the restored step is read, and the batch order is the
   uninterrupted run's (the sampler is a function of its seed and the epoch).
 - `on_train_batch_start`: each micro-batch of the step (one, or `accumulate_grad_batches`) kept with every
-  generator as it began. `on_train_batch_end` (this callback runs first) of the micro-batch that stepped the
-  optimizer: a step whose update was dropped (a peer died in it) is run again here, after the job recovered, with
-  the same micro-batches and generators, before any other callback sees the step's end; then the Job's end of the
+  generator as it began, for the steps back to the job's redo horizon. `on_train_batch_end` (this callback runs
+  first) of the micro-batch that stepped the optimizer: a step whose update was dropped (a peer died in it) is run
+  again here, after the job recovered, with the same micro-batches and generators, before any other callback sees
+  the step's end; and where the job went back further (sharded state: FSDP2's shards of the failed step are lost
+  with the rank, node memory holds an older step whole), each step since, one by one; then the Job's end of the
   step: snapshot, checks, checkpoint.
 
-Manual optimization is run again likewise (the module's `training_step`, which steps its optimizer itself). Not
-covered yet, each refused with one line: more than one optimizer, a strategy whose engine accumulates gradients
-itself (DeepSpeed), and an iterable dataset's loader (its position is not a function of the
-step). Lightning's own `ModelCheckpoint` may stay on: its checkpoints are its own; `fit(ckpt_path=...)` is
-refused with one line, since the run resumes from stalwart's.
+Manual optimization is run again likewise (the module's `training_step`, which steps its optimizer itself). FSDP2 is
+Lightning's `ModelParallelStrategy` (`fully_shard` in `configure_model`). Not covered yet, each refused with one
+line: more than one optimizer, a strategy whose engine accumulates gradients itself (DeepSpeed), Lightning's FSDP1
+strategy (`FSDPStrategy`), and an iterable dataset's loader (its position is not a function of the step).
+Lightning's own `ModelCheckpoint` may stay on: its checkpoints are its own; `fit(ckpt_path=...)` is refused with one
+line, since the run resumes from stalwart's.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 
 from stalwart.integrations.lightning_state import (
     EpochStart,
+    KeptStep,
     LightningProgress,
     closure_first,
     local_broadcasts_while_joining,
@@ -81,10 +85,9 @@ class StalwartLightningCallback(pl.Callback):
         self.job = job if job is not None else Job(checkpoint_dir, **job_options)  # type: ignore[arg-type]
         self._loop: StepLoop | None = None
         self._next: Step | None = None  # begun at the previous step's end, handed out at the next batch's start
-        # The step's micro-batches so far (batch, index, every generator as it began) and the optimizer's counters
-        # as its first began: what running the step again needs.
-        self._micro: list[tuple[Any, int, dict[str, Any]]] = []
-        self._counters: dict[str, Any] = {}
+        # Each step's micro-batches (batch, index, every generator as it began) and the optimizer's counters as
+        # its first began, back to the job's redo horizon: what running those steps again needs.
+        self._kept: dict[int, KeptStep] = {}
         self._progress: LightningProgress | None = None
         self._skip = 0  # batches of the restored epoch its loaders skip
         self._epoch_start = EpochStart()
@@ -104,7 +107,16 @@ class StalwartLightningCallback(pl.Callback):
         if trainer.strategy.handles_gradient_accumulation:
             raise ConfigError(
                 f"StalwartCallback does not cover {type(trainer.strategy).__name__}, whose engine accumulates "
-                "gradients itself (a failed step's micro-batches cannot be run again through it); use ddp or fsdp"
+                "gradients itself (a failed step's micro-batches cannot be run again through it); use ddp, or "
+                "ModelParallelStrategy with fully_shard (FSDP2)"
+            )
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if isinstance(trainer.strategy, FSDPStrategy):
+            raise ConfigError(
+                f"StalwartCallback does not cover {type(trainer.strategy).__name__}: it wraps the model in FSDP1 "
+                "(FullyShardedDataParallel), whose flat parameters stalwart does not snapshot or reshard; use "
+                "ModelParallelStrategy with fully_shard in configure_model (FSDP2)"
             )
         # The strategy's optimizer step runs the closure first, before any other callback can step.
         callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
@@ -160,9 +172,13 @@ class StalwartLightningCallback(pl.Callback):
                 f"the Trainer is at step {trainer.global_step} where the job is at {step.number}: "
                 "something moved the Trainer's progress"
             )
-        if not self._micro:  # the step's first micro-batch (the only one without gradient accumulation)
-            self._counters = _optimizer_steps(trainer).state_dict()
-        self._micro.append((batch, batch_idx, capture_rng()))
+        kept = self._kept.get(step.number)
+        if kept is None:  # the step's first micro-batch
+            assert self._loop is not None
+            for old in [n for n in self._kept if n < self._loop.horizon() or n > step.number]:
+                del self._kept[old]
+            kept = self._kept[step.number] = KeptStep(_optimizer_steps(trainer).state_dict())
+        kept.micro.append((batch, batch_idx, capture_rng()))
         return None
 
     def on_train_batch_end(
@@ -173,32 +189,36 @@ class StalwartLightningCallback(pl.Callback):
             return
         if trainer.global_step == loop.step.number:  # a micro-batch that accumulated: the step goes on
             return
-        failed = trainer.global_step - 1  # the step this batch made
+        made = trainer.global_step - 1  # the step this batch made
+        if made in self._kept:  # an epoch's last batch steps its epoch-interval LR schedulers as well
+            self._kept[made].epoch_end = trainer.fit_loop.epoch_loop._num_ready_batches_reached()
         while True:
             # The step's end (snapshot, checks, checkpoint), or after a peer's failure in the step (its update
             # dropped) the recovery: re-formed in the loop, or training on shrunk while the replacement sets up.
             loop.end()
             self._next = loop.begin()
-            if self._next is None or self._next.number != failed:
+            if self._next is None or self._next.number > made:
                 break
-            self._run_again(trainer)  # the job went back to this step: it runs again (and may fail again)
-        self._micro = []
-        if self._next is not None and self._next.number < failed:
-            raise ConfigError(
-                f"the job went back to step {self._next.number} at step {trainer.global_step} (a rollback, "
-                "or no snapshot of the failed step): the Lightning integration runs again only the failed step yet"
-            )
+            # The job went back to this step (the failed one, or an older one whose state node memory held whole:
+            # the steps since run again one by one, each ending as any step); it may fail again.
+            kept = self._kept.get(self._next.number)
+            if kept is None:
+                raise ConfigError(
+                    f"the job went back to step {self._next.number} at step {trainer.global_step} (a numeric "
+                    "rollback): the Lightning integration runs again only the steps since the job's redo horizon"
+                )
+            self._run_again(trainer, kept)
 
-    def _run_again(self, trainer: pl.Trainer) -> None:
-        """Run the step the job went back to again, with its micro-batches and generators, as the Trainer's loop
+    def _run_again(self, trainer: pl.Trainer, kept: KeptStep) -> None:
+        """Run a step the job went back to again, with its micro-batches and generators, as the Trainer's loop
         made them: each one's SIGTERM broadcast and closure (zero_grad at the first, forward, backward; without
         DDP's gradient sync but at the last), the optimizer step at the last, then the step's LR scheduler steps
-        (and an epoch's, at its last batch)."""
+        (and the epoch's, when it was its epoch's last)."""
         epoch_loop = trainer.fit_loop.epoch_loop
-        _optimizer_steps(trainer).load_state_dict(self._counters)
+        _optimizer_steps(trainer).load_state_dict(kept.counters)
         manual = not trainer.lightning_module.automatic_optimization
-        last = len(self._micro) - 1
-        for i, (batch, batch_idx, rng) in enumerate(self._micro):
+        last = len(kept.micro) - 1
+        for i, (batch, batch_idx, rng) in enumerate(kept.micro):
             if torch.distributed.is_initialized() and trainer.world_size > 1:
                 epoch_loop._broadcast_sigterm_tensor()  # as each batch of the loop begins: a replacement's does
             restore_rng(rng)
@@ -213,7 +233,7 @@ class StalwartLightningCallback(pl.Callback):
             finally:
                 epoch_loop.__dict__.pop("_should_accumulate", None)
         epoch_loop.update_lr_schedulers("step", update_plateau_schedulers=False)  # Lightning's: none when manual
-        if epoch_loop._num_ready_batches_reached():  # the epoch's last batch: its schedulers stepped, as the loop does
+        if kept.epoch_end:  # the epoch's last batch: its schedulers stepped, as the loop does
             epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

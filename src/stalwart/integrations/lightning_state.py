@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -64,6 +65,17 @@ class LightningProgress:
     def epoch_ended(self) -> bool:
         """The restored step was its epoch's last: Lightning's restart goes on with the next epoch, from its start."""
         return bool(self._trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+@dataclass
+class KeptStep:
+    """A step as the Trainer's loop ran it, for running it again: the optimizer-step counters as it began, its
+    micro-batches (batch, index, every generator as each began), and whether it was its epoch's last batch (it
+    stepped the epoch-interval LR schedulers too)."""
+
+    counters: dict[str, Any]
+    micro: list[tuple[Any, int, dict[str, Any]]] = field(default_factory=list)
+    epoch_end: bool = False
 
 
 class EpochStart:
