@@ -130,6 +130,29 @@ def test_the_callback_alone_on_a_plain_trainer_says_why_it_cannot() -> None:
         StalwartCallback()
 
 
+def test_an_engine_it_cannot_run_a_step_again_through_is_refused_and_fsdp2_is_said_untested() -> None:
+    """Accelerate's engines as the Trainer's init leaves them (DeepSpeed and FSDP need a GPU, so the Trainer's
+    attributes stand in): DeepSpeed and FSDP1 are refused saying which and why, FSDP2 gets one line at start, DDP
+    nothing."""
+    from types import SimpleNamespace
+
+    from stalwart.integrations.hf_state import check_engine
+
+    def trainer(deepspeed: bool = False, fsdp: int | None = None) -> Any:
+        plugin = None if fsdp is None else SimpleNamespace(fsdp_version=fsdp)
+        state = SimpleNamespace(fsdp_plugin=plugin, deepspeed_plugin=object() if deepspeed else None)
+        return SimpleNamespace(
+            is_deepspeed_enabled=deepspeed, is_fsdp_enabled=fsdp is not None, accelerator=SimpleNamespace(state=state)
+        )
+
+    with pytest.raises(ConfigError, match="does not cover DeepSpeed: its engine accumulates gradients"):
+        check_engine(trainer(deepspeed=True))
+    with pytest.raises(ConfigError, match=r"does not cover FSDP1 .*fsdp_config=\{'version': 2\}"):
+        check_engine(trainer(fsdp=1))
+    assert "FSDP2 under the Hugging Face Trainer has not been tested" in (check_engine(trainer(fsdp=2)) or "")
+    assert check_engine(trainer()) is None
+
+
 def test_bench_trainer_refuses_a_kill_after_the_last_step_in_one_line(tmp_path: Path) -> None:
     done = stalwart("bench", "trainer", "--steps", "10", "--kill-at", "10", cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr

@@ -106,7 +106,12 @@ def _check_contract() -> None:
 
 _check_contract()
 
-from stalwart.integrations.hf_state import LoggedLoss, TrainerProgress, match_accelerate  # noqa: E402  (after the check)
+from stalwart.integrations.hf_state import (  # noqa: E402  (after the check)
+    LoggedLoss,
+    TrainerProgress,
+    check_engine,
+    match_accelerate,
+)
 
 
 class StalwartCallback(transformers.TrainerCallback):
@@ -263,6 +268,9 @@ class Trainer(transformers.Trainer):
             if isinstance(cb, StalwartCallback):
                 cb.trainer = self  # before the Trainer's on_init_end, where a callback on a plain Trainer stops
         super().__init__(*args, **kwargs)
+        untested = check_engine(self)  # DeepSpeed and FSDP1 refused with one line
+        if untested is not None and self.args.process_index == 0:
+            say(untested)
         ours = [cb for cb in self.callback_handler.callbacks if isinstance(cb, StalwartCallback)]
         if not ours:
             ours = [StalwartCallback(os.path.join(self.args.output_dir or ".", "stalwart"))]

@@ -1,6 +1,6 @@
 """What stalwart.integrations.hf tracks of the Hugging Face Trainer besides its model, optimizer and scheduler (its
-progress and the loss it sums towards its next log line), and Accelerate's world size kept with the job's group.
-Apart from hf.py so that each stays one screenful of responsibility."""
+progress and the loss it sums towards its next log line), Accelerate's world size kept with the job's group, and
+which of Accelerate's engines it covers. Apart from hf.py so that each stays one screenful of responsibility."""
 
 from __future__ import annotations
 
@@ -9,6 +9,33 @@ from typing import Any
 
 import torch
 import transformers
+
+from stalwart.errors import ConfigError
+
+
+def check_engine(trainer: Any) -> str | None:
+    """The engine Accelerate wraps the model in (the Trainer's `is_deepspeed_enabled`, `is_fsdp_enabled` and FSDP
+    plugin's version), as the Trainer's init made it: one the integration cannot run a failed step again through
+    raises ConfigError, saying which and why; FSDP2, covered but not yet run under this Trainer (Accelerate
+    enables FSDP only with a GPU), returns the line to say at start; DDP or one process returns None."""
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise ConfigError(
+            "stalwart.integrations.hf does not cover DeepSpeed: its engine accumulates gradients and steps the "
+            "optimizer itself (a failed step's micro-batches cannot be run again through it); use DDP, or FSDP2 "
+            "(fsdp_config={'version': 2})"
+        )
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return None
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if getattr(plugin, "fsdp_version", 1) != 2:
+        raise ConfigError(
+            "stalwart.integrations.hf does not cover FSDP1 (FullyShardedDataParallel), whose flat parameters "
+            "stalwart does not snapshot or reshard; use FSDP2: fsdp_config={'version': 2}"
+        )
+    return (
+        "stalwart: FSDP2 under the Hugging Face Trainer has not been tested yet (Accelerate enables FSDP only on a "
+        "GPU): its recovery in the Trainer's loop is unverified"
+    )
 
 
 class TrainerProgress:
