@@ -130,6 +130,19 @@ def test_the_callback_alone_on_a_plain_trainer_says_why_it_cannot() -> None:
         StalwartCallback()
 
 
+def test_an_iterable_dataset_is_one_line_and_no_restart(launch: Any) -> None:
+    """An IterableDataset (its position is not a function of the step; Accelerate dispatches its batches from rank
+    0) is not covered: each rank stops at the Trainer's init with one line that says why, and the launcher does not
+    restart bad input."""
+    job = launch(_args("--iterable"))
+    assert job.wait(120) == 78, job.output()[-3000:]
+    lines = [line for line in job.output().splitlines() if "iterable dataset" in line]
+    says = "stalwart: error: stalwart.integrations.hf does not cover an iterable dataset (Stream)"
+    assert len(lines) == 2 and all(line.startswith(says) for line in lines), lines
+    assert "Traceback" not in job.output()
+    assert not job.events("restarting")
+
+
 def test_an_engine_it_cannot_run_a_step_again_through_is_refused_and_fsdp2_is_said_untested() -> None:
     """Accelerate's engines as the Trainer's init leaves them (DeepSpeed and FSDP need a GPU, so the Trainer's
     attributes stand in): DeepSpeed and FSDP1 are refused saying which and why, FSDP2 gets one line at start, DDP

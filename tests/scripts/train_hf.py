@@ -39,6 +39,19 @@ class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """`--iterable`: the same items as an IterableDataset, in their order, round after round (as a stream that does
+    not end); each served index is appended to `log`."""
+
+    def __init__(self, items: Tokens) -> None:
+        self.items = items
+
+    def __iter__(self) -> Any:
+        while True:
+            for i in range(len(self.items)):
+                yield self.items[i]
+
+
 class DieAt(transformers.TrainerCallback):
     """Rank 1 of the first round SIGKILLs itself at step STEP, in PHASE: begin (before the forward), backward (a
     gradient hook, DDP's all-reduce of another bucket in flight) or optimizer (before the update)."""
@@ -88,6 +101,7 @@ def main() -> None:
     p.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps")
     p.add_argument("--plain", action="store_true", help="transformers.Trainer alone (the baseline)")
     p.add_argument("--plain-with-callback", action="store_true", help="transformers.Trainer with a StalwartCallback")
+    p.add_argument("--iterable", action="store_true", help="the dataset as an IterableDataset")
     p.add_argument("--step-log", type=Path)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--served-log", type=Path)
@@ -120,7 +134,9 @@ def main() -> None:
         callbacks.append(DieAt(int(step), phase, model))
     if args.step_log is not None or args.step_sleep:
         callbacks.append(StepLog(args.step_log, args.step_sleep))
-    dataset = Tokens(256, 16, 64, args.served_log)
+    dataset: Any = Tokens(256, 16, 64, args.served_log)
+    if args.iterable:
+        dataset = Stream(dataset)
     if args.plain_with_callback:
         from stalwart.integrations.hf import StalwartCallback
 

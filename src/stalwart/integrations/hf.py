@@ -109,6 +109,7 @@ _check_contract()
 from stalwart.integrations.hf_state import (  # noqa: E402  (after the check)
     LoggedLoss,
     TrainerProgress,
+    check_dataset,
     check_engine,
     match_accelerate,
 )
@@ -268,9 +269,6 @@ class Trainer(transformers.Trainer):
             if isinstance(cb, StalwartCallback):
                 cb.trainer = self  # before the Trainer's on_init_end, where a callback on a plain Trainer stops
         super().__init__(*args, **kwargs)
-        untested = check_engine(self)  # DeepSpeed and FSDP1 refused with one line
-        if untested is not None and self.args.process_index == 0:
-            say(untested)
         ours = [cb for cb in self.callback_handler.callbacks if isinstance(cb, StalwartCallback)]
         if not ours:
             ours = [StalwartCallback(os.path.join(self.args.output_dir or ".", "stalwart"))]
@@ -282,6 +280,11 @@ class Trainer(transformers.Trainer):
         self.stalwart = ours[0]
         self.stalwart.trainer = self
         self.stalwart.make_job()
+        # What it cannot protect, refused with one line (the Job made: its hook says a ConfigError so, exit 78).
+        check_dataset(self.train_dataset)
+        untested = check_engine(self)  # DeepSpeed and FSDP1 refused; FSDP2 said untested
+        if untested is not None and self.args.process_index == 0:
+            say(untested)
         self._fetched: list[Any] | None = None
         self._kept: dict[int, _Kept] = {}  # the steps' since the job's redo horizon, by number
 

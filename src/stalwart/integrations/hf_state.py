@@ -5,12 +5,29 @@ which of Accelerate's engines it covers. Apart from hf.py so that each stays one
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import torch
 import transformers
 
 from stalwart.errors import ConfigError
+
+
+def check_dataset(dataset: Any) -> None:
+    """An iterable dataset (torch's, or a streaming `datasets.IterableDataset`) raises ConfigError: its position is
+    not a function of the step, so a replacement could only read the stream again up to the restored step, and
+    Accelerate dispatches its batches from rank 0 with a collective of the data loader's (one a replacement and a
+    survivor running its step again would not meet in)."""
+    streaming = sys.modules.get("datasets")
+    if isinstance(dataset, torch.utils.data.IterableDataset) or (
+        streaming is not None and isinstance(dataset, getattr(streaming, "IterableDataset", ()))
+    ):
+        raise ConfigError(
+            f"stalwart.integrations.hf does not cover an iterable dataset ({type(dataset).__name__}): its position "
+            "is not a function of the step, so a recovery cannot put it back without reading it again; use a "
+            "map-style dataset (one with __getitem__ and __len__)"
+        )
 
 
 def check_engine(trainer: Any) -> str | None:
