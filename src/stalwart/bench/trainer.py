@@ -4,11 +4,13 @@ on restart), and with stalwart's integration under `stalwart run`, with its defa
 `--wait-for-replacement`.
 
 Each system runs the bench's job (bench/trainer_job.py: a tiny GPT-2; bench/lightning_job.py: an MLP; on 2 CPU
-ranks, each step padded to `--step-s`, after `--setup-s` of set-up) twice: without a failure, and with rank 1
-SIGKILLed as a step begins.
+ranks, each step padded to `--step-s`, after `--setup-s` of set-up) `--rounds` times without a failure, the
+systems taking turns (so that a machine whose pace drifts between runs moves each system's alike), then once with
+rank 1 SIGKILLed as a step begins.
 Reported: the kill to the next step no run had completed before it, the steps done again, whether the run ended
 with the parameters of its own run without the kill (and of the Trainer alone), and the median step time without
-a failure (the integration's overhead). Takes about two minutes with the defaults; progress goes to stderr.
+a failure with its ratio to the Trainer alone's (the integration's overhead): the median of each round's ratio,
+and their range. Takes about four minutes with the defaults; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--kill-at", type=positive_int, default=53, help="rank 1 dies as the step after this begins")
     p.add_argument("--step-s", type=seconds, default=0.1, help="seconds each step is padded to (default 0.1)")
     p.add_argument("--setup-s", type=seconds, default=0.0, help="seconds of the script's set-up (default 0)")
+    p.add_argument(
+        "--rounds", type=positive_int, default=3, help="runs without a failure per system, taking turns (default 3)"
+    )
     p.add_argument("--dir", type=Path, help="where the runs' files go (a new directory inside, removed at the end)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of tables")
     p.set_defaults(run=run)
@@ -100,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             args.dir,
             lambda line: err.print(f"bench: {line}"),
             trainer=args.trainer,
+            rounds=args.rounds,
         )
     except BenchError as exc:
         print(f"stalwart bench trainer: error: {exc}", file=sys.stderr)
@@ -120,26 +126,42 @@ def run_bench(
     progress: Progress,
     *,
     trainer: str = "hf",
+    rounds: int = 1,
 ) -> dict[str, Any]:
-    """Every system's two runs; the report's JSON object."""
-    results: dict[str, Any] = {}
+    """Every system's runs (`rounds` without a failure, the systems taking turns, then one with the kill); the
+    report's JSON object."""
     job = TRAINERS[trainer][0]
+    chosen = systems(trainer)
+    clean: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
+    killed: dict[str, dict[str, Any]] = {}
+
+    def one(i: int, name: str, kill: bool, label: str) -> dict[str, Any]:
+        system, launcher = chosen[name]
+        out = tmp / f"{i}-{label}"
+        progress(f"{name}: {'rank 1 killed after step ' + str(kill_at) if kill else 'no failure'} ({label}) ...")
+        started = time.monotonic()
+        _launch(job, system, launcher, out, steps, step_s, setup_s, kill_at if kill else -1)
+        progress(f"{name}: done in {time.monotonic() - started:.1f} s")
+        return _read(out)
+
     with scratch_dir(parent, "stalwart-bench-trainer-") as tmp:
         machine = machine_info(tmp)
-        for i, (name, (system, launcher)) in enumerate(systems(trainer).items()):
-            runs = {}
-            for kill in (False, True):
-                out = tmp / f"{i}-{'killed' if kill else 'clean'}"
-                progress(f"{name}: {'rank 1 killed after step ' + str(kill_at) if kill else 'no failure'} ...")
-                started = time.monotonic()
-                _launch(job, system, launcher, out, steps, step_s, setup_s, kill_at if kill else -1)
-                runs["killed" if kill else "clean"] = _read(out)
-                progress(f"{name}: done in {time.monotonic() - started:.1f} s")
-            results[name] = _measure(runs["clean"], runs["killed"])
-    baseline = next(iter(results.values()))
-    for measured in results.values():
+        for r in range(rounds):
+            for i, name in enumerate(chosen):
+                clean[name].append(one(i, name, False, f"clean-{r + 1}-of-{rounds}"))
+        for i, name in enumerate(chosen):
+            killed[name] = one(i, name, True, "killed")
+    results = {name: _measure(clean[name], killed[name]) for name in chosen}
+    baseline_name = next(iter(chosen))
+    baseline = results[baseline_name]
+    for name, measured in results.items():
         measured["as_trainer_alone"] = measured["final"] == baseline["clean_final"]
-        measured["step_time_ratio"] = measured["median_step_s"] / baseline["median_step_s"]
+        ratios = [
+            _median_step(mine) / _median_step(theirs)
+            for mine, theirs in zip(clean[name], clean[baseline_name], strict=True)
+        ]
+        measured["step_time_ratios"] = ratios
+        measured["step_time_ratio"] = statistics.median(ratios)
     return {
         "machine": machine,
         "trainer": trainer,
@@ -147,6 +169,7 @@ def run_bench(
         "kill_at": kill_at,
         "step_s": step_s,
         "setup_s": setup_s,
+        "rounds": rounds,
         "systems": results,
     }
 
@@ -210,7 +233,18 @@ def _read(out: Path) -> dict[str, Any]:
     }
 
 
-def _measure(clean: dict[str, Any], killed: dict[str, Any]) -> dict[str, Any]:
+def _median_step(run: dict[str, Any]) -> float:
+    """A run's median time between two step ends, on its rank that ended the most steps."""
+    per_pid: dict[int, list[float]] = {}
+    for _, t, pid in run["ends"]:
+        per_pid.setdefault(pid, []).append(t)
+    times = max(per_pid.values(), key=len)
+    return statistics.median(b - a for a, b in itertools.pairwise(times))
+
+
+def _measure(cleans: list[dict[str, Any]], killed: dict[str, Any]) -> dict[str, Any]:
+    """One system's figures: its runs without a failure (each ends as the first) and its run with the kill."""
+    clean = cleans[0]
     kill_t = killed["kill_t"]
     if kill_t is None:
         raise BenchError("the killed run's rank 1 did not die where asked")
@@ -220,16 +254,13 @@ def _measure(clean: dict[str, Any], killed: dict[str, Any]) -> dict[str, Any]:
         raise BenchError("the killed run completed no step after the kill")
     first_new = min(t for g, t in after if g > before)
     resumed_at = min(g for g, _ in after) - 1
-    per_pid: dict[int, list[float]] = {}
-    for _, t, pid in clean["ends"]:
-        per_pid.setdefault(pid, []).append(t)
-    times = max(per_pid.values(), key=len)
-    gaps = [b - a for a, b in itertools.pairwise(times)]
+    if any(run["final"] != clean["final"] for run in cleans):
+        raise BenchError("two runs of one system without a failure ended with different parameters")
     return {
         "kill_to_next_step_s": first_new - kill_t,
         "steps_done_again": before - resumed_at,
         "as_without_the_kill": killed["final"] == clean["final"],
-        "median_step_s": statistics.median(gaps),
+        "median_step_s": statistics.median(_median_step(run) for run in cleans),
         "final": killed["final"],
         "clean_final": clean["final"],
     }
@@ -242,7 +273,8 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     console.print(
         f"machine: {m['cpu_count']} CPUs, torch {m['torch']}, python {m['python']}, {m['platform']}\n"
         f"job: {model} in the Trainer's loop on 2 CPU ranks, {report['steps']} steps padded to "
-        f"{report['step_s']} s, {report['setup_s']} s of set-up; rank 1 SIGKILLed after step {report['kill_at']}"
+        f"{report['step_s']} s, {report['setup_s']} s of set-up; rank 1 SIGKILLed after step {report['kill_at']}; "
+        f"{report.get('rounds', 1)} run(s) without a failure per system, taking turns"
     )
     table = Table(title=f"{TRAINERS[trainer][2]} after a killed worker")
     for column in (
@@ -263,6 +295,13 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
             "yes" if r["as_without_the_kill"] else "no",
             "yes" if r["as_trainer_alone"] else "no",
             seconds_text(r["median_step_s"]),
-            f"{r['step_time_ratio']:.3f}×",
+            _ratio_text(r),
         )
     console.print(table)
+
+
+def _ratio_text(r: dict[str, Any]) -> str:
+    """The median of the rounds' step-time ratios, with their range when there were several."""
+    ratios = r.get("step_time_ratios") or [r["step_time_ratio"]]
+    text = f"{r['step_time_ratio']:.3f}×"
+    return text if len(ratios) < 2 else f"{text} ({min(ratios):.3f}-{max(ratios):.3f})"

@@ -26,14 +26,6 @@ class RunName(IntMessage):
 
 
 @dataclass(frozen=True, slots=True)
-class Durations(IntMessage):
-    """Two durations of this rank (a light snapshot's cost and the step time, say), in microseconds."""
-
-    first_us: int
-    second_us: int
-
-
-@dataclass(frozen=True, slots=True)
 class CheckpointInputs(IntMessage):
     """What checkpoint_every="auto" plans the next checkpoint from (policy/auto_checkpoint.py)."""
 

@@ -24,7 +24,7 @@ from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import PeerReplicas
 from stalwart.job.config import SnapshotOptions
 from stalwart.job.live import LiveState
-from stalwart.job.messages import Durations, to_us
+from stalwart.job.messages import to_us
 from stalwart.job.state import TrackedState
 from stalwart.job.step_commit import StepCommit
 from stalwart.job.step_hooks import StepHooks
@@ -78,6 +78,7 @@ class Snapshots:
         self._light_kept = False  # whether light snapshots were judged and kept (one event says so)
         self.seconds = 0.0  # the last snapshot's cost on the training thread (step_done's snapshot_s)
         self._late_s = 0.0  # what publishing an overlapped snapshot cost at the next step's end
+        self._agreement_s = 0.0  # the last plan's collective, counted in the next full copy's cost (`_plan`)
         self._push_at_publish: int | None = None  # the full snapshot the peers get at the next step's end
         self.full_copy_step: int | None = None  # the newest full copy in node memory (step_done reports it)
 
@@ -292,11 +293,26 @@ class Snapshots:
 
     def _plan(self, step: int, seconds: float) -> None:
         """After a snapshot that took `seconds` on the training thread (gathering the state, the copy, the
-        replicas): the next one's step, from costs every rank agrees on (policy/snapshot.py)."""
-        if self._light_agreed() and self._light_cost.judged():
-            self._judge_light(step)
+        replicas): the next one's step, from costs every rank agrees on (policy/snapshot.py), in one collective
+        with the light snapshots' judgment. That collective is part of what full copies cost: with copies a few
+        steps apart (a small state) it was most of it, outside the budget (2026-12-02: two collectives every
+        3-5 steps at 0.1 s steps on 2 CPU ranks); it now counts in the next copy's cost."""
         seconds, self._late_s = seconds + self._late_s, 0.0  # the last one's publish, if any
-        decision = self.schedule.taken(step, seconds, self._largest)
+        judge = self._light_agreed() and self._light_cost.judged()
+        if not judge and self.schedule.every is not None:  # a fixed interval, nothing to judge: no collective
+            self.schedule.taken(step, seconds, lambda step_s, snapshot_s: (step_s, snapshot_s))
+            return
+        started = time.perf_counter()
+        mine = (self._light_cost.mine(), self.schedule.step_s(), seconds, self._agreement_s)
+        got = self._comm.all_gather_ints([to_us(v) for v in mine])
+        self._agreement_s = time.perf_counter() - started
+        light_s, step_s, snapshot_s = (max(values) / 1e6 for values in list(zip(*got, strict=True))[:3])
+        # The last agreement's cost on the rank that came to it last (the least): the others' longer wait for it
+        # is the ranks' skew, which the step's own collectives would have waited out anyway.
+        snapshot_s += min(v[3] for v in got) / 1e6
+        if judge:
+            self._judge_light(step, (light_s, step_s))
+        decision = self.schedule.taken(step, seconds, lambda _step_s, _snapshot_s: (step_s, snapshot_s))
         if decision is not None and self._comm.rank == 0:
             self._events.emit("snapshot_interval", **dataclasses.asdict(decision))
 
@@ -316,17 +332,19 @@ class Snapshots:
         if self._light_agreed():
             self.schedule.served(step)
 
-    def _largest(self, first_s: float, second_s: float) -> tuple[float, float]:
-        """Each of two durations at its largest over the ranks (one collective): what every rank's decisions are
-        taken from, so that all decide alike."""
-        got = self._comm.gather(Durations(to_us(first_s), to_us(second_s)))
-        return max(m.first_us for m in got) / 1e6, max(m.second_us for m in got) / 1e6
+    def _largest(self, *seconds: float) -> tuple[float, ...]:
+        """Each duration at its largest over the ranks (one collective): what every rank's decisions are taken
+        from, so that all decide alike."""
+        got = self._comm.all_gather_ints([to_us(s) for s in seconds])
+        return tuple(max(values) / 1e6 for values in zip(*got, strict=True))
 
-    def _judge_light(self, step: int) -> None:
+    def _judge_light(self, step: int, agreed: tuple[float, float] | None = None) -> None:
         """Under "auto": keep light snapshots only while they cost at most `light_snapshot_budget`, decided
-        alike on every rank from the largest light cost and step time (policy/snapshot.LightCost); full copies
-        get what they leave of it."""
-        light_s, step_s = self._largest(self._light_cost.mine(), self.schedule.step_s())
+        alike on every rank from the largest light cost and step time (policy/snapshot.LightCost; `agreed`: those
+        two as a collective already returned them); full copies get what they leave of it."""
+        light_s, step_s = (
+            agreed if agreed is not None else self._largest(self._light_cost.mine(), self.schedule.step_s())
+        )
         if not self._light_cost.too_dear(light_s, step_s):
             self.schedule.budget = full_copy_budget(self._options.budget, light_s, step_s)
             if not self._light_kept and self._comm.rank == 0:  # once per run: what they cost and what they may
