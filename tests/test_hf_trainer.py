@@ -175,11 +175,11 @@ def test_bench_trainer_refuses_a_kill_after_the_last_step_in_one_line(tmp_path: 
 @pytest.mark.skipif(not os.environ.get("STALWART_TEST_BENCH_TRAINER"), reason="six launches, run on request")
 def test_bench_trainer_runs_every_system_and_reports_one_json_object(tmp_path: Path) -> None:
     """A short `stalwart bench trainer`: the Trainer alone under torchrun and stalwart's two modes, each without a
-    failure and with rank 1 killed; stalwart waiting for the replacement ends as without the kill and redoes no
-    completed step. Six launches of a transformers job: 100 s alone, over 4 minutes beside the suite, so it runs
-    on request (`STALWART_TEST_BENCH_TRAINER=1 .venv/bin/python -m pytest tests/test_hf_trainer.py -k bench`)."""
+    failure (two rounds, taking turns) and with rank 1 killed; stalwart waiting for the replacement ends as without
+    the kill and redoes no completed step. Launches of a transformers job: minutes beside the suite, so it runs on
+    request (`STALWART_TEST_BENCH_TRAINER=1 .venv/bin/python -m pytest tests/test_hf_trainer.py -k bench`)."""
     done = stalwart("bench", "trainer", "--steps", "10", "--kill-at", "5", "--step-s", "0.05", "--json",
-                    "--dir", str(tmp_path), cwd=tmp_path, timeout=600)  # fmt: skip
+                    "--rounds", "2", "--dir", str(tmp_path), cwd=tmp_path, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     systems = report["systems"]
@@ -187,6 +187,9 @@ def test_bench_trainer_runs_every_system_and_reports_one_json_object(tmp_path: P
     waited = systems["stalwart --wait-for-replacement"]
     assert waited["as_without_the_kill"] and waited["as_trainer_alone"] and waited["steps_done_again"] == 0
     assert all(s["kill_to_next_step_s"] > 0 and s["median_step_s"] > 0 for s in systems.values())
+    # Two rounds each, taking turns; --wait-for-replacement's runs without a failure are stalwart's own.
+    assert all(len(s["step_time_ratios"]) == 2 for s in systems.values()) and report["rounds"] == 2
+    assert waited["step_time_ratios"] == systems["stalwart"]["step_time_ratios"]
     assert not list(tmp_path.glob("stalwart-bench-trainer-*")), "the runs' files are removed"
 
 

@@ -268,7 +268,7 @@ def test_bench_trainer_lightning_runs_every_system_and_reports_one_json_object(t
     from conftest import stalwart
 
     done = stalwart("bench", "trainer", "--trainer", "lightning", "--steps", "10", "--kill-at", "5", "--step-s",
-                    "0.05", "--json", "--dir", str(tmp_path), cwd=tmp_path, timeout=600)  # fmt: skip
+                    "0.05", "--json", "--rounds", "1", "--dir", str(tmp_path), cwd=tmp_path, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     systems = json.loads(done.stdout)["systems"]
     assert list(systems) == ["torchrun + lightning.Trainer", "stalwart", "stalwart --wait-for-replacement"]

@@ -5,8 +5,9 @@ on restart), and with stalwart's integration under `stalwart run`, with its defa
 
 Each system runs the bench's job (bench/trainer_job.py: a tiny GPT-2; bench/lightning_job.py: an MLP; on 2 CPU
 ranks, each step padded to `--step-s`, after `--setup-s` of set-up) `--rounds` times without a failure, the
-systems taking turns (so that a machine whose pace drifts between runs moves each system's alike), then once with
-rank 1 SIGKILLed as a step begins.
+systems taking turns (so that a machine whose pace drifts between runs moves each system's alike; stalwart's
+runs serve `--wait-for-replacement` too, which acts only after a failure), then once with rank 1 SIGKILLed as a
+step begins.
 Reported: the kill to the next step no run had completed before it, the steps done again, whether the run ended
 with the parameters of its own run without the kill (and of the Trainer alone), and the median step time without
 a failure with its ratio to the Trainer alone's (the integration's overhead): the median of each round's ratio,
@@ -42,13 +43,17 @@ TRAINERS: dict[str, tuple[str, str, str]] = {
 """Each `--trainer`: its job's module, the baseline's name, the report's title."""
 
 
+WAITING = "stalwart --wait-for-replacement"
+"""The system whose runs without a failure are stalwart's defaults' (`--wait-for-replacement` acts only after one)."""
+
+
 def systems(trainer: str) -> dict[str, tuple[str, list[str]]]:
     """Each system: the job's `--system` and the launcher's command line before its common flags."""
     baseline = "hf" if trainer == "hf" else "plain"
     return {
         f"torchrun + {TRAINERS[trainer][1]}": (baseline, ["-m", "torch.distributed.run", "--standalone"]),
         "stalwart": ("stalwart", ["-m", "stalwart", "run"]),
-        "stalwart --wait-for-replacement": ("stalwart", ["-m", "stalwart", "run", "--wait-for-replacement"]),
+        WAITING: ("stalwart", ["-m", "stalwart", "run", "--wait-for-replacement"]),
     }
 
 
@@ -73,7 +78,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--step-s", type=seconds, default=0.1, help="seconds each step is padded to (default 0.1)")
     p.add_argument("--setup-s", type=seconds, default=0.0, help="seconds of the script's set-up (default 0)")
     p.add_argument(
-        "--rounds", type=positive_int, default=3, help="runs without a failure per system, taking turns (default 3)"
+        "--rounds", type=positive_int, default=4, help="runs without a failure per system, taking turns (default 4)"
     )
     p.add_argument("--dir", type=Path, help="where the runs' files go (a new directory inside, removed at the end)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of tables")
@@ -148,7 +153,11 @@ def run_bench(
         machine = machine_info(tmp)
         for r in range(rounds):
             for i, name in enumerate(chosen):
+                if name == WAITING:  # the flag changes nothing without a failure: stalwart's own runs serve
+                    continue
                 clean[name].append(one(i, name, False, f"clean-{r + 1}-of-{rounds}"))
+        if WAITING in clean:
+            clean[WAITING] = clean["stalwart"]
         for i, name in enumerate(chosen):
             killed[name] = one(i, name, True, "killed")
     results = {name: _measure(clean[name], killed[name]) for name in chosen}
