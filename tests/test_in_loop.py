@@ -169,8 +169,16 @@ def test_fsdp2_survivors_keep_their_shards_in_their_loop(launch: Any, tmp_path: 
         # among themselves (fc145: they were interrupted there and ran the script again); the second half-way
         # through it, while they train shrunk.
         ("loader", "forward", 3, ("--die-early-in-setup", "1", "--die-in-setup", "2")),
+        # The linear layers wrapped together (fully_shard([a, b]), as torchtitan wraps its last norm and output).
+        ("loader", "forward", 2, ("--fsdp-together",)),
     ],
-    ids=["resumable-loader", "own-data", "three-ranks", "three-ranks-replacements-die-in-their-set-up"],
+    ids=[
+        "resumable-loader",
+        "own-data",
+        "three-ranks",
+        "three-ranks-replacements-die-in-their-set-up",
+        "wrapped-together",
+    ],
 )
 def test_fsdp2_survivors_shard_among_themselves_and_train_on_while_the_replacement_sets_up(
     launch: Any,
@@ -192,7 +200,7 @@ def test_fsdp2_survivors_shard_among_themselves_and_train_on_while_the_replaceme
     extra = ("--setup-s", "1", "--setup-log", "setups.log", "--die-at", f"13:{phase}")
     # Replacements that die in their set-up: the survivors re-arm in their loop and train on, once a death.
     extra += replacements_die
-    deaths = len(replacements_die) // 2
+    deaths = sum(flag.startswith("--die") for flag in replacements_die)
     job = launch(tiny_args(*args, *extra, nproc=nproc), env=env)
     assert job.wait(180) == 0, job.output()
     results = job.results()

@@ -439,15 +439,18 @@ def test_a_rank_change_in_one_process_meets_no_stale_sharding() -> None:
     assert doubled_on(new) == (0,)
 
 
-def test_fsdp2_modules_are_sharded_again_in_place_on_a_smaller_group(tmp_path: Path) -> None:
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-at-a-time", "wrapped-together"])
+def test_fsdp2_modules_are_sharded_again_in_place_on_a_smaller_group(tmp_path: Path, grouped: bool) -> None:
     """Two ranks train an FSDP2 model, one leaves: the other shards the same modules again on a group of one, each
     parameter on the dimension it was sharded on, with the settings given after `fully_shard`; the optimizer follows
     the new parameters, the full state taken before loads bit for bit and a step trains them (what a survivor of a
-    lost host does instead of running its script again: recovery/in_loop/driver.py)."""
+    lost host does instead of running its script again: recovery/in_loop/driver.py). Wrapped together
+    (`fully_shard([a, b])`, as torchtitan wraps its last norm and output), the two layers are wrapped together
+    again: one state, one `fully_shard` call."""
     if torch_compat.torch_older_than("2.6"):
         pytest.skip("FSDP2 on CPU needs torch 2.6")
     done = subprocess.run(
-        [sys.executable, str(CHILD), "reshard", str(tmp_path)],
+        [sys.executable, str(CHILD), "reshard", str(tmp_path), *(["grouped"] if grouped else [])],
         capture_output=True,
         text=True,
         env=child_env(),
@@ -455,17 +458,20 @@ def test_fsdp2_modules_are_sharded_again_in_place_on_a_smaller_group(tmp_path: P
     )
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["why_not"] is None and report["modules"] == 3, report
+    assert report["why_not"] is None and report["modules"] == (2 if grouped else 3), report
     assert report["class"] == "FSDPSequential", "the root is an FSDP module again"
+    assert report["wrapped_classes"] == ["FSDPLinear", "FSDPLinear"], report
+    assert report["one_state"] is grouped, "wrapped together again exactly when they were"
     assert report["local_shapes"] == [[12, 7], [12], [5, 12], [5]], "each parameter whole on a group of one"
-    assert report["shard_dims"] == [0, 0, 1, 0], report
+    assert report["shard_dims"] == ([0, 0, 0, 0] if grouped else [0, 0, 1, 0]), report
     assert report["reshard_after_backward"] is False, "a setting given after fully_shard survives"
     assert report["new_parameters"] and report["optimizer_follows"], report
     assert report["loaded_equal"] and report["trained"] and report["optimizer_states"] == 4, report
 
 
 def test_what_cannot_be_sharded_again_in_place_is_named() -> None:
-    """Modules wrapped together share one FSDP state: `why_not` names them and leaves the model as it is."""
+    """Prefetching set by hand between modules (their states point at one another) is not carried over: `why_not`
+    names it and leaves the model as it is."""
     if torch_compat.torch_older_than("2.6"):
         pytest.skip("FSDP2 on CPU needs torch 2.6")
     from torch.distributed.fsdp import fully_shard
@@ -474,13 +480,12 @@ def test_what_cannot_be_sharded_again_in_place_is_named() -> None:
     try:
         model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
         assert torch_compat_fsdp.why_not([model], 1, 1) is None, "nothing to shard: nothing stands in the way"
-        try:
-            fully_shard([model[0], model[1]])
-        except (TypeError, AttributeError, AssertionError, ValueError):
-            pytest.skip("this torch's fully_shard takes one module")
+        fully_shard(model[0])
+        fully_shard(model[1])
         fully_shard(model)
+        model[0].set_modules_to_forward_prefetch([model[1]])
         why = torch_compat_fsdp.why_not([model], 1, 1)
-        assert why is not None and "together" in why, why
+        assert why is not None and "prefetching set by hand" in why, why
         with pytest.raises(ValueError):
             torch_compat_fsdp.reshard_in_place([model], 1)
     finally:

@@ -44,7 +44,7 @@ def peer(port: int) -> None:
     time.sleep(120)
 
 
-def _reshard_rank(rank: int, directory: str, cuda: bool) -> None:
+def _reshard_rank(rank: int, directory: str, cuda: bool, grouped: bool = False) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -81,8 +81,11 @@ def _reshard_rank(rank: int, directory: str, cuda: bool) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(7, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5)).to(device)
     from torch.distributed.tensor import Shard
 
-    fully_shard(model[0])
-    fully_shard(model[2], shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)  # dim 1: 12 of 2 ranks
+    if grouped:  # both linear layers in one call, as torchtitan wraps its last norm and output
+        fully_shard([model[0], model[2]])
+    else:
+        fully_shard(model[0])
+        fully_shard(model[2], shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)  # dim 1: 12 / 2 ranks
     fully_shard(model)
     model[0].set_reshard_after_backward(False)  # a setting given after fully_shard, which must survive
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -120,18 +123,23 @@ def _reshard_rank(rank: int, directory: str, cuda: bool) -> None:
         "device": str(next(model.parameters()).device),
         "shard_dims": [p.placements[0].dim for p in model.parameters()],
         "reshard_after_backward": model[0]._get_fsdp_state()._fsdp_param_group.reshard_after_backward,
+        "wrapped_classes": [type(model[0]).__name__, type(model[2]).__name__],
+        "one_state": model[0]._get_fsdp_state() is model[2]._get_fsdp_state(),
     }
     print(json.dumps(report), flush=True)
     dist.destroy_process_group()
 
 
-def reshard(directory: str, cuda: bool = False) -> None:
+def reshard(directory: str, cuda: bool = False, grouped: bool = False) -> None:
     import torch.multiprocessing as mp
 
     # Forked on the CPU (torch imported once: the test's time), a fresh interpreter for CUDA; either ends both ranks
     # on a failure.
     mp.start_processes(
-        _reshard_rank, args=(directory, cuda), nprocs=1 if cuda else 2, start_method="spawn" if cuda else "fork"
+        _reshard_rank,
+        args=(directory, cuda, grouped),
+        nprocs=1 if cuda else 2,
+        start_method="spawn" if cuda else "fork",
     )
 
 
@@ -139,6 +147,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "fresh":
         fresh()
     elif sys.argv[1] == "reshard":
-        reshard(sys.argv[2], cuda=sys.argv[3:] == ["cuda"])
+        reshard(sys.argv[2], cuda="cuda" in sys.argv[3:], grouped="grouped" in sys.argv[3:])
     else:
         peer(int(sys.argv[2]))

@@ -110,6 +110,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--allow-resize", action="store_true")
     p.add_argument("--fsdp", action="store_true", help="shard model and optimizer with FSDP2 instead of DDP")
+    p.add_argument("--fsdp-together", action="store_true", help="with --fsdp: the linear layers in one fully_shard")
     p.add_argument("--snapshot-every", type=_every, default=1, help="memory-tier snapshots (0: durable only; auto)")
     p.add_argument("--snapshot-budget", type=float, default=0.03, help="with --snapshot-every auto")
     p.add_argument("--light-snapshot-budget", type=float, default=0.02, help="as JobConfig's")
@@ -231,8 +232,11 @@ def main() -> None:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (job.world_size,))
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
+        linear = [layer for layer in model if isinstance(layer, torch.nn.Linear)]
+        if args.fsdp_together:  # as torchtitan wraps its last norm and output: fully_shard([a, b])
+            fully_shard(linear, mesh=mesh)
+        else:
+            for layer in linear:
                 fully_shard(layer, mesh=mesh)
         ddp = fully_shard(model, mesh=mesh)
     else:

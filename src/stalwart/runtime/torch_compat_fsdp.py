@@ -10,9 +10,10 @@ applied with, on a mesh of the new default group; the optimizers are pointed at 
 dropped. The values are not moved here: the restore that follows reshards the state from node memory or the
 checkpoint onto the new parameters (recovery/memory_reshard.py), as it does for a script run again.
 
-What it supports, checked before anything changes (`why_not`, None when it can): modules wrapped one at a time
-(not `fully_shard([a, b])`), on a one-dimensional mesh (not HSDP, not a mesh with tensor parallelism), with one
-parameter group each and `reshard_after_forward` a bool or left to FSDP. A script's own references to the old
+What it supports, checked before anything changes (`why_not`, None when it can): modules wrapped one at a time or
+together (`fully_shard([a, b])`, as torchtitan wraps its last norm and output), on a one-dimensional mesh (not HSDP,
+not a mesh with tensor parallelism), with one parameter group each and `reshard_after_forward` a bool or left to
+FSDP. A script's own references to the old
 parameters (a list made once for clipping) or to the old mesh are not updated: the docs say to read them from the
 model each step.
 
@@ -108,6 +109,7 @@ class _Wrapping:
     """How `fully_shard` was applied to one module, read back from its state: what applying it again takes."""
 
     module: nn.Module
+    """The first of `modules`: the one named in messages, whose state is the group's."""
     reshard_after_forward: bool | None
     mp_policy: Any
     offload: tuple[bool, bool]  # (to CPU, pinned)
@@ -116,6 +118,8 @@ class _Wrapping:
     params: list[tuple[nn.Module, str, Any, list[tuple[nn.Module, str]], Any]] = field(default_factory=list)
     """(owning module, name, the sharded parameter (a DTensor), modules sharing it as (module, name), its shard
     placement)."""
+    modules: tuple[nn.Module, ...] = ()
+    """Every module `fully_shard` was applied to in the one call (one, or those wrapped together)."""
 
 
 def _wrapping(module: nn.Module, world_size: int, new_world: int) -> _Wrapping | str:
@@ -129,15 +133,14 @@ def _wrapping(module: nn.Module, world_size: int, new_world: int) -> _Wrapping |
     if "fully_shard" not in module.__dict__.get(REGISTRY_KEY, {}):
         return "a module another composable API made (replicate)"
     state = module._get_fsdp_state()  # type: ignore[operator]
-    if len(getattr(state, "_modules", (module,))) != 1:
-        return "modules wrapped together (fully_shard([...]))"
+    together = tuple(getattr(state, "_modules", (module,)))
     if getattr(state, "_states_to_forward_prefetch", None) or getattr(state, "_states_to_backward_prefetch", None):
         return "prefetching set by hand (set_modules_to_forward_prefetch)"
     groups = _groups(state)
     if len(groups) > 1:
         return "a module with several parameter groups"
     auto = bool(getattr(state, "_auto_reshard_after_forward", False))
-    wrapping = _Wrapping(module, None, state._mp_policy, (False, False))
+    wrapping = _Wrapping(together[0], None, state._mp_policy, (False, False), modules=together)
     if not groups:
         return wrapping
     group = groups[0]
@@ -218,7 +221,7 @@ def _undo(wrapping: _Wrapping, fully_shard: Any, fsdp_module: type) -> None:
 
     contract = importlib.import_module("torch.distributed._composable.contract")  # the module, not its function
     module = wrapping.module
-    state = module._get_fsdp_state()  # type: ignore[operator]
+    state = module._get_fsdp_state()  # type: ignore[operator]  # one state for every module wrapped together
     sizes = {id(p.sharded_param): p._orig_size for group in _groups(state) for p in group.fsdp_params}
     for owner, name, sharded, shared, _ in wrapping.params:
         local = sharded.to_local()
@@ -236,13 +239,14 @@ def _undo(wrapping: _Wrapping, fully_shard: Any, fsdp_module: type) -> None:
     handles = {id(h): h for h in found if h is not None}
     for handle in handles.values():
         handle.remove()
-    states = module.__dict__.get(contract.STATE_KEY, {})
-    for key in [k for k, v in states.items() if v is state]:  # keyed by the undecorated function
-        del states[key]
-    module.__dict__.get(contract.REGISTRY_KEY, {}).pop(getattr(fully_shard, "__name__", "fully_shard"), None)
-    _composable_state._module_state_mapping.pop(module, None)
-    original = next(c for c in type(module).__mro__ if not issubclass(c, fsdp_module))
-    module.__class__ = cast(type[nn.Module], original)
+    for each in wrapping.modules or (module,):
+        states = each.__dict__.get(contract.STATE_KEY, {})
+        for key in [k for k, v in states.items() if v is state]:  # keyed by the undecorated function
+            del states[key]
+        each.__dict__.get(contract.REGISTRY_KEY, {}).pop(getattr(fully_shard, "__name__", "fully_shard"), None)
+        _composable_state._module_state_mapping.pop(each, None)
+        original = next(c for c in type(each).__mro__ if not issubclass(c, fsdp_module))
+        each.__class__ = cast(type[nn.Module], original)
 
 
 def reshard_in_place(objects: Iterable[Any], world_size: int) -> int:
@@ -252,16 +256,20 @@ def reshard_in_place(objects: Iterable[Any], world_size: int) -> int:
     it would have said why, before changing anything. DTensor's sharding caches are cleared first (a mesh equal to
     an earlier one at another coordinate must not meet its cached specs: torch_compat_groups.forget_sharding_caches).
     One module at a time, children first, so that no more than one module's parameters are whole at once (the model
-    may fit only sharded). Returns the modules sharded again."""
+    may fit only sharded). Returns how many times `fully_shard` was applied again (modules wrapped together: once)."""
     fully_shard, fsdp_module = _api()
     objects = list(objects)
     new_world = dist.get_world_size()
-    wrappings: list[_Wrapping] = []
+    found_at: list[tuple[int, _Wrapping]] = []
     for module in fsdp_modules(objects):
         found = _wrapping(module, world_size, new_world)
         if isinstance(found, str):
             raise ValueError(found)
-        wrappings.append(found)
+        found_at.append((id(module._get_fsdp_state()), found))  # type: ignore[operator]
+    # Modules wrapped together share one state: applied again once, where the last of them comes (after every
+    # one's children, before any one's parent).
+    last = {state: i for i, (state, _) in enumerate(found_at)}
+    wrappings = [w for i, (state, w) in enumerate(found_at) if last[state] == i]
     if not wrappings:
         return 0
     forget_sharding_caches()
@@ -307,7 +315,8 @@ def _apply(wrapping: _Wrapping, fully_shard: Any, mesh: Any) -> None:
     }
     if any(getattr(p, "dim", 0) != 0 for p in by_param.values()):
         kwargs["shard_placement_fn"] = lambda param: by_param.get(id(param))
-    fully_shard(wrapping.module, **kwargs)
+    together = list(wrapping.modules) if len(wrapping.modules) > 1 else wrapping.module
+    fully_shard(together, **kwargs)
     for group in _groups(wrapping.module._get_fsdp_state()):  # type: ignore[operator]
         for name, value in wrapping.settings.items():
             setattr(group, name, value)

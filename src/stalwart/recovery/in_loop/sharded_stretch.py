@@ -22,7 +22,7 @@ left waiting in a collective the others never enter.
 
 The learning rate is left as it is (the global batch is kept, or, with the script's own data, the survivors' is
 smaller for those steps, as with DDP). Where the modules cannot be sharded again in place (runtime/torch_compat_fsdp
-`why_not`: wrapped together, HSDP, hooks it cannot carry) or node memory lacks a whole image of some rank, the
+`why_not`: HSDP, hooks it cannot carry) or node memory lacks a whole image of some rank, the
 survivors wait for the replacement, as before.
 """
 
