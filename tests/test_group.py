@@ -114,6 +114,31 @@ def test_a_joining_rank_runs_no_collective_and_gathers_its_own_tensors() -> None
     assert b.tolist() == [1.0] and group.failed is None
 
 
+def test_get_backend_names_the_backend_that_runs_the_collectives() -> None:
+    """Code written for torch's backends branches on `dist.get_backend()` (Lightning reduces a mean over gloo as a
+    sum it divides, as gloo has no AVG for integer tensors; a validation with `sync_dist=True` failed under stalwart
+    on "stalwart"): stalwart's group says gloo on CPU (nccl where CUDA goes to NCCL), as does DeviceMesh's import of
+    it; another group's name is its own."""
+    from torch.distributed import device_mesh
+
+    reformable.register()
+    dist.init_process_group(backend=reformable.BACKEND, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert isinstance(dist.group.WORLD, reformable.ReformableGroup)
+        assert (
+            dist.get_backend() == reformable.underlying_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+        )
+        assert dist.distributed_c10d.get_backend(dist.group.WORLD) == dist.get_backend()
+        assert device_mesh.get_backend() == dist.get_backend()
+        other = dist.new_group([0], backend="gloo")
+        assert dist.get_backend(other) == "gloo"
+        t = torch.tensor([3], dtype=torch.int64)  # Lightning's mean of an integer count, over "gloo": sum, divide
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        assert t.tolist() == [3]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_functional_collectives_run_through_the_group_and_are_absorbed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The functional all-gather and reduce-scatter (DTensor's `full_tensor` and `redistribute` call these ops)
     reach the group's Python methods, not gloo straight from C++: there they enqueued holding the GIL and
