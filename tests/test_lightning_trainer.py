@@ -113,13 +113,15 @@ def test_without_wait_for_replacement_the_survivor_trains_on_shrunk_in_the_train
     [
         (["--manual", "--two-optimizers"], "StalwartCallback covers one optimizer"),
         (["--strategy", "fsdp"], "StalwartCallback does not cover CPUFSDPStrategy: it wraps the model in FSDP1"),
+        (["--sched-frequency", "2"], "StalwartCallback covers LR schedulers stepped every step (frequency 1)"),
     ],
-    ids=["two-optimizers", "fsdp1"],
+    ids=["two-optimizers", "fsdp1", "scheduler-frequency"],
 )
 def test_a_configuration_it_cannot_protect_is_one_line_and_no_restart(launch: Any, extra: list[str], says: str) -> None:
-    """Two optimizers (manual optimization) and Lightning's FSDP1 strategy (`FSDPStrategy`, whose flat parameters
-    stalwart does not snapshot) are not covered: each rank stops as the fit starts with one line that says why, and
-    the launcher does not restart bad input."""
+    """Two optimizers (manual optimization), Lightning's FSDP1 strategy (`FSDPStrategy`, whose flat parameters
+    stalwart does not snapshot) and an LR schedule stepped every other step (a step run again would step it by the
+    loop's counters) are not covered: each rank stops as the fit starts with one line that says why, and the
+    launcher does not restart bad input."""
     job = launch(_args(*extra))
     assert job.wait(120) == 78, job.output()[-3000:]
     lines = [line for line in job.output().splitlines() if "StalwartCallback" in line]
@@ -160,6 +162,24 @@ def test_fsdp2_goes_back_to_node_memorys_step_and_runs_the_steps_since_again_bit
     replacement = [e["worker_pid"] for e in job.events("worker_spawned") if e["rank"] == 1][-1]
     rank1 = _log(reference_fsdp2, "served", reference_fsdp2.worker_pids(restart=0)[1])
     assert _log(job, "served", replacement) == rank1[10 * BATCH :], "the replacement read from step 10 on, no earlier"
+
+
+def test_fsdp2_a_redo_past_a_validation_restarts_the_workers_and_ends_bitwise(launch: Any, tmp_path: Path) -> None:
+    """FSDP2 with a validation every 11 batches (its loss logged with sync_dist=True: a collective, whose mean over
+    gloo Lightning takes as a sum it divides, once `dist.get_backend()` says gloo), node memory's snapshots every 5
+    steps, rank 1 SIGKILLed at step 13, --wait-for-replacement: the job goes back to step 10, before the validation
+    after step 10, which the replacement's loop would run and the survivor running steps 10-13 again would not (a
+    hang). The survivor says so and exits; every worker restarts from node memory, and the run ends as the
+    Trainer alone with the same validation."""
+    args = (*FSDP2, "--validate-every", "11")
+    with finished(tmp_path / "reference", _args("--plain", *args)) as reference:
+        job = launch(_args(*args, "--snapshot-every", "5", "--die-at", "13:backward"),
+                     env=child_env(STALWART_WAIT_FOR_REPLACEMENT="1"))  # fmt: skip
+        assert job.wait(180) == 0, job.output()[-3000:]
+        assert _digests(job) == _digests(reference), "the parameters differ from the Trainer alone's"
+    says = "stalwart: the job went back to step 10, before a validation after step 10"
+    assert says in job.output()
+    assert [e["step"] for e in job.events("resumed") if e["rank"] == 1 and e.get("restart", 0) == 2] == [10]
 
 
 def test_fsdp2_without_wait_for_replacement_the_survivor_reshards_trains_on_shrunk_and_grows_back(

@@ -40,8 +40,11 @@ class Regressor(pl.LightningModule):
     optimizer and its step LR schedule itself); `two_optimizers`: with manual optimization, one optimizer for each
     linear layer."""
 
-    def __init__(self, manual: bool = False, two_optimizers: bool = False, fsdp2: bool = False) -> None:
+    def __init__(
+        self, manual: bool = False, two_optimizers: bool = False, fsdp2: bool = False, frequency: int = 1
+    ) -> None:
         super().__init__()
+        self.frequency = frequency
         self.net = recipe_common.model()
         self.automatic_optimization = not manual
         self.two = two_optimizers
@@ -76,6 +79,10 @@ class Regressor(pl.LightningModule):
                 scheduler.step()
         return loss
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)  # a collective
+
     def configure_optimizers(self) -> Any:
         if self.two:
             first, last = self.net[0], self.net[3]
@@ -85,7 +92,8 @@ class Regressor(pl.LightningModule):
         if not self.automatic_optimization:  # training_step steps it
             return {"optimizer": opt, "lr_scheduler": {"scheduler": steps, "interval": "step"}}
         epochs = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8)  # stepped by the loop at an epoch's end
-        return [opt], [{"scheduler": steps, "interval": "step"}, {"scheduler": epochs, "interval": "epoch"}]
+        by_step = {"scheduler": steps, "interval": "step", "frequency": self.frequency}
+        return [opt], [by_step, {"scheduler": epochs, "interval": "epoch"}]
 
 
 class DieAt(pl.Callback):
@@ -170,6 +178,8 @@ def main() -> None:
         help="fsdp: FSDP1 (refused); model_parallel: FSDP2",
     )
     p.add_argument("--snapshot-every", type=int, help="stalwart's snapshot_every (node memory's cadence)")
+    p.add_argument("--validate-every", type=int, default=0, help="a validation (2 batches) every this many batches")
+    p.add_argument("--sched-frequency", type=int, default=1, help="the step LR schedule's frequency")
     p.add_argument("--step-log", type=Path)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--served-log", type=Path)
@@ -180,7 +190,9 @@ def main() -> None:
         with open(args.setup_log, "a") as f:
             f.write(f"{os.getpid()}\n")
     pl.seed_everything(0, verbose=False)
-    module = Regressor(args.manual, args.two_optimizers, fsdp2=args.strategy == "model_parallel")
+    module = Regressor(
+        args.manual, args.two_optimizers, fsdp2=args.strategy == "model_parallel", frequency=args.sched_frequency
+    )
     callbacks: list[Any] = []
     if args.die_at:
         step, phase, *micro = args.die_at.split(":")
@@ -204,9 +216,15 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **(
+            {"val_check_interval": args.validate_every, "check_val_every_n_epoch": None, "limit_val_batches": 2}
+            if args.validate_every
+            else {}
+        ),
     )
     loader = torch.utils.data.DataLoader(Items(96, args.served_log), batch_size=4, shuffle=True)
-    trainer.fit(module, loader)
+    validation = torch.utils.data.DataLoader(Items(16, None), batch_size=4) if args.validate_every else None
+    trainer.fit(module, loader, validation)
     rank = int(os.environ.get("RANK", "0"))
     recipe_common.write_digest(args.out, rank, trainer.global_step, module)
 

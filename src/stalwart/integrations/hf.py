@@ -37,7 +37,9 @@ What it does, in the Trainer's order:
   exits, so its group serves the Trainer's collectives after training.
 
 The Trainer's own `save_strategy` may stay on: its checkpoints are its own. `train(resume_from_checkpoint=...)`
-is ignored, with one line: the run resumes from stalwart's checkpoints.
+is ignored, with one line: the run resumes from stalwart's checkpoints. Refused with one line at the Trainer's init
+(hf_state.check_engine, check_dataset): DeepSpeed, FSDP1 and an iterable dataset; FSDP2 is let through, said to be
+untested (Accelerate enables FSDP only on a GPU).
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ def check_engine(trainer: Any) -> str | None:
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise ConfigError(
             "stalwart.integrations.hf does not cover DeepSpeed: its engine accumulates gradients and steps the "
-            "optimizer itself (a failed step's micro-batches cannot be run again through it); use DDP, or FSDP2 "
-            "(fsdp_config={'version': 2})"
+            "optimizer itself (a failed step's micro-batches cannot be run again through it); use DDP (or FSDP2, "
+            "fsdp_config={'version': 2}, not yet tested)"
         )
     if not getattr(trainer, "is_fsdp_enabled", False):
         return None

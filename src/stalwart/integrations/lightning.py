@@ -88,6 +88,7 @@ class StalwartLightningCallback(pl.Callback):
         # Each step's micro-batches (batch, index, every generator as it began) and the optimizer's counters as
         # its first began, back to the job's redo horizon: what running those steps again needs.
         self._kept: dict[int, KeptStep] = {}
+        self._made: int | None = None  # the step the last batch made (what a validation or a save follows)
         self._progress: LightningProgress | None = None
         self._skip = 0  # batches of the restored epoch its loaders skip
         self._epoch_start = EpochStart()
@@ -130,6 +131,11 @@ class StalwartLightningCallback(pl.Callback):
             raise ConfigError(f"StalwartCallback covers one optimizer, the module has {len(trainer.optimizers)}")
         objects: dict[str, Any] = {"model": pl_module, "optimizer": trainer.optimizers[0]}
         for i, config in enumerate(trainer.lr_scheduler_configs):
+            if config.frequency != 1:  # a step run again steps it by the loop's counters, not its own step's
+                raise ConfigError(
+                    f"StalwartCallback covers LR schedulers stepped every {config.interval} (frequency 1); "
+                    f"scheduler {i} has frequency {config.frequency}"
+                )
             objects[f"lr_scheduler_{i}"] = config.scheduler
         self._progress = objects["progress"] = LightningProgress(trainer)
         objects["epoch_start"] = self._epoch_start
@@ -190,12 +196,21 @@ class StalwartLightningCallback(pl.Callback):
         if trainer.global_step == loop.step.number:  # a micro-batch that accumulated: the step goes on
             return
         made = trainer.global_step - 1  # the step this batch made
+        self._made = made
+        after = _optimizer_steps(trainer).state_dict()  # the counters once `made` is done
+        assert self._progress is not None
         if made in self._kept:  # an epoch's last batch steps its epoch-interval LR schedulers as well
             self._kept[made].epoch_end = trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+            self._kept[made].progress = self._progress.now()
+        ending: KeptStep | None = None  # a step older than `made`, run again: its end saves its own progress
         while True:
             # The step's end (snapshot, checks, checkpoint), or after a peer's failure in the step (its update
             # dropped) the recovery: re-formed in the loop, or training on shrunk while the replacement sets up.
-            loop.end()
+            self._progress.as_of = ending.progress if ending is not None else None
+            try:
+                loop.end()
+            finally:
+                self._progress.as_of = None
             self._next = loop.begin()
             if self._next is None or self._next.number > made:
                 break
@@ -207,7 +222,12 @@ class StalwartLightningCallback(pl.Callback):
                     f"the job went back to step {self._next.number} at step {trainer.global_step} (a numeric "
                     "rollback): the Lightning integration runs again only the steps since the job's redo horizon"
                 )
+            if _whole_group():  # a replacement may be in it, running these steps in its own loop
+                _check_nothing_synced(self._kept, self._next.number, made)
             self._run_again(trainer, kept)
+            ending = kept if self._next.number < made else None
+        if self._next is not None and self._next.number == made + 1:  # also where a rollback skipped `made`'s batch
+            _optimizer_steps(trainer).load_state_dict(after)
 
     def _run_again(self, trainer: pl.Trainer, kept: KeptStep) -> None:
         """Run a step the job went back to again, with its micro-batches and generators, as the Trainer's loop
@@ -236,8 +256,19 @@ class StalwartLightningCallback(pl.Callback):
         if kept.epoch_end:  # the epoch's last batch: its schedulers stepped, as the loop does
             epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
 
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+        self._synced("a checkpoint the Trainer saved")
+
+    def _synced(self, what: str) -> None:
+        """`what` followed the last step made: a run going back before it cannot be run again by the survivors
+        alone while a replacement runs those steps in its own loop (`_check_nothing_synced`)."""
+        kept = self._kept.get(self._made) if self._made is not None else None
+        if kept is not None and kept.synced is None:
+            kept.synced = what
+
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A validation inside training is a long stretch between two steps: the hang detector allows its grace."""
+        self._synced("a validation")
         if self._loop is not None and self.job is not None and self._busy is None:
             self._busy = self.job.busy()
             self._busy.__enter__()
@@ -280,6 +311,26 @@ def _optimizer_steps(trainer: pl.Trainer) -> Any:
     if trainer.lightning_module.automatic_optimization:
         return epoch_loop.automatic_optimization.optim_progress
     return epoch_loop.manual_optimization.optim_step_progress
+
+
+def _whole_group() -> bool:
+    """Whether the job's group is the whole job's (not the survivors' own, training on shrunk)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return not torch.distributed.is_initialized() or torch.distributed.get_world_size() >= world
+
+
+def _check_nothing_synced(kept: dict[int, KeptStep], back: int, made: int) -> None:
+    """Steps `back`..`made` are about to run again on the survivors, which make only their training's collectives;
+    a replacement that joined runs them in its Trainer's loop, which also validates or saves where the first run
+    did. Between `back` and `made` (after `made` both sides do it) that would pair different collectives: a hang.
+    The run is restarted instead (every worker, from the restored state), with one line that says why."""
+    for number in range(back, made):
+        step = kept.get(number)
+        if step is not None and step.synced is not None:
+            raise RuntimeError(
+                f"stalwart: the job went back to step {back}, before {step.synced} after step {number}, which the "
+                "survivors cannot run again in step with the replacement's loop: restarting every worker"
+            )
 
 
 def _accumulates() -> bool:

@@ -5,6 +5,7 @@ lightning.py so that each stays one screenful of responsibility."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,14 +33,25 @@ class LightningProgress:
     def __init__(self, trainer: pl.Trainer) -> None:
         self._trainer = trainer
         self.running = False
+        self.as_of: dict[str, Any] | None = None
+        """While a step older than the loop's is run again and ends: its own state, kept as it ended the first
+        time (`now()`), which its snapshot or checkpoint must hold, not the loop's later counters."""
 
     def state_dict(self) -> dict[str, Any]:
+        if self.as_of is not None:
+            return self.as_of
         from lightning.pytorch.trainer import call
 
         return {
             "fit_loop": self._trainer.fit_loop.state_dict(),
             "callbacks": call._call_callbacks_state_dict(self._trainer),
         }
+
+    def now(self) -> dict[str, Any]:
+        """The state as it is, kept apart from the Trainer's objects (the loop's counters are fresh dicts; the
+        callbacks' states may be their own objects: copied). About 0.1 ms."""
+        state = self.state_dict()
+        return {"fit_loop": state["fit_loop"], "callbacks": copy.deepcopy(state["callbacks"])}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if self.running:
@@ -70,12 +82,17 @@ class LightningProgress:
 @dataclass
 class KeptStep:
     """A step as the Trainer's loop ran it, for running it again: the optimizer-step counters as it began, its
-    micro-batches (batch, index, every generator as each began), and whether it was its epoch's last batch (it
-    stepped the epoch-interval LR schedulers too)."""
+    micro-batches (batch, index, every generator as each began), whether it was its epoch's last batch (it
+    stepped the epoch-interval LR schedulers too), the Trainer's progress as it ended, and what followed it."""
 
     counters: dict[str, Any]
     micro: list[tuple[Any, int, dict[str, Any]]] = field(default_factory=list)
     epoch_end: bool = False
+    progress: dict[str, Any] | None = None
+    """The Trainer's progress as the step ended (LightningProgress.now): what its end saves when it is run again."""
+    synced: str | None = None
+    """What the Trainer did after the step besides training that makes collectives (a validation, a checkpoint
+    save of its own): a replacement running that step in its loop makes them, a survivor running it again does not."""
 
 
 class EpochStart:

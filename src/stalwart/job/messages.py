@@ -17,6 +17,25 @@ def to_us(seconds: float) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class Durations(IntMessage):
+    """Two durations of this rank (a light snapshot's cost and the step time, say), in microseconds."""
+
+    first_us: int
+    second_us: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInputs(IntMessage):
+    """What the next full copy's step is planned from, this rank's (job/snapshots.py `_plan`), in microseconds:
+    agreed at their largest, but for `agreement_us` (the last plan's own collective), at its least."""
+
+    light_us: int
+    step_us: int
+    snapshot_us: int
+    agreement_us: int
+
+
+@dataclass(frozen=True, slots=True)
 class RunName(IntMessage):
     """Rank 0's restart count and random bits: they name this run's files (a replacement node's agent has a
     restart count of its own, so the survivors' must be agreed, not read locally)."""

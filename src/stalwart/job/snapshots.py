@@ -24,7 +24,7 @@ from stalwart.checkpoint.tiers.memory import MemoryTier
 from stalwart.checkpoint.tiers.replicas import PeerReplicas
 from stalwart.job.config import SnapshotOptions
 from stalwart.job.live import LiveState
-from stalwart.job.messages import to_us
+from stalwart.job.messages import Durations, PlanInputs, to_us
 from stalwart.job.state import TrackedState
 from stalwart.job.step_commit import StepCommit
 from stalwart.job.step_hooks import StepHooks
@@ -303,13 +303,16 @@ class Snapshots:
             self.schedule.taken(step, seconds, lambda step_s, snapshot_s: (step_s, snapshot_s))
             return
         started = time.perf_counter()
-        mine = (self._light_cost.mine(), self.schedule.step_s(), seconds, self._agreement_s)
-        got = self._comm.all_gather_ints([to_us(v) for v in mine])
+        mine = PlanInputs(
+            to_us(self._light_cost.mine()), to_us(self.schedule.step_s()), to_us(seconds), to_us(self._agreement_s)
+        )
+        got = self._comm.gather(mine)
         self._agreement_s = time.perf_counter() - started
-        light_s, step_s, snapshot_s = (max(values) / 1e6 for values in list(zip(*got, strict=True))[:3])
+        light_s = max(m.light_us for m in got) / 1e6
+        step_s = max(m.step_us for m in got) / 1e6
         # The last agreement's cost on the rank that came to it last (the least): the others' longer wait for it
         # is the ranks' skew, which the step's own collectives would have waited out anyway.
-        snapshot_s += min(v[3] for v in got) / 1e6
+        snapshot_s = (max(m.snapshot_us for m in got) + min(m.agreement_us for m in got)) / 1e6
         if judge:
             self._judge_light(step, (light_s, step_s))
         decision = self.schedule.taken(step, seconds, lambda _step_s, _snapshot_s: (step_s, snapshot_s))
@@ -332,11 +335,11 @@ class Snapshots:
         if self._light_agreed():
             self.schedule.served(step)
 
-    def _largest(self, *seconds: float) -> tuple[float, ...]:
-        """Each duration at its largest over the ranks (one collective): what every rank's decisions are taken
-        from, so that all decide alike."""
-        got = self._comm.all_gather_ints([to_us(s) for s in seconds])
-        return tuple(max(values) / 1e6 for values in zip(*got, strict=True))
+    def _largest(self, first_s: float, second_s: float) -> tuple[float, float]:
+        """Each of two durations at its largest over the ranks (one collective): what every rank's decisions are
+        taken from, so that all decide alike."""
+        got = self._comm.gather(Durations(to_us(first_s), to_us(second_s)))
+        return max(m.first_us for m in got) / 1e6, max(m.second_us for m in got) / 1e6
 
     def _judge_light(self, step: int, agreed: tuple[float, float] | None = None) -> None:
         """Under "auto": keep light snapshots only while they cost at most `light_snapshot_budget`, decided
