@@ -27,7 +27,6 @@ kills the hung rank, which turns it into a failure).
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from datetime import timedelta
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.runtime import staged_scatter
+from stalwart.runtime import backend_name, staged_scatter
 from stalwart.runtime.torch_compat_groups import AllgatherOptions, group_args, nccl_options, register_backends
 from stalwart.runtime.works import AbsorbingWork, AllOf, DoneWork, Given, Then
 
@@ -438,34 +437,12 @@ def _make_backends(store: dist.Store, rank: int, size: int, timeout: timedelta) 
 
 def register() -> None:
     """Make BACKEND known to `dist.init_process_group` (once per process), and `dist.get_backend` name the backend
-    that runs its collectives (`underlying_backend`)."""
+    that runs its collectives (runtime/backend_name.py)."""
     if BACKEND not in dist.Backend.backend_list:  # where register_backend lists what it registered
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
-    c10d = dist.distributed_c10d
-    if not getattr(c10d.get_backend, "_stalwart", False):
-        reported = _reporting_underlying(c10d.get_backend)
-        c10d.get_backend = reported
-        dist.get_backend = reported
-        mesh = sys.modules.get("torch.distributed.device_mesh")  # imported the name; it may not be imported yet
-        if mesh is not None and hasattr(mesh, "get_backend"):
-            setattr(mesh, "get_backend", reported)  # noqa: B010  (a module torch may not have imported)
+    backend_name.report_underlying(BACKEND, underlying_backend)
 
 
 def underlying_backend() -> str:
-    """What `dist.get_backend` says of stalwart's group: the backend its collectives run on, as the script asked
-    for it. Code written for torch's backends branches on that name (Lightning reduces a mean over gloo as a sum it
-    divides, since gloo has no AVG for integer tensors; torch's monitored_barrier is gloo's only); "stalwart" made
-    it take the wrong branch. NCCL where CUDA tensors go to NCCL, else gloo."""
-    if torch.cuda.is_available() and ReformableGroup.cuda_backend != "gloo":
-        return str(dist.Backend.NCCL)
-    return str(dist.Backend.GLOO)
-
-
-def _reporting_underlying(original: Any) -> Any:
-    def get_backend(group: Any = None) -> Any:
-        name = original(group)
-        return dist.Backend(underlying_backend()) if name == BACKEND else name
-
-    get_backend._stalwart = True  # type: ignore[attr-defined]
-    get_backend.__doc__ = original.__doc__
-    return get_backend
+    """What `dist.get_backend` says of stalwart's group: NCCL where CUDA tensors go to NCCL, else gloo."""
+    return backend_name.underlying(ReformableGroup.cuda_backend)
