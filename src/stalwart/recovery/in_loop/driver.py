@@ -161,6 +161,9 @@ def _why_not_shrink(job: LoopJob, loader: Iterable[Any] | None, max_steps: int) 
     leaving its group; None when they may."""
     if not shrink.wanted():
         return WAITING_ASKED
+    refused = getattr(job.parts.in_loop, "shrink_refused", None)
+    if refused:
+        return str(refused)
     if sharded.meshes_of(job.tracked.objects.values()):
         why = sharded_stretch.why_not(job.tracked.objects.values(), job.world_size, job.world_size - 1)
         if why is not None:

@@ -83,6 +83,9 @@ class InLoop:
         self.grow: Grow | None = None
         self.joined_late = False
         """This rank joined peers that stayed in their loop (a replacement) at the newest formation."""
+        self.shrink_refused: str | None = None
+        """Set by a driver of the step protocol whose loop is not known to grow back after training on shrunk: why
+        the survivors wait for the replacement instead (recovery/in_loop/driver.py says it on the console)."""
         self._group = group
         self._handles: list[Any] = []
         self._decided: bool | None = None  # this step's update: None (no optimizer step yet), True (kept), False
