@@ -11,7 +11,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$([ -x .venv/bin/python ] && echo "$PWD/.venv/bin/python" || echo python3)}
-[[ "$PY" = /* ]] || PY=$(command -v "$PY")  # the runs below start in their own directories
+case "$PY" in  # the runs below start in their own directories
+    /*) ;;
+    */*) PY="$PWD/$PY" ;;
+    *) PY=$(command -v "$PY") ;;
+esac
 extra=${TITAN_EXTRA:-/tmp/stalwart-titan-extra}
 phases=${*:-begin backward optimizer}
 export PYTHONPATH="$PWD/tests/scripts:$PWD/src:$extra" PYTHONUNBUFFERED=1
