@@ -288,7 +288,10 @@ def _wait_with_torchtitans_trainer(job: Job, trainer: Any) -> None:
     """torchtitan's own Trainer: the survivors wait for the replacement instead of training on shrunk. Why: by hand on
     CPU (scripts/torchtitan_check.sh's model, 2026-12-02), its survivor trained on shrunk, but at the grow the
     replacement's first step hung until the hang timeout (300 s), and the job went back to an older step; waiting took
-    8.8 s and ended bitwise. The loop as written with torchtitan's components (tests/test_torchtitan.py) grows back."""
+    8.8 s and ended bitwise. The stacks at the hang: the survivor loading the grown state called the model's
+    `state_dict()`, whose save hook (`FusedQKVLinear._split_qkv_on_save`) redistributes a DTensor, a collective the
+    replacement, already waiting at the grow's barrier on stalwart's own group, never made. The loop as written with
+    torchtitan's components (tests/test_torchtitan.py) has no such hook and grows back."""
     in_loop = getattr(getattr(job, "parts", None), "in_loop", None)
     try:
         from torchtitan.trainer import Trainer
