@@ -19,7 +19,7 @@ from stalwart.runtime.process import process_state
 # forks ahead. It prints one JSON line of what it saw.
 SCRIPT = textwrap.dedent(
     """
-    import json, os, socket, sys
+    import json, os, socket, sys, time
     from pathlib import Path
 
     import torch
@@ -49,7 +49,14 @@ SCRIPT = textwrap.dedent(
     def parent(pid):
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
-    seen = {"forker": forker, "forker_comm": Path(f"/proc/{forker}/comm").read_text().strip(),
+    def comm(pid, deadline=time.monotonic() + 20):  # the forker names itself once it runs: not at once under load
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+        while name != "stalwart-forker" and time.monotonic() < deadline:
+            time.sleep(0.01)
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        return name
+
+    seen = {"forker": forker, "forker_comm": comm(forker),
             "forker_holds_marker": marker_path in held(forker), "jobs": []}
     for step in (1, 2):  # two jobs one after the other, as a survivor's script run again
         ck = Checkpointer.standalone(f"ckpt{step}", events=EventLog(work / "events.jsonl"), token="t", keep_last=3)
