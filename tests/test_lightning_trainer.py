@@ -47,14 +47,20 @@ def test_a_kill_redoes_the_step_inside_the_trainer_and_the_run_ends_bitwise(
     job = launch(_args("--die-at", f"13:{phase}"), env=child_env(STALWART_WAIT_FOR_REPLACEMENT="1"))
     assert job.wait(180) == 0, job.output()[-3000:]
     assert _digests(job) == _digests(reference), "the parameters differ from the Lightning Trainer's without a failure"
-    assert [e["rank"] for e in job.events("reformed_in_loop")] == [0], "the survivor re-formed in its loop"
     setups = _setups(job)
     assert len(setups) == len(set(setups)) == 3, f"the script's set-up ran once in each process: {setups}"
+    _check_stayed_in_loop(job, reference, 13)
+
+
+def _check_stayed_in_loop(job: Any, reference: Any, resumed: int) -> None:
+    """Rank 0 re-formed in its loop and its other callbacks saw each step's end once; the replacement read rank 1's
+    items from step `resumed` on, as `reference` served them, and none before."""
+    assert [e["rank"] for e in job.events("reformed_in_loop")] == [0], "the survivor re-formed in its loop"
     survivor = job.worker_pids(restart=0)[0]
     assert _log(job, "steps", survivor) == list(range(1, STEPS + 1)), "one batch end a step on the survivor"
     replacement = [e["worker_pid"] for e in job.events("worker_spawned") if e["rank"] == 1][-1]
     rank1 = _log(reference, "served", reference.worker_pids(restart=0)[1])
-    assert _log(job, "served", replacement) == rank1[13 * BATCH :], "the replacement read from step 13 on, no earlier"
+    assert _log(job, "served", replacement) == rank1[resumed * BATCH :], f"the replacement read from step {resumed} on"
 
 
 def test_a_stopped_worker_then_a_killed_survivor_end_bitwise_in_the_trainer(launch: Any, reference: Any) -> None:
@@ -156,12 +162,7 @@ def test_fsdp2_goes_back_to_node_memorys_step_and_runs_the_steps_since_again_bit
     assert job.wait(180) == 0, job.output()[-3000:]
     assert _digests(job) == _digests(reference_fsdp2), "the parameters differ from the Trainer alone's"
     assert [e["step"] for e in job.events("resumed") if e["rank"] == 0] == [10], "back to node memory's step 10"
-    assert [e["rank"] for e in job.events("reformed_in_loop")] == [0], "the survivor re-formed in its loop"
-    survivor = job.worker_pids(restart=0)[0]
-    assert _log(job, "steps", survivor) == list(range(1, STEPS + 1)), "one batch end a step on the survivor"
-    replacement = [e["worker_pid"] for e in job.events("worker_spawned") if e["rank"] == 1][-1]
-    rank1 = _log(reference_fsdp2, "served", reference_fsdp2.worker_pids(restart=0)[1])
-    assert _log(job, "served", replacement) == rank1[10 * BATCH :], "the replacement read from step 10 on, no earlier"
+    _check_stayed_in_loop(job, reference_fsdp2, 10)
 
 
 def test_fsdp2_a_redo_past_a_validation_restarts_the_workers_and_ends_bitwise(launch: Any, tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ from stalwart.errors import ConfigError
 from stalwart.job.job import Job
 from stalwart.job.rng import capture_rng, restore_rng
 from stalwart.job.step_loop import Step, StepLoop
+from stalwart.runtime.dist import Placement
 
 try:
     import lightning.pytorch as pl
@@ -315,8 +316,8 @@ def _optimizer_steps(trainer: pl.Trainer) -> Any:
 
 def _whole_group() -> bool:
     """Whether the job's group is the whole job's (not the survivors' own, training on shrunk)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return not torch.distributed.is_initialized() or torch.distributed.get_world_size() >= world
+    whole = Placement.from_env().world_size
+    return not torch.distributed.is_initialized() or torch.distributed.get_world_size() >= whole
 
 
 def _check_nothing_synced(kept: dict[int, KeptStep], back: int, made: int) -> None:
